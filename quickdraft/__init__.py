@@ -1,0 +1,9 @@
+"""quickdraft: fast, exact speculative decoding for Llama-family models."""
+from quickdraft.api import LLM, Chunk, Completion, load
+from quickdraft.errors import (ContextTooLong, InvalidSamplingParams, ModelLoadError, QuickdraftError,
+                               UnsupportedArchitecture)
+from quickdraft.sampling import SamplingParams
+
+__all__ = ["LLM", "Chunk", "Completion", "ContextTooLong", "InvalidSamplingParams", "ModelLoadError",
+           "QuickdraftError", "SamplingParams", "UnsupportedArchitecture", "load"]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from quickdraft.cli import main
+
+sys.exit(main())

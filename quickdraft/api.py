@@ -1,0 +1,105 @@
+"""The Python API: `quickdraft.load(...)` and generation returning text, token ids and stats.
+
+Layered iterators: the engine yields token events, the detokenizer turns them into text
+deltas, stop strings are applied to that text. The CLI and (later) the server consume the same.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from quickdraft.engine import GenerationStats, generate_tokens
+from quickdraft.engine.events import FinishReason
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
+from quickdraft.weights import LoadedModel, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: new text (never half a UTF-8 character) and the ids behind it."""
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise QuickdraftError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise QuickdraftError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise QuickdraftError(f"device {device!r} is not valid: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise QuickdraftError(f"device {device!r} was asked for but CUDA is not available here; use 'cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise QuickdraftError(f"device {device!r} is not supported; expected 'cpu' or 'cuda'")
+    return dev
+
+
+class LLM:
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer: Tokenizer = loaded.tokenizer
+
+    def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise QuickdraftError("give exactly one of a prompt or chat messages")
+        if messages is not None:
+            return self.tokenizer.apply_chat_template(messages)
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
+               params: SamplingParams | None = None) -> Iterator[Chunk]:
+        params = params or SamplingParams()
+        ids = self.prompt_ids(prompt, messages)
+        detok, stops = StreamDetokenizer(self.tokenizer), StopStringFilter(params.stop)
+        for event in generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids):
+            text, stopped = stops.feed(detok.push(event.token_ids))
+            if stopped:
+                yield Chunk(text, event.token_ids, "stop", event.stats)
+                return
+            if event.finish_reason is not None:
+                text, stopped = stops.feed(detok.flush())
+                text += "" if stopped else stops.flush()
+            yield Chunk(text, event.token_ids, "stop" if stopped else event.finish_reason, event.stats)
+            if stopped:
+                return
+
+    def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
+                 params: SamplingParams | None = None) -> Completion:
+        text, ids = [], []
+        for chunk in self.stream(prompt, messages, params):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+        return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats)
+
+
+def load(model: str | Path | None = None, device: str | torch.device = "cpu",
+         dtype: str | torch.dtype = "float32", progress: bool = False) -> LLM:
+    """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file."""
+    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress))

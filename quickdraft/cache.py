@@ -1,0 +1,57 @@
+"""KV cache: preallocated K/V buffers and a committed length per batch row.
+
+Rollback is moving a row's length back: no copy. The model writes K/V at the positions it is
+given; this module does not know when or why rows are truncated (the engine decides).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from quickdraft.errors import ContextTooLong
+from quickdraft.model.config import ModelConfig
+
+
+class KVCache:
+    """k[layer], v[layer]: [B, Hkv, max_len, hd]; lengths: committed tokens per row (host ints)."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if max_len <= 0 or batch_size <= 0:
+            raise ValueError(f"cache needs batch_size > 0 and max_len > 0, found {batch_size}, {max_len}")
+        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+        self.max_len = max_len
+        self.lengths = [0] * batch_size
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Index for `write`, built once per forward: K/V of position p go to slot p of its row."""
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
+        heads = torch.arange(self.k[0].shape[1], device=positions.device)[None, :, None]
+        return rows, heads, positions[:, None, :]
+
+    def write(self, layer: int, slots: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor,
+              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, hd] at `slots`; return the first kv_len slots to attend over."""
+        if kv_len > self.max_len:
+            raise ContextTooLong(
+                f"position {kv_len - 1} is past the KV cache's capacity of {self.max_len} tokens")
+        k_buf, v_buf = self.k[layer], self.v[layer]
+        k_buf.index_put_(slots, k)
+        v_buf.index_put_(slots, v)
+        return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
+
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Set every row's committed length (rollback of rejected tokens is a smaller number)."""
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"expected {self.batch_size} lengths, found {len(lengths)}")
+        for n in lengths:
+            if not 0 <= n <= self.max_len:
+                raise ValueError(f"cache length {n} outside 0..{self.max_len}")
+        self.lengths = list(lengths)

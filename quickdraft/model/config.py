@@ -1,0 +1,115 @@
+"""ModelConfig: the shape and numerics of a Llama-family transformer.
+
+Built from a Hugging Face `config.json` dict or from GGUF metadata (by weights/), validated here.
+Architecture differences (qkv bias, tied embeddings, rope scaling) are fields, not subclasses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
+
+# HF `model_type` values whose math is the Llama block with the flags below.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style frequency scaling (`rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedArchitecture(
+                f"model_type {self.model_type!r} is not supported; expected one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelLoadError(f"model config: {name} must be a positive integer, found {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"model config: head_dim must be even for RoPE, found {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a Hugging Face config.json dict; unknown keys are ignored."""
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            raise ModelLoadError("config.json has no 'model_type' key; expected e.g. 'llama' or 'qwen2'")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedArchitecture(
+                f"model_type {model_type!r} is not supported; expected one of "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+            return cls(
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_scaling=_rope_scaling_from_hf(rope),
+                qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json is missing required key {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json has a malformed value: {e}") from None
+
+
+def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise UnsupportedArchitecture(
+            f"rope scaling type {kind!r} is not supported; expected 'default' or 'llama3'")
+    return RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )

@@ -1,0 +1,160 @@
+"""The Llama-family decoder: forward(tokens, positions, cache) -> logits and hidden states.
+
+Knows the transformer math only: nothing of requests, sampling, proposers or cache policy.
+Weights arrive under Hugging Face names (weights/ maps every format to them) and are fused
+here (q|k|v, gate|up) so a decode step runs few, large matmuls.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quickdraft.cache import KVCache
+from quickdraft.errors import ModelLoadError
+from quickdraft.model.config import ModelConfig
+from quickdraft.model.rope import apply_rope, inverse_frequencies, rope_tables
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, n, V] for the last n positions asked for
+    hidden: torch.Tensor  # [B, n, D] last layer's output before the final norm (draft heads read it)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as the reference implementations do, whatever the storage dtype.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.wqkv = nn.Linear(c.hidden_size, qkv_out, bias=c.qkv_bias)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int, slots: tuple[torch.Tensor, ...], kv_len: int, mask: torch.Tensor
+                ) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split((self.n_heads * hd, self.n_kv * hd, self.n_kv * hd), dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, hd).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(B, T, self.n_kv, hd).transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.n_kv, hd).transpose(1, 2)
+        keys, values = cache.write(layer, slots, k, v, kv_len)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                              enable_gqa=self.n_kv != self.n_heads)
+        x = x + self.wo(attn.transpose(1, 2).reshape(B, T, self.n_heads * hd))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inverse_frequencies(config, rope_freq_factors), persistent=False)
+        self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        return KVCache(self.config, batch_size, max_len, self.device, self.dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                attn_mask: torch.Tensor | None = None, kv_len: int | None = None,
+                last_n: int | None = None) -> ForwardOutput:
+        """tokens, positions: [B, T]. A query at position p sees the cached keys at slots 0..p of
+        its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
+        `kv_len` (max position + 1) may be given by callers that know it, to save a host sync.
+        `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+        x = self.embed(tokens)
+        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)
+        key_pos = torch.arange(kv_len, device=tokens.device)
+        mask = key_pos <= positions.unsqueeze(-1)  # [B, T, kv_len]
+        if attn_mask is not None:
+            mask = mask & attn_mask
+        mask = mask.unsqueeze(1)
+        slots = cache.slots(positions)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache, layer, slots, kv_len, mask)
+        if last_n is not None:
+            x = x[:, -last_n:]
+        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=x)
+
+
+def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
+                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                      rope_freq_factors: torch.Tensor | None = None) -> Transformer:
+    """A Transformer from tensors under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`...)."""
+    with torch.device("meta"):
+        model = Transformer(config, None)
+    fused: dict[str, torch.Tensor] = {
+        "embed.weight": _take(tensors, "model.embed_tokens.weight"),
+        "norm.weight": _take(tensors, "model.norm.weight"),
+    }
+    lm_head = tensors.get("lm_head.weight")
+    fused["lm_head.weight"] = fused["embed.weight"] if lm_head is None or config.tie_word_embeddings else lm_head
+    if lm_head is None and not config.tie_word_embeddings:
+        raise ModelLoadError("weights have no 'lm_head.weight' but the config says embeddings are not tied")
+    for i in range(config.num_layers):
+        pre = f"model.layers.{i}."
+        attn = [_take(tensors, f"{pre}self_attn.{p}_proj.weight") for p in "qkv"]
+        fused[f"blocks.{i}.wqkv.weight"] = torch.cat(attn)
+        if config.qkv_bias:
+            fused[f"blocks.{i}.wqkv.bias"] = torch.cat(
+                [_take(tensors, f"{pre}self_attn.{p}_proj.bias") for p in "qkv"])
+        fused[f"blocks.{i}.wo.weight"] = _take(tensors, f"{pre}self_attn.o_proj.weight")
+        fused[f"blocks.{i}.w_gate_up.weight"] = torch.cat(
+            [_take(tensors, f"{pre}mlp.gate_proj.weight"), _take(tensors, f"{pre}mlp.up_proj.weight")])
+        fused[f"blocks.{i}.w_down.weight"] = _take(tensors, f"{pre}mlp.down_proj.weight")
+        fused[f"blocks.{i}.attn_norm.weight"] = _take(tensors, f"{pre}input_layernorm.weight")
+        fused[f"blocks.{i}.mlp_norm.weight"] = _take(tensors, f"{pre}post_attention_layernorm.weight")
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    for name, shape in expected.items():
+        if fused[name].shape != shape:
+            raise ModelLoadError(f"tensor for {name} has shape {tuple(fused[name].shape)}, "
+                                 f"the config implies {tuple(shape)}")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.inv_freq = inverse_frequencies(config, rope_freq_factors).to(device)
+    return model.eval()
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise ModelLoadError(f"weights are missing tensor {name!r}") from None

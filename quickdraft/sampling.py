@@ -1,0 +1,91 @@
+"""SamplingParams and the logits -> probabilities transform shared by target (p) and proposer (q).
+
+Temperature 0 means greedy: the distribution is one-hot at the argmax, so the verifier needs no
+second code path. Knows nothing of models or proposers.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from quickdraft.errors import InvalidSamplingParams
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0          # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str, found: object) -> None:
+            raise InvalidSamplingParams(f"{name} must be {expected}, found {found!r}")
+
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            fail("temperature", "a number in [0, 100] (0 = greedy)", self.temperature)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "an integer >= 0 (0 = disabled)", self.top_k)
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "a number in (0, 1]", self.top_p)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            fail("seed", "None or an integer in [0, 2**63)", self.seed)
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            fail("max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
+            fail("stop", f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
+        object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            fail("stop_token_ids", "non-negative integers", self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's own RNG: seeded requests reproduce whatever shares their batch."""
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return torch.Generator(device=device).manual_seed(seed)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] float32 after temperature, top-k and top-p.
+
+    Greedy gives one-hot(argmax). Apply the same call to target and proposer logits.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        outside = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row from probs [..., V] -> [...]. Greedy rows (one-hot) need no randomness."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])

@@ -1,0 +1,145 @@
+"""Tokenizers: encode/decode, chat templates, and a streaming detokenizer.
+
+Wraps transformers' fast tokenizers (from tokenizer.json, or rebuilt from GGUF metadata).
+Knows nothing of models.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from quickdraft.errors import ModelLoadError
+
+Message = dict[str, str]
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, extra_eos_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = {int(i) for i in extra_eos_ids}
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def token_strings(self) -> list[str]:
+        """Token id -> the string stored in the vocabulary (for checking two vocabularies agree)."""
+        return self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise ModelLoadError("this model's tokenizer has no chat template; pass a plain prompt instead")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"chat messages need string 'role' and 'content', found {m!r}")
+        text = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class StreamDetokenizer:
+    """Turns token ids into text deltas, holding back bytes of an unfinished UTF-8 character.
+
+    Decodes a short window (from `prefix` on) rather than everything, and emits what the window's
+    text gained; a trailing U+FFFD means a multi-byte character is still incomplete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0    # ids already turned into emitted text
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if text.endswith("\ufffd") or len(text) <= len(done):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes to U+FFFD)."""
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
+
+
+def load_hf_tokenizer(path: Path, extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise ModelLoadError(f"{path} has no tokenizer.json; expected a tokenizer beside the weights")
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise ModelLoadError(f"could not load the tokenizer in {path}: {type(e).__name__}: {e}") from None
+    return Tokenizer(hf, extra_eos_ids)
+
+
+def gguf_tokenizer(metadata: dict[str, Any], extra_eos_ids: Sequence[int] = ()) -> Tokenizer:
+    """Rebuild the tokenizer a GGUF file describes, reusing transformers' GGUF converters."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ModelLoadError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    fields = {name: metadata[f"tokenizer.{key}"]
+              for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items() if f"tokenizer.{key}" in metadata}
+    try:
+        backend, _ = convert_gguf_tokenizer(metadata["general.architecture"], fields)
+    except Exception as e:
+        raise ModelLoadError(f"could not build the tokenizer from GGUF metadata: {type(e).__name__}: {e}") from None
+    tokens = fields["tokens"]
+
+    def special(key: str) -> str | None:
+        i = metadata.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=special("bos_token_id"), eos_token=special("eos_token_id"),
+        unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
+        chat_template=metadata.get("tokenizer.chat_template"))
+    # GGUF says whether a BOS is prepended; the rebuilt backend must not guess.
+    if not metadata.get("tokenizer.ggml.add_bos_token", False):
+        hf.add_bos_token = False
+    return Tokenizer(hf, extra_eos_ids)
+
+
+class StopStringFilter:
+    """Cuts streamed text at the first stop string, holding back any tail that may begin one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was found)."""
+        text = self.pending + delta
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[:min(hits)], True
+        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - hold:] if hold else ""
+        return text[:len(text) - hold], False
+
+    def flush(self) -> str:
+        text, self.pending = self.pending, ""
+        return text

@@ -1,0 +1,134 @@
+"""Loading a single GGUF file: config and tokenizer metadata, tensors dequantized with `gguf`.
+
+llama.cpp stores the q/k projections of `llama`-architecture models permuted for its interleaved
+RoPE; they are permuted back here so the model has one RoPE layout for every format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
+from quickdraft.model.config import ModelConfig
+from quickdraft.weights.names import hf_name_for_gguf
+
+# GGUF `general.architecture` -> our model_type. Mistral files say "llama".
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+# Architectures whose q/k rows llama.cpp's converter permutes.
+PERMUTED_QK = {"llama"}
+
+
+@dataclass
+class GGUFCheckpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32
+    metadata: dict[str, Any]          # every key-value field (tokenizer.ggml.*, chat template...)
+    rope_freq_factors: torch.Tensor | None
+
+
+def open_reader(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on damage
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (expected magic 'GGUF' and a complete header): "
+            f"{type(e).__name__}: {e}") from None
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as e:
+            raise ModelLoadError(f"GGUF metadata field {key!r} is malformed: {e}") from None
+    return meta
+
+
+def config_from_metadata(meta: dict[str, Any], has_output: bool, has_qkv_bias: bool) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {arch!r} is not supported; expected one of "
+            f"{', '.join(GGUF_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks required key '{arch}.{key}'")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        model_type=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(get("vocab_size", len(tokens) or None)),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        qkv_bias=has_qkv_bias,
+        tie_word_embeddings=not has_output,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's (heads, 2, hd/2) -> (heads, hd/2, 2) row permutation of q/k."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(t: Any) -> np.ndarray:
+    """A reader tensor as float32 in numpy order ([out, in] for matrices)."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        qtype = GGMLQuantizationType(t.tensor_type)
+        values = dequantize(t.data, qtype)
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has type {t.tensor_type!r} that cannot be "
+                             f"dequantized: {e}") from None
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def read_gguf(path: Path, progress: bool = False) -> GGUFCheckpoint:
+    reader = open_reader(path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = config_from_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
+    arch = meta["general.architecture"]
+    tensors: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False):
+        if t.name == "rope_freqs.weight":
+            freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
+            continue
+        hf = hf_name_for_gguf(t.name)
+        if hf is None:
+            continue
+        w = torch.from_numpy(dequantize_tensor(t).copy())
+        if arch in PERMUTED_QK and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_qk(w, config.num_heads)
+        elif arch in PERMUTED_QK and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_qk(w, config.num_kv_heads)
+        tensors[hf] = w
+    return GGUFCheckpoint(config, tensors, meta, freq_factors)

@@ -1,0 +1,43 @@
+"""The one name-mapping table: Hugging Face tensor names <-> GGUF (llama.cpp) tensor names.
+
+The model is built from Hugging Face names; the GGUF loader renames through this table and the
+safetensors loader uses it to say which tensors a checkpoint must have.
+"""
+from __future__ import annotations
+
+import re
+
+# (Hugging Face name, GGUF name); "{i}" is the layer index.
+TENSOR_NAMES: tuple[tuple[str, str], ...] = (
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
+    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
+    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+)
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+_GGUF_TO_HF = [(_pattern(gguf), hf) for hf, gguf in TENSOR_NAMES]
+
+
+def hf_name_for_gguf(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for tensors the model does not use."""
+    for pattern, hf in _GGUF_TO_HF:
+        m = pattern.match(name)
+        if m:
+            return hf.replace("{i}", m.group(1)) if m.groups() else hf
+    return None
