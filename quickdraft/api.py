@@ -84,8 +84,8 @@ class LLM:
                 yield Chunk(text, event.token_ids, "stop", event.stats)
                 return
             if event.finish_reason is not None:
-                text, stopped = stops.feed(detok.flush())
-                text += "" if stopped else stops.flush()
+                tail, stopped = stops.feed(detok.flush())
+                text += tail + ("" if stopped else stops.flush())
             yield Chunk(text, event.token_ids, "stop" if stopped else event.finish_reason, event.stats)
             if stopped:
                 return

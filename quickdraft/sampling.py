@@ -43,10 +43,14 @@ class SamplingParams:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             fail("max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        if not isinstance(self.stop, (str, list, tuple)):
+            fail("stop", "a string or a list of strings", self.stop)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
             fail("stop", f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
         object.__setattr__(self, "stop", stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            fail("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
         ids = tuple(self.stop_token_ids)
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             fail("stop_token_ids", "non-negative integers", self.stop_token_ids)

@@ -6,6 +6,7 @@ simply closes the generator.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
@@ -49,7 +50,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
     positions = torch.arange(n_prompt, device=model.device)[None]
     length = 0
     while True:
-        logits = model(tokens, positions, cache, kv_len=length + tokens.shape[1], last_n=1).logits
+        logits = model(tokens, positions, cache, last_n=1).logits
         length += tokens.shape[1]
         cache.truncate([length])
         stats.target_passes += 1
@@ -61,10 +62,10 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
             stats.ttft_s = stats.total_s
         if token_id in stop_ids:
             stats.new_tokens -= 1  # the stop token is not part of the output
-            yield TokenEvent([], "stop", stats)
+            yield TokenEvent([], "stop", replace(stats))
             return
         finish = "length" if stats.new_tokens >= budget else None
-        yield TokenEvent([token_id], finish, stats)
+        yield TokenEvent([token_id], finish, replace(stats))
         if finish:
             return
         tokens = token.view(1, 1)

@@ -85,7 +85,7 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_context_length(cfg),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope),
@@ -98,6 +98,16 @@ class ModelConfig:
             raise ModelLoadError(f"config.json is missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json has a malformed value: {e}") from None
+
+
+def _context_length(cfg: dict[str, Any]) -> int:
+    context = int(cfg.get("max_position_embeddings", 2048))
+    window = cfg.get("sliding_window")
+    if isinstance(window, int) and window > 0 and cfg.get("use_sliding_window", True):
+        # We attend to the whole context; within one window that equals sliding-window attention,
+        # so the usable context is capped there rather than computed inexactly beyond it.
+        context = min(context, window)
+    return context
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quickdraft import kernels
 from quickdraft.cache import KVCache
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
@@ -22,6 +23,13 @@ from quickdraft.model.rope import apply_rope, inverse_frequencies, rope_tables
 class ForwardOutput:
     logits: torch.Tensor  # [B, n, V] for the last n positions asked for
     hidden: torch.Tensor  # [B, n, D] last layer's output before the final norm (draft heads read it)
+
+
+def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """layer(x), through the few-rows CPU kernel where it applies (decode and verification)."""
+    if kernels.usable(x, layer.weight):
+        return kernels.skinny_linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -55,7 +63,7 @@ class Block(nn.Module):
                 ) -> torch.Tensor:
         B, T, _ = x.shape
         hd = self.head_dim
-        qkv = self.wqkv(self.attn_norm(x))
+        qkv = dense(self.attn_norm(x), self.wqkv)
         q, k, v = qkv.split((self.n_heads * hd, self.n_kv * hd, self.n_kv * hd), dim=-1)
         q = apply_rope(q.view(B, T, self.n_heads, hd).transpose(1, 2), cos, sin)
         k = apply_rope(k.view(B, T, self.n_kv, hd).transpose(1, 2), cos, sin)
@@ -63,9 +71,9 @@ class Block(nn.Module):
         keys, values = cache.write(layer, slots, k, v, kv_len)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                               enable_gqa=self.n_kv != self.n_heads)
-        x = x + self.wo(attn.transpose(1, 2).reshape(B, T, self.n_heads * hd))
-        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        x = x + dense(attn.transpose(1, 2).reshape(B, T, self.n_heads * hd), self.wo)
+        gate, up = dense(self.mlp_norm(x), self.w_gate_up).chunk(2, dim=-1)
+        return x + dense(F.silu(gate) * up, self.w_down)
 
 
 class Transformer(nn.Module):
@@ -91,14 +99,11 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, self.device, self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                attn_mask: torch.Tensor | None = None, kv_len: int | None = None,
-                last_n: int | None = None) -> ForwardOutput:
+                attn_mask: torch.Tensor | None = None, last_n: int | None = None) -> ForwardOutput:
         """tokens, positions: [B, T]. A query at position p sees the cached keys at slots 0..p of
         its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
-        `kv_len` (max position + 1) may be given by callers that know it, to save a host sync.
         `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
-        if kv_len is None:
-            kv_len = int(positions.max()) + 1
+        kv_len = int(positions.max()) + 1
         x = self.embed(tokens)
         cos, sin = rope_tables(self.inv_freq, positions, x.dtype)
         key_pos = torch.arange(kv_len, device=tokens.device)
@@ -111,7 +116,7 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, cache, layer, slots, kv_len, mask)
         if last_n is not None:
             x = x[:, -last_n:]
-        return ForwardOutput(logits=self.lm_head(self.norm(x)), hidden=x)
+        return ForwardOutput(logits=dense(self.norm(x), self.lm_head), hidden=x)
 
 
 def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
@@ -150,7 +155,7 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = inverse_frequencies(config, rope_freq_factors).to(device)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -69,6 +69,11 @@ def config_from_metadata(meta: dict[str, Any], has_output: bool, has_qkv_bias: b
             raise ModelLoadError(f"GGUF metadata lacks required key '{arch}.{key}'")
         return value
 
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedArchitecture(
+            f"GGUF rope scaling type {scaling!r} is not supported; expected none (llama3-style scaling "
+            f"comes as a rope_freqs tensor)")
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     tokens = meta.get("tokenizer.ggml.tokens") or []

@@ -1,0 +1,88 @@
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for few rows m: the decode and verification matmuls.
+ *
+ * Memory-bound: each weight row is read once and used for every x row, so verifying k+1 tokens
+ * costs about what decoding one does. Every output is reduced in the same order whatever M is
+ * (8 lanes over k, then a fixed lane sum), so results are bitwise independent of the batch shape.
+ * Weights are float32, bfloat16 or float16; x, b and y are float32.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+#define M_BLOCK 4
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __m256 load_w(const void *w, int64_t i, int wtype) {
+    if (wtype == W_F32) return _mm256_loadu_ps((const float *)w + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    if (wtype == W_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+INLINE float w_scalar(const void *w, int64_t i, int wtype) {
+    if (wtype == W_F32) return ((const float *)w)[i];
+    uint16_t h = ((const uint16_t *)w)[i];
+    if (wtype == W_BF16) { uint32_t u = (uint32_t)h << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
+    return _cvtsh_ss(h);
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row against up to M_BLOCK x rows. Called with constant mb and wtype so the compiler
+ * keeps the accumulators in registers. Two accumulators per row (even and odd 8-lane blocks) hide
+ * the FMA latency; their order is fixed, so every output is reduced the same way for every M. */
+INLINE void row_block(const float *x, const void *w, const float *b, float *y, int64_t n, int64_t N,
+                      int64_t K, const int wtype, const int mb) {
+    const int64_t row = n * K;
+    __m256 a0[M_BLOCK], a1[M_BLOCK];
+    for (int j = 0; j < mb; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = load_w(w, row + k, wtype), w1 = load_w(w, row + k + 8, wtype);
+        for (int j = 0; j < mb; j++) {
+            a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j * K + k), w0, a0[j]);
+            a1[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j * K + k + 8), w1, a1[j]);
+        }
+    }
+    if (k + 8 <= K) {
+        const __m256 w0 = load_w(w, row + k, wtype);
+        for (int j = 0; j < mb; j++) a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j * K + k), w0, a0[j]);
+        k += 8;
+    }
+    for (int j = 0; j < mb; j++) {
+        float s = hsum(_mm256_add_ps(a0[j], a1[j]));
+        for (int64_t t = k; t < K; t++) s += x[j * K + t] * w_scalar(w, row + t, wtype);
+        y[j * N + n] = b ? s + b[n] : s;
+    }
+}
+
+INLINE void matmul(const float *x, const void *w, const float *b, float *y,
+                   int64_t M, int64_t N, int64_t K, const int wtype, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N;
+            switch (M - m0 < M_BLOCK ? M - m0 : M_BLOCK) {
+                case 1: row_block(xm, w, b, ym, n, N, K, wtype, 1); break;
+                case 2: row_block(xm, w, b, ym, n, N, K, wtype, 2); break;
+                case 3: row_block(xm, w, b, ym, n, N, K, wtype, 3); break;
+                default: row_block(xm, w, b, ym, n, N, K, wtype, 4); break;
+            }
+        }
+    }
+}
+
+void qd_skinny_matmul(const float *x, const void *w, const float *b, float *y,
+                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {
+    switch (wtype) {
+        case W_F32: matmul(x, w, b, y, M, N, K, W_F32, threads); break;
+        case W_BF16: matmul(x, w, b, y, M, N, K, W_BF16, threads); break;
+        default: matmul(x, w, b, y, M, N, K, W_F16, threads); break;
+    }
+}
