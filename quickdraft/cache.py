@@ -12,6 +12,9 @@ import torch
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.config import ModelConfig
 
+# Where a forward's K/V go: positions [T] of a single row, or an index_put_ index for a batch.
+Slots = torch.Tensor | tuple[torch.Tensor, ...]
+
 
 class KVCache:
     """k[layer], v[layer]: [B, Hkv, max_len, hd]; lengths: committed tokens per row (host ints)."""
@@ -30,21 +33,31 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
-    def slots(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def slots(self, positions: torch.Tensor) -> Slots:
         """Index for `write`, built once per forward: K/V of position p go to slot p of its row."""
+        if positions.shape[0] == 1:
+            return positions[0]  # index_copy_ along the sequence axis: cheaper than index_put_
         rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
         heads = torch.arange(self.k[0].shape[1], device=positions.device)[None, :, None]
         return rows, heads, positions[:, None, :]
 
-    def write(self, layer: int, slots: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor,
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [B, Hkv, T, hd] at `slots`; return the first kv_len slots to attend over."""
         if kv_len > self.max_len:
             raise ContextTooLong(
                 f"position {kv_len - 1} is past the KV cache's capacity of {self.max_len} tokens")
         k_buf, v_buf = self.k[layer], self.v[layer]
-        k_buf.index_put_(slots, k)
-        v_buf.index_put_(slots, v)
+        if isinstance(slots, torch.Tensor):
+            k_buf.index_copy_(2, slots, k)
+            v_buf.index_copy_(2, slots, v)
+        else:
+            k_buf.index_put_(slots, k)
+            v_buf.index_put_(slots, v)
         return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
 
     def truncate(self, lengths: Sequence[int]) -> None:

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft import kernels
-from quickdraft.cache import KVCache
+from quickdraft.kernels import linear
+from quickdraft.cache import KVCache, Slots
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.rope import apply_rope, inverse_frequencies, rope_tables
@@ -25,24 +25,17 @@ class ForwardOutput:
     hidden: torch.Tensor  # [B, n, D] last layer's output before the final norm (draft heads read it)
 
 
-def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """layer(x), through the few-rows CPU kernel where it applies (decode and verification)."""
-    if kernels.usable(x, layer.weight):
-        return kernels.skinny_linear(x, layer.weight, layer.bias)
-    return layer(x)
-
-
 class RMSNorm(nn.Module):
+    """Holds the gain; the normalization itself is fused into the next matmul (kernels.linear)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, as the reference implementations do, whatever the storage dtype.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    @property
+    def fused(self) -> tuple[torch.Tensor, float]:
+        return self.weight, self.eps
 
 
 class Block(nn.Module):
@@ -59,21 +52,20 @@ class Block(nn.Module):
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, slots: tuple[torch.Tensor, ...], kv_len: int, mask: torch.Tensor
-                ) -> torch.Tensor:
+                layer: int, slots: Slots, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        hd = self.head_dim
-        qkv = dense(self.attn_norm(x), self.wqkv)
-        q, k, v = qkv.split((self.n_heads * hd, self.n_kv * hd, self.n_kv * hd), dim=-1)
-        q = apply_rope(q.view(B, T, self.n_heads, hd).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(B, T, self.n_kv, hd).transpose(1, 2), cos, sin)
-        v = v.view(B, T, self.n_kv, hd).transpose(1, 2)
+        hd, n_q = self.head_dim, self.n_heads
+        qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused)
+        qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
+        qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), cos, sin)  # q and k in one go
+        q, k = qk.split((n_q, self.n_kv), dim=1)
+        v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
         keys, values = cache.write(layer, slots, k, v, kv_len)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                              enable_gqa=self.n_kv != self.n_heads)
-        x = x + dense(attn.transpose(1, 2).reshape(B, T, self.n_heads * hd), self.wo)
-        gate, up = dense(self.mlp_norm(x), self.w_gate_up).chunk(2, dim=-1)
-        return x + dense(F.silu(gate) * up, self.w_down)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q)
+        attn = attn.transpose(1, 2).reshape(B, T, n_q * hd).to(x.dtype)
+        x = linear(attn, self.wo.weight, residual=x)
+        h = linear(x, self.w_gate_up.weight, norm=self.mlp_norm.fused)
+        return linear(h, self.w_down.weight, swiglu=True, residual=x)
 
 
 class Transformer(nn.Module):
@@ -93,10 +85,17 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype."""
         return self.embed.weight.dtype
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Activations, norms and K/V: float32 on CPU, where bfloat16/float16 arithmetic is slow and
+        those dtypes only halve the weight bytes each step reads; the weights' dtype elsewhere."""
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
-        return KVCache(self.config, batch_size, max_len, self.device, self.dtype)
+        return KVCache(self.config, batch_size, max_len, self.device, self.compute_dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 attn_mask: torch.Tensor | None = None, last_n: int | None = None) -> ForwardOutput:
@@ -104,19 +103,20 @@ class Transformer(nn.Module):
         its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
         `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
         kv_len = int(positions.max()) + 1
-        x = self.embed(tokens)
-        cos, sin = rope_tables(self.inv_freq, positions, x.dtype)
-        key_pos = torch.arange(kv_len, device=tokens.device)
-        mask = key_pos <= positions.unsqueeze(-1)  # [B, T, kv_len]
-        if attn_mask is not None:
-            mask = mask & attn_mask
-        mask = mask.unsqueeze(1)
+        x = self.embed(tokens).to(self.compute_dtype)
+        cos, sin = rope_tables(self.inv_freq, positions, cache.dtype)
+        mask = None  # one query at the last position of one row sees every key: no mask needed
+        if tokens.shape != (1, 1) or attn_mask is not None:
+            mask = torch.arange(kv_len, device=tokens.device) <= positions.unsqueeze(-1)  # [B, T, kv_len]
+            if attn_mask is not None:
+                mask = mask & attn_mask
+            mask = mask.unsqueeze(1)
         slots = cache.slots(positions)
         for layer, block in enumerate(self.blocks):
             x = block(x, cos, sin, cache, layer, slots, kv_len, mask)
         if last_n is not None:
             x = x[:, -last_n:]
-        return ForwardOutput(logits=dense(self.norm(x), self.lm_head), hidden=x)
+        return ForwardOutput(logits=linear(x, self.lm_head.weight, norm=self.norm.fused), hidden=x)
 
 
 def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
@@ -151,7 +151,9 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
         if fused[name].shape != shape:
             raise ModelLoadError(f"tensor for {name} has shape {tuple(fused[name].shape)}, "
                                  f"the config implies {tuple(shape)}")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in fused.items()}, assign=True)
+    norm_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype  # = compute_dtype
+    model.load_state_dict({k: v.to(device=device, dtype=norm_dtype if "norm" in k else dtype)
+                           for k, v in fused.items()}, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     model.inv_freq = inverse_frequencies(config, rope_freq_factors).to(device)

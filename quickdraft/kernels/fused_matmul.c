@@ -1,4 +1,5 @@
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]) for few rows m: the decode and verification matmuls.
+/* y[m, n] = r[m, n] + b[n] + sum_k h[m, k] * w[n, k] for few rows m: the decode and verification
+ * matmuls, with the step before them fused in (h = x, RMSNorm(x) * g, or silu(gate) * up).
  *
  * Memory-bound: each weight row is read once and used for every x row, so verifying k+1 tokens
  * costs about what decoding one does. Every output is reduced in the same order whatever M is
@@ -6,9 +7,11 @@
  * Weights are float32, bfloat16 or float16; x, b and y are float32.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
+enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
 #define M_BLOCK 4
 #define INLINE static inline __attribute__((always_inline))
 
@@ -36,8 +39,8 @@ INLINE float hsum(__m256 v) {
 /* One weight row against up to M_BLOCK x rows. Called with constant mb and wtype so the compiler
  * keeps the accumulators in registers. Two accumulators per row (even and odd 8-lane blocks) hide
  * the FMA latency; their order is fixed, so every output is reduced the same way for every M. */
-INLINE void row_block(const float *x, const void *w, const float *b, float *y, int64_t n, int64_t N,
-                      int64_t K, const int wtype, const int mb) {
+INLINE void row_block(const float *x, const void *w, const float *b, const float *r, float *y,
+                      int64_t n, int64_t N, int64_t K, const int wtype, const int mb) {
     const int64_t row = n * K;
     __m256 a0[M_BLOCK], a1[M_BLOCK];
     for (int j = 0; j < mb; j++) a0[j] = a1[j] = _mm256_setzero_ps();
@@ -57,32 +60,60 @@ INLINE void row_block(const float *x, const void *w, const float *b, float *y, i
     for (int j = 0; j < mb; j++) {
         float s = hsum(_mm256_add_ps(a0[j], a1[j]));
         for (int64_t t = k; t < K; t++) s += x[j * K + t] * w_scalar(w, row + t, wtype);
-        y[j * N + n] = b ? s + b[n] : s;
+        if (b) s += b[n];
+        y[j * N + n] = r ? r[j * N + n] + s : s;
     }
 }
 
-INLINE void matmul(const float *x, const void *w, const float *b, float *y,
+INLINE void matmul(const float *x, const void *w, const float *b, const float *r, float *y,
                    int64_t M, int64_t N, int64_t K, const int wtype, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
-            const float *xm = x + m0 * K;
+            const float *xm = x + m0 * K, *rm = r ? r + m0 * N : 0;
             float *ym = y + m0 * N;
             switch (M - m0 < M_BLOCK ? M - m0 : M_BLOCK) {
-                case 1: row_block(xm, w, b, ym, n, N, K, wtype, 1); break;
-                case 2: row_block(xm, w, b, ym, n, N, K, wtype, 2); break;
-                case 3: row_block(xm, w, b, ym, n, N, K, wtype, 3); break;
-                default: row_block(xm, w, b, ym, n, N, K, wtype, 4); break;
+                case 1: row_block(xm, w, b, rm, ym, n, N, K, wtype, 1); break;
+                case 2: row_block(xm, w, b, rm, ym, n, N, K, wtype, 2); break;
+                case 3: row_block(xm, w, b, rm, ym, n, N, K, wtype, 3); break;
+                default: row_block(xm, w, b, rm, ym, n, N, K, wtype, 4); break;
             }
         }
     }
 }
 
-void qd_skinny_matmul(const float *x, const void *w, const float *b, float *y,
-                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {
+/* h[m] = x[m] / sqrt(mean(x[m]^2) + eps) * g, summing squares in 8 lanes in a fixed order. */
+static void rmsnorm_rows(const float *x, const float *g, float eps, float *h, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) { __m256 v = _mm256_loadu_ps(xm + k); acc = _mm256_fmadd_ps(v, v, acc); }
+        float ss = hsum(acc);
+        for (; k < K; k++) ss += xm[k] * xm[k];
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        for (k = 0; k < K; k++) h[m * K + k] = g[k] * (xm[k] * inv);
+    }
+}
+
+/* h[m, k] = silu(x[m, k]) * x[m, K + k]: x holds gate | up side by side. */
+static void swiglu_rows(const float *x, float *h, int64_t M, int64_t K) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) {
+            const float gate = x[m * 2 * K + k];
+            h[m * K + k] = gate / (1.0f + expf(-gate)) * x[m * 2 * K + K + k];
+        }
+}
+
+/* x: [M, K] (or [M, 2K] for SwiGLU); scratch: [M, K] for the prologue's output. */
+void qd_fused_matmul(const float *x, const void *w, const float *b, const float *r, float *y,
+                     int prologue, const float *g, float eps, float *scratch,
+                     int64_t M, int64_t N, int64_t K, int wtype, int threads) {
+    if (prologue == PRO_RMSNORM) { rmsnorm_rows(x, g, eps, scratch, M, K); x = scratch; }
+    else if (prologue == PRO_SWIGLU) { swiglu_rows(x, scratch, M, K); x = scratch; }
     switch (wtype) {
-        case W_F32: matmul(x, w, b, y, M, N, K, W_F32, threads); break;
-        case W_BF16: matmul(x, w, b, y, M, N, K, W_BF16, threads); break;
-        default: matmul(x, w, b, y, M, N, K, W_F16, threads); break;
+        case W_F32: matmul(x, w, b, r, y, M, N, K, W_F32, threads); break;
+        case W_BF16: matmul(x, w, b, r, y, M, N, K, W_BF16, threads); break;
+        default: matmul(x, w, b, r, y, M, N, K, W_F16, threads); break;
     }
 }
