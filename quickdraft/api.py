@@ -15,6 +15,8 @@ from quickdraft.engine import GenerationStats, generate_tokens
 from quickdraft.engine.events import FinishReason
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig
+from quickdraft.spec.draft_model import check_compatible
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
 
@@ -61,10 +63,27 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 
 class LLM:
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
+        self.spec = spec or SpecConfig()
+        self._drafts: dict[str, LLM] = {}
+        if self.spec.draft_model:
+            self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
+
+    def draft_model(self, name_or_path: str) -> "LLM":
+        """A draft model on this model's device and dtype, loaded once and checked compatible."""
+        if name_or_path not in self._drafts:
+            draft = LLM(load_model(name_or_path, self.model.device, self.model.dtype))
+            check_compatible(self, draft)
+            self._drafts[name_or_path] = draft
+        return self._drafts[name_or_path]
+
+    def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
+        if not spec.enabled:
+            return None
+        return PROPOSERS[spec.method](ProposerContext(prompt_ids, params, spec, self))
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):
@@ -74,11 +93,14 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-               params: SamplingParams | None = None) -> Iterator[Chunk]:
-        params = params or SamplingParams()
+               params: SamplingParams | None = None, spec: SpecConfig | None = None) -> Iterator[Chunk]:
+        """Text chunks as tokens are committed; `spec` overrides the model's default speculation."""
+        params, spec = params or SamplingParams(), spec or self.spec
         ids = self.prompt_ids(prompt, messages)
+        proposer = self.proposer(ids, params, spec)
         detok, stops = StreamDetokenizer(self.tokenizer), StopStringFilter(params.stop)
-        for event in generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids):
+        events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k)
+        for event in events:
             text, stopped = stops.feed(detok.push(event.token_ids))
             if stopped:
                 yield Chunk(text, event.token_ids, "stop", event.stats)
@@ -91,15 +113,16 @@ class LLM:
                 return
 
     def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-                 params: SamplingParams | None = None) -> Completion:
+                 params: SamplingParams | None = None, spec: SpecConfig | None = None) -> Completion:
         text, ids = [], []
-        for chunk in self.stream(prompt, messages, params):
+        for chunk in self.stream(prompt, messages, params, spec):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
         return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats)
 
 
 def load(model: str | Path | None = None, device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", progress: bool = False) -> LLM:
-    """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file."""
-    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress))
+         dtype: str | torch.dtype = "float32", progress: bool = False, spec: SpecConfig | None = None) -> LLM:
+    """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file;
+    `spec` sets its default speculative decoding (plain decoding when absent)."""
+    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress), spec)

@@ -11,8 +11,10 @@ import sys
 from typing import Sequence
 
 from quickdraft.api import DTYPES, load
+from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.spec import PROPOSERS, SpecConfig
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
@@ -40,33 +42,81 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    params = sampling_from_args(args)  # validate before the slow load
-    if args.prompt is None and args.chat is None:
-        raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
-    progress = sys.stderr.isatty() and not args.json
-    llm = load(args.model, device=args.device, dtype=args.dtype, progress=progress)
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="none", choices=["none", *sorted(PROPOSERS)],
+                   help="proposer for speculative decoding (default: none = plain decoding)")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
+    p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
+
+
+def spec_from_args(args: argparse.Namespace) -> SpecConfig:
+    return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model,
+                      ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+
+
+def stats_line(stats: GenerationStats, finish: str | None) -> str:
+    line = (f"prompt {stats.prompt_tokens} tokens | new {stats.new_tokens} tokens | "
+            f"ttft {stats.ttft_s * 1000:.0f} ms | {stats.tokens_per_s:.1f} tokens/s | "
+            f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass")
+    if stats.drafted_tokens:
+        by_pos = " ".join(f"{r:.2f}" for r in stats.acceptance_by_position)
+        line += (f" | acceptance {stats.acceptance_rate:.0%} of {stats.drafted_tokens} drafted "
+                 f"(by position: {by_pos}) | propose {stats.propose_s:.2f}s verify {stats.verify_s:.2f}s "
+                 f"other {stats.other_s:.2f}s")
+    return f"[{line} | finish: {finish}]"
+
+
+def _run(llm, args, params, spec, echo: bool) -> dict:
     messages = None
     if args.chat is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
                    [{"role": "user", "content": args.chat}]
     chunks, ids = [], []
-    for chunk in llm.stream(args.prompt, messages, params):
+    for chunk in llm.stream(args.prompt, messages, params, spec):
         chunks.append(chunk.text)
         ids.extend(chunk.token_ids)
-        if not args.json:
+        if echo:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
-    stats = chunk.stats
-    if args.json:
-        print(json.dumps({"text": "".join(chunks), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
-                          "new_tokens": stats.new_tokens, "ttft_s": stats.ttft_s,
-                          "tokens_per_s": stats.tokens_per_s, "finish_reason": chunk.finish_reason}))
-    else:
+    if echo:
         print()
-        print(f"[prompt {stats.prompt_tokens} tokens | new {stats.new_tokens} tokens | "
-              f"ttft {stats.ttft_s * 1000:.0f} ms | {stats.tokens_per_s:.1f} tokens/s | "
-              f"finish: {chunk.finish_reason}]", file=sys.stderr)
+    stats = chunk.stats
+    return {"text": "".join(chunks), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": stats.new_tokens, "ttft_s": stats.ttft_s, "tokens_per_s": stats.tokens_per_s,
+            "finish_reason": chunk.finish_reason, "stats": stats.to_dict(), "_stats": stats}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params, spec = sampling_from_args(args), spec_from_args(args)  # validate before the slow load
+    if args.prompt is None and args.chat is None:
+        raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
+    if args.compare and not spec.enabled:
+        raise QuickdraftError("--compare needs a proposer: add --spec ngram (or --spec draft --draft-model PATH)")
+    progress = sys.stderr.isatty() and not args.json
+    llm = load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec)
+    plain = _run(llm, args, params, SpecConfig(), echo=False) if args.compare else None
+    result = _run(llm, args, params, spec, echo=not args.json)
+    if not args.json:
+        if plain is not None:
+            print(f"plain:       {stats_line(plain['_stats'], plain['finish_reason'])}", file=sys.stderr)
+        print(f"{'speculative: ' if plain else ''}{stats_line(result['_stats'], result['finish_reason'])}",
+              file=sys.stderr)
+    if plain is not None:
+        speedup = result["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        identical = plain["token_ids"] == result["token_ids"]
+        if not args.json:
+            print(f"speedup {speedup:.2f}x ({spec.method}, k={spec.k}: {result['tokens_per_s']:.1f} vs "
+                  f"{plain['tokens_per_s']:.1f} tokens/s); outputs identical: {'yes' if identical else 'no'}"
+                  f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
+    if args.json:
+        out = {key: value for key, value in result.items() if not key.startswith("_")}
+        if plain is not None:
+            out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
+                       speculative={key: value for key, value in result.items() if not key.startswith("_")},
+                       speedup=speedup, identical=identical)
+        print(json.dumps(out))
     return 0
 
 
@@ -88,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", "-c", help="a user message, formatted with the model's chat template")
     gen.add_argument("--system", help="system message for --chat")
     add_sampling_args(gen)
+    add_spec_args(gen)
+    gen.add_argument("--compare", action="store_true",
+                     help="run plain decoding first on the same prompt; print the speedup and whether "
+                          "the outputs are identical")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.set_defaults(func=cmd_generate)
 

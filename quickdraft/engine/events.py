@@ -1,7 +1,7 @@
 """What the engine yields: token events and per-request statistics."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length"]
@@ -13,14 +13,55 @@ class GenerationStats:
     new_tokens: int = 0
     ttft_s: float = 0.0       # prompt submitted -> first new token known
     total_s: float = 0.0      # prompt submitted -> last new token known
-    target_passes: int = 0    # forward passes of the target model, prefill included
+    target_passes: int = 0    # forward passes of the target model, the prefill included
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)   # per draft position: tokens drafted there
+    accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
+    propose_s: float = 0.0    # time in the proposer
+    verify_s: float = 0.0     # time in target forward passes and verification
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens committed per target forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.total_s - self.propose_s - self.verify_s)
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        missing = drafted - len(self.drafted_at)
+        if missing > 0:
+            self.drafted_at += [0] * missing
+            self.accepted_at += [0] * missing
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s}
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "ttft_s": self.ttft_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,
+            "target_passes": self.target_passes, "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
+            "tokens_per_pass": self.tokens_per_pass, "acceptance_by_position": self.acceptance_by_position,
+            "propose_s": self.propose_s, "verify_s": self.verify_s, "other_s": self.other_s,
+        }
 
 
 @dataclass

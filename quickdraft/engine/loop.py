@@ -1,20 +1,26 @@
-"""The decoding loop for one request: prefill, then one target pass per step.
+"""The decoding loop for one request: admit -> propose -> one target pass -> verify -> truncate
+-> commit -> emit. Plain decoding is the same loop with no proposer (k = 0).
 
 Yields a TokenEvent per step; a consumer that stops iterating (stop string found, client gone)
 simply closes the generator.
 """
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch
 
+from quickdraft.cache import KVCache
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec.base import Draft, Proposer
+from quickdraft.verify import verify
+
+NO_DRAFT = Draft([], None)
 
 
 def check_context(prompt_len: int, context: int) -> None:
@@ -26,47 +32,63 @@ def check_context(prompt_len: int, context: int) -> None:
             f"expected at most {context - 1} so at least one token can be generated")
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-    """logits [B, V] -> tokens [B]."""
-    if params.greedy:
-        return logits.argmax(-1)
-    return sample(probabilities(logits, params), generator)
-
-
 @torch.inference_mode()
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
-                    eos_token_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
+                    eos_token_ids: frozenset[int] = frozenset(), proposer: Proposer | None = None,
+                    k: int = 0, cache: KVCache | None = None) -> Iterator[TokenEvent]:
+    """Tokens of one request. `cache` (batch 1, room for prompt + max_new_tokens) may be passed
+    in to be inspected: after each event it holds every committed token but the newest."""
     context = model.config.max_position_embeddings
     n_prompt = len(prompt_ids)
     check_context(n_prompt, context)
     budget = min(params.max_new_tokens, context - n_prompt)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    cache = model.new_cache(1, n_prompt + budget)
-    generator = params.make_generator(model.device)
+    device = model.device
+    if cache is None:
+        cache = model.new_cache(1, n_prompt + budget)
+    elif cache.batch_size != 1 or cache.max_len < n_prompt + budget:
+        raise ValueError(f"cache needs batch 1 and room for {n_prompt + budget} tokens")
+    generator = params.make_generator(device)
     stats = GenerationStats(prompt_tokens=n_prompt)
     start = time.perf_counter()
 
-    tokens = torch.tensor([list(prompt_ids)], device=model.device)
-    positions = torch.arange(n_prompt, device=model.device)[None]
-    length = 0
+    feed = list(prompt_ids)  # tokens to run before the draft: the prompt, then the last token
+    length = 0               # tokens whose K/V are in the cache
+    draft = NO_DRAFT         # the prefill step drafts nothing, exactly like plain decoding
     while True:
-        logits = model(tokens, positions, cache, last_n=1).logits
-        length += tokens.shape[1]
+        t0 = time.perf_counter()
+        n_draft = len(draft.tokens)
+        ids = torch.tensor([feed + draft.tokens], device=device)
+        positions = torch.arange(length, length + ids.shape[1], device=device)[None]
+        logits = model(ids, positions, cache, last_n=n_draft + 1).logits  # [1, n_draft+1, V]
+        verdict = verify(torch.tensor([draft.tokens], dtype=torch.long, device=device), [n_draft],
+                         None if draft.q is None else draft.q[None], logits, [params], [generator])
+        accepted, new = verdict.accepted[0], verdict.tokens[0]
+        length += len(feed) + accepted  # rejected drafts' K/V are evicted: a length change
         cache.truncate([length])
         stats.target_passes += 1
-        token = next_token(logits[:, -1], params, generator)
-        token_id = int(token)  # the step's one host sync
-        stats.new_tokens += 1
+        stats.record_draft(n_draft, accepted)
+        stats.verify_s += time.perf_counter() - t0
+
+        emitted, finish = [], None
+        for token in new:  # a stop inside an accepted run drops what follows it
+            if token in stop_ids:
+                finish = "stop"
+                break
+            emitted.append(token)
+            if stats.new_tokens + len(emitted) >= budget:
+                finish = "length"
+                break
+        stats.new_tokens += len(emitted)
         stats.total_s = time.perf_counter() - start
-        if stats.new_tokens == 1:
+        if stats.ttft_s == 0.0 and (emitted or finish):
             stats.ttft_s = stats.total_s
-        if token_id in stop_ids:
-            stats.new_tokens -= 1  # the stop token is not part of the output
-            yield TokenEvent([], "stop", replace(stats))
-            return
-        finish = "length" if stats.new_tokens >= budget else None
-        yield TokenEvent([token_id], finish, replace(stats))
+        yield TokenEvent(emitted, finish, copy.deepcopy(stats))
         if finish:
             return
-        tokens = token.view(1, 1)
-        positions = torch.tensor([[length]], device=model.device)
+        feed = new[-1:]
+        if proposer is not None and k > 0:
+            t1 = time.perf_counter()
+            proposer.commit(new, accepted)
+            draft = proposer.propose(min(k, budget - stats.new_tokens - 1))
+            stats.propose_s += time.perf_counter() - t1

@@ -1,0 +1,80 @@
+"""The proposer protocol, SpecConfig and the registry of proposers.
+
+A proposer guesses the next tokens of one request; the engine verifies them with the target.
+It must not know the engine's loop: it is told the committed tokens and nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+
+MAX_K = 32  # verifying more than this many tokens per pass costs more than it can win here
+
+
+class SpecConfigError(QuickdraftError, ValueError):
+    """Invalid speculative-decoding settings (unknown proposer, bad k, unusable draft model)."""
+
+
+@dataclass
+class Draft:
+    tokens: list[int]            # up to k proposed tokens (may be empty: then the step is plain)
+    q: torch.Tensor | None       # [len(tokens), V] proposer probabilities; None = deterministic
+
+
+class Proposer(Protocol):
+    def propose(self, k: int) -> Draft:
+        """Up to k tokens that may follow the committed sequence."""
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        """`tokens` were appended to the sequence; the first `accepted` of them were this
+        proposer's last draft (the last one is the target's recovered or bonus token)."""
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "none"          # a registry name; "none" = plain decoding
+    k: int = 4                    # draft tokens per step
+    draft_model: str | None = None
+    ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
+    ngram_min: int = 1            # ... down to this length
+
+    def __post_init__(self) -> None:
+        if self.method not in PROPOSERS and self.method != "none":
+            raise SpecConfigError(f"unknown proposer {self.method!r}; valid names: "
+                                  f"{', '.join(['none', *sorted(PROPOSERS)])}")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= MAX_K:
+            raise SpecConfigError(f"k must be an integer in 0..{MAX_K}, found {self.k!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise SpecConfigError(f"n-gram sizes need 1 <= ngram_min <= ngram_max <= 16, "
+                                  f"found {self.ngram_min}, {self.ngram_max}")
+        if self.method == "draft" and not self.draft_model:
+            raise SpecConfigError("the 'draft' proposer needs a draft model (--draft-model PATH)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.k > 0
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer factory may use to start on one request."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    config: SpecConfig
+    target: Any                  # quickdraft.api.LLM: .model, .tokenizer, .draft_model(path)
+
+
+ProposerFactory = Callable[[ProposerContext], Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
+    def wrap(factory: ProposerFactory) -> ProposerFactory:
+        PROPOSERS[name] = factory
+        return factory
+    return wrap

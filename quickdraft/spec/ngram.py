@@ -1,0 +1,49 @@
+"""N-gram prompt lookup: propose what followed the last earlier occurrence of the current suffix.
+
+Pure Python over token ids (no model, no torch in the hot path). Example, max_n = 3:
+
+    sequence: [5 9 2 7 1 5 9 2]          suffix [5 9 2] occurred before, ending at index 2
+    proposal (k=3): [7 1 5]              the tokens that followed that occurrence
+
+If no suffix of length max_n..min_n occurred before, it proposes nothing and the engine's step is
+a plain decoding step, so a miss costs a dictionary lookup per n.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from quickdraft.spec.base import Draft, ProposerContext, register
+
+
+class NgramProposer:
+    def __init__(self, prompt_ids: Sequence[int], max_n: int = 4, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        # n-gram -> end index of its latest occurrence, over n-grams ending before the last token,
+        # so a lookup of the current suffix finds an *earlier* occurrence.
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self._extend(prompt_ids)
+
+    def _extend(self, new: Sequence[int]) -> None:
+        for t in new:
+            end = len(self.tokens) - 1  # index the n-grams ending at the previous last token
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n + 1 >= 0:
+                    self.last_end[tuple(self.tokens[end - n + 1:end + 1])] = end
+            self.tokens.append(t)
+
+    def propose(self, k: int) -> Draft:
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            end = self.last_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                return Draft(tokens[end + 1:end + 1 + k], None)
+        return Draft([], None)
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        self._extend(tokens)
+
+
+@register("ngram")
+def make_ngram(ctx: ProposerContext) -> NgramProposer:
+    return NgramProposer(ctx.prompt_ids, ctx.config.ngram_max, ctx.config.ngram_min)
