@@ -269,7 +269,7 @@ def test_cli_streams_text_then_stats_line(llm: quickdraft.LLM, model_dir: Path,
     ids = llm.generate("hi", params=greedy(5, ignore_eos=True)).token_ids
     assert out == llm.tokenizer.decode(ids) + "\n"
     assert re.fullmatch(r"\[prompt 2 tokens \| new 5 tokens \| ttft \d+ ms \| [\d.]+ tokens/s \| "
-                        r"finish: length\]\n", err), err
+                        r"5 target passes, 1.00 tokens/pass \| finish: length\]\n", err), err
 
 
 def test_cli_chat_and_stop(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.CaptureFixture) -> None:
