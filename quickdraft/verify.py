@@ -4,8 +4,9 @@ p is the target's distribution, q the proposer's. Draft token x at position i is
 u < p_i(x) / q_i(x) (u uniform in [0, 1)); at the first rejection a *recovered* token is drawn
 from normalize(max(0, p_i - q_i)); if every draft token is accepted a *bonus* token is drawn
 from p_k. Greedy is p = one-hot(argmax), deterministic proposers have q = one-hot(x): the same
-arithmetic then accepts exactly the drafts that equal the target's argmax. Knows nothing of
-models or caches.
+arithmetic then accepts exactly the drafts that equal the target's argmax. For greedy rows that
+arithmetic is evaluated in closed form (p(x) = [x == argmax]; the residual and the bonus are both
+one-hot at the argmax) instead of on [k+1, V] one-hot tensors. Knows nothing of models or caches.
 """
 from __future__ import annotations
 
@@ -31,10 +32,14 @@ def verify(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tensor | Non
     target_logits: [B, k+1, V], position i scoring the token after draft[:, :i].
     params / generators: per row (each request has its own settings and RNG)."""
     B = draft.shape[0]
-    rows = []  # per row: (p [n+1, V], q [n, V] or None, acceptance flags [n])
+    rows = []  # per row: (p [n+1, V] or argmax [n+1] for greedy rows, q [n, V] or None, accept flags [n])
     for b in range(B):
         n = draft_lens[b]
         x = draft[b, :n]
+        if params[b].greedy:
+            best = target_logits[b, :n + 1].argmax(-1)  # [n+1]
+            rows.append((best, None, best[:n] == x))
+            continue
         p = probabilities(target_logits[b, :n + 1], params[b])
         steps = torch.arange(n, device=x.device)
         q_row = None if q is None else q[b, :n].float()
@@ -50,6 +55,9 @@ def verify(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tensor | Non
     picks = []
     for b, (p, q_row, _) in enumerate(rows):
         n_acc, n = accepted[b], draft_lens[b]
+        if params[b].greedy:
+            picks.append(p[n_acc:n_acc + 1])  # recovered or bonus: the argmax either way
+            continue
         dist = p[n_acc]  # bonus: every draft accepted
         if n_acc < n:
             q_at = (torch.zeros_like(dist).scatter_(0, draft[b, n_acc:n_acc + 1], 1.0)
