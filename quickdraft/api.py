@@ -99,7 +99,8 @@ class LLM:
         ids = self.prompt_ids(prompt, messages)
         proposer = self.proposer(ids, params, spec)
         detok, stops = StreamDetokenizer(self.tokenizer), StopStringFilter(params.stop)
-        events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k)
+        events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k,
+                                 adaptive=spec.adaptive)
         for event in events:
             text, stopped = stops.feed(detok.push(event.token_ids))
             if stopped:

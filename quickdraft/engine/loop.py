@@ -14,6 +14,7 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.engine.policy import DraftLengthPolicy
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
@@ -35,9 +36,11 @@ def check_context(prompt_len: int, context: int) -> None:
 @torch.inference_mode()
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
                     eos_token_ids: frozenset[int] = frozenset(), proposer: Proposer | None = None,
-                    k: int = 0, cache: KVCache | None = None) -> Iterator[TokenEvent]:
+                    k: int = 0, cache: KVCache | None = None, adaptive: bool = True
+                    ) -> Iterator[TokenEvent]:
     """Tokens of one request. `cache` (batch 1, room for prompt + max_new_tokens) may be passed
-    in to be inspected: after each event it holds every committed token but the newest."""
+    in to be inspected: after each event it holds every committed token but the newest.
+    `adaptive` lets DraftLengthPolicy verify only the part of a draft expected to pay off."""
     context = model.config.max_position_embeddings
     n_prompt = len(prompt_ids)
     check_context(n_prompt, context)
@@ -50,6 +53,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         raise ValueError(f"cache needs batch 1 and room for {n_prompt + budget} tokens")
     generator = params.make_generator(device)
     stats = GenerationStats(prompt_tokens=n_prompt)
+    policy = DraftLengthPolicy(k)
     start = time.perf_counter()
 
     feed = list(prompt_ids)  # tokens to run before the draft: the prompt, then the last token
@@ -68,7 +72,10 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         cache.truncate([length])
         stats.target_passes += 1
         stats.record_draft(n_draft, accepted)
-        stats.verify_s += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        stats.verify_s += step_s
+        if len(feed) == 1:  # the prefill's time says nothing about decode steps
+            policy.observe(1 + n_draft, step_s)
 
         emitted, finish = [], None
         for token in new:  # a stop inside an accepted run drops what follows it
@@ -79,6 +86,9 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
             if stats.new_tokens + len(emitted) >= budget:
                 finish = "length"
                 break
+        if finish == "stop":  # drafts accepted after the stop token leave the cache too
+            length -= accepted - len(emitted)
+            cache.truncate([length])
         stats.new_tokens += len(emitted)
         stats.total_s = time.perf_counter() - start
         if stats.ttft_s == 0.0 and (emitted or finish):
@@ -91,4 +101,6 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
             t1 = time.perf_counter()
             proposer.commit(new, accepted)
             draft = proposer.propose(min(k, budget - stats.new_tokens - 1))
+            if adaptive:
+                draft = draft.prefix(policy.choose(len(draft.tokens), draft.accept_prob))
             stats.propose_s += time.perf_counter() - t1

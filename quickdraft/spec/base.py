@@ -24,6 +24,13 @@ class SpecConfigError(QuickdraftError, ValueError):
 class Draft:
     tokens: list[int]            # up to k proposed tokens (may be empty: then the step is plain)
     q: torch.Tensor | None       # [len(tokens), V] proposer probabilities; None = deterministic
+    accept_prob: float | None = None  # the proposer's estimate that each token is accepted; when
+                                      # given, the engine may verify only a prefix (see policy.py)
+
+    def prefix(self, n: int) -> "Draft":
+        if n == len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.accept_prob)
 
 
 class Proposer(Protocol):
@@ -31,8 +38,8 @@ class Proposer(Protocol):
         """Up to k tokens that may follow the committed sequence."""
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        """`tokens` were appended to the sequence; the first `accepted` of them were this
-        proposer's last draft (the last one is the target's recovered or bonus token)."""
+        """`tokens` were appended to the sequence; the first `accepted` of them were drafts of this
+        proposer's last proposal (possibly cut short by the engine), the last one is the target's."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,8 @@ class SpecConfig:
     k: int = 4                    # draft tokens per step
     draft_model: str | None = None
     ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
-    ngram_min: int = 1            # ... down to this length
+    ngram_min: int = 2            # ... down to this length (1-token matches rarely pay)
+    adaptive: bool = True         # verify only the draft prefix expected to pay for itself
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS and self.method != "none":

@@ -5,6 +5,7 @@ recovered or bonus token), k sequential draft steps, and rollback of rejected po
 """
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Sequence
 
 import torch
@@ -56,8 +57,9 @@ class DraftModelProposer:
         return Draft(drafted, None if self.params.greedy else torch.cat(qs))
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        # After a proposal `cached` == len(tokens) (before the first it is 0: nothing was run yet).
         # Accepted drafts that were fed keep their K/V; everything after is evicted.
-        self.cached = len(self.tokens) + min(accepted, self.fed_drafts)
+        self.cached += min(accepted, self.fed_drafts)
         self.cache.truncate([self.cached])
         self.tokens.extend(tokens)
         self.fed_drafts = 0
@@ -73,7 +75,7 @@ def check_compatible(target, draft) -> None:
         raise SpecConfigError(f"draft vocabulary has {dv} entries but the target's has {tv}; "
                               f"a draft model must share the target's tokenizer")
     t_tokens, d_tokens = target.tokenizer.token_strings(), draft.tokenizer.token_strings()
-    for i, (a, b) in enumerate(zip(t_tokens, d_tokens)):
+    for i, (a, b) in enumerate(zip_longest(t_tokens, d_tokens)):
         if a != b:
             raise SpecConfigError(f"draft and target tokenizers differ: token {i} is {b!r} in the "
                                   f"draft but {a!r} in the target")

@@ -7,12 +7,18 @@ Pure Python over token ids (no model, no torch in the hot path). Example, max_n 
 
 If no suffix of length max_n..min_n occurred before, it proposes nothing and the engine's step is
 a plain decoding step, so a miss costs a dictionary lookup per n.
+
+It also learns, per match length, how often its tokens agree with what the target commits (also
+for tokens the engine chose not to verify: the committed text shows whether they would have been
+accepted) and reports that as the draft's `accept_prob`.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from quickdraft.spec.base import Draft, ProposerContext, register
+
+PRIOR = (1.0, 2.0)  # pseudo-counts (agreeing tokens, disagreements) per match length: 1/3 at first
 
 
 class NgramProposer:
@@ -22,6 +28,8 @@ class NgramProposer:
         # n-gram -> end index of its latest occurrence, over n-grams ending before the last token,
         # so a lookup of the current suffix finds an *earlier* occurrence.
         self.last_end: dict[tuple[int, ...], int] = {}
+        self.agreement: dict[int, list[float]] = {}          # match length -> [agreed, disagreed]
+        self.pending: tuple[int, list[int]] | None = None    # (match length, tokens) last proposed
         self._extend(prompt_ids)
 
     def _extend(self, new: Sequence[int]) -> None:
@@ -37,10 +45,24 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             end = self.last_end.get(tuple(tokens[-n:]))
             if end is not None:
-                return Draft(tokens[end + 1:end + 1 + k], None)
+                proposal = tokens[end + 1:end + 1 + k]
+                agreed, disagreed = self.agreement.get(n, PRIOR)
+                self.pending = (n, proposal)
+                return Draft(proposal, None, agreed / (agreed + disagreed))
         return Draft([], None)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        if self.pending is not None:
+            n, proposal = self.pending
+            agreed = 0
+            for drafted, committed in zip(proposal, tokens):
+                if drafted != committed:
+                    break
+                agreed += 1
+            counts = self.agreement.setdefault(n, list(PRIOR))
+            counts[0] += agreed
+            counts[1] += agreed < min(len(proposal), len(tokens))
+            self.pending = None
         self._extend(tokens)
 
 
