@@ -1,0 +1,215 @@
+"""`quickdraft bench specbench`: Spec-Bench questions through plain decoding and each method on the
+same target, same machine, same run, methods interleaved per question so machine drift cancels.
+
+Turns a method list into runs and runs into per-question records; bench/report.py turns those
+into tables, results.json and the chart. Multi-turn questions are run as Spec-Bench runs them:
+turn 1 with the chat template, its text appended as the assistant message, then turn 2; both
+turns' tokens and seconds count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from quickdraft.api import LLM, load, parse_dtype
+from quickdraft.bench.questions import Question
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.tokenizer import Message
+
+PLAIN = "plain"
+HF_ROWS = ("hf-plain", "hf-prompt-lookup")
+
+
+@dataclass(frozen=True)
+class Method:
+    label: str                 # the row name in every table
+    spec: SpecConfig | None    # quickdraft's decoding (method "none" = plain); None for transformers rows
+    hf: str | None = None      # "plain" or "prompt-lookup" for the transformers comparators
+
+    def describe(self) -> dict[str, Any]:
+        if self.spec is None:
+            return {"label": self.label, "engine": "transformers", "method": self.hf, "k": None, "spec": None}
+        return {"label": self.label, "engine": "quickdraft", "method": self.spec.method,
+                "k": self.spec.k if self.spec.enabled else 0, "spec": dataclasses.asdict(self.spec)}
+
+
+def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
+                  compare_hf: bool = False) -> list[Method]:
+    """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2` -> methods, plain first (always run: it is the
+    baseline). NAME:K sets k for one method; a draft model's path follows `draft:` (then :K).
+    n-gram sizes left None keep SpecConfig's defaults."""
+    ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
+    methods = [Method(PLAIN, SpecConfig())]
+    for item in (t.strip() for t in text.split(",")):
+        if not item or item == PLAIN:
+            continue
+        name, _, arg = item.partition(":")
+        path, k_text = None, arg
+        if name == "draft":
+            path, sep, tail = arg.rpartition(":")
+            path, k_text = (path, tail) if sep and tail.isdigit() else (arg, "")
+            if not path:
+                raise QuickdraftError(f"method {item!r}: the draft proposer needs a model, e.g. draft:PATH")
+        if name not in PROPOSERS:
+            raise QuickdraftError(f"unknown method {name!r} in --methods; valid names: "
+                                  f"{', '.join([PLAIN, *sorted(PROPOSERS)])} (NAME:K sets k; draft:PATH[:K])")
+        if k_text and not k_text.isdigit():
+            raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
+        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, draft_model=path, **ngram)
+        label = f"{name}:{Path(path).name}" if path else name
+        methods.append(Method(f"{label} k={spec.k}", spec))
+    if compare_hf:
+        methods += [Method("hf-plain", None, "plain"), Method("hf-prompt-lookup", None, "prompt-lookup")]
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise QuickdraftError(f"--methods names the same method twice: {', '.join(labels)}")
+    return methods
+
+
+def _quickdraft_turn(llm: LLM, spec: SpecConfig, messages: list[Message], params: SamplingParams) -> dict:
+    # Through the public API, as users call it: the chat template, the proposer's set-up, decoding
+    # and detokenization are all timed (the same for every quickdraft row).
+    start = time.perf_counter()
+    out = llm.generate(messages=messages, params=params, spec=spec)
+    wall = time.perf_counter() - start
+    stats = out.stats
+    return {"token_ids": out.token_ids, "text": out.text, "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": len(out.token_ids), "committed_tokens": len(out.token_ids) + (out.finish_reason == "stop"),
+            "wall_s": wall, "target_passes": stats.target_passes, "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens, "finish_reason": out.finish_reason}
+
+
+def _hf_turn(llm: LLM, hf_model: torch.nn.Module, kind: str, lookup_tokens: int, messages: list[Message],
+             params: SamplingParams) -> dict:
+    from quickdraft.bench.hf_reference import hf_greedy, hf_prompt_lookup
+    ids = llm.tokenizer.apply_chat_template(messages)  # the prompt ids quickdraft's rows decode from
+    eos = sorted(llm.tokenizer.eos_token_ids)
+    if kind == "plain":
+        out, wall = hf_greedy(hf_model, ids, params.max_new_tokens, eos_token_ids=eos)
+    else:
+        out, wall = hf_prompt_lookup(hf_model, ids, params.max_new_tokens, eos_token_ids=eos,
+                                     num_tokens=lookup_tokens)
+    stop = next((i for i, t in enumerate(out) if t in llm.tokenizer.eos_token_ids), None)
+    out = out if stop is None else out[:stop]  # the EOS is committed, not emitted (as ours)
+    return {"token_ids": out, "text": llm.tokenizer.decode(out), "prompt_tokens": len(ids), "new_tokens": len(out),
+            "committed_tokens": len(out) + (stop is not None), "wall_s": wall, "target_passes": None,
+            "drafted_tokens": None, "accepted_tokens": None,
+            "finish_reason": "stop" if stop is not None else "length"}
+
+
+TurnRunner = Callable[[list[Message], SamplingParams], dict]
+
+
+def run_conversation(llm: LLM, turns: Sequence[str], params: SamplingParams, run_turn: TurnRunner) -> list[dict]:
+    """Every turn of one question: each turn's prompt is the chat so far (with the method's own
+    earlier answers, as Spec-Bench does), formatted with the chat template."""
+    messages: list[Message] = []
+    records = []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        record = run_turn(list(messages), params)
+        messages.append({"role": "assistant", "content": record["text"]})
+        records.append(record)
+    return records
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def question_record(records: list[dict], plain_ids: list[int] | None) -> dict:
+    """Per-question figures of one method from its turn records (all turns summed)."""
+    ids = [t for r in records for t in r["token_ids"]]
+    new = sum(r["new_tokens"] for r in records)
+    wall = sum(r["wall_s"] for r in records)
+    passes = None if records[0]["target_passes"] is None else sum(r["target_passes"] for r in records)
+    drafted = None if passes is None else sum(r["drafted_tokens"] for r in records)
+    accepted = None if passes is None else sum(r["accepted_tokens"] for r in records)
+    committed = sum(r["committed_tokens"] for r in records)
+    diff = None if plain_ids is None else _first_difference(ids, plain_ids)
+    return {
+        "new_tokens": new, "committed_tokens": committed, "wall_s": wall,
+        "tokens_per_s": new / wall if wall > 0 else 0.0, "target_passes": passes,
+        "tokens_per_pass": committed / passes if passes else None,
+        "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "identical_to_plain": None if plain_ids is None else diff is None, "first_difference": diff,
+        "turns": [{k: v for k, v in r.items() if k not in ("token_ids", "text")} for r in records],
+    }
+
+
+def _runners(llm: LLM, methods: Sequence[Method], device: str, lookup_tokens: int) -> dict[str, TurnRunner]:
+    runners: dict[str, TurnRunner] = {}
+    hf_model = None
+    for m in methods:
+        if m.spec is not None:
+            runners[m.label] = lambda msgs, p, spec=m.spec: _quickdraft_turn(llm, spec, msgs, p)
+            continue
+        if hf_model is None:
+            from quickdraft.bench.hf_reference import load_hf_model
+            hf_model = load_hf_model(llm.loaded.source, llm.model.dtype, device)
+        runners[m.label] = lambda msgs, p, kind=m.hf: _hf_turn(llm, hf_model, kind, lookup_tokens, msgs, p)
+    return runners
+
+
+def _check_hf_greedy(methods: Sequence[Method], temperature: float) -> None:
+    if temperature > 0 and any(m.spec is None for m in methods):
+        raise QuickdraftError("--compare-hf runs transformers greedily; use --temperature 0 with it")
+
+
+def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], max_new_tokens: int,
+                  temperature: float = 0.0, seed: int | None = None, device: str = "cpu",
+                  hf_lookup_tokens: int = 10, progress: bool = True) -> list[dict]:
+    """Per question, every method back to back (the order rotating from question to question), after
+    one warm-up run per method. Returns one record per question with a `runs` entry per method."""
+    _check_hf_greedy(methods, temperature)
+    runners = _runners(llm, methods, device, hf_lookup_tokens)
+    warm = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=min(16, max_new_tokens))
+    for m in methods:  # kernels built, draft models loaded, caches touched: none of it is timed
+        run_conversation(llm, questions[0].turns[:1], warm, runners[m.label])
+    greedy = temperature == 0
+    results = []
+    bar = tqdm(total=len(questions) * len(methods), unit="run", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
+    for i, q in enumerate(questions):
+        # Every method of one question shares the seed; sampled outputs still differ by design.
+        params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                                seed=None if seed is None else seed + i)
+        order = list(methods[i % len(methods):]) + list(methods[:i % len(methods)])
+        turns: dict[str, list[dict]] = {}
+        for m in order:
+            bar.set_postfix_str(f"{q.group} #{q.question_id} {m.label}", refresh=False)
+            turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label])
+            bar.update()
+        plain_ids = [t for r in turns[PLAIN] for t in r["token_ids"]] if greedy else None
+        runs = {m.label: question_record(turns[m.label], plain_ids) for m in methods}
+        results.append({"question_id": q.question_id, "category": q.category, "group": q.group,
+                        "turns": len(q.turns), "runs": runs})
+    bar.close()
+    return results
+
+
+def run_specbench(model: str | None, questions: Sequence[Question], methods: Sequence[Method],
+                  max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
+                  device: str = "cpu", dtype: str = "float32", hf_lookup_tokens: int = 10,
+                  progress: bool = True) -> tuple[LLM, list[dict]]:
+    SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)  # validate first
+    parse_dtype(dtype)
+    _check_hf_greedy(methods, temperature)
+    drafts = sorted({m.spec.draft_model for m in methods if m.spec is not None and m.spec.draft_model})
+    llm = load(model, device=device, dtype=dtype)
+    for path in drafts:  # load and check compatibility before the first question, not during it
+        llm.draft_model(path)
+    return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device,
+                              hf_lookup_tokens, progress)

@@ -1,0 +1,284 @@
+"""`quickdraft bench specbench` and `bench forward-cost` on a tiny random model with a handful of
+questions written in the test (never a download).
+
+Oracles: the metric definitions recomputed from the per-question records (plain's speedup and
+tokens per pass are 1.00 by definition), the results.json schema table in docs/benchmarks.md
+(both ways: every documented key exists, every key written is documented), and an engine broken
+on purpose (its verifier accepts every draft) that the identity check must catch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+import quickdraft
+from quickdraft import SamplingParams
+from quickdraft.bench import questions as qmod
+from quickdraft.bench.questions import Question, load_questions, resolve_questions_path, select_questions
+from quickdraft.bench.report import summarize
+from quickdraft.bench.specbench import parse_methods, run_questions
+from quickdraft.cli import main
+from quickdraft.engine import loop
+from quickdraft.engine.cost import measure_forward_cost
+from quickdraft.errors import QuickdraftError
+from quickdraft.spec import PROPOSERS, Draft
+from quickdraft.verify import Verdict
+from tiny_tokenizer import tiny_llm_dir
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write the theme of the story.", "Now the the again."]},
+    {"question_id": 7, "category": "qa", "turns": ["the cat the cat the cat the"]},
+    {"question_id": 9, "category": "qa", "turns": ["Who wrote hello hello?"]},
+    {"question_id": 12, "category": "roleplay", "turns": ["Be a storm.", "Stop."]},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llm_dir(tmp_path_factory.mktemp("bench") / "model")
+
+
+def write_questions(path: Path, rows: list[dict] = QUESTIONS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def specbench(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
+    out = tmp_path / "out"
+    rc = main(["bench", "specbench", "--model", str(model_dir), "--questions",
+               str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "8", "--out", str(out),
+               "--no-progress", *extra])
+    return rc, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
+
+
+class Repeat7:
+    """Proposes token 7 k times; harmless with a correct verifier, wrong output with a broken one."""
+
+    def __init__(self, ctx) -> None:
+        pass
+
+    def propose(self, k: int) -> Draft:
+        return Draft([7] * k, None)
+
+    def commit(self, tokens, accepted: int) -> None:
+        pass
+
+
+# -- the report ----------------------------------------------------------------------------------------
+
+def test_specbench_report_figures_follow_the_definitions(model_dir: Path, tmp_path: Path, capsys,
+                                                        monkeypatch) -> None:
+    monkeypatch.setitem(PROPOSERS, "repeat7", Repeat7)
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,ngram,repeat7:2")
+    stdout = capsys.readouterr().out
+    assert rc == 0 and res["failures"] == []
+    labels = [m["label"] for m in res["methods"]]
+    assert labels == ["plain", "ngram k=4", "repeat7 k=2"]
+    assert list(res["summary"]["groups"]) == ["mt_bench", "qa"]  # writing + roleplay -> mt_bench
+    assert sorted(q["question_id"] for q in res["questions"]) == [7, 9, 12, 81]
+    for scope in [*res["summary"]["groups"].values(), res["summary"]["overall"]]:
+        assert scope["plain"]["speedup"] == 1.0 and scope["plain"]["tokens_per_pass"] == 1.0
+        for label in labels:
+            assert scope[label]["identical_pct"] == 100.0
+    for group, scope in [*res["summary"]["groups"].items(), ("overall", res["summary"]["overall"])]:
+        qs = [q for q in res["questions"] if group in ("overall", q["group"])]
+        plain_tps = statistics.fmean(q["runs"]["plain"]["tokens_per_s"] for q in qs)
+        for label in labels:
+            runs = [q["runs"][label] for q in qs]
+            s = scope[label]
+            assert s["questions"] == len(qs)
+            assert s["tokens_per_s"] == pytest.approx(statistics.fmean(r["new_tokens"] / r["wall_s"] for r in runs))
+            assert s["speedup"] == pytest.approx(s["tokens_per_s"] / plain_tps)
+            passes = sum(r["target_passes"] for r in runs)
+            assert s["tokens_per_pass"] == pytest.approx(sum(r["committed_tokens"] for r in runs) / passes)
+    drafts = res["summary"]["overall"]["repeat7 k=2"]
+    assert drafts["drafted_tokens"] > 0  # it drafts at every step
+    assert drafts["acceptance_rate"] == pytest.approx(drafts["accepted_tokens"] / drafts["drafted_tokens"])
+    # Two-turn question: both turns run, the second prompt holds the first turn and its answer.
+    two = next(q for q in res["questions"] if q["question_id"] == 81)["runs"]["plain"]
+    assert two["turns"] and len(two["turns"]) == 2
+    t1, t2 = two["turns"]
+    assert t2["prompt_tokens"] > t1["prompt_tokens"] + t1["new_tokens"]
+    assert two["new_tokens"] == t1["new_tokens"] + t2["new_tokens"] > 0
+    assert two["wall_s"] == pytest.approx(t1["wall_s"] + t2["wall_s"])
+    # The tables, on stdout and in report.md.
+    assert stdout == report
+    for heading in ("### Overall", "### Speedup by task group", "### By task group"):
+        assert heading in report
+    assert re.search(r"^\| plain \| [\d.]+ \| 1\.00x \| 1\.00 \| – \| 100% \|$", report, re.M)
+    assert re.search(r"^\| method \| mt_bench \| qa \| overall \|$", report, re.M)
+    png = (tmp_path / "out" / "speedup.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+
+def documented_keys() -> list[str]:
+    text = DOCS.read_text()
+    section = text.split("## results.json schema", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", section, re.M)
+
+
+def flatten(value, prefix: str = "", methods=(), groups=()) -> set[str]:
+    """Key paths as the schema table writes them: lists as [], method and group keys as <...>."""
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return set().union(*(flatten(v, prefix + "[]", methods, groups) for v in value))
+    if not isinstance(value, dict) or prefix == "methods[].spec":  # SpecConfig's fields: documented as one
+        return {prefix}
+    paths = set()
+    for key, v in value.items():
+        name = "<method>" if key in methods else "<group>" if key in groups and prefix.endswith("groups") else key
+        paths |= flatten(v, f"{prefix}.{name}" if prefix else name, methods, groups)
+    return paths
+
+
+def test_results_json_matches_the_documented_schema(model_dir: Path, tmp_path: Path) -> None:
+    rc, res, _ = specbench(model_dir, tmp_path, "--methods", "plain,ngram")
+    assert rc == 0
+    documented = set(documented_keys())
+    assert "summary.overall.<method>.speedup" not in documented  # documented as one object row
+    written = flatten(res, methods={m["label"] for m in res["methods"]}, groups=set(res["summary"]["groups"]))
+    overall = {p for p in written if p.startswith("summary.overall.<method>.")}
+    assert overall and {p.replace("summary.overall", "summary.groups.<group>") for p in overall} <= documented
+    written = (written - overall) | {"summary.overall.<method>"}
+    assert written == documented, (sorted(written - documented), sorted(documented - written))
+
+
+def test_turns_ending_on_eos_count_the_stop_token_as_committed(model_dir: Path) -> None:
+    """Plain commits one token per pass, the stop token included, so its tokens/pass is exactly 1
+    even when turns end on EOS (where new tokens < passes)."""
+    llm = quickdraft.load(model_dir)
+    qs = [Question(q["question_id"], q["category"], qmod.GROUP_OF[q["category"]], tuple(q["turns"]))
+          for q in QUESTIONS]
+    plain = llm.generate(messages=[{"role": "user", "content": qs[1].turns[0]}],
+                         params=SamplingParams(max_new_tokens=8)).token_ids
+    llm.tokenizer.eos_token_ids = frozenset({plain[3]})  # an EOS the tiny model does produce
+    methods = parse_methods("ngram:2", k=4, compare_hf=True)
+    records = run_questions(llm, qs, methods, max_new_tokens=8, progress=False)
+    summary = summarize(records, [m.label for m in methods])
+    stopped = [q["runs"]["plain"] for q in records if q["runs"]["plain"]["turns"][-1]["finish_reason"] == "stop"]
+    assert stopped and all(r["new_tokens"] < r["target_passes"] == r["committed_tokens"] for r in stopped)
+    assert summary["overall"]["plain"]["tokens_per_pass"] == 1.0
+    assert summary["overall"]["plain"]["new_tokens"] < summary["overall"]["plain"]["target_passes"]
+    for label in ("ngram k=2", "hf-plain", "hf-prompt-lookup"):  # all stop where plain stops
+        assert summary["overall"][label]["identical_pct"] == 100.0
+        assert summary["overall"][label]["committed_tokens"] == summary["overall"]["plain"]["committed_tokens"]
+
+
+# -- the identity check --------------------------------------------------------------------------------
+
+def accept_everything(draft, draft_lens, q, target_logits, params, generators) -> Verdict:
+    """A broken verifier: every draft token accepted, then the target's argmax after them."""
+    return Verdict(list(draft_lens), [draft[b, :n].tolist() + [int(target_logits[b, n].argmax())]
+                                      for b, n in enumerate(draft_lens)])
+
+
+def test_identity_check_catches_a_broken_engine(model_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setitem(PROPOSERS, "repeat7", Repeat7)
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,repeat7,ngram")
+    assert rc == 0 and res["failures"] == []  # the real verifier makes even this proposer exact
+    assert res["summary"]["overall"]["repeat7 k=4"]["identical_pct"] == 100.0
+
+    monkeypatch.setattr(loop, "verify", accept_everything)  # raising=True: fails loudly if renamed
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,repeat7")
+    assert rc == 1
+    broken = res["summary"]["overall"]["repeat7 k=4"]
+    assert broken["identical"] == 0 and broken["identical_pct"] == 0.0
+    assert sorted(broken["different_question_ids"]) == [7, 9, 12, 81]
+    assert all(q["runs"]["repeat7 k=4"]["first_difference"] is not None for q in res["questions"])
+    assert len(res["failures"]) == 1 and res["failures"][0].startswith("FAILURE: repeat7 k=4: 4 of 4")
+    assert res["failures"][0] in capsys.readouterr().out and res["failures"][0] in report
+
+
+def test_sampling_reports_no_identity_and_fails_nothing(model_dir: Path, tmp_path: Path) -> None:
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,ngram", "--temperature", "0.8",
+                                "--seed", "3")
+    assert rc == 0 and res["failures"] == []
+    assert res["summary"]["overall"]["ngram k=4"]["identical_pct"] is None
+    assert res["summary"]["overall"]["plain"]["speedup"] == 1.0
+
+
+def test_compare_hf_rows_report_identity_but_are_exempt(model_dir: Path, tmp_path: Path) -> None:
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain", "--compare-hf", "--groups", "qa")
+    assert rc == 0 and [m["label"] for m in res["methods"]] == ["plain", "hf-plain", "hf-prompt-lookup"]
+    for label in ("hf-plain", "hf-prompt-lookup"):
+        s = res["summary"]["overall"][label]
+        assert s["questions"] == 2 and s["identical_pct"] is not None and s["target_passes"] is None
+        assert s["speedup"] > 0
+    assert "| hf-prompt-lookup |" in report
+    with pytest.raises(QuickdraftError, match="greedily"):
+        main_raises(["bench", "specbench", "--model", str(model_dir), "--questions", str(tmp_path / "q.jsonl"),
+                     "--compare-hf", "--temperature", "0.5", "--no-progress"])
+
+
+def main_raises(argv: list[str]) -> None:
+    from quickdraft.cli import build_parser
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+# -- methods and questions -----------------------------------------------------------------------------
+
+def test_parse_methods() -> None:
+    methods = parse_methods("ngram:8,draft:/models/small:2,ngram", k=3)
+    assert [m.label for m in methods] == ["plain", "ngram k=8", "draft:small k=2", "ngram k=3"]
+    assert methods[2].spec.draft_model == "/models/small" and methods[2].spec.k == 2
+    assert parse_methods("draft:/models/small", k=5)[1].spec.k == 5
+    assert [m.label for m in parse_methods("plain", 4, compare_hf=True)] == ["plain", "hf-plain", "hf-prompt-lookup"]
+    for bad, message in [("medusa", "unknown method 'medusa'.*ngram"), ("ngram,ngram:4", "twice"),
+                         ("ngram:x", "integer K"), ("draft", "needs a model"), ("ngram:99", "k must be")]:
+        with pytest.raises(QuickdraftError, match=message):
+            parse_methods(bad, k=4)
+
+
+def test_questions_default_path_groups_and_limit(tmp_path: Path, monkeypatch) -> None:
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(qmod, "REPO_ROOT", tmp_path / "elsewhere")
+    with pytest.raises(QuickdraftError, match="--questions PATH"):
+        resolve_questions_path(None)
+    shared = tmp_path / "shared" / "data" / "specbench"
+    shared.mkdir(parents=True)
+    rows = [{"question_id": i, "category": c, "turns": ["x"]}
+            for i, c in enumerate(["writing"] * 3 + ["coding"] * 2 + ["rag"] * 2)]
+    write_questions(shared / "questions.jsonl", rows)
+    assert resolve_questions_path(None) == (shared / "questions.jsonl").resolve()
+    qs = load_questions(resolve_questions_path(None))
+    picked = select_questions(qs, ["mt_bench", "rag"], limit=3)
+    assert [(q.question_id, q.category) for q in picked] == [(0, "writing"), (3, "coding"), (1, "writing"),
+                                                              (5, "rag"), (6, "rag")]
+    write_questions(tmp_path / "bad.jsonl", [{"question_id": 1, "category": "poetry", "turns": ["x"]}])
+    with pytest.raises(QuickdraftError, match="'poetry' belongs to no Spec-Bench group"):
+        load_questions(tmp_path / "bad.jsonl")
+    assert main(["bench", "specbench", "--groups", "qa,poems"]) == 1  # fails before any model load
+
+
+# -- forward cost --------------------------------------------------------------------------------------
+
+def test_measure_forward_cost_on_a_tiny_model(model_dir: Path) -> None:
+    model = quickdraft.load(model_dir).model
+    cost = measure_forward_cost(model, [2, 4, 8], context_len=32, repeats=3)
+    assert sorted(cost.ratios) == [1, 2, 4, 8] and cost.ratios[1] == 1.0
+    assert all(math.isfinite(r) and r > 0 for r in cost.ratios.values())
+    assert cost.t1_s == cost.median_s[1] > 0
+    assert cost.ratios[8] == pytest.approx(cost.median_s[8] / cost.t1_s)
+    with pytest.raises(ValueError, match="exceed the model's 256 positions"):
+        measure_forward_cost(model, [64], context_len=200)
+
+
+def test_forward_cost_command_writes_json_and_png(model_dir: Path, tmp_path: Path, capsys) -> None:
+    rc = main(["bench", "forward-cost", "--model", str(model_dir), "--max-q", "6", "--context", "16",
+               "--repeats", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    record = json.loads((tmp_path / "forward_cost.json").read_text())
+    assert list(record["ratios"]) == ["1", "2", "3", "4", "5", "6"] and record["ratios"]["1"] == 1.0
+    assert (tmp_path / "forward_cost.png").read_bytes().startswith(b"\x89PNG")
+    out = capsys.readouterr().out
+    assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| 1\.000 \|$", out, re.M) and "| 6 |" in out
+    assert main(["bench", "forward-cost", "--model", str(model_dir), "--context", "250", "--max-q", "16"]) == 1
+    assert main(["bench", "forward-cost", "--model", str(model_dir), "--threads", "0"]) == 1
