@@ -24,7 +24,8 @@ VOCAB = BASE["vocab_size"]
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
 F32_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama3-rope-scaling"]
 QUANT_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias"]
-QTYPES = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+QTYPES = [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+          GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
 
 def gguf_name(hf: str) -> str:
@@ -83,6 +84,8 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None) -> dic
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else {
+        GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
+        GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
         GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
         GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
         GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
