@@ -14,6 +14,7 @@ class GenerationStats:
     ttft_s: float = 0.0       # prompt submitted -> first new token known
     total_s: float = 0.0      # prompt submitted -> last new token known
     target_passes: int = 0    # forward passes of the target model, the prefill included
+    committed_tokens: int = 0  # new tokens plus a stop token that ended generation
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     drafted_at: list[int] = field(default_factory=list)   # per draft position: tokens drafted there
@@ -32,7 +33,7 @@ class GenerationStats:
     @property
     def tokens_per_pass(self) -> float:
         """Mean tokens committed per target forward pass (1.0 for plain decoding)."""
-        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+        return self.committed_tokens / self.target_passes if self.target_passes else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -57,7 +58,8 @@ class GenerationStats:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "ttft_s": self.ttft_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,
-            "target_passes": self.target_passes, "drafted_tokens": self.drafted_tokens,
+            "target_passes": self.target_passes, "committed_tokens": self.committed_tokens,
+            "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
             "tokens_per_pass": self.tokens_per_pass, "acceptance_by_position": self.acceptance_by_position,
             "propose_s": self.propose_s, "verify_s": self.verify_s, "other_s": self.other_s,

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
 from quickdraft.engine.policy import DraftLengthPolicy
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
@@ -31,6 +31,17 @@ def check_context(prompt_len: int, context: int) -> None:
         raise ContextTooLong(
             f"the prompt has {prompt_len} tokens but the model's context holds {context}; "
             f"expected at most {context - 1} so at least one token can be generated")
+
+
+def _cut_at_stop(new: list[int], stop_ids: set[int], remaining: int) -> tuple[list[int], FinishReason | None]:
+    """The tokens to emit out of a step's `new` ones: a stop token or the budget inside an accepted
+    run ends generation there and drops what follows."""
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            return new[:i], "stop"
+        if i + 1 >= remaining:
+            return new[:i + 1], "length"
+    return new, None
 
 
 @torch.inference_mode()
@@ -77,19 +88,12 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         if len(feed) == 1:  # the prefill's time says nothing about decode steps
             policy.observe(1 + n_draft, step_s)
 
-        emitted, finish = [], None
-        for token in new:  # a stop inside an accepted run drops what follows it
-            if token in stop_ids:
-                finish = "stop"
-                break
-            emitted.append(token)
-            if stats.new_tokens + len(emitted) >= budget:
-                finish = "length"
-                break
+        emitted, finish = _cut_at_stop(new, stop_ids, budget - stats.new_tokens)
         if finish == "stop":  # drafts accepted after the stop token leave the cache too
             length -= accepted - len(emitted)
             cache.truncate([length])
         stats.new_tokens += len(emitted)
+        stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(new))
         stats.total_s = time.perf_counter() - start
         if stats.ttft_s == 0.0 and (emitted or finish):
             stats.ttft_s = stats.total_s
