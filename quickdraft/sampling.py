@@ -13,6 +13,7 @@ import torch
 from quickdraft.errors import InvalidSamplingParams
 
 MAX_STOP_STRINGS = 16
+TOP_P_CANDIDATES = 256  # top-p looks here first: enough mass for almost every real distribution
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,21 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        outside = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return _top_p(probs, params.top_p) if params.top_p < 1.0 else probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest most-probable prefix whose mass reaches top_p (the first token always
+    stays), renormalized. The prefix is looked for among the TOP_P_CANDIDATES most probable tokens
+    and only if they hold less than top_p among all of them: the same result as a full sort,
+    without sorting the whole vocabulary on every step."""
+    n = min(probs.shape[-1], TOP_P_CANDIDATES)
+    cand_p, cand_i = probs.topk(n, dim=-1)  # sorted, descending
+    if n < probs.shape[-1] and bool((cand_p.sum(-1) < top_p).any()):
+        cand_p, cand_i = probs.sort(dim=-1, descending=True)
+    outside = (cand_p.cumsum(-1) - cand_p) >= top_p
+    kept = torch.zeros_like(probs).scatter_(-1, cand_i, cand_p.masked_fill(outside, 0.0))
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

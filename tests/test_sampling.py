@@ -204,3 +204,17 @@ def test_chi_square_rejects_a_different_distribution() -> None:
     assert chi_square_p_value(draw_counts(q, seed=11), p) < ALPHA
     # And the statistic itself: a matching distribution is accepted with the same draws' seed.
     assert chi_square_p_value(draw_counts(q, seed=11), q) > ALPHA
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # peaky: the candidates hold top_p; flat: full sort
+def test_top_p_candidates_give_the_full_sort_result(scale: float) -> None:
+    import quickdraft.sampling as sampling
+
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(3, 5000, generator=g) * scale, dim=-1)
+    assert (probs.topk(sampling.TOP_P_CANDIDATES).values.sum(-1) >= 0.9).all() == (scale > 1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.9
+    expected = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.allclose(sampling._top_p(probs, 0.9), expected, atol=1e-7, rtol=0)
