@@ -197,3 +197,31 @@ def test_quantized_gguf_loads_its_exact_dequantization(name, qtype, tmp_path, to
     # the metadata's config (checked against config.json in the F32 test; its eps is float32)
     reference = build_transformer(ckpt.config, expected)
     assert torch.equal(logits_of(ours, tokens), logits_of(reference, tokens))
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K], ids=lambda q: q.name)
+def test_k_quant_tensors_dequantize_to_ggufs_values(qtype, tmp_path):
+    """gguf cannot quantize to K-quants, so the file holds random blocks with finite scales."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from quickdraft.weights.gguf_file import dequantize_tensor, open_reader
+
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = 3, 2 * block
+    raw = np.random.default_rng(0).integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    if qtype == GGMLQuantizationType.Q4_K:   # d and dmin lead the block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    else:                                    # Q6_K: d closes the block
+        raw[..., -2:] = scale
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", raw.reshape(rows, -1), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensor = open_reader(tmp_path / "k.gguf").tensors[0]
+    values = dequantize_tensor(tensor)
+    assert values.shape == (rows, cols) and values.dtype == np.float32
+    assert np.isfinite(values).all() and np.abs(values).max() > 0
+    assert np.array_equal(values, dequantize(raw.reshape(rows, -1), qtype))
