@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import AddedToken, Tokenizer
 
 import quickdraft
@@ -194,3 +195,15 @@ def test_cli_spec_json_has_stats(dirs: dict[str, Path], capsys: pytest.CaptureFi
     s = obj["stats"]
     assert s["new_tokens"] == 12 == len(obj["token_ids"])
     assert len(s["acceptance_by_position"]) <= 2
+
+
+def test_draft_on_another_device_is_refused(llm: quickdraft.LLM) -> None:
+    """The draft must run beside the target; a model on another device is named in the error."""
+    from types import SimpleNamespace
+
+    from quickdraft.spec.draft_model import check_compatible
+
+    elsewhere = SimpleNamespace(model=SimpleNamespace(device=torch.device("meta"), config=llm.model.config),
+                                tokenizer=llm.tokenizer)
+    with pytest.raises(SpecConfigError, match="meta.*cpu.*same device"):
+        check_compatible(llm, elsewhere)
