@@ -12,7 +12,7 @@
 
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
-#define M_BLOCK 4
+#define M_BLOCK 6
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __m256 load_w(const void *w, int64_t i, int wtype) {
@@ -76,7 +76,9 @@ INLINE void matmul(const float *x, const void *w, const float *b, const float *r
                 case 1: row_block(xm, w, b, rm, ym, n, N, K, wtype, 1); break;
                 case 2: row_block(xm, w, b, rm, ym, n, N, K, wtype, 2); break;
                 case 3: row_block(xm, w, b, rm, ym, n, N, K, wtype, 3); break;
-                default: row_block(xm, w, b, rm, ym, n, N, K, wtype, 4); break;
+                case 4: row_block(xm, w, b, rm, ym, n, N, K, wtype, 4); break;
+                case 5: row_block(xm, w, b, rm, ym, n, N, K, wtype, 5); break;
+                default: row_block(xm, w, b, rm, ym, n, N, K, wtype, 6); break;
             }
         }
     }
