@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -104,53 +103,12 @@ def tiny_llm_dir(path: Path, name: str = "llama-gqa-untied", seed: int = 0, **ov
     return save_tokenizer(path)
 
 
-def _permute_for_gguf(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf permutation of q/k rows for `llama` files."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_llama_gguf(model: torch.nn.Module, path: Path, arch: str = "llama", tokenizer: bool = True) -> Path:
     """A float32 GGUF of a tiny HF Llama model with (by default) the tiny tokenizer in its metadata."""
-    import gguf
+    from gguf_writer import write_gguf
 
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", 10000.0)))
-    w.add_vocab_size(cfg.vocab_size)
-    if tokenizer:
-        _add_tokenizer(w, cfg.vocab_size)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer_names = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
-                   "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
-                   "self_attn.o_proj.weight": "attn_output", "post_attention_layernorm.weight": "ffn_norm",
-                   "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
-                   "mlp.down_proj.weight": "ffn_down"}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        array = tensor.float().numpy().copy()
-        if name in names:
-            w.add_tensor(names[name], array)
-            continue
-        _, _, i, rest = name.split(".", 3)
-        if rest == "self_attn.q_proj.weight":
-            array = _permute_for_gguf(array, cfg.num_attention_heads)
-        elif rest == "self_attn.k_proj.weight":
-            array = _permute_for_gguf(array, cfg.num_key_value_heads)
-        w.add_tensor(f"blk.{i}.{layer_names[rest]}.weight", array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    vocab_size = model.config.vocab_size
+    write_gguf(model, path, arch=arch, metadata=(lambda w: _add_tokenizer(w, vocab_size)) if tokenizer else None)
     return path
 
 

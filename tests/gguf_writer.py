@@ -1,0 +1,110 @@
+"""Writing tiny HF models as GGUF files the way llama.cpp's converter does (its metadata keys,
+tensor names through quickdraft's table, its q/k row permutation for "llama"), for the tests."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from quickdraft.weights.names import TENSOR_NAMES
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF name of a Hugging Face tensor, through quickdraft's table (names.py)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+    template = f"model.layers.{{i}}.{m.group(2)}" if m else hf
+    return dict(TENSOR_NAMES)[template].replace("{i}", m.group(1) if m else "")
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: q/k rows reordered for interleaved RoPE."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_parameters(cfg) -> dict:
+    """transformers 5 keeps rope_theta and the scaling under `rope_parameters`."""
+    d = cfg.to_dict()
+    return {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+
+
+def llama3_rope_factors(cfg) -> np.ndarray:
+    """convert_hf_to_gguf.py's `rope_freqs` tensor for rope_type llama3 (divisors of inv_freq)."""
+    rs = rope_parameters(cfg)
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (rs["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old, low, high = rs["original_max_position_embeddings"], rs["low_freq_factor"], rs["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rs["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rs["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: str | None = None,
+               metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> dict[str, np.ndarray]:
+    """Write `hf` as llama.cpp would; 2-D weights quantized to `qtype` when given, 1-D kept F32.
+    `arch` overrides general.architecture (to write unsupported ones); `metadata` adds more keys
+    (a tokenizer). Returns what was stored per GGUF name (quantized bytes where quantized)."""
+    cfg = hf.config
+    arch = arch or GGUF_ARCH[cfg.model_type]
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if metadata is not None:
+        metadata(writer)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else {
+        GGMLQuantizationType.F16: gguf.LlamaFileType.MOSTLY_F16,
+        GGMLQuantizationType.BF16: gguf.LlamaFileType.MOSTLY_BF16,
+        GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+        GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+        GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
+
+    stored: dict[str, np.ndarray] = {}
+    sd = hf.state_dict()
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
+    for name, tensor in sd.items():
+        w = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        if qtype is not None and w.ndim == 2:
+            data = quantize(w, qtype)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+        else:
+            data = np.ascontiguousarray(w, dtype=np.float32)
+            writer.add_tensor(gguf_name(name), data)
+        stored[gguf_name(name)] = data
+    if rope_parameters(cfg).get("rope_type") == "llama3":
+        stored["rope_freqs.weight"] = llama3_rope_factors(cfg)
+        writer.add_tensor("rope_freqs.weight", stored["rope_freqs.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
