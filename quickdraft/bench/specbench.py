@@ -83,7 +83,7 @@ def _quickdraft_turn(llm: LLM, spec: SpecConfig, messages: list[Message], params
     wall = time.perf_counter() - start
     stats = out.stats
     return {"token_ids": out.token_ids, "text": out.text, "prompt_tokens": stats.prompt_tokens,
-            "new_tokens": len(out.token_ids), "committed_tokens": len(out.token_ids) + (out.finish_reason == "stop"),
+            "new_tokens": len(out.token_ids), "committed_tokens": stats.committed_tokens,
             "wall_s": wall, "target_passes": stats.target_passes, "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens, "finish_reason": out.finish_reason}
 
