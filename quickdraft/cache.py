@@ -60,6 +60,24 @@ class KVCache:
             v_buf.index_put_(slots, v)
         return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Rows start..stop-1 as a cache of their own that shares these buffers (writes land here)."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows {start}..{stop - 1} outside 0..{self.batch_size - 1}")
+        view = object.__new__(KVCache)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.max_len = self.max_len
+        view.lengths = self.lengths[start:stop]
+        return view
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` slots of row src into row dst (the engine keeps rows packed)."""
+        for buffers in (self.k, self.v):
+            for t in buffers:
+                t[dst, :, :length] = t[src, :, :length]
+        self.lengths[dst] = length
+
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set every row's committed length (rollback of rejected tokens is a smaller number)."""
         if len(lengths) != self.batch_size:

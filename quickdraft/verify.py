@@ -24,11 +24,13 @@ class Verdict:
     tokens: list[list[int]]  # per row: the accepted drafts, then one recovered or bonus token
 
 
-def verify(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tensor | None,
+def verify(draft: torch.Tensor, draft_lens: Sequence[int],
+           q: torch.Tensor | Sequence[torch.Tensor | None] | None,
            target_logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator]) -> Verdict:
     """draft: [B, k] token ids (row b uses its first draft_lens[b]; the rest is padding);
-    q: [B, k, V] proposer probabilities, or None for deterministic proposers (q = one-hot(draft));
+    q: [B, k, V] proposer probabilities, or per row [>= draft_lens[b], V] or None, or None for
+    all rows; None means a deterministic proposer (q = one-hot(draft));
     target_logits: [B, k+1, V], position i scoring the token after draft[:, :i].
     params / generators: per row (each request has its own settings and RNG)."""
     B = draft.shape[0]
@@ -42,7 +44,8 @@ def verify(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tensor | Non
             continue
         p = probabilities(target_logits[b, :n + 1], params[b])
         steps = torch.arange(n, device=x.device)
-        q_row = None if q is None else q[b, :n].float()
+        q_b = None if q is None else q[b]
+        q_row = None if q_b is None else q_b[:n].float()
         q_x = torch.ones(n, device=x.device) if q_row is None else q_row[steps, x]
         u = torch.rand(n, generator=generators[b], device=x.device)
         rows.append((p, q_row, u * q_x < p[steps, x]))  # u < p/q without dividing by q = 0

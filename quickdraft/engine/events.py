@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer failed
 
 
 @dataclass
@@ -71,3 +71,4 @@ class TokenEvent:
     token_ids: list[int]                     # newly committed tokens (may be empty at the end)
     finish_reason: FinishReason | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    error: Exception | None = None           # why, when finish_reason is "error"

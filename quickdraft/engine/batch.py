@@ -1,0 +1,269 @@
+"""The batched engine: admit -> propose -> ONE target pass for every running row -> verify ->
+truncate -> commit -> emit. Requests join and leave between steps (continuous batching); each row
+has its own drafts, accepted count, sampling settings and seeded generator. Plain decoding is the
+same step with empty drafts, batch 1 is the same step with one row.
+
+Not thread-safe: one thread owns an Engine (the server's engine thread, or generate_tokens).
+"""
+from __future__ import annotations
+
+import copy
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from quickdraft.cache import KVCache
+from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
+from quickdraft.engine.policy import PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.errors import ContextTooLong
+from quickdraft.model.llama import Transformer
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec.base import MAX_K, Draft, Proposer
+from quickdraft.verify import Verdict, verify
+
+NO_DRAFT = Draft([], None)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 1              # rows decoded together
+    max_seq_len: int | None = None  # prompt + new tokens per row; None = the model's context
+    policy: PolicyName = "goodput"  # how draft lengths are chosen per step (engine/policy.py)
+    max_step_tokens: int | None = 64  # goodput policy: tokens fed per step at most (the CPU
+                                      # kernel's batch-invariant range, kernels.MAX_ROWS)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, found {self.max_batch!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, found {self.max_seq_len!r}")
+        if self.policy not in ("goodput", "fixed"):
+            raise ValueError(f"policy must be 'goodput' or 'fixed', found {self.policy!r}")
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    proposer: Proposer | None = None
+    k: int = 0                  # draft tokens per step at most (0 = plain decoding)
+    adaptive: bool = True       # let the policy verify only the part of a draft that pays off
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class _Row:
+    request: Request
+    budget: int                 # new tokens this row may still produce in all
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    stats: GenerationStats
+    start: float
+    length: int = 0             # tokens with K/V in the cache
+    last: int = -1              # newest committed token: fed first at the next step
+    draft: Draft = field(default_factory=lambda: NO_DRAFT)  # the proposer's offer for the next step
+
+    @property
+    def pinned(self) -> bool:
+        """Seeded sampling reproduces only if this row's draft lengths depend on nothing outside
+        it (step times, other rows): such rows verify the whole draft their proposer offers."""
+        p = self.request.params
+        return not self.request.adaptive or (not p.greedy and p.seed is not None)
+
+
+def check_context(prompt_len: int, context: int) -> None:
+    if prompt_len == 0:
+        raise ContextTooLong("the prompt is empty; expected at least one token")
+    if prompt_len >= context:
+        raise ContextTooLong(
+            f"the prompt has {prompt_len} tokens but the context holds {context}; "
+            f"expected at most {context - 1} so at least one token can be generated")
+
+
+def cut_at_stop(new: list[int], stop_ids: frozenset[int], remaining: int) -> tuple[list[int], FinishReason | None]:
+    """The tokens to emit out of a step's `new` ones: a stop token or the budget inside an accepted
+    run ends generation there and drops what follows."""
+    for i, token in enumerate(new):
+        if token in stop_ids:
+            return new[:i], "stop"
+        if i + 1 >= remaining:
+            return new[:i + 1], "length"
+    return new, None
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
+                 cost: StepCost | None = None, cache: KVCache | None = None) -> None:
+        self.model = model
+        self.config = config
+        self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
+                               model.config.max_position_embeddings)
+        self.cost = cost or StepCost()
+        if cache is None:
+            # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
+            pad = MAX_K if config.max_batch > 1 else 0
+            cache = model.new_cache(config.max_batch, self.max_seq_len + pad)
+        elif cache.batch_size != config.max_batch:
+            raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
+        self.cache = cache
+        self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
+        self.waiting: list[Request] = []
+        self.finished: list[_Row] = []       # rows that ended in the last step, freed at the next
+
+    # -- requests joining and leaving ---------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; it is admitted at the next step with a free row. Raises ContextTooLong
+        for a prompt that cannot fit (nothing is queued then)."""
+        check_context(len(request.prompt_ids), min(self.max_seq_len, self.cache.max_len))
+        if isinstance(request.k, bool) or not isinstance(request.k, int) or not 0 <= request.k <= MAX_K:
+            raise ValueError(f"k must be an integer in 0..{MAX_K}, found {request.k!r}")
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request (its row is freed now); False if it is not here."""
+        for i, request in enumerate(self.waiting):
+            if request.id == request_id:
+                del self.waiting[i]
+                return True
+        for i, row in enumerate(self.rows):
+            if row.request.id == request_id and row not in self.finished:
+                self._free(i)
+                return True
+        return False
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows) - len(self.finished)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return self.num_running > 0 or bool(self.waiting)
+
+    def _free(self, i: int) -> None:
+        """Keep running rows in cache rows 0..n-1: the last row moves into the freed one."""
+        last = len(self.rows) - 1
+        if i != last:
+            self.cache.copy_row(last, i, self.rows[last].length)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        self._sync_cache_lengths()
+
+    def _sync_cache_lengths(self) -> None:
+        lengths = [row.length for row in self.rows]
+        self.cache.truncate(lengths + [0] * (self.cache.batch_size - len(lengths)))
+
+    # -- one step -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[str, TokenEvent]]:
+        """Decode every running row once (one target pass), then admit and prefill waiting
+        requests into free rows. Returns (request id, event) pairs; finished rows are gone."""
+        for row in self.finished:
+            self._free(self.rows.index(row))
+        self.finished = []
+        events: list[tuple[str, TokenEvent]] = []
+        decoding = list(self.rows)
+        if decoding:
+            events += self._decode(decoding)
+        while self.waiting and len(self.rows) < self.config.max_batch:
+            events += self._prefill(self.waiting.pop(0))
+        return events
+
+    def _start_row(self, request: Request) -> _Row:
+        params = request.params
+        budget = min(params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else request.eos_token_ids)
+        return _Row(request, budget, stop_ids, params.make_generator(self.model.device),
+                    GenerationStats(prompt_tokens=len(request.prompt_ids)), time.perf_counter())
+
+    def _prefill(self, request: Request) -> list[tuple[str, TokenEvent]]:
+        """The prompt's pass drafts nothing, exactly like plain decoding."""
+        row = self._start_row(request)
+        index = len(self.rows)
+        self.rows.append(row)
+        t0 = time.perf_counter()
+        device = self.model.device
+        n = len(request.prompt_ids)
+        ids = torch.tensor([request.prompt_ids], device=device)
+        positions = torch.arange(n, device=device)[None]
+        logits = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1).logits
+        verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, logits,
+                         [request.params], [row.generator])
+        row.length = n
+        return self._finish_step([row], [0], verdict, time.perf_counter() - t0)
+
+    def _decode(self, rows: list[_Row]) -> list[tuple[str, TokenEvent]]:
+        t0 = time.perf_counter()
+        lengths = choose_draft_lengths(
+            [RowDraft(len(r.draft.tokens), r.draft.accept_prob, r.pinned) for r in rows], self.cost,
+            self.config.policy, self.config.max_step_tokens)
+        drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
+        width = max(lengths)
+        device = self.model.device
+        # [B, 1+width]: the newest committed token, the row's draft, padding (its outputs are ignored
+        # and its K/V land past the row's length, where nothing reads them)
+        feed = [[r.last] + d.tokens + [r.last] * (width - len(d.tokens)) for r, d in zip(rows, drafts)]
+        ids = torch.tensor(feed, device=device)
+        starts = torch.tensor([r.length for r in rows], device=device)
+        positions = starts[:, None] + torch.arange(1 + width, device=device)  # [B, 1+width]
+        view = self.cache.rows(0, len(rows))
+        logits = self.model(ids, positions, view, last_n=1 + width).logits   # [B, 1+width, V]
+        verdict = verify(ids[:, 1:], lengths, [d.q for d in drafts], logits,
+                         [r.request.params for r in rows], [r.generator for r in rows])
+        for row, accepted in zip(rows, verdict.accepted):
+            row.length += 1 + accepted  # rejected drafts' K/V are evicted: a length change
+        step_s = time.perf_counter() - t0
+        self.cost.observe(len(rows) + sum(lengths), step_s)
+        return self._finish_step(rows, lengths, verdict, step_s)
+
+    def _finish_step(self, rows: list[_Row], lengths: Sequence[int], verdict: Verdict,
+                     step_s: float) -> list[tuple[str, TokenEvent]]:
+        events, finished = [], []
+        for row, n_draft, accepted, new in zip(rows, lengths, verdict.accepted, verdict.tokens):
+            stats = row.stats
+            stats.target_passes += 1
+            stats.record_draft(n_draft, accepted)
+            stats.verify_s += step_s
+            emitted, finish = cut_at_stop(new, row.stop_ids, row.budget - stats.new_tokens)
+            if finish == "stop":  # drafts accepted after the stop token leave the cache too
+                row.length -= accepted - len(emitted)
+            stats.new_tokens += len(emitted)
+            stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(new))
+            row.last = new[-1]
+            error = None
+            if finish is None:
+                error = self._propose(row, new, accepted)
+                finish = "error" if error else None
+            stats.total_s = time.perf_counter() - row.start
+            if stats.ttft_s == 0.0 and (emitted or finish):
+                stats.ttft_s = stats.total_s
+            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), error)))
+            if finish:
+                finished.append(row)
+        self.finished += finished  # freed at the next step: until then the cache shows their tokens
+        self._sync_cache_lengths()
+        return events
+
+    def _propose(self, row: _Row, new: list[int], accepted: int) -> Exception | None:
+        """The row's next draft; a failing proposer ends its own request, never the batch."""
+        request = row.request
+        if request.proposer is None or request.k == 0:
+            return None
+        t0 = time.perf_counter()
+        try:
+            request.proposer.commit(new, accepted)
+            row.draft = request.proposer.propose(min(request.k, row.budget - row.stats.new_tokens - 1))
+        except Exception as e:  # noqa: BLE001 - reported to that request's consumer
+            return e
+        finally:
+            row.stats.propose_s += time.perf_counter() - t0
+        return None

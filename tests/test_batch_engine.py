@@ -1,0 +1,281 @@
+"""The batched engine: every row of a batch decodes exactly as its request would alone.
+
+Oracles: the same request run alone through generate_tokens (token for token, greedy and seeded
+sampling), K/V recomputed from scratch for each cache row after every step, the exact law of the
+first sampled tokens (chi-square) for rows sampled inside full batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+from quickdraft.engine import generate_tokens
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
+from quickdraft.errors import ContextTooLong
+from quickdraft.model.llama import Transformer
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec.base import Draft, Proposer
+from quickdraft.spec.draft_model import DraftModelProposer
+from quickdraft.spec.ngram import NgramProposer
+from test_spec_exactness import (ALPHA, KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
+                                 chi_square_p_value, kv_mismatch, plain_law, tiny, tiny16, tiny16_draft)
+
+MODEL = "llama-gqa-untied"
+
+
+def target() -> Transformer:
+    return tiny(MODEL, init=0.1)  # varied text with loops in it: n-gram drafts hit and miss
+
+
+def ngram(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+    return NgramProposer(prompt, 4, 1)
+
+
+def draft_same(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+    return DraftModelProposer(target(), prompt, params, len(prompt) + params.max_new_tokens + 9)
+
+
+def draft_random(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+    return DraftModelProposer(tiny(MODEL, seed=1), prompt, params, len(prompt) + params.max_new_tokens + 9)
+
+
+ProposerFactory = Callable[[Sequence[int], SamplingParams], Proposer] | None
+
+
+@dataclass
+class Job:
+    prompt: list[int]
+    params: SamplingParams
+    make: ProposerFactory
+    k: int
+    join_at: int = 0  # engine step before which the request is added
+
+    def request(self, rid: str) -> Request:
+        proposer = self.make(self.prompt, self.params) if self.make else None
+        return Request(self.prompt, self.params, frozenset(), proposer, self.k, id=rid)
+
+    def alone(self, model: Transformer) -> list[int]:
+        proposer = self.make(self.prompt, self.params) if self.make else None
+        return [t for ev in generate_tokens(model, self.prompt, self.params, frozenset(), proposer, self.k)
+                for t in ev.token_ids]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
+
+
+JOBS = [
+    Job([1, 17, 42, 8, 77, 23], greedy(30), None, 0),
+    Job([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], greedy(40), ngram, 8),
+    Job([3, 3, 4, 5, 3, 3, 4], greedy(12), ngram, 4, join_at=2),        # finishes early: rows move
+    Job([9, 2, 9, 2, 9, 2, 9], greedy(35), draft_same, 3, join_at=1),
+    Job([44, 12, 19], greedy(25), draft_random, 2, join_at=3),
+    Job([7, 1, 7, 1, 7, 1, 7, 1, 7, 1], greedy(30), ngram, 1, join_at=5),  # waits for a free row
+    Job([8, 8, 8, 8], greedy(20, stop_token_ids=(29,)), ngram, 4, join_at=6),  # stops on a token
+]
+
+
+def run_batched(model: Transformer, jobs: Sequence[Job], config: EngineConfig, check_kv: bool = True,
+                on_step: Callable[[Engine, int], None] | None = None) -> tuple[dict[str, list[int]], dict, list[str]]:
+    """Runs jobs through one engine; returns tokens and last events per request id and a list of
+    cache violations (each running row's length and K/V checked against a fresh forward)."""
+    engine = Engine(model, config)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    last: dict[str, object] = {}
+    violations: list[str] = []
+    step = 0
+    while step == 0 or engine.has_work() or any(j.join_at >= step for j in jobs):
+        for i, job in enumerate(jobs):
+            if job.join_at == step:
+                engine.add(job.request(str(i)))
+        if on_step:
+            on_step(engine, step)
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+            last[rid] = event
+        for index, row in enumerate(engine.rows):
+            rid = row.request.id
+            seq = jobs[int(rid)].prompt + out[rid]
+            expected = len(seq) - (0 if last[rid].finish_reason == "stop" else 1)
+            if engine.cache.lengths[index] != row.length or row.length != expected:
+                violations.append(f"step {step} row {rid}: cache {engine.cache.lengths[index]}, "
+                                  f"row {row.length}, expected {expected}")
+            if check_kv and (diff := kv_mismatch(model, engine.cache.rows(index, index + 1), seq[:row.length])) > KV_TOL:
+                violations.append(f"step {step} row {rid}: K/V differ by {diff:.3g}")
+        step += 1
+        assert step < 500
+    return out, last, violations
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_batched_greedy_equals_each_request_alone(policy: str) -> None:
+    model = target()
+    ragged = []
+
+    def watch(engine: Engine, step: int) -> None:
+        offers = {len(r.draft.tokens) for r in engine.rows}
+        ragged.append(len(engine.rows) > 1 and len(offers) > 1)
+
+    out, last, violations = run_batched(model, JOBS, EngineConfig(max_batch=4, policy=policy), on_step=watch)
+    assert violations == []
+    for i, job in enumerate(JOBS):
+        assert out[str(i)] == job.alone(model), f"request {i} differs from its run alone"
+    stats = {rid: ev.stats for rid, ev in last.items()}
+    assert last["6"].finish_reason == "stop" and last["0"].finish_reason == "length"
+    if policy == "fixed":  # the premises: ragged drafts in one pass, most accepted for draft == target
+        assert any(ragged)
+        assert stats["3"].acceptance_rate == 1.0
+        assert stats["1"].drafted_tokens > 0 and 0 < stats["1"].accepted_tokens < stats["1"].drafted_tokens
+        assert stats["4"].acceptance_rate < 0.3
+
+
+def test_cancel_frees_rows_and_others_continue() -> None:
+    model = target()
+    jobs = JOBS[:4]
+
+    def cancel(engine: Engine, step: int) -> None:
+        if step == 4:
+            assert engine.cancel("1") and engine.num_running == 2  # "2" and "3" still run
+            assert not engine.cancel("1")
+        if step == 5:
+            assert not engine.cancel("nope")
+
+    out, _, violations = run_batched(model, jobs, EngineConfig(max_batch=3), on_step=cancel)
+    assert violations == []
+    for i in (0, 2, 3):
+        assert out[str(i)] == jobs[i].alone(model)
+    assert len(out["1"]) < jobs[1].params.max_new_tokens
+
+
+def test_cancel_waiting_request() -> None:
+    engine = Engine(target(), EngineConfig(max_batch=1))
+    engine.add(JOBS[0].request("a"))
+    engine.add(JOBS[1].request("b"))
+    engine.step()
+    assert engine.num_waiting == 1 and engine.cancel("b") and engine.num_waiting == 0
+
+
+def test_seeded_sampling_reproduces_whatever_shares_the_batch() -> None:
+    model = target()
+    sampled = [Job([5, 6, 7, 8, 5, 6, 7], greedy(30, temperature=1.0, seed=s), make, k, join_at=j)
+               for s, make, k, j in [(11, ngram, 6, 0), (12, draft_random, 3, 2), (13, None, 0, 1)]]
+    others = [Job([1, 2, 3], greedy(25, temperature=0.8, top_p=0.9), ngram, 4),
+              Job([4, 4, 9, 4, 4, 9], greedy(20), ngram, 8, join_at=1)]
+    alone = [job.alone(model) for job in sampled]
+    for mix in (sampled + others, others + sampled):
+        out, _, _ = run_batched(model, mix, EngineConfig(max_batch=3), check_kv=False)
+        for i, job in enumerate(mix):
+            if job in sampled:
+                assert out[str(i)] == alone[sampled.index(job)]
+    assert alone[0] != alone[2]  # the seeds matter
+
+
+def test_failing_proposer_ends_only_its_request() -> None:
+    class Broken:
+        def propose(self, k: int) -> Draft:
+            raise RuntimeError("proposer exploded")
+
+        def commit(self, tokens: Sequence[int], accepted: int) -> None:
+            pass
+
+    model = target()
+    engine = Engine(model, EngineConfig(max_batch=2))
+    engine.add(Request([1, 2, 3], greedy(10), proposer=Broken(), k=2, id="bad"))
+    engine.add(JOBS[1].request("good"))
+    events: dict[str, list] = {"bad": [], "good": []}
+    while engine.has_work():
+        for rid, event in engine.step():
+            events[rid].append(event)
+    assert events["bad"][-1].finish_reason == "error" and "exploded" in str(events["bad"][-1].error)
+    assert [t for e in events["good"] for t in e.token_ids] == JOBS[1].alone(model)
+
+
+def test_too_long_prompt_is_refused_without_touching_the_batch() -> None:
+    model = target()
+    engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=16))
+    engine.add(Request([1, 2, 3], greedy(10), id="ok"))
+    with pytest.raises(ContextTooLong, match="16"):
+        engine.add(Request(list(range(16)), greedy(10), id="long"))
+    out = [t for _ in range(20) for _, ev in engine.step() for t in ev.token_ids]
+    assert len(out) == 10
+
+
+@pytest.mark.parametrize("kind", ["draft", "ngram"])
+def test_sampling_law_inside_full_batches(kind: str) -> None:
+    """N_SAMPLES sampled requests through one engine, 8 rows at a time with requests joining as
+    others leave: the first tokens follow plain sampling's law (chi-square, as for batch 1)."""
+    model, draft = tiny16(), tiny16_draft()
+    engine = Engine(model, EngineConfig(max_batch=8))
+    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
+    ids: dict[str, list[int]] = {}
+    drafted = accepted = 0
+    for seed in range(30_000, 30_000 + N_SAMPLES):
+        p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
+        proposer = (DraftModelProposer(draft, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+                    if kind == "draft" else NgramProposer(PROMPT16, 4, 1))
+        engine.add(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
+    while engine.has_work():
+        for rid, event in engine.step():
+            ids.setdefault(rid, []).extend(event.token_ids)
+            if event.finish_reason:
+                counts[tuple(ids[rid][:N_TOKENS])] += 1
+                drafted += event.stats.drafted_tokens
+                accepted += event.stats.accepted_tokens
+    assert int(counts.sum()) == N_SAMPLES
+    assert 0 < accepted < drafted
+    law = plain_law(model, PROMPT16, SamplingParams(temperature=1.0), N_TOKENS)
+    assert (counts[law == 0] == 0).all()
+    assert chi_square_p_value(counts, law) > ALPHA
+
+
+# -- the draft-length policy -------------------------------------------------------------------------------
+
+def flat_then_steep(knee: int) -> StepCost:
+    """A machine whose step time is flat up to `knee` tokens, then grows by one t(1) per token."""
+    cost = StepCost()
+    for n in range(1, 80):
+        cost.observe(n, 1.0 + max(0, n - knee))
+    return cost
+
+
+def test_policy_one_row_verifies_what_pays() -> None:
+    cheap, steep = flat_then_steep(64), flat_then_steep(1)
+    row = RowDraft(available=8, accept_prob=0.8, pinned=False)
+    assert choose_draft_lengths([row], cheap) == [8]       # free verification: all of it
+    assert choose_draft_lengths([row], steep) == [0]       # each token costs a step: none
+    assert choose_draft_lengths([RowDraft(8, 0.0, False)], cheap) == [0]  # nothing would be accepted
+
+
+def test_policy_shrinks_with_the_batch_and_prefers_likely_tokens() -> None:
+    cost = flat_then_steep(16)
+    rows = [RowDraft(8, 0.9, False), RowDraft(8, 0.3, False)]
+    assert choose_draft_lengths(rows, cost) == [8, 6]       # 16 tokens fit the flat part
+    many = [RowDraft(8, 0.9, False)] * 12 + [RowDraft(8, 0.3, False)] * 4
+    lengths = choose_draft_lengths(many, cost)
+    assert sum(lengths) == 0                                # 16 rows already fill the flat part
+    assert choose_draft_lengths(many, flat_then_steep(40)) == [2] * 12 + [0] * 4
+
+
+def test_policy_cap_pinned_rows_and_fixed() -> None:
+    cost = flat_then_steep(200)
+    rows = [RowDraft(8, 0.9, False)] * 10
+    assert sum(choose_draft_lengths(rows, cost, max_step_tokens=30)) == 20
+    pinned = [RowDraft(5, 0.1, True), RowDraft(3, None, False), RowDraft(4, 0.0, False)]
+    assert choose_draft_lengths(pinned, flat_then_steep(1)) == [5, 3, 0]
+    assert choose_draft_lengths(pinned, flat_then_steep(1), policy="fixed") == [5, 3, 4]
+
+
+def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
+    cost = StepCost(prior_slope=0.1)
+    assert cost.estimate(11) / cost.estimate(1) == pytest.approx(2.0)
+    cost.observe(4, 2.0)
+    assert cost.estimate(4) == 2.0
+    assert cost.estimate(14) == pytest.approx(2.0 * 2.3 / 1.3)  # the prior's ratio from N=4
+    cost.observe(4, 3.0)
+    assert cost.estimate(4) == pytest.approx(2.2)                # smoothed
+    cost.seed({1: 0.5, 4: 9.0})
+    assert cost.estimate(1) == 0.5 and cost.estimate(4) == pytest.approx(2.2)  # measured wins
