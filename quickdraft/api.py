@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from quickdraft.engine import GenerationStats, generate_tokens
-from quickdraft.engine.events import FinishReason
+from quickdraft.engine.events import FinishReason, TokenEvent
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig
@@ -62,6 +62,22 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+class TextAssembler:
+    """Token events of one request -> text chunks: UTF-8-safe deltas, cut at the first stop string
+    (the chunk that finds it says finish_reason "stop"; the consumer then stops the request)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.detok = StreamDetokenizer(tokenizer)
+        self.stops = StopStringFilter(params.stop)
+
+    def feed(self, event: TokenEvent) -> Chunk:
+        text, stopped = self.stops.feed(self.detok.push(event.token_ids))
+        if not stopped and event.finish_reason is not None:
+            tail, stopped = self.stops.feed(self.detok.flush())
+            text += tail + ("" if stopped else self.stops.flush())
+        return Chunk(text, event.token_ids, "stop" if stopped else event.finish_reason, event.stats)
+
+
 class LLM:
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None) -> None:
         self.loaded = loaded
@@ -98,19 +114,13 @@ class LLM:
         params, spec = params or SamplingParams(), spec or self.spec
         ids = self.prompt_ids(prompt, messages)
         proposer = self.proposer(ids, params, spec)
-        detok, stops = StreamDetokenizer(self.tokenizer), StopStringFilter(params.stop)
+        text = TextAssembler(self.tokenizer, params)
         events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k,
                                  adaptive=spec.adaptive)
         for event in events:
-            text, stopped = stops.feed(detok.push(event.token_ids))
-            if stopped:
-                yield Chunk(text, event.token_ids, "stop", event.stats)
-                return
-            if event.finish_reason is not None:
-                tail, stopped = stops.feed(detok.flush())
-                text += tail + ("" if stopped else stops.flush())
-            yield Chunk(text, event.token_ids, "stop" if stopped else event.finish_reason, event.stats)
-            if stopped:
+            chunk = text.feed(event)
+            yield chunk
+            if chunk.finish_reason is not None:
                 return
 
     def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,

@@ -1,0 +1,120 @@
+"""`quickdraft bench ...`: the benchmarks of docs/benchmarks.md (speed ratios measured side by side)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from quickdraft.cli.common import add_model_args, set_threads
+from quickdraft.errors import QuickdraftError
+
+
+def cmd_bench_plain(args: argparse.Namespace) -> int:
+    from quickdraft.bench.plain import run_plain_bench
+    run_plain_bench(args.model, [d.strip() for d in args.dtypes.split(",")], args.prompts,
+                    args.max_new_tokens, args.repeats, args.device)
+    return 0
+
+
+def cmd_bench_forward_cost(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from quickdraft.bench.forward_cost import default_q_values, run_forward_cost
+    if args.max_q < 1 or args.repeats < 1 or args.context < 1:
+        raise QuickdraftError(f"--max-q, --repeats and --context must be >= 1, found "
+                              f"{args.max_q}, {args.repeats}, {args.context}")
+    q_values = list(range(1, args.max_q + 1)) if args.all_q else default_q_values(args.max_q)
+    set_threads(args.threads)
+    try:
+        run_forward_cost(args.model, args.device, args.dtype, q_values, args.context, args.repeats,
+                         Path(args.out) if args.out else None)
+    except ValueError as e:  # context + q past the model's positions
+        raise QuickdraftError(str(e)) from None
+    return 0
+
+
+def _specbench_command(args: argparse.Namespace) -> str:
+    """The run's effective options as one command line (defaults spelled out), for the report."""
+    import shlex
+    words = ["quickdraft", "bench", "specbench", "--model", args.model, "--device", args.device,
+             "--dtype", args.dtype, "--methods", args.methods, "-k", str(args.k),
+             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
+    for flag, value in (("--questions", args.questions), ("--groups", args.groups), ("--limit", args.limit),
+                        ("--seed", args.seed), ("--ngram-max", args.ngram_max), ("--ngram-min", args.ngram_min),
+                        ("--threads", args.threads), ("--out", args.out)):
+        if value is not None:
+            words += [flag, str(value)]
+    if args.compare_hf:
+        words += ["--compare-hf", "--hf-lookup-tokens", str(args.hf_lookup_tokens)]
+    return shlex.join(words)
+
+
+def cmd_bench_specbench(args: argparse.Namespace) -> int:
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from quickdraft.bench.questions import load_questions, parse_groups, resolve_questions_path, select_questions
+    from quickdraft.bench.report import build_results, markdown_report, write_outputs
+    from quickdraft.bench.specbench import parse_methods, run_specbench
+    path = resolve_questions_path(args.questions)  # every check before the slow load
+    questions = select_questions(load_questions(path), parse_groups(args.groups), args.limit)
+    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf)
+    set_threads(args.threads)
+    llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
+                                 args.seed, args.device, args.dtype, args.hf_lookup_tokens,
+                                 progress=not args.no_progress)
+    config = {"model": args.model, "model_file": str(llm.loaded.source.path), "device": args.device,
+              "dtype": args.dtype, "questions": str(path), "groups": parse_groups(args.groups),
+              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "seed": args.seed, "k": args.k, "hf_lookup_tokens": args.hf_lookup_tokens,
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": platform.machine(), "python": platform.python_version(),
+              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": _specbench_command(args)}
+    results = build_results(config, [m.describe() for m in methods], records)
+    print(markdown_report(results), end="")
+    if args.out:
+        written = write_outputs(results, Path(args.out))
+        print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    return 1 if results["failures"] else 0
+
+
+def add_bench_specbench(bsub) -> None:
+    sb = bsub.add_parser("specbench", help="Spec-Bench questions: speedup of each method over plain decoding")
+    add_model_args(sb)
+    sb.add_argument("--questions", help="questions.jsonl (default: ../shared/data/specbench/questions.jsonl "
+                                        "beside the repository, when present)")
+    sb.add_argument("--methods", default="plain,ngram",
+                    help="comma-separated: plain (always run, the baseline), a proposer name (ngram, ...), "
+                         "NAME:K for its own k, draft:PATH[:K] (default: plain,ngram)")
+    sb.add_argument("--groups", help="comma-separated task groups (default: all six: mt_bench, translation, "
+                                     "summarization, qa, math_reasoning, rag)")
+    sb.add_argument("--limit", type=int, help="questions per group (default: all)")
+    sb.add_argument("--max-new-tokens", "-n", type=int, default=128, help="per turn (default 128)")
+    sb.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    sb.add_argument("--seed", type=int, default=None, help="sampling seed (question i uses seed + i)")
+    sb.add_argument("-k", type=int, default=4, help="draft tokens per step unless NAME:K says (default 4)")
+    sb.add_argument("--ngram-max", type=int, help="n-gram proposer: longest suffix matched (default: SpecConfig's)")
+    sb.add_argument("--ngram-min", type=int, help="n-gram proposer: shortest suffix matched (default: SpecConfig's)")
+    sb.add_argument("--compare-hf", action="store_true",
+                    help="add transformers' generate (hf-plain) and its prompt lookup (hf-prompt-lookup) rows")
+    sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
+    sb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sb.add_argument("--out", help="folder for results.json, report.md and speedup.png")
+    sb.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    sb.set_defaults(func=cmd_bench_specbench)
+
+
+def add_bench_forward_cost(bsub) -> None:
+    fc = bsub.add_parser("forward-cost", help="t(q)/t(1): one target pass feeding q tokens over a cached context")
+    add_model_args(fc)
+    fc.add_argument("--max-q", type=int, default=64, help="largest q measured (default 64)")
+    fc.add_argument("--all-q", action="store_true", help="every q in 1..max-q (default: a spread of q)")
+    fc.add_argument("--context", type=int, default=256, help="cached context length (default 256)")
+    fc.add_argument("--repeats", type=int, default=5, help="interleaved rounds; medians reported (default 5)")
+    fc.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    fc.add_argument("--out", help="folder for forward_cost.json and forward_cost.png")
+    fc.set_defaults(func=cmd_bench_forward_cost)
+
+

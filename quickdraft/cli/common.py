@@ -1,0 +1,71 @@
+"""Flags shared by the commands: model, sampling and speculation, turned into validated configs."""
+from __future__ import annotations
+
+import argparse
+
+from quickdraft.api import DTYPES
+from quickdraft.engine import GenerationStats
+from quickdraft.errors import QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.weights.resolve import DEFAULT_MODEL
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"packaged name, HF model directory or .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max-new-tokens whatever the model says")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
+                          stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default="none", choices=["none", *sorted(PROPOSERS)],
+                   help="proposer for speculative decoding (default: none = plain decoding)")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
+    p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
+
+
+def spec_from_args(args: argparse.Namespace) -> SpecConfig:
+    return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model,
+                      ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+
+
+def stats_line(stats: GenerationStats, finish: str | None) -> str:
+    line = (f"prompt {stats.prompt_tokens} tokens | new {stats.new_tokens} tokens | "
+            f"ttft {stats.ttft_s * 1000:.0f} ms | {stats.tokens_per_s:.1f} tokens/s | "
+            f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass")
+    if stats.drafted_tokens:
+        by_pos = " ".join(f"{r:.2f}" for r in stats.acceptance_by_position)
+        line += (f" | acceptance {stats.acceptance_rate:.0%} of {stats.drafted_tokens} drafted "
+                 f"(by position: {by_pos}) | propose {stats.propose_s:.2f}s verify {stats.verify_s:.2f}s "
+                 f"other {stats.other_s:.2f}s")
+    return f"[{line} | finish: {finish}]"
+
+
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise QuickdraftError(f"--threads must be >= 1, found {threads}")
+        import torch
+        torch.set_num_threads(threads)

@@ -1,0 +1,65 @@
+"""`quickdraft generate`: one prompt, streamed to the terminal; --compare measures plain vs speculative."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from quickdraft.api import load
+from quickdraft.cli.common import sampling_from_args, spec_from_args, stats_line
+from quickdraft.errors import QuickdraftError
+from quickdraft.spec import SpecConfig
+
+
+def _run(llm, args, params, spec, echo: bool) -> dict:
+    messages = None
+    if args.chat is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": args.chat}]
+    chunks, ids = [], []
+    for chunk in llm.stream(args.prompt, messages, params, spec):
+        chunks.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        if echo:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    if echo:
+        print()
+    stats = chunk.stats
+    return {"text": "".join(chunks), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": stats.new_tokens, "ttft_s": stats.ttft_s, "tokens_per_s": stats.tokens_per_s,
+            "finish_reason": chunk.finish_reason, "stats": stats.to_dict(), "_stats": stats}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params, spec = sampling_from_args(args), spec_from_args(args)  # validate before the slow load
+    if args.prompt is None and args.chat is None:
+        raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
+    if args.compare and not spec.enabled:
+        raise QuickdraftError("--compare needs a proposer: add --spec ngram (or --spec draft --draft-model PATH)")
+    progress = sys.stderr.isatty() and not args.json
+    llm = load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec)
+    plain = _run(llm, args, params, SpecConfig(), echo=False) if args.compare else None
+    result = _run(llm, args, params, spec, echo=not args.json)
+    if not args.json:
+        if plain is not None:
+            print(f"plain:       {stats_line(plain['_stats'], plain['finish_reason'])}", file=sys.stderr)
+        print(f"{'speculative: ' if plain else ''}{stats_line(result['_stats'], result['finish_reason'])}",
+              file=sys.stderr)
+    if plain is not None:
+        speedup = result["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
+        identical = plain["token_ids"] == result["token_ids"]
+        if not args.json:
+            print(f"speedup {speedup:.2f}x ({spec.method}, k={spec.k}: {result['tokens_per_s']:.1f} vs "
+                  f"{plain['tokens_per_s']:.1f} tokens/s); outputs identical: {'yes' if identical else 'no'}"
+                  f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
+    if args.json:
+        out = {key: value for key, value in result.items() if not key.startswith("_")}
+        if plain is not None:
+            out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
+                       speculative={key: value for key, value in result.items() if not key.startswith("_")},
+                       speedup=speedup, identical=identical)
+        print(json.dumps(out))
+    return 0
+
+

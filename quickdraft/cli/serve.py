@@ -1,0 +1,67 @@
+"""`quickdraft serve`: flags -> a loaded model, speculation defaults and engine settings -> uvicorn."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from quickdraft.cli.common import add_model_args, add_spec_args, set_threads, spec_from_args
+from quickdraft.engine.batch import EngineConfig
+from quickdraft.engine.policy import POLICIES, StepCost
+from quickdraft.errors import QuickdraftError
+
+COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from quickdraft.api import load
+    from quickdraft.engine.cost import measure_forward_cost
+    from quickdraft.server import ServerConfig, serve
+
+    spec = spec_from_args(args)
+    try:
+        engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len, policy=args.policy,
+                              max_step_tokens=args.max_step_tokens)
+    except ValueError as e:
+        raise QuickdraftError(str(e)) from None
+    if not 0 < args.port < 65536:
+        raise QuickdraftError(f"--port must be in 1..65535, found {args.port}")
+    set_threads(args.threads)
+    llm = load(args.model, device=args.device, dtype=args.dtype, progress=sys.stderr.isatty(), spec=spec)
+    name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
+    cost = StepCost()
+    if args.policy == "goodput" and not args.no_measure_cost:
+        context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
+        if context > 0:
+            print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
+            cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
+    print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
+          f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy})",
+          file=sys.stderr)
+    serve(llm, ServerConfig(name, spec, engine), args.host, args.port, args.shutdown_timeout, cost,
+          args.log_level)
+    return 0
+
+
+def add_serve(sub) -> None:
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
+    add_model_args(sv)
+    add_spec_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", help="the model id clients send (default: --model's name)")
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    sv.add_argument("--max-seq-len", type=int, default=4096,
+                    help="prompt + new tokens per request, capped by the model's context (default 4096)")
+    sv.add_argument("--policy", default="goodput", choices=POLICIES,
+                    help="draft lengths per step: goodput = expected tokens per second from measured step "
+                         "times (shrinks drafts as the batch grows); fixed = every offered draft token")
+    sv.add_argument("--max-step-tokens", type=int, default=64,
+                    help="goodput policy: at most this many tokens fed per step (default 64)")
+    sv.add_argument("--no-measure-cost", action="store_true",
+                    help="skip measuring the forward-cost curve at start-up (the policy then starts from a prior)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
+    sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sv.set_defaults(func=cmd_serve)

@@ -1,0 +1,203 @@
+"""The FastAPI app: OpenAI-compatible routes over one engine thread.
+
+Handlers validate everything a request can get wrong (schema, sampling settings, speculation,
+context length) before it reaches the engine, so a bad request is a 4xx and never touches the
+batch. Token events come back through an asyncio queue per request; a client that goes away
+cancels its request, which frees its batch row at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, replace
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from quickdraft.api import LLM, TextAssembler
+from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
+from quickdraft.engine.events import TokenEvent
+from quickdraft.engine.policy import StepCost
+from quickdraft.errors import ContextTooLong, QuickdraftError
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import responses as out
+from quickdraft.server.metrics import Metrics
+from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from quickdraft.server.worker import EngineWorker
+from quickdraft.spec import SpecConfig
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    spec: SpecConfig = SpecConfig()       # speculation for requests that do not choose their own
+    engine: EngineConfig = EngineConfig(max_batch=8)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None) -> FastAPI:
+    engine = Engine(llm.model, config.engine, cost)
+    metrics = Metrics()
+    worker = EngineWorker(engine, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="quickdraft", lifespan=lifespan)
+    app.state.worker, app.state.metrics = worker, metrics
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "quickdraft"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        if isinstance(body.prompt, str):
+            ids = llm.tokenizer.encode(body.prompt)
+        else:
+            ids = list(body.prompt)
+            vocab = llm.model.config.vocab_size
+            if not all(0 <= t < vocab for t in ids):
+                raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+        return await _respond("completion", body, ids, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        try:
+            ids = llm.tokenizer.apply_chat_template(body.chat())
+        except QuickdraftError as e:
+            raise BadRequest(400, str(e), "messages") from None
+        return await _respond("chat", body, ids, body.max_completion_tokens or body.max_tokens, http)
+
+    def _prepare(body: _Common, ids: list[int], max_tokens: int | None) -> tuple[Request, SamplingParams]:
+        if body.model != config.model_name:
+            raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
+                                  f"{config.model_name!r}", "model", "model_not_found")
+        limit = engine.max_seq_len
+        try:
+            check_context(len(ids), limit)
+        except ContextTooLong as e:
+            raise BadRequest(400, str(e), "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                             "context_length_exceeded") from None
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise BadRequest(400, f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} "
+                                  f"more, but the context holds {limit}; expected at most "
+                                  f"{limit - len(ids)} new tokens", "max_tokens", "context_length_exceeded")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
+        spec = config.spec
+        if body.speculative is not None:
+            chosen = body.speculative.model_dump(exclude_none=True)
+            spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
+        proposer = llm.proposer(ids, params, spec)
+        return Request(ids, params, llm.tokenizer.eos_token_ids, proposer, spec.k if spec.enabled else 0,
+                       spec.adaptive), params
+
+    async def _respond(kind: out.Kind, body: _Common, ids: list[int], max_tokens: int | None,
+                       http: HTTPRequest) -> Response:
+        request, params = _prepare(body, ids, max_tokens)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        worker.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        text = TextAssembler(llm.tokenizer, params)
+        if body.stream:
+            return StreamingResponse(_stream(kind, request, text, events), media_type="text/event-stream")
+        return await _whole(kind, request, text, events, http)
+
+    async def _whole(kind: out.Kind, request: Request, text: TextAssembler,
+                     events: asyncio.Queue[TokenEvent], http: HTTPRequest) -> Response:
+        parts, engine_done = [], False
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                engine_done = event.finish_reason is not None
+                if event.error is not None:
+                    return out.error_response(500, f"generation failed: {event.error}", "server_error")
+                chunk = text.feed(event)
+                parts.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    return JSONResponse(out.whole(kind, request.id, config.model_name, "".join(parts),
+                                                  chunk.finish_reason, chunk.stats))
+        finally:
+            if not engine_done:
+                worker.cancel(request.id)
+
+    async def _stream(kind: out.Kind, request: Request, text: TextAssembler,
+                      events: asyncio.Queue[TokenEvent]) -> AsyncIterator[str]:
+        engine_done, first = False, True
+        try:
+            while True:
+                event = await events.get()
+                engine_done = event.finish_reason is not None
+                if event.error is not None:
+                    yield out.sse_error(f"generation failed: {event.error}")
+                    break
+                chunk = text.feed(event)
+                if chunk.text or chunk.finish_reason is not None:
+                    yield out.sse_chunk(kind, request.id, config.model_name, chunk.text, chunk.finish_reason,
+                                        chunk.stats, first)
+                    first = False
+                if chunk.finish_reason is not None:
+                    break
+            yield out.SSE_DONE
+        finally:  # also when the client disconnected and this generator was cancelled
+            if not engine_done:
+                worker.cancel(request.id)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return out.error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        message = first.get("msg", "invalid request")
+        where = ".".join(loc)
+        return out.error_response(400, f"{where}: {message}" if where else message, param=where or None)
+
+    @app.exception_handler(BadRequest)
+    async def bad(_: HTTPRequest, exc: BadRequest) -> JSONResponse:
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return out.error_response(exc.status, exc.message, kind, exc.param, exc.code)
+
+    @app.exception_handler(QuickdraftError)
+    async def quickdraft_error(_: HTTPRequest, exc: QuickdraftError) -> JSONResponse:
+        return out.error_response(400, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return out.error_response(exc.status_code, str(exc.detail), kind)

@@ -1,0 +1,109 @@
+"""The engine thread: owns the model, admits and cancels requests between steps, and hands each
+step's token events to the request they belong to.
+
+HTTP handlers talk to it only through `submit` and `cancel` (thread-safe); everything else runs on
+its own thread. A failure inside a step ends the requests of that step with an error and leaves the
+engine ready for the next ones.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from quickdraft.engine.batch import Engine, Request
+from quickdraft.engine.events import TokenEvent
+from quickdraft.server.metrics import Metrics
+
+log = logging.getLogger("quickdraft.server")
+
+Sink = Callable[[TokenEvent], None]  # called on the engine thread; must not block
+
+
+class EngineWorker:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._sinks: dict[str, Sink] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is left and join the thread (called once the HTTP side has drained)."""
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        self._inbox.put(("add", (request, sink)))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_work())
+            if self.engine.has_work():
+                self._step()
+            self.metrics.set_queue(self.engine.num_running, self.engine.num_waiting)
+        for request_id in list(self._sinks):
+            self.engine.cancel(request_id)
+            self._finish(request_id, None)
+        self.metrics.set_queue(0, 0)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            kind, item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if kind == "add":
+                request, sink = item
+                self._sinks[request.id] = sink
+                try:
+                    self.engine.add(request)
+                except Exception as e:  # noqa: BLE001 - the handler checked; report, never crash
+                    sink(TokenEvent([], "error", error=e))
+                    self._finish(request.id, None)
+            elif kind == "cancel" and item in self._sinks:
+                self.engine.cancel(item)
+                self._finish(item, None, cancelled=True)
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            events = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a broken step must not take the server down
+            log.exception("engine step failed; ending the requests it held")
+            for row in list(self.engine.rows):
+                self._deliver(row.request.id, TokenEvent([], "error", row.stats, e))
+                self.engine.cancel(row.request.id)
+            return
+        self.metrics.observe_step(time.perf_counter() - start)
+        for request_id, event in events:
+            self._deliver(request_id, event)
+
+    def _deliver(self, request_id: str, event: TokenEvent) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        self.metrics.observe_event(request_id, event)
+        sink(event)
+        if event.finish_reason is not None:
+            self._finish(request_id, event.finish_reason)
+
+    def _finish(self, request_id: str, reason: str | None, cancelled: bool = False) -> None:
+        self._sinks.pop(request_id, None)
+        self.metrics.finish(request_id, "cancelled" if cancelled else reason or "cancelled")

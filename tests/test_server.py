@@ -1,0 +1,310 @@
+"""The OpenAI-compatible server, over real HTTP: uvicorn on 127.0.0.1, the official `openai` client
+for the happy paths and raw httpx for the malformed ones.
+
+Oracles: the Python API's output for the same request alone (greedy and seeded sampling), the
+server's own output for a request run alone vs under concurrency, /metrics for freed rows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import quickdraft
+from quickdraft.engine.batch import EngineConfig
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import ServerConfig, create_app
+from quickdraft.spec import PROPOSERS, Draft, SpecConfig
+from tiny_tokenizer import tiny_llm_dir
+
+NAME = "tiny"
+MAX_SEQ = 2048
+PROMPTS = ["The quick brown fox", "hello hello hello hello", "abc abc abd abc", "Once upon a time",
+           "1 2 3 4 5 6", "zzz", "Dear diary, today", "print('hi')"]
+SPECS = [{"method": "none"}, {"method": "ngram", "k": 2}, {"method": "ngram", "k": 8},
+         {"method": "draft", "k": 3}, {"method": "ngram", "k": 4, "adaptive": False}, {"method": "draft", "k": 1},
+         {}, {"method": "ngram", "k": 1}]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("server")
+    target = tiny_llm_dir(root / "target", max_position_embeddings=MAX_SEQ)
+    draft = tiny_llm_dir(root / "draft", seed=3, max_position_embeddings=MAX_SEQ)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def llm(dirs) -> quickdraft.LLM:
+    target, draft = dirs
+    return quickdraft.load(str(target), spec=SpecConfig("ngram", k=4, draft_model=str(draft)))
+
+
+class Server:
+    def __init__(self, llm: quickdraft.LLM, max_batch: int) -> None:
+        config = ServerConfig(NAME, llm.spec, EngineConfig(max_batch=max_batch, max_seq_len=MAX_SEQ))
+        self.app = create_app(llm, config)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+
+@pytest.fixture(scope="module")
+def server(llm) -> Iterator[Server]:
+    s = Server(llm, max_batch=4)
+    yield s
+    s.stop()
+
+
+def alone(llm: quickdraft.LLM, prompt: str, n: int, spec: dict, **sampling) -> str:
+    config = SpecConfig(**{"method": "ngram", "k": 4, "draft_model": llm.spec.draft_model, **spec})
+    return llm.generate(prompt, params=SamplingParams(max_new_tokens=n, **sampling), spec=config).text
+
+
+def stream_text(client: openai.OpenAI, prompt: str, n: int, spec: dict, **kw) -> tuple[str, list]:
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=n, stream=True,
+                                            extra_body={"speculative": spec} if spec else None, **kw))
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+# -- the happy paths, with the openai client ----------------------------------------------------------------
+
+def test_models_health_and_metrics_format(server: Server) -> None:
+    assert [m.id for m in server.client.models.list()] == [NAME]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    metrics = httpx.get(f"{server.url}/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    for name in ("quickdraft_requests_running", "quickdraft_requests_waiting", "quickdraft_tokens_per_pass",
+                 "quickdraft_acceptance_rate", "quickdraft_step_seconds_bucket"):
+        assert name in metrics.text
+
+
+def test_completion_equals_the_python_api(server: Server, llm) -> None:
+    r = server.client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0)
+    assert r.choices[0].text == alone(llm, PROMPTS[0], 40, {"method": "none"})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    n_prompt = len(llm.tokenizer.encode(PROMPTS[0]))
+    assert r.usage.prompt_tokens == n_prompt and r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    assert 0 < r.usage.completion_tokens <= 40
+
+
+def test_chat_streaming_equals_non_streaming_and_the_api(server: Server, llm) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"}]
+    whole = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0)
+    chunks = list(server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=30,
+                                                        temperature=0, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    expected = llm.generate(messages=messages, params=SamplingParams(max_new_tokens=30)).text
+    assert whole.choices[0].message.content == streamed == expected
+    assert whole.choices[0].message.role == "assistant" and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_sse_wire_format_ends_with_done(server: Server) -> None:
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][6:])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["usage"]["completion_tokens"] > 0
+
+
+def test_stop_string_cuts_the_text(server: Server, llm) -> None:
+    full = alone(llm, PROMPTS[0], 60, {"method": "none"})
+    stop = full[10:13]
+    assert stop and full.index(stop) >= 10
+    r = server.client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=60, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    text, chunks = stream_text(server.client, PROMPTS[0], 60, {}, temperature=0, stop=stop)
+    assert text == full[:full.index(stop)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_per_request_speculation(server: Server) -> None:
+    def stats(spec: dict) -> dict:
+        body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0, "speculative": spec}
+        return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+
+    off, on, fixed = stats({"method": "none"}), stats({"method": "ngram", "k": 8}), stats({"k": 5, "adaptive": False})
+    assert off["choices"][0]["text"] == on["choices"][0]["text"] == fixed["choices"][0]["text"]
+    assert off["stats"]["drafted_tokens"] == 0 and on["stats"]["drafted_tokens"] > 0
+    assert len(fixed["stats"]["acceptance_by_position"]) == 5  # all 5 offered tokens verified
+
+
+def test_eight_concurrent_streams_equal_each_alone(server: Server, llm) -> None:
+    """8 parallel streaming requests (4 rows: half of them wait) with different prompts and proposers,
+    greedy and seeded sampling mixed: each gets exactly what it gets alone."""
+    jobs = [(PROMPTS[i], SPECS[i], {"temperature": 0} if i % 3 else {"temperature": 0.9, "seed": 100 + i})
+            for i in range(8)]
+    solo = [stream_text(server.client, p, 48, s, **kw)[0] for p, s, kw in jobs]
+    for (p, s, kw), text in zip(jobs, solo):
+        if kw["temperature"] == 0:
+            assert text == alone(llm, p, 48, s), (p, s)
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda job: stream_text(server.client, job[0], 48, job[1], **job[2])[0], jobs))
+    assert together == solo
+    m = server.metrics()
+    assert m["quickdraft_drafted_tokens_total"] > 0 and m["quickdraft_accepted_tokens_total"] > 0
+    assert m["quickdraft_requests_running"] == 0
+
+
+# -- robustness -------------------------------------------------------------------------------------------
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_disconnect_cancels_and_frees_the_row(server: Server, llm) -> None:
+    before = server.metrics().get('quickdraft_requests_total{finish_reason="cancelled"}', 0.0)
+    body = {"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ - 10, "temperature": 0, "stream": True,
+            "speculative": {"method": "none"}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        wait_for(lambda: server.metrics()["quickdraft_requests_running"] == 1)
+    # the client is gone: its row is freed long before 2000 tokens could have been generated
+    wait_for(lambda: server.metrics()["quickdraft_requests_running"] == 0)
+    m = server.metrics()
+    assert m['quickdraft_requests_total{finish_reason="cancelled"}'] == before + 1
+    assert m["quickdraft_generated_tokens_total"] < 10_000
+    r = server.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    assert r.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
+
+
+BAD = {
+    # name: (body or raw bytes, status, fragment of the error message)
+    "invalid json": (b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    "not an object": (b'[1, 2]', 400, ""),
+    "missing prompt": ({"model": NAME}, 400, "prompt"),
+    "missing model": ({"prompt": "hi"}, 400, "model"),
+    "max_tokens wrong type": ({"model": NAME, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    "negative max_tokens": ({"model": NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    "temperature out of range": ({"model": NAME, "prompt": "hi", "temperature": 7}, 400, "temperature"),
+    "top_p zero": ({"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    "n = 2": ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "not served"),
+    "prompt too long": ({"model": NAME, "prompt": list(range(3, 200)) * 11}, 400, "context"),
+    "max_tokens past context": ({"model": NAME, "prompt": "hi", "max_tokens": MAX_SEQ}, 400, "context holds"),
+    "token id out of range": ({"model": NAME, "prompt": [1, 99999]}, 400, "token ids"),
+    "empty prompt": ({"model": NAME, "prompt": ""}, 400, "empty"),
+    "unknown proposer": ({"model": NAME, "prompt": "hi", "speculative": {"method": "magic"}}, 400, "valid names"),
+    "k too large": ({"model": NAME, "prompt": "hi", "speculative": {"k": 999}}, 400, "k must be"),
+    "unknown speculative field": ({"model": NAME, "prompt": "hi", "speculative": {"kk": 2}}, 400, "kk"),
+    "stop wrong type": ({"model": NAME, "prompt": "hi", "stop": 5}, 400, "stop"),
+    "penalty": ({"model": NAME, "prompt": "hi", "presence_penalty": 1.0}, 400, "not supported"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_malformed_requests_get_openai_shaped_4xx(server: Server, case: str) -> None:
+    body, status, fragment = BAD[case]
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and fragment in error["message"]
+
+
+def test_chat_errors_and_unknown_route(server: Server) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": NAME, "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt="hi")
+
+
+def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monkeypatch) -> None:
+    class Exploding:
+        def __init__(self, ctx) -> None:
+            pass
+
+        def propose(self, k: int) -> Draft:  # first called right after the prompt's pass
+            raise RuntimeError("proposer exploded")
+
+        def commit(self, tokens: Sequence[int], accepted: int) -> None:
+            pass
+
+    monkeypatch.setitem(PROPOSERS, "exploding", Exploding)
+    with ThreadPoolExecutor(3) as pool:
+        good = [pool.submit(stream_text, server.client, PROMPTS[i], 40, {"method": "ngram", "k": 4}, temperature=0)
+                for i in (3, 4)]
+        bad = pool.submit(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": NAME, "prompt": "boom", "max_tokens": 40, "speculative": {"method": "exploding"}}))
+        assert bad.result().status_code == 500 and "exploded" in bad.result().json()["error"]["message"]
+        for i, future in zip((3, 4), good):
+            assert future.result()[0] == alone(llm, PROMPTS[i], 40, {"method": "none"})
+    assert server.metrics()['quickdraft_requests_total{finish_reason="error"}'] >= 1
+
+
+# -- the command line server and SIGTERM --------------------------------------------------------------------
+
+def test_serve_command_drains_in_flight_requests_on_sigterm(dirs) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", "--model", str(dirs[0]), "--port", str(port),
+                             "--spec", "ngram", "--served-model-name", NAME, "--no-measure-cost",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        wait_for(up, 120)
+        body = {"model": NAME, "prompt": "abc abc", "max_tokens": 1500, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]", "the in-flight stream was cut instead of finished"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+        # uvicorn re-raises the signal once it has shut down, so the exit status says SIGTERM
+        assert first and proc.wait(60) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stdout.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
