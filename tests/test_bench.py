@@ -282,3 +282,24 @@ def test_forward_cost_command_writes_json_and_png(model_dir: Path, tmp_path: Pat
     assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| 1\.000 \|$", out, re.M) and "| 6 |" in out
     assert main(["bench", "forward-cost", "--model", str(model_dir), "--context", "250", "--max-q", "16"]) == 1
     assert main(["bench", "forward-cost", "--model", str(model_dir), "--threads", "0"]) == 1
+
+
+def test_bench_serve_runs_both_modes_at_each_level(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve"
+    rc = main(["bench", "serve", "--model", str(model_dir), "--questions", str(write_questions(tmp_path / "q.jsonl")),
+               "--concurrency", "1,3", "--requests", "4", "--rounds", "2", "-n", "12", "-k", "4",
+               "--out", str(out), "--no-progress"])
+    results = json.loads((out / "serve.json").read_text())
+    assert rc == 0 and set(results["levels"]) == {"1", "3"}
+    for c, level in results["levels"].items():
+        assert level["identical"] == 1.0  # greedy text is the same with and without speculation
+        for mode in ("plain", "speculative"):
+            waves = results["raw"][c][mode]
+            assert len(waves) == 2 and all(len(w["requests"]) == 4 for w in waves)
+            tokens = sum(r["tokens"] for w in waves for r in w["requests"])
+            assert level[mode]["tokens"] == tokens > 0
+            expected = statistics.median(sum(r["tokens"] for r in w["requests"]) / w["wall_s"] for w in waves)
+            assert level[mode]["tokens_per_s"] == pytest.approx(expected)
+        assert level["plain"]["tokens_per_pass"] == 1.0
+        assert level["throughput_ratio"] == pytest.approx(level["speculative"]["tokens_per_s"] / level["plain"]["tokens_per_s"])
+    assert "| 3 | speculative |" in (out / "serve.md").read_text()

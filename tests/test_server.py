@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,12 +21,11 @@ from typing import Iterator, Sequence
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.sampling import SamplingParams
-from quickdraft.server import ServerConfig, create_app
+from quickdraft.server import BackgroundServer, ServerConfig
 from quickdraft.spec import PROPOSERS, Draft, SpecConfig
 from tiny_tokenizer import tiny_llm_dir
 
@@ -54,25 +52,10 @@ def llm(dirs) -> quickdraft.LLM:
     return quickdraft.load(str(target), spec=SpecConfig("ngram", k=4, draft_model=str(draft)))
 
 
-class Server:
+class Server(BackgroundServer):
     def __init__(self, llm: quickdraft.LLM, max_batch: int) -> None:
-        config = ServerConfig(NAME, llm.spec, EngineConfig(max_batch=max_batch, max_seq_len=MAX_SEQ))
-        self.app = create_app(llm, config)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
+        super().__init__(llm, ServerConfig(NAME, llm.spec, EngineConfig(max_batch=max_batch, max_seq_len=MAX_SEQ)))
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics").text

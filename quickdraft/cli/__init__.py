@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from quickdraft.cli.bench import add_bench_forward_cost, add_bench_specbench, cmd_bench_plain
+from quickdraft.cli.bench import add_bench_forward_cost, add_bench_serve, add_bench_specbench, cmd_bench_plain
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     plain.set_defaults(func=cmd_bench_plain)
     add_bench_specbench(bsub)
     add_bench_forward_cost(bsub)
+    add_bench_serve(bsub)
     return parser
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from quickdraft.cli.common import add_model_args, set_threads
+from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
 
 
@@ -117,4 +119,78 @@ def add_bench_forward_cost(bsub) -> None:
     fc.add_argument("--out", help="folder for forward_cost.json and forward_cost.png")
     fc.set_defaults(func=cmd_bench_forward_cost)
 
+
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from itertools import zip_longest
+    from pathlib import Path
+
+    from quickdraft.api import load
+    from quickdraft.bench.questions import load_questions, parse_groups, resolve_questions_path, select_questions
+    from quickdraft.bench.serve import markdown_table, run_serve_bench
+    from quickdraft.engine.batch import EngineConfig
+    from quickdraft.server import BackgroundServer, ServerConfig
+    from quickdraft.spec import SpecConfig
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        raise QuickdraftError(f"--concurrency must be comma-separated integers, found {args.concurrency!r}") from None
+    if not levels or min(levels) < 1 or args.requests < 1 or args.rounds < 1 or args.max_new_tokens < 1:
+        raise QuickdraftError("--concurrency levels, --requests, --rounds and --max-new-tokens must be >= 1")
+    spec = SpecConfig(method=args.spec, k=args.k)
+    if not spec.enabled:
+        raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k)")
+    groups = parse_groups(args.groups)
+    pool = select_questions(load_questions(resolve_questions_path(args.questions)), groups, args.requests)
+    by_group = [[q for q in pool if q.group == g] for g in groups]
+    questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
+    set_threads(args.threads)
+    llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
+    cost = startup_cost(llm, args.policy, measure=True)
+    server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost)
+    try:
+        results = run_serve_bench(server.url, "bench", questions, levels, args.rounds, args.max_new_tokens,
+                                  {"method": spec.method, "k": spec.k}, progress=not args.no_progress)
+    finally:
+        server.stop()
+    command = (f"quickdraft bench serve --model {args.model} --dtype {args.dtype} --spec {args.spec} -k {args.k} "
+               f"--concurrency {args.concurrency} --requests {args.requests} --rounds {args.rounds} "
+               f"--max-new-tokens {args.max_new_tokens} --policy {args.policy}")
+    results["config"] = {"command": command, "model": args.model, "dtype": args.dtype, "spec": args.spec,
+                         "k": args.k, "policy": args.policy, "requests": len(questions),
+                         "questions": [q.question_id for q in questions]}
+    print(markdown_table(results), end="")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serve.json").write_text(json.dumps(results, indent=1))
+        (out / "serve.md").write_text(f"`{command}`\n\n{markdown_table(results)}")
+        print(f"\nwrote {out / 'serve.json'}, {out / 'serve.md'}", file=sys.stderr)
+    identical = all(level["identical"] == 1.0 for level in results["levels"].values())
+    if not identical:
+        print("quickdraft: greedy outputs differ between plain and speculative requests", file=sys.stderr)
+    return 0 if identical else 1
+
+
+def add_bench_serve(bsub) -> None:
+    from quickdraft.engine.policy import POLICIES
+    sv = bsub.add_parser("serve", help="the HTTP server at several concurrency levels, with and without speculation")
+    add_model_args(sv)
+    sv.add_argument("--spec", default="ngram", help="proposer of the speculative waves (default ngram)")
+    sv.add_argument("-k", type=int, default=8, help="draft tokens per step (default 8)")
+    sv.add_argument("--concurrency", default="1,4,8", help="comma-separated levels (default 1,4,8)")
+    sv.add_argument("--requests", type=int, default=8, help="requests per wave, Spec-Bench first turns (default 8)")
+    sv.add_argument("--rounds", type=int, default=2, help="wave pairs per level, order alternating (default 2)")
+    sv.add_argument("--max-new-tokens", "-n", type=int, default=128)
+    sv.add_argument("--max-seq-len", type=int, default=2048)
+    sv.add_argument("--policy", default="goodput", choices=POLICIES)
+    sv.add_argument("--questions", help="questions.jsonl (default: the Spec-Bench file beside the repository)")
+    sv.add_argument("--groups", help="comma-separated task groups (default: all six)")
+    sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sv.add_argument("--out", help="folder for serve.json and serve.md")
+    sv.add_argument("--no-progress", action="store_true")
+    sv.set_defaults(func=cmd_bench_serve)
 

@@ -13,9 +13,19 @@ from quickdraft.errors import QuickdraftError
 COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
 
 
+def startup_cost(llm, policy: str, measure: bool) -> StepCost:
+    """The goodput policy's step-time model, seeded with this machine's forward-cost curve."""
+    from quickdraft.engine.cost import measure_forward_cost
+    cost = StepCost()
+    context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
+    if policy == "goodput" and measure and context > 0:
+        print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
+        cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
+    return cost
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from quickdraft.api import load
-    from quickdraft.engine.cost import measure_forward_cost
     from quickdraft.server import ServerConfig, serve
 
     spec = spec_from_args(args)
@@ -29,12 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     llm = load(args.model, device=args.device, dtype=args.dtype, progress=sys.stderr.isatty(), spec=spec)
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
-    cost = StepCost()
-    if args.policy == "goodput" and not args.no_measure_cost:
-        context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
-        if context > 0:
-            print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
-            cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
+    cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy})",
           file=sys.stderr)
