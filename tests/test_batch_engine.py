@@ -250,6 +250,18 @@ def test_policy_one_row_verifies_what_pays() -> None:
     assert choose_draft_lengths([RowDraft(8, 0.0, False)], cheap) == [0]  # nothing would be accepted
 
 
+def test_policy_drafts_only_for_a_clear_gain() -> None:
+    cost = StepCost()
+    cost.observe(4, 1.0)
+    cost.observe(5, 1.0 + 0.2)
+    cost.observe(6, 1.0 + 0.4)
+    rows = [RowDraft(2, 0.86, False)] + [RowDraft(0, None, False)] * 3
+    # one draft token: (4 + 0.86) / 1.2 = 4.05 tokens per unit, 1.2% over plain's 4.0: not enough
+    assert choose_draft_lengths(rows, cost) == [0, 0, 0, 0]
+    rows[0] = RowDraft(2, 0.99, False)  # (4 + 0.99 + 0.98) / 1.4 = 4.26: 6.6% more
+    assert choose_draft_lengths(rows, cost) == [2, 0, 0, 0]
+
+
 def test_policy_shrinks_with_the_batch_and_prefers_likely_tokens() -> None:
     cost = flat_then_steep(16)
     rows = [RowDraft(8, 0.9, False), RowDraft(8, 0.3, False)]
@@ -277,5 +289,7 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
     assert cost.estimate(14) == pytest.approx(2.0 * 2.3 / 1.3)  # the prior's ratio from N=4
     cost.observe(4, 3.0)
     assert cost.estimate(4) == pytest.approx(2.2)                # smoothed
-    cost.seed({1: 0.5, 4: 9.0})
-    assert cost.estimate(1) == 0.5 and cost.estimate(4) == pytest.approx(2.2)  # measured wins
+    cost.seed({1: 1.0, 8: 2.0, 16: 4.0})  # a one-row curve: only its shape is used
+    assert cost.estimate(4) == pytest.approx(2.2)                 # measured wins
+    assert cost.shape(12) == pytest.approx(3.0) and cost.shape(24) == pytest.approx(6.0)
+    assert cost.estimate(8) == pytest.approx(2.2 * 2.0 / (1 + 3 / 7))  # the curve's ratio from N=4

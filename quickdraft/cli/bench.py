@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import threading
 import json
 import sys
 
@@ -150,12 +151,24 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
     cost = startup_cost(llm, args.policy, measure=True)
-    server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost)
-    try:
-        results = run_serve_bench(server.url, "bench", questions, levels, args.rounds, args.max_new_tokens,
-                                  {"method": spec.method, "k": spec.k}, progress=not args.no_progress)
-    finally:
-        server.stop()
+    server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)
+    results: dict = {}
+
+    def load() -> None:  # the clients run on a thread; the engine on this one, which loaded the model
+        try:
+            results.update(run_serve_bench(server.url, "bench", questions, levels, args.rounds,
+                                           args.max_new_tokens, {"method": spec.method, "k": spec.k},
+                                           progress=not args.no_progress))
+        finally:
+            server.worker.stop()
+
+    clients = threading.Thread(target=load, name="bench-clients")
+    clients.start()
+    server.worker.run()
+    clients.join()
+    server.stop()
+    if not results:
+        raise QuickdraftError("bench serve failed; see the error above")
     command = (f"quickdraft bench serve --model {args.model} --dtype {args.dtype} --spec {args.spec} -k {args.k} "
                f"--concurrency {args.concurrency} --requests {args.requests} --rounds {args.rounds} "
                f"--max-new-tokens {args.max_new_tokens} --policy {args.policy}")

@@ -6,8 +6,8 @@ j of them commits 1 + a + ... + a^j tokens in expectation; a step that feeds N t
 t(N). With B rows the policy picks draft lengths d_b maximizing (sum_b E_b(d_b)) / t(B + sum d_b),
 so one row on a memory-bound pass verifies a long draft while a large batch on a compute-bound CPU
 verifies few drafts or none: speculation turns itself off when verification stops being nearly free.
-t(N) starts from a prior line (or the measured forward-cost curve) and follows the step times the
-engine observes, so it adapts to the machine it runs on.
+t(N) follows the step times the engine observes, shaped between them by the forward-cost curve
+measured at start-up (or a prior line), so it adapts to the machine it runs on.
 """
 from __future__ import annotations
 
@@ -15,39 +15,55 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 EMA = 0.2            # weight of a new step-time measurement
+MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not drafting: step times
+                     # and acceptance estimates are noisy, and picking the best-looking option
+                     # favours the underestimated ones
 PRIOR_SLOPE = 0.1    # t(N) / t(1) = 1 + 0.1 (N - 1) until measured
 PolicyName = Literal["goodput", "fixed"]
 POLICIES: tuple[str, ...] = ("goodput", "fixed")
 
 
 class StepCost:
-    """t(N): seconds of one engine step that feeds N tokens, smoothed per N."""
+    """t(N): seconds of one engine step that feeds N tokens.
+
+    Measured steps (smoothed per N) are the truth; between them, the *shape* of a cost curve (the
+    forward-cost curve measured at start-up, else a prior line) scales the nearest measurement. Only
+    shapes are taken from the curve: it is measured on one row, while a batch of B rows also pays
+    B rows of attention, so its absolute times would make drafts look cheaper than they are.
+    """
 
     def __init__(self, prior_slope: float = PRIOR_SLOPE) -> None:
         self.prior_slope = prior_slope
-        self.step_s: dict[int, float] = {}
+        self.step_s: dict[int, float] = {}   # N -> smoothed seconds of this engine's steps
+        self.curve: dict[int, float] = {}    # N -> seconds of a one-row forward (shape only)
 
-    def _prior(self, n: int) -> float:
-        return 1.0 + self.prior_slope * (n - 1)
+    def shape(self, n: int) -> float:
+        """The cost curve at n, linear between its points and beyond its ends."""
+        if len(self.curve) < 2:
+            return 1.0 + self.prior_slope * (n - 1)
+        points = sorted(self.curve)
+        lo = max([p for p in points if p <= n] or points[:1])
+        hi = min([p for p in points if p > lo] or points[-1:])
+        if hi == lo:  # past the last point: continue the last segment
+            lo, hi = points[-2], points[-1]
+        slope = (self.curve[hi] - self.curve[lo]) / (hi - lo)
+        return max(self.curve[lo] + slope * (n - lo), 1e-9)
 
     def estimate(self, n: int) -> float:
-        """Measured where known; elsewhere the prior line scaled through the nearest measured N
-        (only ratios of estimates matter, so an unmeasured machine gets the prior's ratios)."""
         if n in self.step_s:
             return self.step_s[n]
         if not self.step_s:
-            return self._prior(n)
+            return self.shape(n)
         near = min(self.step_s, key=lambda m: (abs(m - n), m))
-        return self.step_s[near] * self._prior(n) / self._prior(near)
+        return self.step_s[near] * self.shape(n) / self.shape(near)
 
     def observe(self, n: int, seconds: float) -> None:
         old = self.step_s.get(n)
         self.step_s[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def seed(self, median_s: dict[int, float]) -> None:
-        """Start from a measured forward-cost curve (engine.cost.measure_forward_cost)."""
-        for n, seconds in median_s.items():
-            self.step_s.setdefault(n, seconds)
+        """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost)."""
+        self.curve = dict(median_s)
 
 
 @dataclass(frozen=True)
@@ -81,6 +97,8 @@ def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: Polic
         rate = expected / cost.estimate(n)
         if rate > best_rate:
             best, best_rate = i + 1, rate
+    if best_rate < (1 + MIN_GAIN) * len(rows) / cost.estimate(fed):
+        best = 0
     for _, b in candidates[:best]:
         lengths[b] += 1
     return lengths

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, replace
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +27,7 @@ from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker
-from quickdraft.spec import SpecConfig
+from quickdraft.spec import Proposer, SpecConfig
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 DISCONNECT_POLL_S = 0.5
@@ -46,14 +46,17 @@ class BadRequest(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None) -> FastAPI:
+def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, engine_thread: bool = True) -> FastAPI:
+    """engine_thread: run the engine on a thread started with the app; False leaves it to the
+    caller to run `app.state.worker.run()` on its own thread (see worker.py for why)."""
     engine = Engine(llm.model, config.engine, cost)
     metrics = Metrics()
     worker = EngineWorker(engine, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker.start()
+        if engine_thread:
+            worker.start()
         yield
         worker.stop()
 
@@ -93,7 +96,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None) -> 
             raise BadRequest(400, str(e), "messages") from None
         return await _respond("chat", body, ids, body.max_completion_tokens or body.max_tokens, http)
 
-    def _prepare(body: _Common, ids: list[int], max_tokens: int | None) -> tuple[Request, SamplingParams]:
+    def _prepare(body: _Common, ids: list[int], max_tokens: int | None
+                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
         if body.model != config.model_name:
             raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
                                   f"{config.model_name!r}", "model", "model_not_found")
@@ -114,16 +118,16 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None) -> 
         if body.speculative is not None:
             chosen = body.speculative.model_dump(exclude_none=True)
             spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
-        proposer = llm.proposer(ids, params, spec)
-        return Request(ids, params, llm.tokenizer.eos_token_ids, proposer, spec.k if spec.enabled else 0,
-                       spec.adaptive), params
+        request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,
+                          spec.adaptive)
+        return request, params, lambda: llm.proposer(ids, params, spec)
 
     async def _respond(kind: out.Kind, body: _Common, ids: list[int], max_tokens: int | None,
                        http: HTTPRequest) -> Response:
-        request, params = _prepare(body, ids, max_tokens)
+        request, params, make_proposer = _prepare(body, ids, max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        worker.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        worker.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), make_proposer)
         text = TextAssembler(llm.tokenizer, params)
         if body.stream:
             return StreamingResponse(_stream(kind, request, text, events), media_type="text/event-stream")

@@ -1,9 +1,13 @@
 """The engine thread: owns the model, admits and cancels requests between steps, and hands each
 step's token events to the request they belong to.
 
-HTTP handlers talk to it only through `submit` and `cancel` (thread-safe); everything else runs on
-its own thread. A failure inside a step ends the requests of that step with an error and leaves the
-engine ready for the next ones.
+HTTP handlers talk to it only through `submit` and `cancel` (thread-safe); everything else,
+building proposers included, runs on the engine's thread. All torch work stays on one thread on
+purpose: OpenMP keeps a worker pool per calling thread, and once the pools hold more threads than
+the machine has cores, libgomp stops spinning between parallel regions, which made every decode
+step about 1.7x slower here. `quickdraft serve` therefore runs the engine on the thread that
+loaded the model (`run`); `start` runs it on a thread of its own (tests). A failure inside a step
+ends the requests of that step with an error and leaves the engine ready for the next ones.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Callable
 from quickdraft.engine.batch import Engine, Request
 from quickdraft.engine.events import TokenEvent
 from quickdraft.server.metrics import Metrics
+from quickdraft.spec.base import Proposer
 
 log = logging.getLogger("quickdraft.server")
 
@@ -29,35 +34,41 @@ class EngineWorker:
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="quickdraft-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="quickdraft-engine", daemon=True)
 
     def start(self) -> None:
+        """Run the engine on a thread of its own."""
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is left and join the thread (called once the HTTP side has drained)."""
+        """Cancel what is left and end the loop (called once the HTTP side has drained)."""
         self._stopping.set()
         self._inbox.put(("wake", None))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
-    def submit(self, request: Request, sink: Sink) -> None:
-        self._inbox.put(("add", (request, sink)))
-
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
-
-    # -- the engine thread ------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stopping.is_set():
+    def run(self, stop_when: Callable[[], bool] = lambda: False) -> None:
+        """Run the engine on the calling thread until stop() or stop_when() (checked twice a second
+        when idle)."""
+        while not (self._stopping.is_set() or stop_when()):
             self._drain(block=not self.engine.has_work())
             if self.engine.has_work():
                 self._step()
             self.metrics.set_queue(self.engine.num_running, self.engine.num_waiting)
         for request_id in list(self._sinks):
             self.engine.cancel(request_id)
-            self._finish(request_id, None)
+            self._finish(request_id, None, cancelled=True)
         self.metrics.set_queue(0, 0)
+
+    def submit(self, request: Request, sink: Sink, make_proposer: Callable[[], Proposer | None] | None = None) -> None:
+        """Queue a request; `make_proposer` builds its proposer on the engine thread (it may allocate
+        tensors, e.g. a draft model's cache)."""
+        self._inbox.put(("add", (request, sink, make_proposer)))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    # -- the engine thread ------------------------------------------------------------------------
 
     def _drain(self, block: bool) -> None:
         try:
@@ -66,13 +77,15 @@ class EngineWorker:
             return
         while True:
             if kind == "add":
-                request, sink = item
+                request, sink, make_proposer = item
                 self._sinks[request.id] = sink
                 try:
+                    if make_proposer is not None:
+                        request.proposer = make_proposer()
                     self.engine.add(request)
                 except Exception as e:  # noqa: BLE001 - the handler checked; report, never crash
                     sink(TokenEvent([], "error", error=e))
-                    self._finish(request.id, None)
+                    self._finish(request.id, "error")
             elif kind == "cancel" and item in self._sinks:
                 self.engine.cancel(item)
                 self._finish(item, None, cancelled=True)
