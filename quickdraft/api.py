@@ -17,6 +17,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig
 from quickdraft.spec.draft_model import check_compatible
+from quickdraft.spec.head import DraftHead, load_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
 
@@ -85,8 +86,11 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
+        self._heads: dict[str, DraftHead] = {}
         if self.spec.draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
+        if self.spec.head:
+            self.draft_head(self.spec.head)
 
     def draft_model(self, name_or_path: str) -> "LLM":
         """A draft model on this model's device and dtype, loaded once and checked compatible."""
@@ -95,6 +99,12 @@ class LLM:
             check_compatible(self, draft)
             self._drafts[name_or_path] = draft
         return self._drafts[name_or_path]
+
+    def draft_head(self, path: str) -> "DraftHead":
+        """A trained draft head for this model, loaded once (a head for another model is an error)."""
+        if path not in self._heads:
+            self._heads[path] = load_head(path, self.model)
+        return self._heads[path]
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:

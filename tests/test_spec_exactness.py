@@ -443,15 +443,21 @@ def sampled(case: str) -> tuple[torch.Tensor, int, int]:
     return sampled_counts(kind, params, seed0)
 
 
+def assert_plain_sampling_law(model: Transformer, counts: torch.Tensor, drafted: int, accepted: int,
+                              params: SamplingParams = SamplingParams(temperature=1.0)) -> None:
+    """Counts of the first N_TOKENS tokens after PROMPT16 follow plain sampling's exact law; the
+    premise that drafts were made and both accepted and rejected (recovery ran) is checked too."""
+    assert 0 < accepted < drafted, (accepted, drafted)
+    law = plain_law(model, PROMPT16, params, N_TOKENS)
+    assert (counts[law == 0] == 0).all(), "a sequence plain sampling cannot produce was emitted"
+    assert chi_square_p_value(counts, law) > ALPHA
+
+
 @pytest.mark.parametrize("case", SAMPLING_CASES)
 def test_sampling_law_of_first_tokens_is_plain_sampling(case: str) -> None:
     kind, params, _ = SAMPLING_CASES[case]
     counts, drafted, accepted = sampled(case)
-    # The premise: drafts were made, and both accepted and rejected (recovery ran).
-    assert 0 < accepted < drafted, (accepted, drafted)
-    law = plain_law(tiny16(), PROMPT16, params, N_TOKENS)
-    assert (counts[law == 0] == 0).all(), "a sequence plain sampling cannot produce was emitted"
-    assert chi_square_p_value(counts, law) > ALPHA
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted, params)
 
 
 @pytest.mark.parametrize("case", ["draft-t1", "ngram-t1"])

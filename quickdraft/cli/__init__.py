@@ -13,6 +13,7 @@ from quickdraft.cli.bench import add_bench_forward_cost, add_bench_serve, add_be
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
+from quickdraft.cli.train import add_train_head
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     add_serve(sub)
+    add_train_head(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (speed ratios measured side by side)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)

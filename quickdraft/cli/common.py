@@ -40,12 +40,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="proposer for speculative decoding (default: none = plain decoding)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
     p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
+    p.add_argument("--head", help="trained draft head directory for --spec head (quickdraft train-head)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
 
 
 def spec_from_args(args: argparse.Namespace) -> SpecConfig:
-    return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model,
+    return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model, head=args.head,
                       ngram_max=args.ngram_max, ngram_min=args.ngram_min)
 
 

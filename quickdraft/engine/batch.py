@@ -195,11 +195,11 @@ class Engine:
         n = len(request.prompt_ids)
         ids = torch.tensor([request.prompt_ids], device=device)
         positions = torch.arange(n, device=device)[None]
-        logits = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1).logits
-        verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, logits,
+        out = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1)
+        verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, out.logits,
                          [request.params], [row.generator])
         row.length = n
-        return self._finish_step([row], [0], verdict, time.perf_counter() - t0)
+        return self._finish_step([row], [0], verdict, time.perf_counter() - t0, [out.hidden[0]])
 
     def _decode(self, rows: list[_Row]) -> list[tuple[str, TokenEvent]]:
         t0 = time.perf_counter()
@@ -216,19 +216,23 @@ class Engine:
         starts = torch.tensor([r.length for r in rows], device=device)
         positions = starts[:, None] + torch.arange(1 + width, device=device)  # [B, 1+width]
         view = self.cache.rows(0, len(rows))
-        logits = self.model(ids, positions, view, last_n=1 + width).logits   # [B, 1+width, V]
-        verdict = verify(ids[:, 1:], lengths, [d.q for d in drafts], logits,
+        out = self.model(ids, positions, view, last_n=1 + width)   # logits [B, 1+width, V]
+        verdict = verify(ids[:, 1:], lengths, [d.q for d in drafts], out.logits,
                          [r.request.params for r in rows], [r.generator for r in rows])
         for row, accepted in zip(rows, verdict.accepted):
             row.length += 1 + accepted  # rejected drafts' K/V are evicted: a length change
         step_s = time.perf_counter() - t0
         self.cost.observe(len(rows) + sum(lengths), step_s)
-        return self._finish_step(rows, lengths, verdict, step_s)
+        # the target's features of the positions each row keeps: its last token and accepted drafts
+        hidden = [out.hidden[b, :1 + a] for b, a in enumerate(verdict.accepted)]
+        return self._finish_step(rows, lengths, verdict, step_s, hidden)
 
-    def _finish_step(self, rows: list[_Row], lengths: Sequence[int], verdict: Verdict,
-                     step_s: float) -> list[tuple[str, TokenEvent]]:
+    def _finish_step(self, rows: list[_Row], lengths: Sequence[int], verdict: Verdict, step_s: float,
+                     hidden: Sequence[torch.Tensor]) -> list[tuple[str, TokenEvent]]:
+        """hidden: per row, [n, D] target features of the positions the step ran and kept."""
         events, finished = [], []
-        for row, n_draft, accepted, new in zip(rows, lengths, verdict.accepted, verdict.tokens):
+        for row, n_draft, accepted, new, features in zip(rows, lengths, verdict.accepted, verdict.tokens,
+                                                         hidden):
             stats = row.stats
             stats.target_passes += 1
             stats.record_draft(n_draft, accepted)
@@ -241,7 +245,7 @@ class Engine:
             row.last = new[-1]
             error = None
             if finish is None:
-                error = self._propose(row, new, accepted)
+                error = self._propose(row, new, accepted, features)
                 finish = "error" if error else None
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
@@ -253,15 +257,18 @@ class Engine:
         self._sync_cache_lengths()
         return events
 
-    def _propose(self, row: _Row, new: list[int], accepted: int) -> Exception | None:
+    def _propose(self, row: _Row, new: list[int], accepted: int, features: torch.Tensor) -> Exception | None:
         """The row's next draft; a failing proposer ends its own request, never the batch."""
-        request = row.request
-        if request.proposer is None or request.k == 0:
+        proposer = row.request.proposer
+        if proposer is None or row.request.k == 0:
             return None
         t0 = time.perf_counter()
         try:
-            request.proposer.commit(new, accepted)
-            row.draft = request.proposer.propose(min(request.k, row.budget - row.stats.new_tokens - 1))
+            if getattr(proposer, "wants_hidden", False):
+                proposer.commit(new, accepted, features)
+            else:
+                proposer.commit(new, accepted)
+            row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
         except Exception as e:  # noqa: BLE001 - reported to that request's consumer
             return e
         finally:

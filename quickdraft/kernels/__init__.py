@@ -80,6 +80,9 @@ def kernel_status() -> str:
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The C kernel has no backward: anything autograd must see (training a head) goes to torch."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype in WEIGHT_TYPES
             and weight.is_contiguous() and x.numel() // x.shape[-1] <= MAX_ROWS and _library() is not None)
 

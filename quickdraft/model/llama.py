@@ -22,7 +22,33 @@ from quickdraft.model.rope import apply_rope, inverse_frequencies, rope_tables
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [B, n, V] for the last n positions asked for
-    hidden: torch.Tensor  # [B, n, D] last layer's output before the final norm (draft heads read it)
+    hidden: torch.Tensor  # [B, T, D] last layer's output before the final norm at every fed
+                          # position (draft heads read it)
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer of one forward shares: rotary tables, the mask, the cache slots."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, T, kv_len], True = may attend; None = attend to all
+    slots: Slots
+    kv_len: int
+
+
+def attention_inputs(inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                     attn_mask: torch.Tensor | None = None) -> AttentionInputs:
+    """A query at position p sees the cached keys at slots 0..p of its row; `attn_mask`
+    [B, T, kv_len] narrows that further (trees)."""
+    kv_len = int(positions.max()) + 1
+    cos, sin = rope_tables(inv_freq, positions, cache.dtype)
+    mask = None  # one query at the last position of one row sees every key: no mask needed
+    if positions.shape != (1, 1) or attn_mask is not None:
+        mask = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)  # [B, T, kv_len]
+        if attn_mask is not None:
+            mask = mask & attn_mask
+        mask = mask.unsqueeze(1)
+    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len)
 
 
 class RMSNorm(nn.Module):
@@ -51,17 +77,16 @@ class Block(nn.Module):
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, slots: Slots, kv_len: int, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused)
         qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
-        qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), cos, sin)  # q and k in one go
+        qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), at.cos, at.sin)  # q and k in one go
         q, k = qk.split((n_q, self.n_kv), dim=1)
         v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
-        keys, values = cache.write(layer, slots, k, v, kv_len)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q)
+        keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask, enable_gqa=self.n_kv != n_q)
         attn = attn.transpose(1, 2).reshape(B, T, n_q * hd).to(x.dtype)
         x = linear(attn, self.wo.weight, residual=x)
         h = linear(x, self.w_gate_up.weight, norm=self.mlp_norm.fused)
@@ -102,21 +127,15 @@ class Transformer(nn.Module):
         """tokens, positions: [B, T]. A query at position p sees the cached keys at slots 0..p of
         its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
         `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
-        kv_len = int(positions.max()) + 1
         x = self.embed(tokens).to(self.compute_dtype)
-        cos, sin = rope_tables(self.inv_freq, positions, cache.dtype)
-        mask = None  # one query at the last position of one row sees every key: no mask needed
-        if tokens.shape != (1, 1) or attn_mask is not None:
-            mask = torch.arange(kv_len, device=tokens.device) <= positions.unsqueeze(-1)  # [B, T, kv_len]
-            if attn_mask is not None:
-                mask = mask & attn_mask
-            mask = mask.unsqueeze(1)
-        slots = cache.slots(positions)
+        at = attention_inputs(self.inv_freq, positions, cache, attn_mask)
         for layer, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache, layer, slots, kv_len, mask)
-        if last_n is not None:
-            x = x[:, -last_n:]
-        return ForwardOutput(logits=linear(x, self.lm_head.weight, norm=self.norm.fused), hidden=x)
+            x = block(x, cache, layer, at)
+        return ForwardOutput(logits=self.logits(x if last_n is None else x[:, -last_n:]), hidden=x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] last-layer outputs (pre-norm) -> [..., V] logits: the final norm and LM head."""
+        return linear(hidden, self.lm_head.weight, norm=self.norm.fused)
 
 
 def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],

