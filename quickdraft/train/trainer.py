@@ -2,7 +2,7 @@
 
 Each step runs the target over a batch of token sequences (no gradients), then the head over the
 pairs (f_t, e(s_{t+1})), and minimizes, per position, a smooth-L1 regression of the predicted
-feature onto f_{t+1} plus `ce_weight` x the cross-entropy of the head's next-token distribution
+feature onto f_{t+1} (both through the target's final norm) plus `ce_weight` x the cross-entropy of the head's next-token distribution
 (target's final norm + LM head on the predicted feature) against the target's own distribution
 there. A checkpoint (head, optimizer, step, losses) is written every `checkpoint_every` steps; a
 rerun with the same output folder resumes from it.
@@ -97,7 +97,11 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[list[int]],
         lm_weight = target.lm_head.weight[head.vocab].to(features.dtype)
     head_cache = head.new_cache(L - 1, device, features.dtype, batch_size=len(batch))
     predicted = head(features[:, :-1], embeds, positions[:, :-1], head_cache)                  # [B, L-1, D]
-    regression = F.smooth_l1_loss(predicted[valid], features[:, 1:][valid])
+    # regression after the target's final norm: what its LM head reads, scale-free (last-layer
+    # features of real models carry a few huge outlier dimensions that would dominate otherwise)
+    gain, eps = target.norm.fused
+    regression = F.smooth_l1_loss(gain * F.rms_norm(predicted[valid], (predicted.shape[-1],), eps=eps),
+                                  gain * F.rms_norm(features[:, 1:][valid], (predicted.shape[-1],), eps=eps))
     log_q = torch.log_softmax(linear(predicted[valid], lm_weight, norm=target.norm.fused).float(), dim=-1)
     ce = -(p * log_q).sum(-1).mean()  # the target's mass outside the draft vocabulary cannot be drafted
     agree = (head.vocab[log_q.argmax(-1)] == best).float().mean()
