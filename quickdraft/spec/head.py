@@ -138,12 +138,22 @@ class HeadProposer:
         self.cached = 0      # pairs (f_t, s_{t+1}) with K/V in the head's cache: t < cached
         seed = None if params.seed is None else (params.seed ^ HEAD_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(target.device)
+        self.agreement = [1.0, 2.0]        # drafts agreeing with what was committed, disagreements
+        self.pending: list[int] = []       # the last proposal
         self.vocab = head.vocab.to(target.device)
         self.lm_weight = target.lm_head.weight[self.vocab].contiguous()  # [Vd, D] the draft vocabulary's rows
 
     def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
         """hidden [n, D]: the target's features at the next n positions (those it ran and kept)."""
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
+        agreed = 0
+        for drafted, committed in zip(self.pending, tokens):  # also drafts the engine did not verify
+            if drafted != committed:
+                break
+            agreed += 1
+        self.agreement[0] += agreed
+        self.agreement[1] += agreed < min(len(self.pending), len(tokens))
+        self.pending = []
         self.tokens.extend(tokens)
         if hidden is not None:
             n = hidden.shape[0]
@@ -181,7 +191,10 @@ class HeadProposer:
             drafted.append(x)
             if i < k - 1:
                 predicted = self._step(predicted, [x], pairs + i)
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs))
+        self.pending = drafted
+        # the running agreement rate lets the engine's policy verify only what pays (engine/policy.py)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs),
+                     self.agreement[0] / sum(self.agreement))
 
 
 @register("head")
