@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -169,7 +170,10 @@ class HeadProposer:
     @torch.inference_mode()
     def propose(self, k: int) -> Draft:
         pairs = min(self.n_features, len(self.tokens) - 1)
-        k = min(k, self.cache.max_len - pairs + 1)
+        # each draft step costs a head forward: draft about twice the run expected to be accepted
+        # (a / (1 - a) tokens at agreement a), at least one token to keep measuring the agreement
+        a = self.agreement[0] / sum(self.agreement)
+        k = min(k, self.cache.max_len - pairs + 1, max(1, math.ceil(2 * a / max(1 - a, 1e-6))))
         if k <= 0 or pairs == 0:
             return Draft([], None)
         start = min(self.cached, pairs - 1)  # at least the newest pair runs: it predicts f_pairs
