@@ -64,7 +64,7 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained) -> None:
     untrained = DraftHead(head_config(model.config)).eval()
     rate_before, _ = acceptance(model, untrained, prompts)
     rate_after, per_pass = acceptance(model, load_head(out, model), prompts)
-    assert rate_after > rate_before + 0.05 and per_pass > 1.2
+    assert rate_after > rate_before + 0.05 and per_pass > 1.1
     info = json.loads((out / "head.json").read_text())
     assert info["target"] == "tiny" and info["training"]["steps"] == CONFIG.steps
 

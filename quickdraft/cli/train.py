@@ -50,7 +50,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     if prompts:
         rate, per_pass = acceptance(llm.model, head, prompts, k=4)
         print(f"quickdraft: held-out acceptance {rate:.0%}, {per_pass:.2f} tokens per target pass "
-              f"(greedy, k=4, {len(prompts)} prompts)", file=sys.stderr)
+              f"(greedy, up to k=4, {len(prompts)} prompts)", file=sys.stderr)
     print(f"quickdraft: head written to {out}", file=sys.stderr)
     return 0
 
