@@ -17,7 +17,7 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
-from quickdraft.engine.policy import PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
@@ -40,8 +40,8 @@ class EngineConfig:
             raise ValueError(f"max_batch must be an integer >= 1, found {self.max_batch!r}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, found {self.max_seq_len!r}")
-        if self.policy not in ("goodput", "fixed"):
-            raise ValueError(f"policy must be 'goodput' or 'fixed', found {self.policy!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, found {self.policy!r}")
 
 
 @dataclass

@@ -33,6 +33,29 @@ class Draft:
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.accept_prob)
 
 
+class Agreement:
+    """How often a proposer's tokens agree with what the target commits: per proposal, the drafts
+    before the first disagreement count as agreeing (also drafts the engine chose not to verify:
+    the committed text shows whether they would have been accepted), a disagreement counts once.
+    Pseudo-counts (1, 2) make the estimate 1/3 before any evidence."""
+
+    def __init__(self) -> None:
+        self.agreed, self.disagreed = 1.0, 2.0
+
+    @property
+    def rate(self) -> float:
+        return self.agreed / (self.agreed + self.disagreed)
+
+    def record(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
+        agreed = 0
+        for drafted, token in zip(proposal, committed):
+            if drafted != token:
+                break
+            agreed += 1
+        self.agreed += agreed
+        self.disagreed += agreed < min(len(proposal), len(committed))
+
+
 class Proposer(Protocol):
     def propose(self, k: int) -> Draft:
         """Up to k tokens that may follow the committed sequence."""

@@ -34,7 +34,7 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Draft, ProposerContext, SpecConfigError, register
+from quickdraft.spec.base import Agreement, Draft, ProposerContext, SpecConfigError, register
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
@@ -139,7 +139,7 @@ class HeadProposer:
         self.cached = 0      # pairs (f_t, s_{t+1}) with K/V in the head's cache: t < cached
         seed = None if params.seed is None else (params.seed ^ HEAD_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(target.device)
-        self.agreement = [1.0, 2.0]        # drafts agreeing with what was committed, disagreements
+        self.agreement = Agreement()
         self.pending: list[int] = []       # the last proposal
         self.vocab = head.vocab.to(target.device)
         self.lm_weight = target.lm_head.weight[self.vocab].contiguous()  # [Vd, D] the draft vocabulary's rows
@@ -147,13 +147,7 @@ class HeadProposer:
     def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
         """hidden [n, D]: the target's features at the next n positions (those it ran and kept)."""
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
-        agreed = 0
-        for drafted, committed in zip(self.pending, tokens):  # also drafts the engine did not verify
-            if drafted != committed:
-                break
-            agreed += 1
-        self.agreement[0] += agreed
-        self.agreement[1] += agreed < min(len(self.pending), len(tokens))
+        self.agreement.record(self.pending, tokens)
         self.pending = []
         self.tokens.extend(tokens)
         if hidden is not None:
@@ -172,7 +166,7 @@ class HeadProposer:
         pairs = min(self.n_features, len(self.tokens) - 1)
         # each draft step costs a head forward: draft about twice the run expected to be accepted
         # (a / (1 - a) tokens at agreement a), at least one token to keep measuring the agreement
-        a = self.agreement[0] / sum(self.agreement)
+        a = self.agreement.rate
         k = min(k, self.cache.max_len - pairs + 1, max(1, math.ceil(2 * a / max(1 - a, 1e-6))))
         if k <= 0 or pairs == 0:
             return Draft([], None)
@@ -198,7 +192,7 @@ class HeadProposer:
         self.pending = drafted
         # the running agreement rate lets the engine's policy verify only what pays (engine/policy.py)
         return Draft(drafted, None if self.params.greedy else torch.cat(qs),
-                     self.agreement[0] / sum(self.agreement))
+                     self.agreement.rate)
 
 
 @register("head")

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from quickdraft.spec.base import Draft, ProposerContext, register
+from quickdraft.spec.base import Agreement, Draft, ProposerContext, register
 
-PRIOR = (1.0, 2.0)  # pseudo-counts (agreeing tokens, disagreements) per match length: 1/3 at first
 
 
 class NgramProposer:
@@ -28,7 +27,7 @@ class NgramProposer:
         # n-gram -> end index of its latest occurrence, over n-grams ending before the last token,
         # so a lookup of the current suffix finds an *earlier* occurrence.
         self.last_end: dict[tuple[int, ...], int] = {}
-        self.agreement: dict[int, list[float]] = {}          # match length -> [agreed, disagreed]
+        self.agreement: dict[int, Agreement] = {}            # per match length
         self.pending: tuple[int, list[int]] | None = None    # (match length, tokens) last proposed
         self._extend(prompt_ids)
 
@@ -46,22 +45,14 @@ class NgramProposer:
             end = self.last_end.get(tuple(tokens[-n:]))
             if end is not None:
                 proposal = tokens[end + 1:end + 1 + k]
-                agreed, disagreed = self.agreement.get(n, PRIOR)
                 self.pending = (n, proposal)
-                return Draft(proposal, None, agreed / (agreed + disagreed))
+                return Draft(proposal, None, self.agreement.setdefault(n, Agreement()).rate)
         return Draft([], None)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         if self.pending is not None:
             n, proposal = self.pending
-            agreed = 0
-            for drafted, committed in zip(proposal, tokens):
-                if drafted != committed:
-                    break
-                agreed += 1
-            counts = self.agreement.setdefault(n, list(PRIOR))
-            counts[0] += agreed
-            counts[1] += agreed < min(len(proposal), len(tokens))
+            self.agreement.setdefault(n, Agreement()).record(proposal, tokens)
             self.pending = None
         self._extend(tokens)
 
