@@ -81,7 +81,7 @@ class CheckedHead(HeadProposer):
 
 def run(model: Transformer, proposer, k: int, params: SamplingParams, prompt=PROMPT) -> tuple[list[int], object]:
     ids, last = [], None
-    for event in generate_tokens(model, prompt, params, frozenset(), proposer, k):
+    for event in generate_tokens(model, prompt, params, frozenset(), proposer, k, adaptive=False):
         ids += event.token_ids
         last = event
     return ids, last.stats

@@ -140,7 +140,7 @@ def test_per_request_speculation(server: Server) -> None:
         body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 60, "temperature": 0, "speculative": spec}
         return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
 
-    off, on, fixed = stats({"method": "none"}), stats({"method": "ngram", "k": 8}), stats({"k": 5, "adaptive": False})
+    off, on, fixed = stats({"method": "none"}), stats({"method": "ngram", "k": 8, "adaptive": False}), stats({"k": 5, "adaptive": False})
     assert off["choices"][0]["text"] == on["choices"][0]["text"] == fixed["choices"][0]["text"]
     assert off["stats"]["drafted_tokens"] == 0 and on["stats"]["drafted_tokens"] > 0
     assert len(fixed["stats"]["acceptance_by_position"]) == 5  # all 5 offered tokens verified
