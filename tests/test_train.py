@@ -1,5 +1,6 @@
-"""The head trainer: its loss falls, a trained head is accepted more often than an untrained one,
-a resumed run continues exactly, and the ShareGPT reader keeps what parses of a cut-off file."""
+"""The head trainer: recorded examples are the target's own greedy output with its exact features,
+the loss falls, a trained head is accepted more often than an untrained one, a resumed run
+continues exactly, and the ShareGPT reader keeps what parses of a cut-off file."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.spec.head import DraftHead, head_config, load_head
 from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train import trainer
+from quickdraft.train.responses import Example, generate_examples
 from quickdraft.train.trainer import TrainConfig, acceptance, train_head
 from test_spec_exactness import tiny
 from tiny_tokenizer import tiny_llm_dir
@@ -26,16 +28,29 @@ def target():
     return tiny("llama-gqa-untied", init=0.1)
 
 
-def corpus(n: int, seed: int) -> list[list[int]]:
-    """The target's own greedy continuations of random prompts: the text a head must predict."""
+def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    model, out = target(), []
-    for _ in range(n):
-        prompt = torch.randint(3, 96, (6,), generator=g).tolist()
-        new = [t for ev in generate_tokens(model, prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    return [torch.randint(3, 96, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def corpus(n: int, seed: int) -> list[Example]:
+    """The target's own greedy continuations of random prompts: the text a head must predict."""
+    return generate_examples(target(), prompts(n, seed), frozenset(), 40, batch_size=8, progress=False)
+
+
+def test_examples_are_plain_greedy_output_with_exact_features() -> None:
+    model = target()
+    examples = generate_examples(model, prompts(6, 3), frozenset(), 20, batch_size=4, progress=False)
+    for prompt, e in zip(prompts(6, 3), examples):
+        new = [t for ev in generate_tokens(model, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
                for t in ev.token_ids]
-        out.append(prompt + new)
-    return out
+        # features of every position the engine ran and handed over: all but the last two (the final
+        # step's run is not handed to proposers, the last token never runs)
+        assert e.tokens == (prompt + new)[:len(e.features) + 1] and len(e.features) == len(prompt) + 18
+        ids = torch.tensor([e.tokens[:-1]])
+        fresh = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1]), last_n=1).hidden[0]
+        assert torch.allclose(e.features.float(), fresh, rtol=2e-2, atol=2e-2)  # stored in bfloat16
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +73,15 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained) -> None:
     assert mean(h["loss"] for h in history[-10:]) < 0.8 * mean(h["loss"] for h in history[:10])
     assert mean(h["regression"] for h in history[-10:]) < 0.6 * mean(h["regression"] for h in history[:10])
     assert mean(h["top1"] for h in history[-10:]) > mean(h["top1"] for h in history[:10]) + 0.15
+    # the later passes, which read the head's own predictions, learn too
+    assert mean(h["top1_3"] for h in history[-10:]) > mean(h["top1_3"] for h in history[:10]) + 0.1
     model = target()
-    prompts = [s[:10] for s in corpus(8, 1)]  # held out: other random prompts
+    held_out = [e.tokens[:10] for e in corpus(8, 1)]  # other random prompts, a little of their answer
     torch.manual_seed(CONFIG.seed)
     untrained = DraftHead(head_config(model.config)).eval()
-    rate_before, _ = acceptance(model, untrained, prompts)
-    rate_after, per_pass = acceptance(model, load_head(out, model), prompts)
-    assert rate_after > rate_before + 0.05 and per_pass > 1.1
+    rate_before, _ = acceptance(model, untrained, held_out)
+    rate_after, per_pass = acceptance(model, load_head(out, model), held_out)
+    assert rate_after > rate_before + 0.05 and per_pass > 1.05
     info = json.loads((out / "head.json").read_text())
     assert info["target"] == "tiny" and info["training"]["steps"] == CONFIG.steps
 
@@ -108,11 +125,20 @@ def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     assert kept == got[:1]
 
 
-def test_train_head_command_on_a_tiny_model(tmp_path: Path) -> None:
+def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:
     model_dir = tiny_llm_dir(tmp_path / "model", max_position_embeddings=512)
     out = tmp_path / "head"
-    rc = main(["train-head", "--model", str(model_dir), "--out", str(out), "--conversations", "6", "--steps", "3",
-               "--batch-size", "2", "--max-len", "64", "--no-progress"])
-    assert rc == 0 and (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    args = ["train-head", "--model", str(model_dir), "--out", str(out), "--conversations", "6",
+            "--batch-size", "2", "--max-len", "64", "--max-new-tokens", "12", "--no-progress"]
+    assert main(args + ["--steps", "3"]) == 0
+    assert (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
     info = json.loads((out / "head.json").read_text())
-    assert info["training"]["sequences"] == 6 and info["training"]["steps"] == 3
+    assert info["training"]["examples"] == 6 and info["training"]["steps"] == 3
+    # a rerun asking for more steps reuses the generated examples and resumes the checkpoint
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the examples should have been reused")
+
+    monkeypatch.setattr("quickdraft.train.responses.generate_examples", no_generation)
+    assert main(args + ["--steps", "5"]) == 0
+    info = json.loads((out / "head.json").read_text())
+    assert info["training"]["steps"] == 5 and len(json.loads((out / "history.json").read_text())) == 5

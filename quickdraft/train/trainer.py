@@ -1,11 +1,15 @@
-"""Training a draft head against a frozen target (teacher forcing on the target's own features).
+"""Training a draft head against a frozen target on recorded examples (train/responses.py: the
+target's own responses and its features there).
 
-Each step runs the target over a batch of token sequences (no gradients), then the head over the
-pairs (f_t, e(s_{t+1})), and minimizes, per position, a smooth-L1 regression of the predicted
-feature onto f_{t+1} (both through the target's final norm) plus `ce_weight` x the cross-entropy of the head's next-token distribution
-(target's final norm + LM head on the predicted feature) against the target's own distribution
-there. A checkpoint (head, optimizer, step, losses) is written every `checkpoint_every` steps; a
-rerun with the same output folder resumes from it.
+Each step runs the head `unroll` times over a batch's pairs (f_t, e(s_{t+1})). The first pass reads
+the target's features; pass j reads, at every position, the feature pass j-1 predicted there, as
+the j-th draft step reads the head's own prediction: a head trained on exact features alone drifts
+off after its first draft token (training-time test, as in HASS and EAGLE-3). Each pass's loss is a
+smooth-L1 regression of the predicted feature onto f_{t+1} (both through the target's final norm)
+plus `ce_weight` x the cross-entropy of the head's next-token distribution (final norm + LM head
+over the draft vocabulary) against the target's own distribution there; pass j weighs
+`unroll_decay`^j. A checkpoint (head, optimizer, step, losses) is written every `checkpoint_every`
+steps; a rerun with the same output folder resumes from it.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.head import DraftHead, HeadProposer, head_config, save_head
+from quickdraft.train.responses import Example
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -33,21 +38,23 @@ CHECKPOINT = "checkpoint.pt"
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 1000
-    batch_size: int = 4          # sequences per step
-    max_len: int = 256           # tokens per sequence at most
+    batch_size: int = 8          # examples per step
+    max_len: int = 384           # positions per example at most
     lr: float = 1e-3
     warmup: int = 20             # linear warm-up steps, then cosine decay to 10%
     ce_weight: float = 0.1       # EAGLE's weighting of the classification loss
+    unroll: int = 3              # passes per step: 1 on the target's features, then on the head's own
+    unroll_decay: float = 0.8    # weight of pass j: decay^j
     draft_vocab: int = 8192      # the most frequent tokens of the data the head may draft
     checkpoint_every: int = 100
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "max_len", "checkpoint_every"):
+        for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
-        if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0:
-            raise ValueError("lr must be > 0, warmup and ce_weight >= 0")
+        if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0 or not 0 < self.unroll_decay <= 1:
+            raise ValueError("lr must be > 0, warmup and ce_weight >= 0, unroll_decay in (0, 1]")
 
 
 def _resumable(config: dict) -> dict:
@@ -55,11 +62,11 @@ def _resumable(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every")}
 
 
-def draft_vocabulary(sequences: Sequence[list[int]], vocab_size: int, size: int) -> torch.Tensor:
+def draft_vocabulary(examples: Sequence[Example], vocab_size: int, size: int) -> torch.Tensor:
     """The `size` most frequent token ids of the data (ties by id), sorted by id."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in sequences:
-        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=vocab_size)
+    for e in examples:
+        counts += torch.bincount(torch.tensor(e.tokens, dtype=torch.long), minlength=vocab_size)
     c = counts.tolist()
     order = sorted(range(vocab_size), key=lambda t: (-c[t], t))
     return torch.tensor(sorted(order[:min(size, vocab_size)]))
@@ -72,52 +79,62 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def batch_of(sequences: Sequence[list[int]], step: int, config: TrainConfig) -> list[list[int]]:
-    """The step's sequences: a seeded shuffle of the data, cycled, so a resumed run continues it."""
-    order = list(range(len(sequences)))
-    epoch, offset = divmod(step * config.batch_size, len(sequences))
+def batch_of(examples: Sequence[Example], step: int, config: TrainConfig) -> list[Example]:
+    """The step's examples: a seeded shuffle of the data, cycled, so a resumed run continues it."""
+    order = list(range(len(examples)))
+    epoch, offset = divmod(step * config.batch_size, len(examples))
     random.Random(config.seed + epoch).shuffle(order)
-    picked = [(offset + i) % len(sequences) for i in range(config.batch_size)]
-    return [sequences[order[i]][:config.max_len] for i in picked]
+    picked = [examples[order[(offset + i) % len(examples)]] for i in range(config.batch_size)]
+    return [Example(e.tokens[:config.max_len + 1], e.features[:config.max_len]) for e in picked]
 
 
-def head_loss(target: Transformer, head: DraftHead, batch: list[list[int]],
-              ce_weight: float) -> tuple[torch.Tensor, dict[str, float]]:
-    device = target.device
-    L = max(len(s) for s in batch)
-    tokens = torch.tensor([s + [0] * (L - len(s)) for s in batch], device=device)    # [B, L]
-    valid = torch.tensor([[t < len(s) for t in range(1, L)] for s in batch], device=device)  # [B, L-1]
-    positions = torch.arange(L, device=device).expand(len(batch), L)
-    with torch.no_grad():
-        features = target(tokens, positions, target.new_cache(len(batch), L), last_n=1).hidden  # [B, L, D]
-        embeds = target.embed(tokens[:, 1:]).to(features.dtype)
-        p = torch.softmax(target.logits(features[:, 1:][valid]).float(), dim=-1)             # [N, V]
-        best = p.argmax(-1)
-        p = p[:, head.vocab]                                                                   # [N, Vd]
-        lm_weight = target.lm_head.weight[head.vocab].to(features.dtype)
-    head_cache = head.new_cache(L - 1, device, features.dtype, batch_size=len(batch))
-    predicted = head(features[:, :-1], embeds, positions[:, :-1], head_cache)                  # [B, L-1, D]
-    # regression after the target's final norm: what its LM head reads, scale-free (last-layer
-    # features of real models carry a few huge outlier dimensions that would dominate otherwise)
+def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
+              config: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    device, dtype = target.device, target.compute_dtype
+    n = max(len(e.features) for e in batch)  # features per row; pairs per row: n - 1
+    features = torch.zeros(len(batch), n, target.config.hidden_size, device=device, dtype=dtype)  # [B, n, D]
+    tokens = torch.zeros(len(batch), n + 1, dtype=torch.long, device=device)                      # [B, n+1]
+    for b, e in enumerate(batch):
+        features[b, :len(e.features)] = e.features.to(device, dtype)
+        tokens[b, :len(e.tokens)] = torch.tensor(e.tokens, device=device)
+    valid = torch.tensor([[t + 1 < len(e.features) for t in range(n - 1)] for e in batch], device=device)
+    positions = torch.arange(n - 1, device=device).expand(len(batch), n - 1)
     gain, eps = target.norm.fused
-    regression = F.smooth_l1_loss(gain * F.rms_norm(predicted[valid], (predicted.shape[-1],), eps=eps),
-                                  gain * F.rms_norm(features[:, 1:][valid], (predicted.shape[-1],), eps=eps))
-    log_q = torch.log_softmax(linear(predicted[valid], lm_weight, norm=target.norm.fused).float(), dim=-1)
-    ce = -(p * log_q).sum(-1).mean()  # the target's mass outside the draft vocabulary cannot be drafted
-    agree = (head.vocab[log_q.argmax(-1)] == best).float().mean()
-    parts = {"regression": regression.item(), "ce": ce.item(), "top1": agree.item()}
-    return regression + ce_weight * ce, parts
+    D = features.shape[-1]
+    with torch.no_grad():
+        embeds = target.embed(tokens[:, 1:n]).to(dtype)                      # [B, n-1, D]: e(s_{t+1})
+        lm_weight = target.lm_head.weight[head.vocab].to(dtype)              # [Vd, D]
+        goal = features[:, 1:][valid]                                        # [N, D]: f_{t+1}
+        p = torch.softmax(linear(goal, lm_weight, norm=target.norm.fused).float(), dim=-1)  # [N, Vd]
+        best = p.argmax(-1)
+        goal_normed = gain * F.rms_norm(goal, (D,), eps=eps)
+    inputs, total, parts = features[:, :-1], torch.zeros((), device=device), {}
+    for j in range(config.unroll):
+        predicted = head(inputs, embeds, positions, head.new_cache(n - 1, device, dtype, len(batch)))  # [B, n-1, D]
+        mine = predicted[valid]
+        # regression after the target's final norm: what its LM head reads, scale-free (last-layer
+        # features of real models carry a few huge outlier dimensions that would dominate otherwise)
+        regression = F.smooth_l1_loss(gain * F.rms_norm(mine, (D,), eps=eps), goal_normed)
+        log_q = torch.log_softmax(linear(mine, lm_weight, norm=target.norm.fused).float(), dim=-1)
+        ce = -(p * log_q).sum(-1).mean()
+        total = total + config.unroll_decay ** j * (regression + config.ce_weight * ce)
+        top1 = (log_q.argmax(-1) == best).float().mean().item()
+        parts.update({"regression": regression.item(), "ce": ce.item(), "top1": top1} if j == 0 else
+                     {f"top1_{j + 1}": top1})
+        # the next pass reads at position t this pass's prediction of f_t (position 0: the target's)
+        inputs = torch.cat([features[:, :1], predicted[:, :-1].detach()], dim=1)
+    return total, parts
 
 
-def train_head(target: Transformer, sequences: Sequence[list[int]], config: TrainConfig, out: Path,
+def train_head(target: Transformer, examples: Sequence[Example], config: TrainConfig, out: Path,
                target_name: str, progress: bool = True) -> dict:
-    """Train (or resume training) a head for `target` on `sequences`; writes DIR/head.safetensors,
+    """Train (or resume training) a head for `target` on `examples`; writes DIR/head.safetensors,
     DIR/head.json and DIR/checkpoint.pt. Returns the training record saved in head.json."""
-    if not sequences:
-        raise ValueError("no training sequences")
+    if not any(len(e.features) >= 2 for e in examples):
+        raise ValueError("no training examples (each needs at least two positions)")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
-    head = DraftHead(head_config(target.config), draft_vocabulary(sequences, target.config.vocab_size,
+    head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
                                                                   config.draft_vocab))
     head = head.to(device=target.device, dtype=target.compute_dtype)
     head.requires_grad_(True).train()
@@ -136,7 +153,7 @@ def train_head(target: Transformer, sequences: Sequence[list[int]], config: Trai
     while step < config.steps:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        loss, parts = head_loss(target, head, batch_of(sequences, step, config), config.ce_weight)
+        loss, parts = head_loss(target, head, batch_of(examples, step, config), config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -144,12 +161,13 @@ def train_head(target: Transformer, sequences: Sequence[list[int]], config: Trai
         step += 1
         history.append({"step": step, "loss": loss.item(), **parts})
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{parts['top1']:.2f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{parts['top1']:.2f}",
+                        **{k: f"{v:.2f}" for k, v in parts.items() if k.startswith("top1_")})
         if step % config.checkpoint_every == 0 or step == config.steps:
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                         "history": history, "config": dataclasses.asdict(config)}, checkpoint)
     bar.close()
-    record = {"config": dataclasses.asdict(config), "sequences": len(sequences), "steps": step,
+    record = {"config": dataclasses.asdict(config), "examples": len(examples), "steps": step,
               "final": history[-1] if history else {}}
     save_head(head.requires_grad_(False).eval(), target, out, target_name, training=record)
     (out / "history.json").write_text(json.dumps(history))
