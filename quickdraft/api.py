@@ -17,7 +17,7 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig
 from quickdraft.spec.draft_model import check_compatible
-from quickdraft.spec.head import DraftHead, load_head
+from quickdraft.spec.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
 
@@ -89,7 +89,7 @@ class LLM:
         self._heads: dict[str, DraftHead] = {}
         if self.spec.draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
-        if self.spec.head:
+        if self.spec.needs_head:
             self.draft_head(self.spec.head)
 
     def draft_model(self, name_or_path: str) -> "LLM":
@@ -100,11 +100,13 @@ class LLM:
             self._drafts[name_or_path] = draft
         return self._drafts[name_or_path]
 
-    def draft_head(self, path: str) -> "DraftHead":
-        """A trained draft head for this model, loaded once (a head for another model is an error)."""
-        if path not in self._heads:
-            self._heads[path] = load_head(path, self.model)
-        return self._heads[path]
+    def draft_head(self, path: str | None = None) -> "DraftHead":
+        """A trained draft head for this model, loaded once (a head for another model is an error);
+        None: the head that ships for this model."""
+        key = path or ""
+        if key not in self._heads:
+            self._heads[key] = load_head(path or packaged_head(self.model), self.model)
+        return self._heads[key]
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:

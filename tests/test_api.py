@@ -264,7 +264,8 @@ def test_cli_json(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.CaptureFi
 
 def test_cli_streams_text_then_stats_line(llm: quickdraft.LLM, model_dir: Path,
                                           capsys: pytest.CaptureFixture) -> None:
-    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "-n", "5", "--ignore-eos"]) == 0
+    assert main(["generate", "--model", str(model_dir), "--prompt", "hi", "-n", "5", "--ignore-eos",
+                 "--spec", "none"]) == 0
     out, err = capsys.readouterr()
     ids = llm.generate("hi", params=greedy(5, ignore_eos=True)).token_ids
     assert out == llm.tokenizer.decode(ids) + "\n"
@@ -291,7 +292,7 @@ def test_cli_chat_and_stop(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.
 
 def test_cli_sampling_flags(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "-n", "8", "--json", "--ignore-eos",
-                 "-t", "0.9", "--top-k", "30", "--top-p", "0.95", "--seed", "77"]) == 0
+                 "-t", "0.9", "--top-k", "30", "--top-p", "0.95", "--seed", "77", "--spec", "none"]) == 0
     obj = json.loads(capsys.readouterr().out)
     params = SamplingParams(temperature=0.9, top_k=30, top_p=0.95, seed=77, max_new_tokens=8, ignore_eos=True)
     assert obj["token_ids"] == llm.generate(PROMPT, params=params).token_ids

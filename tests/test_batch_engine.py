@@ -241,10 +241,19 @@ def flat_then_steep(knee: int) -> StepCost:
 
 def test_policy_one_row_verifies_what_pays() -> None:
     cheap, steep = flat_then_steep(64), flat_then_steep(1)
-    row = RowDraft(available=8, accept_prob=0.8, pinned=False)
+    row = RowDraft(available=8, accept_probs=[0.8] * 8, pinned=False)
     assert choose_draft_lengths([row], cheap) == [8]       # free verification: all of it
     assert choose_draft_lengths([row], steep) == [0]       # each token costs a step: none
-    assert choose_draft_lengths([RowDraft(8, 0.0, False)], cheap) == [0]  # nothing would be accepted
+    assert choose_draft_lengths([RowDraft(8, [0.0] * 8, False)], cheap) == [0]  # nothing would be accepted
+
+
+def test_policy_follows_per_token_estimates() -> None:
+    """A proposer sure of its first tokens and unsure of the rest gets only the sure part verified."""
+    cost = StepCost()
+    for n in range(1, 10):
+        cost.observe(n, 1.0 + 0.1 * (n - 1))
+    row = RowDraft(6, [0.95, 0.95, 0.9, 0.1, 0.9, 0.9], False)
+    assert choose_draft_lengths([row], cost) == [3]  # the 4th token's gain is 0.08: below its cost
 
 
 def test_policy_drafts_only_for_a_clear_gain() -> None:
@@ -252,18 +261,18 @@ def test_policy_drafts_only_for_a_clear_gain() -> None:
     cost.observe(4, 1.0)
     cost.observe(5, 1.0 + 0.2)
     cost.observe(6, 1.0 + 0.4)
-    rows = [RowDraft(2, 0.86, False)] + [RowDraft(0, None, False)] * 3
+    rows = [RowDraft(2, [0.86] * 2, False)] + [RowDraft(0, None, False)] * 3
     # one draft token: (4 + 0.86) / 1.2 = 4.05 tokens per unit, 1.2% over plain's 4.0: not enough
     assert choose_draft_lengths(rows, cost) == [0, 0, 0, 0]
-    rows[0] = RowDraft(2, 0.99, False)  # (4 + 0.99 + 0.98) / 1.4 = 4.26: 6.6% more
+    rows[0] = RowDraft(2, [0.99] * 2, False)  # (4 + 0.99 + 0.98) / 1.4 = 4.26: 6.6% more
     assert choose_draft_lengths(rows, cost) == [2, 0, 0, 0]
 
 
 def test_policy_shrinks_with_the_batch_and_prefers_likely_tokens() -> None:
     cost = flat_then_steep(16)
-    rows = [RowDraft(8, 0.9, False), RowDraft(8, 0.3, False)]
+    rows = [RowDraft(8, [0.9] * 8, False), RowDraft(8, [0.3] * 8, False)]
     assert choose_draft_lengths(rows, cost) == [8, 6]       # 16 tokens fit the flat part
-    many = [RowDraft(8, 0.9, False)] * 12 + [RowDraft(8, 0.3, False)] * 4
+    many = [RowDraft(8, [0.9] * 8, False)] * 12 + [RowDraft(8, [0.3] * 8, False)] * 4
     lengths = choose_draft_lengths(many, cost)
     assert sum(lengths) == 0                                # 16 rows already fill the flat part
     assert choose_draft_lengths(many, flat_then_steep(40)) == [2] * 12 + [0] * 4
@@ -271,9 +280,9 @@ def test_policy_shrinks_with_the_batch_and_prefers_likely_tokens() -> None:
 
 def test_policy_cap_pinned_rows_and_fixed() -> None:
     cost = flat_then_steep(200)
-    rows = [RowDraft(8, 0.9, False)] * 10
+    rows = [RowDraft(8, [0.9] * 8, False)] * 10
     assert sum(choose_draft_lengths(rows, cost, max_step_tokens=30)) == 20
-    pinned = [RowDraft(5, 0.1, True), RowDraft(3, None, False), RowDraft(4, 0.0, False)]
+    pinned = [RowDraft(5, [0.1] * 5, True), RowDraft(3, None, False), RowDraft(4, [0.0] * 4, False)]
     assert choose_draft_lengths(pinned, flat_then_steep(1)) == [5, 3, 0]
     assert choose_draft_lengths(pinned, flat_then_steep(1), policy="fixed") == [5, 3, 4]
 

@@ -228,6 +228,9 @@ def test_parse_methods() -> None:
     assert [m.label for m in methods] == ["plain", "ngram k=8", "draft:small k=2", "ngram k=3"]
     assert methods[2].spec.draft_model == "/models/small" and methods[2].spec.k == 2
     assert parse_methods("draft:/models/small", k=5)[1].spec.k == 5
+    heads = parse_methods("head,head:8,hybrid:/heads/h1:2,hybrid:/heads/h2", k=5)[1:]
+    assert [(m.spec.method, m.spec.head, m.spec.k) for m in heads] == [
+        ("head", None, 5), ("head", None, 8), ("hybrid", "/heads/h1", 2), ("hybrid", "/heads/h2", 5)]
     assert [m.label for m in parse_methods("plain", 4, compare_hf=True)] == ["plain", "hf-plain", "hf-prompt-lookup"]
     for bad, message in [("medusa", "unknown method 'medusa'.*ngram"), ("ngram,ngram:4", "twice"),
                          ("ngram:x", "integer K"), ("draft", "needs a model"), ("ngram:99", "k must be")]:

@@ -19,8 +19,10 @@ from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import SpecConfig, SpecConfigError
+from quickdraft.spec import Draft, SpecConfig, SpecConfigError
 from quickdraft.spec.head import DraftHead, HeadProposer, head_config, load_head, save_head
+from quickdraft.spec.hybrid import HybridProposer
+from quickdraft.spec.ngram import NgramProposer
 from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
                                  assert_plain_sampling_law, tiny, tiny16)
 from tiny_tokenizer import tiny_llm_dir
@@ -127,16 +129,68 @@ def test_head_rows_in_a_batch_equal_each_alone() -> None:
     assert alone[0] == list(plain())[:30]
 
 
-@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14]], ids=["whole-vocab", "draft-vocab"])
+def test_hybrid_takes_the_lookup_where_text_repeats_and_the_head_elsewhere() -> None:
+    model = target()
+    head = CheckedHead(identity_head(model), model, PROMPT, greedy(), len(PROMPT) + 40 + 9)
+    ngram = NgramProposer(PROMPT, 4, 2)
+    sources = {id(ngram): "ngram", id(head): "head"}
+    offered: list[tuple[str, int]] = []
+    for part in (ngram, head):
+        def propose(k, part=part, inner=part.propose):
+            draft = inner(k)
+            offered.append((sources[id(part)], len(draft.tokens)))
+            return draft
+        part.propose = propose
+    ids, stats = run(model, HybridProposer(ngram, head), 8, greedy())
+    assert ids == list(plain()) and head.violations == []
+    assert stats.drafted_tokens > 0
+    asked = [source for source, _ in offered]  # the premise: both proposers drafted
+    assert asked.count("ngram") == stats.target_passes - 1 and asked.count("head") > 0
+
+
+class Fixed:
+    """A proposer stand-in that offers one fixed draft and records what it was told."""
+
+    def __init__(self, draft: Draft) -> None:
+        self.draft, self.asked, self.committed = draft, 0, []
+
+    def propose(self, k: int) -> Draft:
+        self.asked += 1
+        return self.draft
+
+    def commit(self, tokens, accepted, hidden=None) -> None:
+        self.committed.append(list(tokens))
+
+
+@pytest.mark.parametrize("lookup, head, chosen, head_asked", [
+    ([0.9, 0.9, 0.9], [0.9] * 8, "lookup", False),   # 2.4 expected: the head does not run
+    ([0.3, 0.3], [0.8, 0.5], "head", True),          # 0.39 vs 1.2
+    ([0.6, 0.5], [0.4, 0.2], "lookup", True),        # 0.9 vs 0.48
+    ([], [0.2], "head", True),                       # no match
+])
+def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
+    drafts = {"lookup": Draft([1] * len(lookup), None, lookup), "head": Draft([2] * len(head), None, head)}
+    ngram, heads = Fixed(drafts["lookup"]), Fixed(drafts["head"])
+    hybrid = HybridProposer(ngram, heads)
+    assert hybrid.propose(8) is drafts[chosen] and heads.asked == head_asked
+    hybrid.commit([7, 8], 1, torch.zeros(2, 4))
+    assert ngram.committed == heads.committed == [[7, 8]]  # both follow every step
+
+
+@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid"],
+                         ids=["whole-vocab", "draft-vocab", "hybrid"])
 def test_sampling_law_with_a_head(vocab) -> None:
-    """A draft vocabulary makes q zero on the other tokens: still exact."""
+    """A draft vocabulary makes q zero on the other tokens: still exact. So is the hybrid, whose
+    drafts come from the head (sampled, with q) or the n-gram proposer (deterministic)."""
     model = tiny16()
-    head = random_head(model, 2, vocab)
+    head = random_head(model, 2, None if vocab == "hybrid" else vocab)
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
     for seed in range(40_000, 40_000 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         proposer = HeadProposer(head, model, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+        if vocab == "hybrid":
+            proposer = HybridProposer(NgramProposer(PROMPT16, 3, 1), proposer)
         ids, stats = run(model, proposer, SAMPLE_K, p, PROMPT16)
         counts[tuple(ids[:N_TOKENS])] += 1
         drafted += stats.drafted_tokens
@@ -172,14 +226,21 @@ def test_head_through_the_api_and_spec_config(tmp_path: Path) -> None:
     spec = SpecConfig("head", k=3, head=str(head_dir))
     spec_out = llm.generate("hello there", params=params, spec=spec)
     assert spec_out.token_ids == plain_out.token_ids and spec_out.stats.drafted_tokens > 0
-    with pytest.raises(SpecConfigError, match="--head"):
-        SpecConfig("head", k=3)
+    with pytest.raises(SpecConfigError, match="no draft head ships .* --head"):  # none for a tiny model
+        llm.generate("hello there", params=params, spec=SpecConfig("head", k=3))
+    # "auto": the hybrid when a head is named or ships for the model, else prompt lookup alone
+    ids = llm.prompt_ids("hello there")
+    assert isinstance(llm.proposer(ids, params, SpecConfig("auto", k=3)), NgramProposer)
+    assert isinstance(llm.proposer(ids, params, SpecConfig("auto", k=3, head=str(head_dir))), HybridProposer)
+    for method in ("auto", "hybrid"):
+        out = llm.generate("hello there", params=params, spec=SpecConfig(method, k=3, head=str(head_dir)))
+        assert out.token_ids == plain_out.token_ids
 
 
 def test_a_head_that_is_never_right_costs_little() -> None:
-    """The head tracks its agreement: it then offers about one draft token per step instead of k,
-    and reports the agreement so the draft-length policy verifies fewer still (greedy output stays
-    exact either way)."""
+    """An unsure head stops drafting early: about one draft token per step instead of k, and its
+    low estimates make the draft-length policy verify fewer still (greedy output stays exact
+    either way)."""
     model = target()
 
     def run_with(adaptive: bool):

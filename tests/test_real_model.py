@@ -14,6 +14,7 @@ import torch
 
 import quickdraft
 from quickdraft import SamplingParams
+from quickdraft.spec import SpecConfig
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.cli import main
 
@@ -131,3 +132,36 @@ def test_cli_json_on_the_default_model(llm: quickdraft.LLM, capsys: pytest.Captu
     assert "Paris" in obj["text"]
     assert obj["prompt_tokens"] == len(llm.prompt_ids(messages=chat(question)))
     assert obj["new_tokens"] == len(obj["token_ids"])
+
+
+SPEC_PROMPTS = [
+    "Fix the spelling in this sentence and return it only: The quick brown fox jumpd over the lazy dogg.",
+    "Write a haiku about the sea.",
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "head", "hybrid"])
+def test_speculative_greedy_equals_plain_on_the_default_model(llm: quickdraft.LLM, method: str) -> None:
+    """Every proposer, including the draft head that ships for this model, keeps greedy output
+    token for token the target's own; the shipped head is accepted often enough to matter."""
+    params = SamplingParams(max_new_tokens=64)
+    committed = passes = drafted = 0
+    for prompt in SPEC_PROMPTS:
+        plain = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig())
+        spec = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig(method, k=8, adaptive=False))
+        assert spec.token_ids == plain.token_ids, prompt
+        committed, passes = committed + spec.stats.committed_tokens, passes + spec.stats.target_passes
+        drafted += spec.stats.drafted_tokens
+    assert drafted > 0
+    if method != "ngram":  # the shipped head is accepted: an untrained one commits ~1.0 per pass
+        assert committed / passes > 1.15
+
+
+def test_the_packaged_head_is_found_for_the_default_model(llm: quickdraft.LLM) -> None:
+    from quickdraft.spec.head import PACKAGED_HEADS, packaged_head
+    from quickdraft.spec.hybrid import HybridProposer
+    assert packaged_head(llm.model) == PACKAGED_HEADS / "smollm2-135m"
+    ids = llm.prompt_ids(messages=chat(PROMPTS[0]))
+    assert isinstance(llm.proposer(ids, SamplingParams(), SpecConfig("auto", k=8)), HybridProposer)

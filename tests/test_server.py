@@ -207,6 +207,8 @@ BAD = {
     "empty prompt": ({"model": NAME, "prompt": ""}, 400, "empty"),
     "unknown proposer": ({"model": NAME, "prompt": "hi", "speculative": {"method": "magic"}}, 400, "valid names"),
     "k too large": ({"model": NAME, "prompt": "hi", "speculative": {"k": 999}}, 400, "k must be"),
+    "no head for this model": ({"model": NAME, "prompt": "hi", "speculative": {"method": "head"}}, 400,
+                               "no draft head ships"),
     "unknown speculative field": ({"model": NAME, "prompt": "hi", "speculative": {"kk": 2}}, 400, "kk"),
     "stop wrong type": ({"model": NAME, "prompt": "hi", "stop": 5}, 400, "stop"),
     "penalty": ({"model": NAME, "prompt": "hi", "presence_penalty": 1.0}, 400, "not supported"),

@@ -142,7 +142,7 @@ def test_cli_unknown_spec_is_a_usage_error(capsys: pytest.CaptureFixture) -> Non
     (("--spec", "ngram", "-k", "1000"), ["k must be", "1000"]),
     (("--spec", "ngram", "-k", "-1"), ["k must be", "-1"]),
     (("--spec", "draft"), ["draft model"]),
-    (("--compare",), ["--compare", "--spec"]),
+    (("--compare", "--spec", "none"), ["--compare", "--spec"]),
     (("--compare", "--spec", "ngram", "-k", "0"), ["--compare", "--spec"]),
 ])
 def test_cli_spec_errors_are_one_line(args: tuple[str, ...], words: list[str], dirs: dict[str, Path],

@@ -23,6 +23,7 @@ from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.spec.base import HEAD_PROPOSERS
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"
@@ -44,9 +45,10 @@ class Method:
 
 def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
                   compare_hf: bool = False) -> list[Method]:
-    """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2` -> methods, plain first (always run: it is the
-    baseline). NAME:K sets k for one method; a draft model's path follows `draft:` (then :K).
-    n-gram sizes left None keep SpecConfig's defaults."""
+    """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR` -> methods,
+    plain first (always run: it is the baseline). NAME:K sets k for one method; a draft model's path
+    follows `draft:`, a head's folder may follow `head:` or `hybrid:` (default: the packaged head),
+    then :K. n-gram sizes left None keep SpecConfig's defaults."""
     ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
     methods = [Method(PLAIN, SpecConfig())]
     for item in (t.strip() for t in text.split(",")):
@@ -54,17 +56,19 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
             continue
         name, _, arg = item.partition(":")
         path, k_text = None, arg
-        if name == "draft":
+        if name in ("draft", *HEAD_PROPOSERS) and not arg.isdigit():
             path, sep, tail = arg.rpartition(":")
             path, k_text = (path, tail) if sep and tail.isdigit() else (arg, "")
-            if not path:
-                raise QuickdraftError(f"method {item!r}: the draft proposer needs a model, e.g. draft:PATH")
+            path = path or None
+        if name == "draft" and not path:
+            raise QuickdraftError(f"method {item!r}: the draft proposer needs a model, e.g. draft:PATH")
         if name not in PROPOSERS:
             raise QuickdraftError(f"unknown method {name!r} in --methods; valid names: "
                                   f"{', '.join([PLAIN, *sorted(PROPOSERS)])} (NAME:K sets k; draft:PATH[:K])")
         if k_text and not k_text.isdigit():
             raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
-        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, draft_model=path, **ngram)
+        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, **ngram,
+                          **{"head" if name in HEAD_PROPOSERS else "draft_model": path})
         label = f"{name}:{Path(path).name}" if path else name
         methods.append(Method(f"{label} k={spec.k}", spec))
     if compare_hf:

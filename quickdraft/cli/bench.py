@@ -90,7 +90,8 @@ def add_bench_specbench(bsub) -> None:
                                         "beside the repository, when present)")
     sb.add_argument("--methods", default="plain,ngram",
                     help="comma-separated: plain (always run, the baseline), a proposer name (ngram, ...), "
-                         "NAME:K for its own k, draft:PATH[:K] (default: plain,ngram)")
+                         "NAME:K for its own k, draft:PATH[:K], head|hybrid|auto[:DIR][:K] (default head: "
+                         "the packaged one) (default: plain,ngram)")
     sb.add_argument("--groups", help="comma-separated task groups (default: all six: mt_bench, translation, "
                                      "summarization, qa, math_reasoning, rag)")
     sb.add_argument("--limit", type=int, help="questions per group (default: all)")

@@ -36,11 +36,14 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="none", choices=["none", *sorted(PROPOSERS)],
-                   help="proposer for speculative decoding (default: none = plain decoding)")
-    p.add_argument("-k", type=int, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--spec", default="auto", choices=["none", *sorted(PROPOSERS)],
+                   help="proposer for speculative decoding: none = plain decoding; auto (default) = the "
+                        "draft head that ships for the model with prompt lookup where the text repeats "
+                        "(hybrid), prompt lookup alone (ngram) for a model without a head")
+    p.add_argument("-k", type=int, default=8, help="draft tokens per step at most (default 8)")
     p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
-    p.add_argument("--head", help="trained draft head directory for --spec head (quickdraft train-head)")
+    p.add_argument("--head", help="trained draft head directory for --spec head|hybrid|auto (quickdraft train-head); "
+                                  "default: the head that ships for the model")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
 

@@ -204,7 +204,7 @@ class Engine:
     def _decode(self, rows: list[_Row]) -> list[tuple[str, TokenEvent]]:
         t0 = time.perf_counter()
         lengths = choose_draft_lengths(
-            [RowDraft(len(r.draft.tokens), r.draft.accept_prob, r.pinned) for r in rows], self.cost,
+            [RowDraft(len(r.draft.tokens), r.draft.accept_probs, r.pinned) for r in rows], self.cost,
             self.config.policy, self.config.max_step_tokens)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
         width = max(lengths)

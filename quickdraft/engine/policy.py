@@ -1,8 +1,8 @@
 """How many draft tokens each row verifies this step: the lengths that maximize expected committed
 tokens per unit of step time, for the whole batch at once.
 
-If a row's draft tokens are each accepted with probability a (given the ones before were), verifying
-j of them commits 1 + a + ... + a^j tokens in expectation; a step that feeds N tokens in all costs
+If a row's draft token i is accepted with probability a_i (given the ones before were), verifying
+j of them commits 1 + a_1 + a_1 a_2 + ... + a_1...a_j tokens in expectation; a step that feeds N tokens in all costs
 t(N). With B rows the policy picks draft lengths d_b maximizing (sum_b E_b(d_b)) / t(B + sum d_b),
 so one row on a memory-bound pass verifies a long draft while a large batch on a compute-bound CPU
 verifies few drafts or none: speculation turns itself off when verification stops being nearly free.
@@ -12,6 +12,8 @@ measured at start-up (or a prior line), so it adapts to the machine it runs on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 from typing import Literal, Sequence
 
 EMA = 0.2            # weight of a new step-time measurement
@@ -69,7 +71,8 @@ class StepCost:
 @dataclass(frozen=True)
 class RowDraft:
     available: int              # draft tokens the row's proposer offers this step
-    accept_prob: float | None   # its estimate per token; None = no estimate
+    accept_probs: Sequence[float] | None  # per token, the estimate it is accepted if the ones
+                                          # before are; None = no estimate
     pinned: bool                # verify all `available`: the row's draft lengths must not depend
                                 # on timing or on other rows (seeded sampling, adaptive off)
 
@@ -79,15 +82,15 @@ def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: Polic
     """Draft tokens to verify per row. "fixed" verifies every offered token; "goodput" maximizes
     expected tokens per second, never feeding more than max_step_tokens in one step except for
     pinned rows (their drafts always go in)."""
-    lengths = [r.available if r.pinned or r.accept_prob is None or policy == "fixed" else 0
+    lengths = [r.available if r.pinned or r.accept_probs is None or policy == "fixed" else 0
                for r in rows]
     if policy == "fixed":
         return lengths
     fed = len(rows) + sum(lengths)
-    # Each candidate is one more draft token of a row: its marginal expected gain a^j. Gains fall
-    # along a row, so taking candidates in descending order extends every row by a prefix.
-    candidates = sorted(((r.accept_prob ** j, b) for b, r in enumerate(rows) if lengths[b] == 0
-                         for j in range(1, r.available + 1)), key=lambda c: -c[0])
+    # Each candidate is one more draft token of a row: its marginal expected gain a_1...a_j. Gains
+    # fall along a row, so taking candidates in descending order (stable) extends every row by a prefix.
+    candidates = sorted(((gain, b) for b, r in enumerate(rows) if lengths[b] == 0 and r.available
+                         for gain in accumulate(r.accept_probs[:r.available], mul)), key=lambda c: -c[0])
     expected, best, best_rate = float(len(rows)), 0, len(rows) / cost.estimate(fed)
     for i, (gain, _) in enumerate(candidates):
         n = fed + i + 1

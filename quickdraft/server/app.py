@@ -27,7 +27,7 @@ from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker
-from quickdraft.spec import Proposer, SpecConfig
+from quickdraft.spec import Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 DISCONNECT_POLL_S = 0.5
@@ -50,6 +50,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     """engine_thread: run the engine on a thread started with the app; False leaves it to the
     caller to run `app.state.worker.run()` on its own thread (see worker.py for why)."""
     engine = Engine(llm.model, config.engine, cost)
+    try:  # loaded here, on the model's thread: a request asking for the head then only reuses it
+        llm.draft_head(config.spec.head)
+        head_error = None
+    except SpecConfigError as e:
+        head_error = str(e)
     metrics = Metrics()
     worker = EngineWorker(engine, metrics)
 
@@ -118,6 +123,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         if body.speculative is not None:
             chosen = body.speculative.model_dump(exclude_none=True)
             spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
+        if spec.needs_head and head_error:
+            raise BadRequest(400, head_error, "speculative")
         request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,
                           spec.adaptive)
         return request, params, lambda: llm.proposer(ids, params, spec)

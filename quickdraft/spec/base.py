@@ -13,6 +13,7 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 
+HEAD_PROPOSERS = ("head", "hybrid", "auto")  # the proposers that may run a trained draft head
 MAX_K = 32  # verifying more than this many tokens per pass costs more than it can win here
 
 
@@ -24,13 +25,15 @@ class SpecConfigError(QuickdraftError, ValueError):
 class Draft:
     tokens: list[int]            # up to k proposed tokens (may be empty: then the step is plain)
     q: torch.Tensor | None       # [len(tokens), V] proposer probabilities; None = deterministic
-    accept_prob: float | None = None  # the proposer's estimate that each token is accepted; when
-                                      # given, the engine may verify only a prefix (see policy.py)
+    accept_probs: Sequence[float] | None = None  # per token, the proposer's estimate that it is
+                                                 # accepted if the ones before it are; when given,
+                                                 # the engine may verify only a prefix (policy.py)
 
     def prefix(self, n: int) -> "Draft":
         if n == len(self.tokens):
             return self
-        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.accept_prob)
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
+                     None if self.accept_probs is None else self.accept_probs[:n])
 
 
 class Agreement:
@@ -73,7 +76,8 @@ class SpecConfig:
     method: str = "none"          # a registry name; "none" = plain decoding
     k: int = 4                    # draft tokens per step
     draft_model: str | None = None
-    head: str | None = None       # a trained draft head's directory (proposer "head")
+    head: str | None = None       # a trained draft head's directory (proposer "head"; None = the
+                                  # head that ships for the target, if one does)
     ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
     ngram_min: int = 2            # ... down to this length (1-token matches rarely pay)
     adaptive: bool = True         # verify only the draft prefix expected to pay for itself
@@ -89,12 +93,15 @@ class SpecConfig:
                                   f"found {self.ngram_min}, {self.ngram_max}")
         if self.method == "draft" and not self.draft_model:
             raise SpecConfigError("the 'draft' proposer needs a draft model (--draft-model PATH)")
-        if self.method == "head" and not self.head:
-            raise SpecConfigError("the 'head' proposer needs a trained draft head (--head DIR)")
 
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.k > 0
+
+    @property
+    def needs_head(self) -> bool:
+        """A draft head must load: the proposer cannot do without one, or one is named."""
+        return self.enabled and (self.method in ("head", "hybrid") or (self.method == "auto" and bool(self.head)))
 
 
 @dataclass

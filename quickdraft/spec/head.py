@@ -14,12 +14,14 @@ token, 8k rows a thirtieth. q is zero outside it, which rejection sampling handl
     committed: s_0 .. s_{L-1}, features f_0 .. f_{L-2} (s_{L-1} is the target's newest token, not
     yet run) -> the head runs pairs (f_t, s_{t+1}) up to t = L-2, predicting f_{L-1}; q_1 comes
     from it, draft d_1 ~ q_1; then (f^_{L-1}, d_1) at position L-1 predicts f_L, and so on.
+
+Heads that ship with quickdraft live in quickdraft/heads/<model>/; `packaged_head` finds the one
+trained for a given target by its head.json (shape and embedding probe).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Sequence
 
@@ -41,6 +43,9 @@ WEIGHTS, CONFIG = "head.safetensors", "head.json"
 PROBE_ROWS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89)  # embedding rows that identify a target
 PROBE_TOLERANCE = 0.02       # relative: a bfloat16 or re-quantized copy of the target still matches
 HEAD_SEED_SALT = 0x4EAD_5EED  # the head's RNG must not replay the verifier's draws
+PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"  # one folder per model
+STOP_REACH = 0.2  # drafting stops once the estimated chance that all drafts so far are accepted
+                  # falls below this: a further draft step (a head forward) would rarely pay
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
@@ -90,6 +95,29 @@ def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str
     return path
 
 
+def trained_for(info: dict, target: Transformer) -> bool:
+    """Whether a head's head.json names `target`: same shape, same embedding probe."""
+    ours = target_probe(target)
+    theirs = info.get("target_probe", [])
+    shape = {k: getattr(target.config, k, None) for k in info.get("target_config", {})}
+    scale = max(max((abs(v) for v in ours), default=0.0), 1e-6)
+    return shape == info.get("target_config") and len(theirs) == len(ours) and \
+        all(abs(a - b) <= PROBE_TOLERANCE * scale for a, b in zip(ours, theirs))
+
+
+def packaged_head(target: Transformer) -> Path:
+    """The head that ships with quickdraft for `target` (quickdraft/heads/<model>/)."""
+    for folder in sorted(PACKAGED_HEADS.iterdir()) if PACKAGED_HEADS.is_dir() else []:
+        try:
+            info = json.loads((folder / CONFIG).read_text())
+        except (OSError, ValueError):
+            continue
+        if trained_for(info, target):
+            return folder
+    raise SpecConfigError("no draft head ships with quickdraft for this model; train one with "
+                          "`quickdraft train-head` and pass its folder with --head DIR")
+
+
 def load_head(path: str | Path, target: Transformer) -> DraftHead:
     """A head for `target` from DIR (head.safetensors + head.json); a head trained for another
     target, or damaged files, is a clear error."""
@@ -103,12 +131,7 @@ def load_head(path: str | Path, target: Transformer) -> DraftHead:
     if info.get("format") != HEAD_FORMAT:
         raise SpecConfigError(f"{path / CONFIG} is not a quickdraft head (format {info.get('format')!r}, "
                               f"expected {HEAD_FORMAT!r})")
-    ours = target_probe(target)
-    theirs = info.get("target_probe", [])
-    shape = {k: getattr(target.config, k) for k in info.get("target_config", {})}
-    scale = max(max((abs(v) for v in ours), default=0.0), 1e-6)
-    if shape != info.get("target_config") or len(theirs) != len(ours) or \
-            any(abs(a - b) > PROBE_TOLERANCE * scale for a, b in zip(ours, theirs)):
+    if not trained_for(info, target):
         raise SpecConfigError(f"the draft head in {path} was trained for {info.get('target')!r}, a different "
                               f"model than this target (its shape or embedding weights differ)")
     vocab = tensors.get("vocab")
@@ -164,35 +187,37 @@ class HeadProposer:
     @torch.inference_mode()
     def propose(self, k: int) -> Draft:
         pairs = min(self.n_features, len(self.tokens) - 1)
-        # each draft step costs a head forward: draft about twice the run expected to be accepted
-        # (a / (1 - a) tokens at agreement a), at least one token to keep measuring the agreement
-        a = self.agreement.rate
-        k = min(k, self.cache.max_len - pairs + 1, max(1, math.ceil(2 * a / max(1 - a, 1e-6))))
+        k = min(k, self.cache.max_len - pairs + 1)
         if k <= 0 or pairs == 0:
             return Draft([], None)
         start = min(self.cached, pairs - 1)  # at least the newest pair runs: it predicts f_pairs
         self.cache.truncate([start])
         predicted = self._step(self.features[start:pairs], self.tokens[start + 1:pairs + 1], start)[-1:]
         self.cached = pairs
-        drafted, qs = [], []
+        drafted, qs, estimates, reach = [], [], [], 1.0
         for i in range(k):
             logits = linear(predicted, self.lm_weight, norm=self.target.norm.fused)  # [1, Vd]
             if self.params.greedy:
-                x = int(self.vocab[logits.argmax(-1)])
+                # the head's confidence in its top token estimates the chance the target agrees
+                confidence, best = torch.softmax(logits.float(), dim=-1).max(-1)
+                x, estimate = int(self.vocab[best]), float(confidence)
             else:
                 # the target's processing on the draft vocabulary = on the whole one with -inf elsewhere
                 q_draft = probabilities(logits, self.params)
                 q = torch.zeros(1, self.target.config.vocab_size, device=q_draft.device).index_copy_(
                     1, self.vocab, q_draft)  # [1, V]
-                x = int(torch.multinomial(q, 1, generator=self.generator))
+                x, estimate = int(torch.multinomial(q, 1, generator=self.generator)), self.agreement.rate
                 qs.append(q)
             drafted.append(x)
-            if i < k - 1:
-                predicted = self._step(predicted, [x], pairs + i)
+            estimates.append(estimate)
+            reach *= estimate
+            # each draft step costs a head forward: stop once the draft is unlikely to get this far
+            if reach < STOP_REACH or i == k - 1:
+                break
+            predicted = self._step(predicted, [x], pairs + i)
         self.pending = drafted
-        # the running agreement rate lets the engine's policy verify only what pays (engine/policy.py)
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs),
-                     self.agreement.rate)
+        # the estimates let the engine's policy verify only what pays (engine/policy.py)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates)
 
 
 @register("head")

@@ -10,7 +10,7 @@ a plain decoding step, so a miss costs a dictionary lookup per n.
 
 It also learns, per match length, how often its tokens agree with what the target commits (also
 for tokens the engine chose not to verify: the committed text shows whether they would have been
-accepted) and reports that as the draft's `accept_prob`.
+accepted) and reports that as the draft's `accept_probs`.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class NgramProposer:
             if end is not None:
                 proposal = tokens[end + 1:end + 1 + k]
                 self.pending = (n, proposal)
-                return Draft(proposal, None, self.agreement.setdefault(n, Agreement()).rate)
+                return Draft(proposal, None, [self.agreement.setdefault(n, Agreement()).rate] * len(proposal))
         return Draft([], None)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:

@@ -1,0 +1,61 @@
+"""Prompt lookup where the text repeats, the draft head everywhere else.
+
+The two are strong in different places: the n-gram proposer is near free and long-reaching when
+the answer copies its input or itself (summaries, edits, loops), the head predicts fresh text.
+Each step the n-gram proposer offers its draft first; if it expects at least `NGRAM_ENOUGH` tokens
+accepted the head does not run, otherwise the draft expected to get further is taken. Both see
+every committed token, so either can take the next step (the head catches up on skipped steps in
+its next forward). Exactness needs nothing more: the chosen draft carries its own q.
+"""
+from __future__ import annotations
+
+from itertools import accumulate
+from operator import mul
+from typing import Sequence
+
+import torch
+
+from quickdraft.spec.base import Draft, ProposerContext, SpecConfigError, register
+from quickdraft.spec.head import HeadProposer, make_head
+from quickdraft.spec.ngram import NgramProposer, make_ngram
+
+NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a head forward not worth running
+
+
+def expected_accepted(draft: Draft) -> float:
+    """Expected number of the draft's tokens accepted, from its per-token estimates."""
+    return sum(accumulate(draft.accept_probs or [], mul))
+
+
+class HybridProposer:
+    wants_hidden = True
+
+    def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
+        self.ngram, self.head = ngram, head
+
+    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
+        self.ngram.commit(tokens, accepted)
+        self.head.commit(tokens, accepted, hidden)
+
+    def propose(self, k: int) -> Draft:
+        lookup = self.ngram.propose(k)
+        if expected_accepted(lookup) >= NGRAM_ENOUGH:
+            return lookup
+        drafted = self.head.propose(k)
+        return lookup if expected_accepted(lookup) >= expected_accepted(drafted) else drafted
+
+
+@register("hybrid")
+def make_hybrid(ctx: ProposerContext) -> HybridProposer:
+    return HybridProposer(make_ngram(ctx), make_head(ctx))
+
+
+@register("auto")
+def make_auto(ctx: ProposerContext) -> HybridProposer | NgramProposer:
+    """The hybrid where a head ships for the target (or one is named), else prompt lookup alone."""
+    if not ctx.config.head:
+        try:
+            ctx.target.draft_head()
+        except SpecConfigError:
+            return make_ngram(ctx)
+    return make_hybrid(ctx)
