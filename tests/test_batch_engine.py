@@ -299,3 +299,34 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
     assert cost.estimate(4) == pytest.approx(2.2)                 # measured wins
     assert cost.shape(12) == pytest.approx(3.0) and cost.shape(24) == pytest.approx(6.0)
     assert cost.estimate(8) == pytest.approx(2.2 * 2.0 / (1 + 3 / 7))  # the curve's ratio from N=4
+
+
+class Hopeless:
+    """Offers k tokens it rates as never accepted; counts how often it is asked and told."""
+
+    def __init__(self) -> None:
+        self.asked = self.told = 0
+
+    def propose(self, k: int) -> Draft:
+        self.asked += 1
+        return Draft([1] * k, None, [0.0] * k)
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        self.told += 1
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> None:
+    """The policy declines every draft of a proposer that expects nothing accepted; after each
+    decline the proposer is left alone for 2, 4, 8, 16, 16... steps (it still sees every token).
+    Rows that verify whatever is offered (adaptive off) ask every step."""
+    model, proposer = target(), Hopeless()
+    events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
+                                  frozenset(), proposer, 4, adaptive=adaptive))
+    steps = events[-1].stats.target_passes
+    assert proposer.told == steps - 1  # every step but the last commits
+    if adaptive:
+        assert events[-1].stats.drafted_tokens == 0
+        assert proposer.asked == 6  # at steps 1, 4, 9, 18, 35, 52 of 59
+    else:
+        assert proposer.asked == steps - 1

@@ -25,6 +25,7 @@ from quickdraft.spec.base import MAX_K, Draft, Proposer
 from quickdraft.verify import Verdict, verify
 
 NO_DRAFT = Draft([], None)
+MAX_BACKOFF = 16  # steps a proposer whose drafts the policy keeps declining rests at most
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class _Row:
     length: int = 0             # tokens with K/V in the cache
     last: int = -1              # newest committed token: fed first at the next step
     draft: Draft = field(default_factory=lambda: NO_DRAFT)  # the proposer's offer for the next step
+    quiet: int = 0              # steps left before the proposer is asked again (see _decode)
+    backoff: int = 1
 
     @property
     def pinned(self) -> bool:
@@ -207,6 +210,15 @@ class Engine:
             [RowDraft(len(r.draft.tokens), r.draft.accept_probs, r.pinned) for r in rows], self.cost,
             self.config.policy, self.config.max_step_tokens)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
+        for row, n in zip(rows, lengths):
+            # A draft the policy declined was work for nothing: a draft head's forwards cost a few
+            # percent of a batched step per row. After a decline the row's proposer rests for a
+            # doubling number of steps (it still sees every token), until a draft is verified.
+            if row.draft.tokens and n == 0:
+                row.backoff = min(2 * row.backoff, MAX_BACKOFF)
+                row.quiet = row.backoff
+            elif n:
+                row.backoff = 1
         width = max(lengths)
         device = self.model.device
         # [B, 1+width]: the newest committed token, the row's draft, padding (its outputs are ignored
@@ -268,7 +280,11 @@ class Engine:
                 proposer.commit(new, accepted, features)
             else:
                 proposer.commit(new, accepted)
-            row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
+            if row.quiet:
+                row.quiet -= 1
+                row.draft = NO_DRAFT
+            else:
+                row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
         except Exception as e:  # noqa: BLE001 - reported to that request's consumer
             return e
         finally:
