@@ -303,3 +303,11 @@ def test_cli_help_lists_commands() -> None:
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^\s+generate\s", proc.stdout, re.M) and re.search(r"^\s+bench\s", proc.stdout, re.M)
+
+
+def test_default_proposers_of_the_commands() -> None:
+    """generate drafts with the shipped head (auto); serve with prompt lookup (docs/benchmarks.md)."""
+    from quickdraft.cli import build_parser
+    parser = build_parser()
+    gen, srv = parser.parse_args(["generate", "--prompt", "x"]), parser.parse_args(["serve"])
+    assert (gen.spec, gen.k) == ("auto", 8) and (srv.spec, srv.k) == ("ngram", 8)

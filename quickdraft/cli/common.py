@@ -35,10 +35,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
 
 
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--spec", default="auto", choices=["none", *sorted(PROPOSERS)],
-                   help="proposer for speculative decoding: none = plain decoding; auto (default) = the "
-                        "draft head that ships for the model with prompt lookup where the text repeats "
+def add_spec_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--spec", default=default, choices=["none", *sorted(PROPOSERS)],
+                   help=f"proposer for speculative decoding (default: {default}): none = plain decoding; auto = "
+                        "the draft head that ships for the model with prompt lookup where the text repeats "
                         "(hybrid), prompt lookup alone (ngram) for a model without a head")
     p.add_argument("-k", type=int, default=8, help="draft tokens per step at most (default 8)")
     p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
