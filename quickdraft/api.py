@@ -15,7 +15,7 @@ from quickdraft.engine import GenerationStats, generate_tokens
 from quickdraft.engine.events import FinishReason, TokenEvent
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig
+from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.spec.draft_model import check_compatible
 from quickdraft.spec.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
@@ -86,7 +86,7 @@ class LLM:
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
-        self._heads: dict[str, DraftHead] = {}
+        self._heads: dict[str, DraftHead | SpecConfigError] = {}
         if self.spec.draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
@@ -105,7 +105,12 @@ class LLM:
         None: the head that ships for this model."""
         key = path or ""
         if key not in self._heads:
-            self._heads[key] = load_head(path or packaged_head(self.model), self.model)
+            try:
+                self._heads[key] = load_head(path or packaged_head(self.model), self.model)
+            except SpecConfigError as e:
+                self._heads[key] = e  # asked again per request ("auto"): fail fast, no file reads
+        if isinstance(self._heads[key], SpecConfigError):
+            raise SpecConfigError(str(self._heads[key]))
         return self._heads[key]
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
