@@ -13,7 +13,8 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 
-HEAD_PROPOSERS = ("head", "hybrid", "auto")  # the proposers that may run a trained draft head
+HEAD_REQUIRED = ("head", "hybrid")        # the proposers that cannot run without a draft head
+HEAD_PROPOSERS = (*HEAD_REQUIRED, "auto")  # the proposers that may run one (take --head)
 MAX_K = 32  # verifying more than this many tokens per pass costs more than it can win here
 
 
@@ -101,7 +102,7 @@ class SpecConfig:
     @property
     def needs_head(self) -> bool:
         """A draft head must load: the proposer cannot do without one, or one is named."""
-        return self.enabled and (self.method in ("head", "hybrid") or (self.method == "auto" and bool(self.head)))
+        return self.enabled and (self.method in HEAD_REQUIRED or (self.method in HEAD_PROPOSERS and bool(self.head)))
 
 
 @dataclass
