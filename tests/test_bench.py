@@ -19,7 +19,8 @@ import pytest
 import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.bench import questions as qmod
-from quickdraft.bench.questions import Question, load_questions, resolve_questions_path, select_questions
+from quickdraft.bench.questions import (OWN_QUESTIONS, SPEC_BENCH_GROUPS, Question, bench_questions, load_questions,
+                                        parse_groups, resolve_questions_path, select_questions)
 from quickdraft.bench.report import summarize
 from quickdraft.bench.specbench import parse_methods, run_questions
 from quickdraft.cli import main
@@ -256,9 +257,30 @@ def test_questions_default_path_groups_and_limit(tmp_path: Path, monkeypatch) ->
     assert [(q.question_id, q.category) for q in picked] == [(0, "writing"), (3, "coding"), (1, "writing"),
                                                               (5, "rag"), (6, "rag")]
     write_questions(tmp_path / "bad.jsonl", [{"question_id": 1, "category": "poetry", "turns": ["x"]}])
-    with pytest.raises(QuickdraftError, match="'poetry' belongs to no Spec-Bench group"):
+    with pytest.raises(QuickdraftError, match="'poetry' belongs to no benchmark group"):
         load_questions(tmp_path / "bad.jsonl")
     assert main(["bench", "specbench", "--groups", "qa,poems"]) == 1  # fails before any model load
+
+
+def test_code_edit_group_ships_and_needs_no_spec_bench_file(tmp_path: Path, monkeypatch) -> None:
+    qs = load_questions(OWN_QUESTIONS)
+    assert len(qs) == 10 and {q.group for q in qs} == {"code_edit"}
+    assert all(len(q.turns) == 1 and q.turns[0].count("```") == 2 for q in qs)  # an instruction and its code
+    assert parse_groups(None) == list(SPEC_BENCH_GROUPS)  # Spec-Bench's six unless code_edit is named
+    assert parse_groups("rag,code_edit") == ["rag", "code_edit"]
+    # No Spec-Bench file anywhere: code_edit alone still runs, a Spec-Bench group says what is missing.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(qmod, "REPO_ROOT", tmp_path / "elsewhere")
+    assert bench_questions(["code_edit"], None) == (qs, [OWN_QUESTIONS])
+    with pytest.raises(QuickdraftError, match="--questions PATH"):
+        bench_questions(["rag", "code_edit"], None)
+    out, model = tmp_path / "out", tiny_llm_dir(tmp_path / "model", max_position_embeddings=1024)
+    assert main(["bench", "specbench", "--model", str(model), "--groups", "code_edit", "--limit", "2",
+                 "--max-new-tokens", "4", "--methods", "plain,ngram", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert list(res["summary"]["groups"]) == ["code_edit"]
+    assert [q["question_id"] for q in res["questions"]] == ["code_edit_1", "code_edit_2"]
+    assert res["config"]["questions"] == str(OWN_QUESTIONS)
 
 
 # -- forward cost --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Spec-Bench questions: finding the file, reading it, mapping categories to the six task groups
-and picking `--limit` questions per group.
+"""Benchmark questions: finding the Spec-Bench file, reading it, mapping categories to its six task
+groups (plus quickdraft's own input-grounded group, code_edit, shipped with the package) and picking
+`--limit` questions per group.
 
 Knows the question file's format (one JSON object a line: question_id, category, turns) and
 nothing of models or decoding.
@@ -19,7 +20,7 @@ DEFAULT_RELATIVE = Path("..") / "shared" / "data" / "specbench" / "questions.jso
 REPO_ROOT = Path(__file__).resolve().parents[2]  # quickdraft/bench/questions.py -> the checkout
 
 # Spec-Bench's six task groups, in its table order.
-GROUPS: dict[str, tuple[str, ...]] = {
+SPEC_BENCH_GROUPS: dict[str, tuple[str, ...]] = {
     "mt_bench": ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"),
     "translation": ("translation",),
     "summarization": ("summarization",),
@@ -27,6 +28,12 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "math_reasoning": ("math_reasoning",),
     "rag": ("rag",),
 }
+# quickdraft's own group, not Spec-Bench's: edits whose answer rewrites the code (or query) in the
+# prompt, the input-grounded case prompt lookup is made for and Spec-Bench lacks. Ten tasks written
+# once before they were first measured, never tuned on (bench/data/code_edit.jsonl).
+OWN_GROUPS: dict[str, tuple[str, ...]] = {"code_edit": ("code_edit",)}
+OWN_QUESTIONS = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
+GROUPS = {**SPEC_BENCH_GROUPS, **OWN_GROUPS}
 GROUP_OF = {category: group for group, categories in GROUPS.items() for category in categories}
 
 
@@ -75,7 +82,7 @@ def load_questions(path: Path) -> list[Question]:
                 raise QuickdraftError(f"{path}:{n}: expected a JSON object with question_id, category "
                                       f"and turns, found an error: {e}") from None
             if category not in GROUP_OF:
-                raise QuickdraftError(f"{path}:{n}: category {category!r} belongs to no Spec-Bench group; "
+                raise QuickdraftError(f"{path}:{n}: category {category!r} belongs to no benchmark group; "
                                       f"expected one of {', '.join(GROUP_OF)}")
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
                 raise QuickdraftError(f"{path}:{n}: turns must be a non-empty list of strings, found {turns!r}")
@@ -85,9 +92,18 @@ def load_questions(path: Path) -> list[Question]:
     return questions
 
 
+def bench_questions(groups: Sequence[str], path: str | Path | None) -> tuple[list[Question], list[Path]]:
+    """The questions `groups` draw from and the files read: the Spec-Bench file (`path`, or the
+    default one) for its groups, the packaged file for quickdraft's own."""
+    files = [resolve_questions_path(path)] if any(g in SPEC_BENCH_GROUPS for g in groups) else []
+    files += [OWN_QUESTIONS] if any(g in OWN_GROUPS for g in groups) else []
+    return [q for f in files for q in load_questions(f)], files
+
+
 def parse_groups(spec: str | None) -> list[str]:
+    """Comma-separated group names in table order; by default Spec-Bench's six."""
     if not spec:
-        return list(GROUPS)
+        return list(SPEC_BENCH_GROUPS)
     names = [g.strip() for g in spec.split(",") if g.strip()]
     unknown = [g for g in names if g not in GROUPS]
     if unknown or not names:

@@ -58,18 +58,19 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from quickdraft.bench.questions import load_questions, parse_groups, resolve_questions_path, select_questions
+    from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.report import build_results, markdown_report, write_outputs
     from quickdraft.bench.specbench import parse_methods, run_specbench
-    path = resolve_questions_path(args.questions)  # every check before the slow load
-    questions = select_questions(load_questions(path), parse_groups(args.groups), args.limit)
+    groups = parse_groups(args.groups)  # every check before the slow load
+    pool, files = bench_questions(groups, args.questions)
+    questions = select_questions(pool, groups, args.limit)
     methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf)
     set_threads(args.threads)
     llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
                                  args.seed, args.device, args.dtype, args.hf_lookup_tokens,
                                  progress=not args.no_progress)
     config = {"model": args.model, "model_file": str(llm.loaded.source.path), "device": args.device,
-              "dtype": args.dtype, "questions": str(path), "groups": parse_groups(args.groups),
+              "dtype": args.dtype, "questions": ", ".join(map(str, files)), "groups": groups,
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "seed": args.seed, "k": args.k, "hf_lookup_tokens": args.hf_lookup_tokens,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -92,8 +93,9 @@ def add_bench_specbench(bsub) -> None:
                     help="comma-separated: plain (always run, the baseline), a proposer name (ngram, ...), "
                          "NAME:K for its own k, draft:PATH[:K], head|hybrid|auto[:DIR][:K] (default head: "
                          "the packaged one) (default: plain,ngram)")
-    sb.add_argument("--groups", help="comma-separated task groups (default: all six: mt_bench, translation, "
-                                     "summarization, qa, math_reasoning, rag)")
+    sb.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six: mt_bench, "
+                                     "translation, summarization, qa, math_reasoning, rag; also code_edit, "
+                                     "quickdraft's own input-grounded group)")
     sb.add_argument("--limit", type=int, help="questions per group (default: all)")
     sb.add_argument("--max-new-tokens", "-n", type=int, default=128, help="per turn (default 128)")
     sb.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
@@ -129,7 +131,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from quickdraft.api import load
-    from quickdraft.bench.questions import load_questions, parse_groups, resolve_questions_path, select_questions
+    from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.server import BackgroundServer, ServerConfig
@@ -145,7 +147,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not spec.enabled:
         raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k)")
     groups = parse_groups(args.groups)
-    pool = select_questions(load_questions(resolve_questions_path(args.questions)), groups, args.requests)
+    pool = select_questions(bench_questions(groups, args.questions)[0], groups, args.requests)
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
     set_threads(args.threads)
@@ -202,7 +204,7 @@ def add_bench_serve(bsub) -> None:
     sv.add_argument("--max-seq-len", type=int, default=2048)
     sv.add_argument("--policy", default="goodput", choices=POLICIES)
     sv.add_argument("--questions", help="questions.jsonl (default: the Spec-Bench file beside the repository)")
-    sv.add_argument("--groups", help="comma-separated task groups (default: all six)")
+    sv.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six; code_edit too)")
     sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     sv.add_argument("--out", help="folder for serve.json and serve.md")
     sv.add_argument("--no-progress", action="store_true")

@@ -17,7 +17,7 @@ EXAMPLES = "examples.pt"  # the generated responses and features, reused by a re
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.api import load
-    from quickdraft.bench.questions import default_questions_path, load_questions
+    from quickdraft.bench.questions import OWN_QUESTIONS, default_questions_path, load_questions
     from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
     from quickdraft.train.responses import generate_examples, load_examples, save_examples
     from quickdraft.train.trainer import TrainConfig, acceptance, train_head
@@ -36,8 +36,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
     questions = default_questions_path()
-    banned = {t for q in load_questions(questions) for t in q.turns} if questions else set()
-    print(f"quickdraft: {len(banned)} Spec-Bench turns excluded from training"
+    banned = {t for f in (questions, OWN_QUESTIONS) if f for q in load_questions(f) for t in q.turns}
+    print(f"quickdraft: {len(banned)} benchmark turns excluded from training"
           f"{'' if questions else ' (no Spec-Bench file found)'}", file=sys.stderr)
     conversations = without_benchmark(iter_sharegpt(data), banned)
     prompts = list(itertools.islice(first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len),
