@@ -17,7 +17,7 @@ from quickdraft.spec.head import DraftHead, head_config, load_head
 from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train import trainer
 from quickdraft.train.responses import Example, generate_examples
-from quickdraft.train.trainer import TrainConfig, acceptance, train_head
+from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, train_head
 from test_spec_exactness import tiny
 from tiny_tokenizer import tiny_llm_dir
 
@@ -48,9 +48,21 @@ def test_examples_are_plain_greedy_output_with_exact_features() -> None:
         # features of every position the engine ran and handed over: all but the last two (the final
         # step's run is not handed to proposers, the last token never runs)
         assert e.tokens == (prompt + new)[:len(e.features) + 1] and len(e.features) == len(prompt) + 18
+        assert e.prompt_len == len(prompt)
         ids = torch.tensor([e.tokens[:-1]])
         fresh = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1]), last_n=1).hidden[0]
         assert torch.allclose(e.features.float(), fresh, rtol=2e-2, atol=2e-2)  # stored in bfloat16
+
+
+def test_losses_count_where_the_head_drafts() -> None:
+    # 3 prompt tokens, 4 features: pair 2 (f_2, s_3) predicts f_3, the feature that gives the first
+    # drafted token; pairs 0-1 are context only. A padded shorter row counts nothing past its end.
+    e = Example(list(range(5)), torch.zeros(4, 2), prompt_len=3)
+    short = Example(list(range(3)), torch.zeros(2, 2), prompt_len=1)
+    assert loss_positions([e, short], 3).tolist() == [[False, False, True], [True, False, False]]
+    with pytest.raises(ValueError, match="response tokens"):  # a prompt with no answer teaches nothing
+        train_head(target(), [Example(list(range(4)), torch.zeros(3, 32), prompt_len=3)], CONFIG,
+                   Path("unused"), "tiny", progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, 
 class Example:
     tokens: list[int]          # s_0 .. s_n: prompt and response
     features: torch.Tensor     # [n, D] f_0 .. f_{n-1}: the target's last-layer output at each fed position
+    prompt_len: int            # s_0 .. s_{prompt_len-1} are the prompt
 
 
 class FeatureRecorder:
@@ -37,6 +38,7 @@ class FeatureRecorder:
 
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         self.tokens = list(prompt_ids)
+        self.prompt_len = len(self.tokens)
         self.features: list[torch.Tensor] = []
 
     def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor) -> None:
@@ -48,7 +50,7 @@ class FeatureRecorder:
 
     def example(self) -> Example:
         features = torch.cat(self.features)
-        return Example(self.tokens[:len(features) + 1], features)
+        return Example(self.tokens[:len(features) + 1], features, self.prompt_len)
 
 
 def generate_examples(target: Transformer, prompts: Sequence[list[int]], eos_token_ids: frozenset[int],
@@ -73,7 +75,7 @@ def generate_examples(target: Transformer, prompts: Sequence[list[int]], eos_tok
 
 def save_examples(examples: Sequence[Example], path: Path, settings: dict) -> None:
     torch.save({"settings": settings, "tokens": [e.tokens for e in examples],
-                "features": [e.features for e in examples]}, path)
+                "features": [e.features for e in examples], "prompt_lens": [e.prompt_len for e in examples]}, path)
 
 
 def load_examples(path: Path, settings: dict) -> list[Example] | None:
@@ -83,4 +85,4 @@ def load_examples(path: Path, settings: dict) -> list[Example] | None:
     saved = torch.load(path, weights_only=True)
     if saved.get("settings") != settings:
         return None
-    return [Example(t, f) for t, f in zip(saved["tokens"], saved["features"])]
+    return [Example(t, f, n) for t, f, n in zip(saved["tokens"], saved["features"], saved["prompt_lens"])]

@@ -8,8 +8,9 @@ off after its first draft token (training-time test, as in HASS and EAGLE-3). Ea
 smooth-L1 regression of the predicted feature onto f_{t+1} (both through the target's final norm)
 plus `ce_weight` x the cross-entropy of the head's next-token distribution (final norm + LM head
 over the draft vocabulary) against the target's own distribution there; pass j weighs
-`unroll_decay`^j. A checkpoint (head, optimizer, step, losses) is written every `checkpoint_every`
-steps; a rerun with the same output folder resumes from it.
+`unroll_decay`^j. Losses count on the response positions only, where the head drafts (the
+prompt's pairs run for context), as EAGLE masks user turns. A checkpoint (head, optimizer, step,
+losses) is written every `checkpoint_every` steps; a rerun with the same output folder resumes.
 """
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def _resumable(config: dict) -> dict:
 
 
 def draft_vocabulary(examples: Sequence[Example], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent token ids of the data (ties by id), sorted by id."""
+    """The `size` most frequent token ids of the responses (ties by id), sorted by id."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for e in examples:
-        counts += torch.bincount(torch.tensor(e.tokens, dtype=torch.long), minlength=vocab_size)
+        counts += torch.bincount(torch.tensor(e.tokens[e.prompt_len:], dtype=torch.long), minlength=vocab_size)
     c = counts.tolist()
     order = sorted(range(vocab_size), key=lambda t: (-c[t], t))
     return torch.tensor(sorted(order[:min(size, vocab_size)]))
@@ -85,7 +86,16 @@ def batch_of(examples: Sequence[Example], step: int, config: TrainConfig) -> lis
     epoch, offset = divmod(step * config.batch_size, len(examples))
     random.Random(config.seed + epoch).shuffle(order)
     picked = [examples[order[(offset + i) % len(examples)]] for i in range(config.batch_size)]
-    return [Example(e.tokens[:config.max_len + 1], e.features[:config.max_len]) for e in picked]
+    return [Example(e.tokens[:config.max_len + 1], e.features[:config.max_len], e.prompt_len) for e in picked]
+
+
+def loss_positions(batch: Sequence[Example], pairs: int) -> torch.Tensor:
+    """[B, pairs] bool: the pairs whose predictions count. Pair t predicts f_{t+1}, hence the token
+    s_{t+2}; the head's first draft follows the target's first response token, so the pairs from
+    t = prompt_len - 1 on count (the prompt's pairs still run: they are the head's attention context,
+    as when drafting), up to the last pair with a known f_{t+1}."""
+    return torch.tensor([[e.prompt_len - 1 <= t < len(e.features) - 1 for t in range(pairs)] for e in batch],
+                        dtype=torch.bool).reshape(len(batch), pairs)
 
 
 def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
@@ -97,7 +107,7 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
     for b, e in enumerate(batch):
         features[b, :len(e.features)] = e.features.to(device, dtype)
         tokens[b, :len(e.tokens)] = torch.tensor(e.tokens, device=device)
-    valid = torch.tensor([[t + 1 < len(e.features) for t in range(n - 1)] for e in batch], device=device)
+    valid = loss_positions(batch, n - 1).to(device)
     positions = torch.arange(n - 1, device=device).expand(len(batch), n - 1)
     gain, eps = target.norm.fused
     D = features.shape[-1]
@@ -130,8 +140,9 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
                target_name: str, progress: bool = True) -> dict:
     """Train (or resume training) a head for `target` on `examples`; writes DIR/head.safetensors,
     DIR/head.json and DIR/checkpoint.pt. Returns the training record saved in head.json."""
-    if not any(len(e.features) >= 2 for e in examples):
-        raise ValueError("no training examples (each needs at least two positions)")
+    examples = [e for e in examples if len(e.features) > max(1, e.prompt_len)]  # a pair to learn from
+    if not examples:
+        raise ValueError("no training examples (each needs a prompt and at least two response tokens)")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
