@@ -13,6 +13,10 @@
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
 enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
 #define M_BLOCK 6
+/* How far ahead in the weights to prefetch: the hardware prefetcher alone left the FMAs of a
+ * several-row pass waiting on memory (t(9)/t(1) 1.81 -> 1.45 in float32 with it, 2048 measured
+ * best of 1024/2048/4096 on the project's EPYC). */
+#define PREFETCH_BYTES 2048
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __m256 load_w(const void *w, int64_t i, int wtype) {
@@ -41,11 +45,12 @@ INLINE float hsum(__m256 v) {
  * the FMA latency; their order is fixed, so every output is reduced the same way for every M. */
 INLINE void row_block(const float *x, const void *w, const float *b, const float *r, float *y,
                       int64_t n, int64_t N, int64_t K, const int wtype, const int mb) {
-    const int64_t row = n * K;
+    const int64_t row = n * K, wbytes = wtype == W_F32 ? 4 : 2;
     __m256 a0[M_BLOCK], a1[M_BLOCK];
     for (int j = 0; j < mb; j++) a0[j] = a1[j] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
+        _mm_prefetch((const char *)w + (row + k) * wbytes + PREFETCH_BYTES, _MM_HINT_T0);
         const __m256 w0 = load_w(w, row + k, wtype), w1 = load_w(w, row + k + 8, wtype);
         for (int j = 0; j < mb; j++) {
             a0[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + j * K + k), w0, a0[j]);
