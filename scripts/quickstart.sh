@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Install everything, then the main job: plain vs speculative decoding (the default --spec auto:
-# the draft head that ships for SmolLM2-135M, with n-gram prompt lookup where the text repeats)
-# of the default model on the same input-grounded prompt, printing the measured speedup.
+# Install everything, then the main job: plain vs speculative decoding (the default --spec ngram:
+# prompt lookup) of the default model on the same input-grounded prompt, printing the measured speedup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

@@ -35,9 +35,11 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)
 
 
-def add_spec_args(p: argparse.ArgumentParser, default: str = "auto") -> None:
-    p.add_argument("--spec", default=default, choices=["none", *sorted(PROPOSERS)],
-                   help=f"proposer for speculative decoding (default: {default}): none = plain decoding; auto = "
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    # ngram by default: on a CPU the shipped head does not pay for its drafting yet, alone or in the
+    # hybrid (docs/benchmarks.md, Spec-Bench and bench serve); auto and hybrid stay one flag away
+    p.add_argument("--spec", default="ngram", choices=["none", *sorted(PROPOSERS)],
+                   help="proposer for speculative decoding (default: ngram): none = plain decoding; auto = "
                         "the draft head that ships for the model with prompt lookup where the text repeats "
                         "(hybrid), prompt lookup alone (ngram) for a model without a head")
     p.add_argument("-k", type=int, default=8, help="draft tokens per step at most (default 8)")

@@ -36,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is None and args.chat is None:
         raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
     if args.compare and not spec.enabled:
-        raise QuickdraftError("--compare needs a proposer: leave --spec at its default (auto) or name one "
+        raise QuickdraftError("--compare needs a proposer: leave --spec at its default (ngram) or name one "
                               "(ngram, head, hybrid, draft --draft-model PATH) with -k >= 1")
     progress = sys.stderr.isatty() and not args.json
     llm = load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec)

@@ -51,9 +51,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculative decoding")
     add_model_args(sv)
-    # n-gram by default: on a CPU the head's drafting forwards, run for every row, cost more than
-    # they win once several requests share a step (docs/benchmarks.md, bench serve)
-    add_spec_args(sv, default="ngram")
+    add_spec_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", help="the model id clients send (default: --model's name)")
