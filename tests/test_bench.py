@@ -71,6 +71,29 @@ class Repeat7:
         pass
 
 
+class Unlikely7(Repeat7):
+    """Proposes token 7 k times and says each is almost never accepted: the policy verifies none."""
+
+    def propose(self, k: int) -> Draft:
+        return Draft([7] * k, None, [0.01] * k)
+
+
+def test_verify_all_adds_each_method_with_the_draft_length_policy_off(model_dir: Path, tmp_path: Path,
+                                                                       monkeypatch) -> None:
+    monkeypatch.setitem(PROPOSERS, "unlikely7", Unlikely7)
+    rc, res, _ = specbench(model_dir, tmp_path, "--methods", "plain,unlikely7", "--verify-all")
+    assert rc == 0 and [m["label"] for m in res["methods"]] == ["plain", "unlikely7 k=4", "unlikely7 k=4 all"]
+    assert [m["spec"]["adaptive"] for m in res["methods"][1:]] == [True, False]
+    assert "--verify-all" in res["config"]["command"]
+    adaptive, every = (res["summary"]["overall"][label] for label in ("unlikely7 k=4", "unlikely7 k=4 all"))
+    assert adaptive["drafted_tokens"] == 0  # the policy believes the drafts' estimates: none verified
+    assert every["identical_pct"] == 100.0
+    # with the policy off every pass after a turn's prefill verifies the whole offered draft (4
+    # tokens, fewer only where max_new_tokens leaves less room)
+    decode_passes = every["target_passes"] - sum(q["turns"] for q in res["questions"])
+    assert decode_passes > 0 and every["drafted_tokens"] >= decode_passes
+
+
 # -- the report ----------------------------------------------------------------------------------------
 
 def test_specbench_report_figures_follow_the_definitions(model_dir: Path, tmp_path: Path, capsys,

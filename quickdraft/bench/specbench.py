@@ -8,10 +8,9 @@ turns' tokens and seconds count.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -40,15 +39,18 @@ class Method:
         if self.spec is None:
             return {"label": self.label, "engine": "transformers", "method": self.hf, "k": None, "spec": None}
         return {"label": self.label, "engine": "quickdraft", "method": self.spec.method,
-                "k": self.spec.k if self.spec.enabled else 0, "spec": dataclasses.asdict(self.spec)}
+                "k": self.spec.k if self.spec.enabled else 0, "spec": asdict(self.spec)}
 
 
 def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
-                  compare_hf: bool = False) -> list[Method]:
+                  compare_hf: bool = False, verify_all: bool = False) -> list[Method]:
     """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR` -> methods,
     plain first (always run: it is the baseline). NAME:K sets k for one method; a draft model's path
     follows `draft:`, a head's folder may follow `head:` or `hybrid:` (default: the packaged head),
-    then :K. n-gram sizes left None keep SpecConfig's defaults."""
+    then :K. n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each
+    speculative method the same one with the draft-length policy off (every offered draft token
+    verified, label ending in "all"): what its drafts could commit per pass, the ceiling of its
+    speedup, measured in the same run as what the policy makes of them."""
     ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
     methods = [Method(PLAIN, SpecConfig())]
     for item in (t.strip() for t in text.split(",")):
@@ -69,8 +71,10 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
             raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
         spec = SpecConfig(method=name, k=int(k_text) if k_text else k, **ngram,
                           **{"head" if name in HEAD_PROPOSERS else "draft_model": path})
-        label = f"{name}:{Path(path).name}" if path else name
-        methods.append(Method(f"{label} k={spec.k}", spec))
+        label = f"{name}:{Path(path).name} k={spec.k}" if path else f"{name} k={spec.k}"
+        methods.append(Method(label, spec))
+        if verify_all:
+            methods.append(Method(f"{label} all", replace(spec, adaptive=False)))
     if compare_hf:
         methods += [Method("hf-plain", None, "plain"), Method("hf-prompt-lookup", None, "prompt-lookup")]
     labels = [m.label for m in methods]

@@ -48,6 +48,8 @@ def _specbench_command(args: argparse.Namespace) -> str:
             words += [flag, str(value)]
     if args.compare_hf:
         words += ["--compare-hf", "--hf-lookup-tokens", str(args.hf_lookup_tokens)]
+    if args.verify_all:
+        words.append("--verify-all")
     return shlex.join(words)
 
 
@@ -64,7 +66,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     groups = parse_groups(args.groups)  # every check before the slow load
     pool, files = bench_questions(groups, args.questions)
     questions = select_questions(pool, groups, args.limit)
-    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf)
+    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf, args.verify_all)
     set_threads(args.threads)
     llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
                                  args.seed, args.device, args.dtype, args.hf_lookup_tokens,
@@ -106,6 +108,10 @@ def add_bench_specbench(bsub) -> None:
     sb.add_argument("--compare-hf", action="store_true",
                     help="add transformers' generate (hf-plain) and its prompt lookup (hf-prompt-lookup) rows")
     sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
+    sb.add_argument("--verify-all", action="store_true",
+                    help="add beside each speculative method the same one verifying every offered draft "
+                         "token (draft-length policy off; label ending in 'all'): the tokens per pass its "
+                         "drafts could reach, the ceiling of its speedup")
     sb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     sb.add_argument("--out", help="folder for results.json, report.md and speedup.png")
     sb.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
