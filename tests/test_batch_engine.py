@@ -304,7 +304,8 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
 class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it is asked and told."""
 
-    def __init__(self) -> None:
+    def __init__(self, costly: bool = True) -> None:
+        self.costly = costly  # whether drafting runs a model (a head) or is a lookup
         self.asked = self.told = 0
 
     def propose(self, k: int) -> Draft:
@@ -316,10 +317,10 @@ class Hopeless:
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
-def test_a_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> None:
+def test_a_costly_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> None:
     """The policy declines every draft of a proposer that expects nothing accepted; after each
-    decline the proposer is left alone for 2, 4, 8, 16, 16... steps (it still sees every token).
-    Rows that verify whatever is offered (adaptive off) ask every step."""
+    decline a costly proposer is left alone for 2, 4, 8, 16, 16... steps (it still sees every
+    token). Rows that verify whatever is offered (adaptive off) ask every step."""
     model, proposer = target(), Hopeless()
     events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
                                   frozenset(), proposer, 4, adaptive=adaptive))
@@ -330,3 +331,11 @@ def test_a_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> None:
         assert proposer.asked == 6  # at steps 1, 4, 9, 18, 35, 52 of 59
     else:
         assert proposer.asked == steps - 1
+
+
+def test_a_cheap_proposer_is_asked_every_step_though_declined() -> None:
+    model, proposer = target(), Hopeless(costly=False)
+    events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
+                                  frozenset(), proposer, 4))
+    assert events[-1].stats.drafted_tokens == 0  # every draft declined ...
+    assert proposer.asked == events[-1].stats.target_passes - 1  # ... and yet asked at every step

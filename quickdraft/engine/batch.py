@@ -211,10 +211,11 @@ class Engine:
             self.config.policy, self.config.max_step_tokens)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
         for row, n in zip(rows, lengths):
-            # A draft the policy declined was work for nothing: a draft head's forwards cost a few
-            # percent of a batched step per row. After a decline the row's proposer rests for a
-            # doubling number of steps (it still sees every token), until a draft is verified.
-            if row.draft.tokens and n == 0:
+            # A costly proposer's declined draft was work for nothing: a draft head's forwards cost
+            # a few percent of a batched step per row. After a decline such a proposer rests for a
+            # doubling number of steps (it still sees every token), until a draft is verified. A
+            # cheap one (prompt lookup) is asked every step: resting would only miss its matches.
+            if row.draft.tokens and n == 0 and getattr(row.request.proposer, "costly", False):
                 row.backoff = min(2 * row.backoff, MAX_BACKOFF)
                 row.quiet = row.backoff
             elif n:

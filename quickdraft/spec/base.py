@@ -67,6 +67,8 @@ class Proposer(Protocol):
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         """`tokens` were appended to the sequence; the first `accepted` of them were drafts of this
         proposer's last proposal (possibly cut short by the engine), the last one is the target's.
+        A proposer with `costly = True` runs a model to draft: a draft the engine declines was
+        work for nothing, so after a decline the engine asks it again only after a few steps.
         A proposer with `wants_hidden = True` is called commit(tokens, accepted, hidden), hidden
         [n, D] being the target's last-layer features at the n positions the step ran and kept
         (the whole prompt after the prefill, then the fed token and the accepted drafts)."""

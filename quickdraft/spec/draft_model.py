@@ -18,6 +18,8 @@ DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's
 
 
 class DraftModelProposer:
+    costly = True  # a draft model forward per draft token
+
     def __init__(self, draft: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
                  capacity: int) -> None:
         self.model = draft

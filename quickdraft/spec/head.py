@@ -150,6 +150,7 @@ class HeadProposer:
     """Drafts k tokens with a DraftHead over its own one-layer cache; `commit` receives the target's
     features of the positions it ran (wants_hidden)."""
     wants_hidden = True
+    costly = True
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int) -> None:

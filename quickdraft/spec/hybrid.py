@@ -29,6 +29,7 @@ def expected_accepted(draft: Draft) -> float:
 
 class HybridProposer:
     wants_hidden = True
+    costly = True
 
     def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
         self.ngram, self.head = ngram, head
