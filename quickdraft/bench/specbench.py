@@ -71,7 +71,8 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
             raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
         spec = SpecConfig(method=name, k=int(k_text) if k_text else k, **ngram,
                           **{"head" if name in HEAD_PROPOSERS else "draft_model": path})
-        label = f"{name}:{Path(path).name} k={spec.k}" if path else f"{name} k={spec.k}"
+        source = f"{name}:{Path(path).name}" if path else name
+        label = f"{source} k={spec.k}"
         methods.append(Method(label, spec))
         if verify_all:
             methods.append(Method(f"{label} all", replace(spec, adaptive=False)))
