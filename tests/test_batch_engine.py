@@ -310,7 +310,7 @@ class Hopeless:
 
     def propose(self, k: int) -> Draft:
         self.asked += 1
-        return Draft([1] * k, None, [0.0] * k)
+        return Draft([1] * k, None, [0.0] * k, self.costly)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         self.told += 1
@@ -339,3 +339,27 @@ def test_a_cheap_proposer_is_asked_every_step_though_declined() -> None:
                                   frozenset(), proposer, 4))
     assert events[-1].stats.drafted_tokens == 0  # every draft declined ...
     assert proposer.asked == events[-1].stats.target_passes - 1  # ... and yet asked at every step
+
+
+class WithCheapPart(Hopeless):
+    """A costly proposer (as the hybrid's head) with a cheap part (as its prompt lookup)."""
+
+    def __init__(self) -> None:
+        super().__init__(costly=True)
+        self.cheap = Hopeless(costly=False)
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        super().commit(tokens, accepted)
+        self.cheap.commit(tokens, accepted)
+
+
+def test_the_cheap_part_of_a_resting_proposer_drafts_meanwhile() -> None:
+    """While the costly proposer rests after declined drafts, its cheap part is asked at each step
+    instead; the cheap part's declined drafts do not lengthen the rest."""
+    model, proposer = target(), WithCheapPart()
+    events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
+                                  frozenset(), proposer, 4))
+    steps = events[-1].stats.target_passes
+    assert proposer.asked == 6  # the same schedule as a costly proposer alone: steps 1, 4, 9, 18, 35, 52
+    assert proposer.cheap.asked == steps - 1 - proposer.asked
+    assert proposer.cheap.told == steps - 1

@@ -169,10 +169,14 @@ class Fixed:
     ([], [0.2], "head", True),                       # no match
 ])
 def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
-    drafts = {"lookup": Draft([1] * len(lookup), None, lookup), "head": Draft([2] * len(head), None, head)}
+    drafts = {"lookup": Draft([1] * len(lookup), None, lookup),
+              "head": Draft([2] * len(head), None, head, costly=True)}
     ngram, heads = Fixed(drafts["lookup"]), Fixed(drafts["head"])
     hybrid = HybridProposer(ngram, heads)
-    assert hybrid.propose(8) is drafts[chosen] and heads.asked == head_asked
+    draft = hybrid.propose(8)
+    assert (draft.tokens, draft.accept_probs) == (drafts[chosen].tokens, drafts[chosen].accept_probs)
+    assert heads.asked == head_asked
+    assert draft.costly == head_asked  # the head's forwards were spent, whichever draft is chosen
     hybrid.commit([7, 8], 1, torch.zeros(2, 4))
     assert ngram.committed == heads.committed == [[7, 8]]  # both follow every step
 

@@ -211,11 +211,12 @@ class Engine:
             self.config.policy, self.config.max_step_tokens)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
         for row, n in zip(rows, lengths):
-            # A costly proposer's declined draft was work for nothing: a draft head's forwards cost
-            # a few percent of a batched step per row. After a decline such a proposer rests for a
-            # doubling number of steps (it still sees every token), until a draft is verified. A
-            # cheap one (prompt lookup) is asked every step: resting would only miss its matches.
-            if row.draft.tokens and n == 0 and getattr(row.request.proposer, "costly", False):
+            # A declined costly draft was work for nothing: a draft head's forwards cost a few
+            # percent of a batched step per row. After such a decline the proposer rests for a
+            # doubling number of steps (it still sees every token, and its cheap part, if any,
+            # drafts meanwhile), until a draft is verified. Prompt lookup is asked every step:
+            # resting would only miss its matches.
+            if row.draft.tokens and n == 0 and row.draft.costly:
                 row.backoff = min(2 * row.backoff, MAX_BACKOFF)
                 row.quiet = row.backoff
             elif n:
@@ -281,11 +282,13 @@ class Engine:
                 proposer.commit(new, accepted, features)
             else:
                 proposer.commit(new, accepted)
+            k = min(row.request.k, row.budget - row.stats.new_tokens - 1)
             if row.quiet:
                 row.quiet -= 1
-                row.draft = NO_DRAFT
+                cheap = getattr(proposer, "cheap", None)
+                row.draft = NO_DRAFT if cheap is None else cheap.propose(k)
             else:
-                row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
+                row.draft = proposer.propose(k)
         except Exception as e:  # noqa: BLE001 - reported to that request's consumer
             return e
         finally:

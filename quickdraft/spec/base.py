@@ -29,12 +29,14 @@ class Draft:
     accept_probs: Sequence[float] | None = None  # per token, the proposer's estimate that it is
                                                  # accepted if the ones before it are; when given,
                                                  # the engine may verify only a prefix (policy.py)
+    costly: bool = False         # drafting it ran a model (a head, a draft model): declined, that
+                                 # work was for nothing, and the engine lets the proposer rest
 
     def prefix(self, n: int) -> "Draft":
         if n == len(self.tokens):
             return self
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
-                     None if self.accept_probs is None else self.accept_probs[:n])
+                     None if self.accept_probs is None else self.accept_probs[:n], self.costly)
 
 
 class Agreement:
@@ -67,8 +69,9 @@ class Proposer(Protocol):
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         """`tokens` were appended to the sequence; the first `accepted` of them were drafts of this
         proposer's last proposal (possibly cut short by the engine), the last one is the target's.
-        A proposer with `costly = True` runs a model to draft: a draft the engine declines was
-        work for nothing, so after a decline the engine asks it again only after a few steps.
+        After declining a `costly` draft the engine asks the proposer again only after a few
+        steps; meanwhile it asks the proposer's `cheap` part, if it has one (a proposer that runs
+        no model and sees the same commits, as the hybrid's prompt lookup).
         A proposer with `wants_hidden = True` is called commit(tokens, accepted, hidden), hidden
         [n, D] being the target's last-layer features at the n positions the step ran and kept
         (the whole prompt after the prefill, then the fed token and the accepted drafts)."""

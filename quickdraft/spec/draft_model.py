@@ -18,8 +18,6 @@ DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's
 
 
 class DraftModelProposer:
-    costly = True  # a draft model forward per draft token
-
     def __init__(self, draft: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
                  capacity: int) -> None:
         self.model = draft
@@ -56,7 +54,7 @@ class DraftModelProposer:
             if i < k - 1:
                 logits = self._forward([x], len(self.tokens) + i)
         self.fed_drafts = k - 1
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs))
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs), costly=True)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         # After a proposal `cached` == len(tokens) (before the first it is 0: nothing was run yet).

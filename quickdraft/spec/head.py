@@ -150,7 +150,6 @@ class HeadProposer:
     """Drafts k tokens with a DraftHead over its own one-layer cache; `commit` receives the target's
     features of the positions it ran (wants_hidden)."""
     wants_hidden = True
-    costly = True
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int) -> None:
@@ -218,7 +217,7 @@ class HeadProposer:
             predicted = self._step(predicted, [x], pairs + i)
         self.pending = drafted
         # the estimates let the engine's policy verify only what pays (engine/policy.py)
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates, costly=True)
 
 
 @register("head")

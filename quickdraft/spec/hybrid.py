@@ -9,6 +9,7 @@ its next forward). Exactness needs nothing more: the chosen draft carries its ow
 """
 from __future__ import annotations
 
+import dataclasses
 from itertools import accumulate
 from operator import mul
 from typing import Sequence
@@ -29,10 +30,10 @@ def expected_accepted(draft: Draft) -> float:
 
 class HybridProposer:
     wants_hidden = True
-    costly = True
 
     def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
         self.ngram, self.head = ngram, head
+        self.cheap = ngram  # drafts alone while the engine rests the head (spec/base.py)
 
     def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
         self.ngram.commit(tokens, accepted)
@@ -43,7 +44,9 @@ class HybridProposer:
         if expected_accepted(lookup) >= NGRAM_ENOUGH:
             return lookup
         drafted = self.head.propose(k)
-        return lookup if expected_accepted(lookup) >= expected_accepted(drafted) else drafted
+        if expected_accepted(lookup) >= expected_accepted(drafted):
+            return dataclasses.replace(lookup, costly=drafted.costly)  # the head's forwards were spent
+        return drafted
 
 
 @register("hybrid")
