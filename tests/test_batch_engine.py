@@ -305,12 +305,12 @@ class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it is asked and told."""
 
     def __init__(self, costly: bool = True) -> None:
-        self.costly = costly  # whether drafting runs a model (a head) or is a lookup
+        self.runs_a_model = costly  # marks its drafts costly (a head) or not (a lookup)
         self.asked = self.told = 0
 
     def propose(self, k: int) -> Draft:
         self.asked += 1
-        return Draft([1] * k, None, [0.0] * k, self.costly)
+        return Draft([1] * k, None, [0.0] * k, self.runs_a_model)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         self.told += 1
@@ -341,12 +341,30 @@ def test_a_cheap_proposer_is_asked_every_step_though_declined() -> None:
     assert proposer.asked == events[-1].stats.target_passes - 1  # ... and yet asked at every step
 
 
+class Oracle(Hopeless):
+    """A cheap proposer that knows the greedy continuation and offers its next k tokens."""
+
+    def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        super().__init__(costly=False)
+        self.future, self.committed = list(continuation), len(prompt)
+        self.start = len(prompt)
+
+    def propose(self, k: int) -> Draft:
+        self.asked += 1
+        ahead = self.future[self.committed - self.start:][:k]
+        return Draft(ahead, None, [0.99] * len(ahead))
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        super().commit(tokens, accepted)
+        self.committed += len(tokens)
+
+
 class WithCheapPart(Hopeless):
     """A costly proposer (as the hybrid's head) with a cheap part (as its prompt lookup)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cheap: Hopeless | None = None) -> None:
         super().__init__(costly=True)
-        self.cheap = Hopeless(costly=False)
+        self.cheap = cheap or Hopeless(costly=False)
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         super().commit(tokens, accepted)
@@ -363,3 +381,23 @@ def test_the_cheap_part_of_a_resting_proposer_drafts_meanwhile() -> None:
     assert proposer.asked == 6  # the same schedule as a costly proposer alone: steps 1, 4, 9, 18, 35, 52
     assert proposer.cheap.asked == steps - 1 - proposer.asked
     assert proposer.cheap.told == steps - 1
+
+
+def test_the_cheap_parts_verified_drafts_do_not_wake_the_costly_one() -> None:
+    """A resting costly proposer keeps its doubling rest though its cheap part's drafts are
+    verified meanwhile (only its own verified drafts end the rest); the output stays plain greedy."""
+    model, prompt = target(), [5, 6, 7]
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    plain = [t for e in generate_tokens(model, prompt, params, frozenset(), None, 0) for t in e.token_ids]
+    proposer = WithCheapPart(Oracle(prompt, plain))
+    events = list(generate_tokens(model, prompt, params, frozenset(), proposer, 4))
+    assert [t for e in events for t in e.token_ids] == plain
+    steps = events[-1].stats.target_passes
+    assert events[-1].stats.accepted_tokens > 0 and steps < 40  # the cheap drafts were verified
+    asked_at, step, rest = [], 1, 1
+    while step < steps:  # asked after step 1, then after rests of 2, 4, 8, 16, 16, ... steps
+        asked_at.append(step)
+        rest = min(2 * rest, 16)
+        step += rest + 1
+    assert proposer.asked == len(asked_at)
+    assert proposer.cheap.asked == steps - 1 - proposer.asked

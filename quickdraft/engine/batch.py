@@ -214,12 +214,13 @@ class Engine:
             # A declined costly draft was work for nothing: a draft head's forwards cost a few
             # percent of a batched step per row. After such a decline the proposer rests for a
             # doubling number of steps (it still sees every token, and its cheap part, if any,
-            # drafts meanwhile), until a draft is verified. Prompt lookup is asked every step:
+            # drafts meanwhile), until one of its costly drafts is verified (the cheap part's
+            # successes say nothing of the costly one's). Prompt lookup is asked every step:
             # resting would only miss its matches.
             if row.draft.tokens and n == 0 and row.draft.costly:
                 row.backoff = min(2 * row.backoff, MAX_BACKOFF)
                 row.quiet = row.backoff
-            elif n:
+            elif n and row.draft.costly:
                 row.backoff = 1
         width = max(lengths)
         device = self.model.device
