@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quickdraft.engine import generate_tokens
-from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.batch import MAX_BACKOFF, Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
@@ -344,19 +344,18 @@ def test_a_cheap_proposer_is_asked_every_step_though_declined() -> None:
 class Oracle(Hopeless):
     """A cheap proposer that knows the greedy continuation and offers its next k tokens."""
 
-    def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+    def __init__(self, continuation: Sequence[int]) -> None:
         super().__init__(costly=False)
-        self.future, self.committed = list(continuation), len(prompt)
-        self.start = len(prompt)
+        self.future, self.done = list(continuation), 0  # done: tokens of it committed so far
 
     def propose(self, k: int) -> Draft:
         self.asked += 1
-        ahead = self.future[self.committed - self.start:][:k]
+        ahead = self.future[self.done:self.done + k]
         return Draft(ahead, None, [0.99] * len(ahead))
 
     def commit(self, tokens: Sequence[int], accepted: int) -> None:
         super().commit(tokens, accepted)
-        self.committed += len(tokens)
+        self.done += len(tokens)
 
 
 class WithCheapPart(Hopeless):
@@ -389,15 +388,15 @@ def test_the_cheap_parts_verified_drafts_do_not_wake_the_costly_one() -> None:
     model, prompt = target(), [5, 6, 7]
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     plain = [t for e in generate_tokens(model, prompt, params, frozenset(), None, 0) for t in e.token_ids]
-    proposer = WithCheapPart(Oracle(prompt, plain))
+    proposer = WithCheapPart(Oracle(plain))
     events = list(generate_tokens(model, prompt, params, frozenset(), proposer, 4))
     assert [t for e in events for t in e.token_ids] == plain
     steps = events[-1].stats.target_passes
     assert events[-1].stats.accepted_tokens > 0 and steps < 40  # the cheap drafts were verified
-    asked_at, step, rest = [], 1, 1
+    asks, step, rest = 0, 1, 1
     while step < steps:  # asked after step 1, then after rests of 2, 4, 8, 16, 16, ... steps
-        asked_at.append(step)
-        rest = min(2 * rest, 16)
+        asks += 1
+        rest = min(2 * rest, MAX_BACKOFF)
         step += rest + 1
-    assert proposer.asked == len(asked_at)
+    assert proposer.asked == asks
     assert proposer.cheap.asked == steps - 1 - proposer.asked

@@ -9,7 +9,7 @@ its next forward). Exactness needs nothing more: the chosen draft carries its ow
 """
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 from itertools import accumulate
 from operator import mul
 from typing import Sequence
@@ -41,11 +41,12 @@ class HybridProposer:
 
     def propose(self, k: int) -> Draft:
         lookup = self.ngram.propose(k)
-        if expected_accepted(lookup) >= NGRAM_ENOUGH:
+        lookup_gain = expected_accepted(lookup)
+        if lookup_gain >= NGRAM_ENOUGH:
             return lookup
         drafted = self.head.propose(k)
-        if expected_accepted(lookup) >= expected_accepted(drafted):
-            return dataclasses.replace(lookup, costly=drafted.costly)  # the head's forwards were spent
+        if lookup_gain >= expected_accepted(drafted):
+            return replace(lookup, costly=drafted.costly)  # the head's forwards were spent
         return drafted
 
 
