@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from quickdraft.cli.bench import add_bench_forward_cost, add_bench_serve, add_bench_specbench, cmd_bench_plain
+from quickdraft.cli.bench import add_bench_forward_cost, add_bench_plain, add_bench_serve, add_bench_specbench
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
@@ -41,14 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (speed ratios measured side by side)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    plain = bsub.add_parser("plain", help="plain greedy decoding: quickdraft vs transformers' generate")
-    plain.add_argument("--model", "-m", default=DEFAULT_MODEL)
-    plain.add_argument("--device", default="cpu")
-    plain.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
-    plain.add_argument("--prompts", type=int, default=4, help="number of built-in prompts (1-8)")
-    plain.add_argument("--max-new-tokens", "-n", type=int, default=64)
-    plain.add_argument("--repeats", type=int, default=2, help="interleaved rounds per prompt")
-    plain.set_defaults(func=cmd_bench_plain)
+    add_bench_plain(bsub)
     add_bench_specbench(bsub)
     add_bench_forward_cost(bsub)
     add_bench_serve(bsub)

@@ -9,13 +9,69 @@ import sys
 from quickdraft.cli.common import add_model_args, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
+from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
 def cmd_bench_plain(args: argparse.Namespace) -> int:
+    if args.compare_llamacpp:
+        return _bench_plain_llamacpp(args)
     from quickdraft.bench.plain import run_plain_bench
-    run_plain_bench(args.model, [d.strip() for d in args.dtypes.split(",")], args.prompts,
-                    args.max_new_tokens, args.repeats, args.device)
+    set_threads(args.threads)
+    run_plain_bench(args.model, [d.strip() for d in (args.dtypes or "float32,bfloat16").split(",")],
+                    args.prompts, args.max_new_tokens, args.repeats or 2, args.device)
     return 0
+
+
+def _bench_plain_llamacpp(args: argparse.Namespace) -> int:
+    import shlex
+
+    from quickdraft.bench.compare import comparison_json, markdown_tables
+    from quickdraft.bench.vs_llamacpp import run_llamacpp_comparison
+    dtypes = [d.strip() for d in (args.dtypes or "float32").split(",")]
+    if len(dtypes) != 1:
+        raise QuickdraftError(f"--compare-llamacpp measures one quickdraft dtype; give --dtypes with one, "
+                              f"found {args.dtypes!r}")
+    threads = 2 if args.threads is None else args.threads
+    repeats = 3 if args.repeats is None else args.repeats
+    if min(threads, repeats, args.context, args.max_q, args.prefill_tokens) < 1 or args.max_new_tokens < 2:
+        raise QuickdraftError("--threads, --repeats, --context, --max-q and --prefill-tokens must be >= 1 and "
+                              "--max-new-tokens >= 2")
+    command = shlex.join(["quickdraft", "bench", "plain", "--compare-llamacpp", "-m", args.model, "--dtypes",
+                          dtypes[0], "--threads", str(threads), "--prompts", str(args.prompts), "-n",
+                          str(args.max_new_tokens), "--repeats", str(repeats), "--prefill-tokens",
+                          str(args.prefill_tokens), "--context", str(args.context), "--max-q", str(args.max_q)])
+    result = run_llamacpp_comparison(args.model, args.device, dtypes[0], threads, args.prompts, args.max_new_tokens,
+                                     repeats, args.prefill_tokens, args.context, args.max_q, command)
+    if args.json:
+        print(json.dumps(comparison_json(result), indent=1))
+    else:
+        print(f"`{command}`\n")
+        print(markdown_tables(result), end="")
+    return 0
+
+
+def add_bench_plain(bsub) -> None:
+    plain = bsub.add_parser("plain", help="plain greedy decoding: quickdraft vs transformers' generate, or "
+                                          "vs llama.cpp with --compare-llamacpp")
+    plain.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    plain.add_argument("--device", default="cpu")
+    plain.add_argument("--dtypes", help="comma-separated (default: float32,bfloat16; with --compare-llamacpp "
+                                        "one, default float32)")
+    plain.add_argument("--prompts", type=int, default=4, help="number of built-in prompts (1-8)")
+    plain.add_argument("--max-new-tokens", "-n", type=int, default=64)
+    plain.add_argument("--repeats", type=int, help="interleaved rounds per prompt (default 2; 3 with "
+                                                   "--compare-llamacpp)")
+    plain.add_argument("--threads", type=int, help="CPU threads of both engines (default: torch's choice; 2 "
+                                                   "with --compare-llamacpp)")
+    cmp = plain.add_argument_group("--compare-llamacpp: llama.cpp on the same GGUF file (the `bench` extra)")
+    cmp.add_argument("--compare-llamacpp", action="store_true",
+                     help="compare with llama.cpp instead of transformers: decode and prefill tok/s, t(q)/t(1) "
+                          "and load seconds, interleaved, medians")
+    cmp.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill measurement")
+    cmp.add_argument("--context", type=int, default=256, help="cached tokens before each t(q) pass (default 256)")
+    cmp.add_argument("--max-q", type=int, default=17, help="t(q) for q = 1..max-q (default 17)")
+    cmp.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    plain.set_defaults(func=cmd_bench_plain)
 
 
 def cmd_bench_forward_cost(args: argparse.Namespace) -> int:
