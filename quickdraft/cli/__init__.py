@@ -15,7 +15,6 @@ from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
 from quickdraft.cli.train import add_train_head
 from quickdraft.errors import QuickdraftError
-from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
