@@ -117,7 +117,7 @@ def _q_sweep(engine: BenchEngine, cfg: CompareConfig, reverse: bool, clock: Cloc
     engine.prefill(cfg.context_ids)
     n = len(cfg.context_ids)
     times = {}
-    for q in (sorted(cfg.q_values, reverse=reverse)):
+    for q in sorted(cfg.q_values, reverse=reverse):
         times[q] = _timed(clock, lambda: engine.feed(cfg.fed_ids[:q]))
         engine.truncate(n)
     return times
@@ -186,7 +186,7 @@ def run_comparison(engines: Sequence[BenchEngine], load_s: Sequence[float], cfg:
 
 def markdown_tables(c: Comparison) -> str:
     a, b = c.ours, c.theirs
-    rows = [(f"decode tok/s (greedy, after the first token)", a.decode_median, b.decode_median),
+    rows = [("decode tok/s (greedy, after the first token)", a.decode_median, b.decode_median),
             (f"prefill tok/s ({c.prefill_tokens} tokens)", a.prefill_tok_s(c.prefill_tokens),
              b.prefill_tok_s(c.prefill_tokens)),
             ("load s", a.load_s, b.load_s)]
@@ -201,7 +201,9 @@ def markdown_tables(c: Comparison) -> str:
     same = c.same_prefix()
     lines += ["", f"Medians: decode of {len(a.decode_tok_s)} runs per engine, prefill and t(q) of "
                   f"{len(a.prefill_s)}; load once each. Greedy tokens identical before the first "
-                  f"difference, per prompt: {', '.join(map(str, same))} of {len(a.outputs[0])}."]
+                  f"difference, per prompt: {', '.join(map(str, same))} of {len(a.outputs[0])}. "
+                  f"A ratio is {a.name}'s figure over {b.name}'s: above 1 is better for tok/s, worse for "
+                  f"seconds and t(q)."]
     return "\n".join(lines) + "\n"
 
 
