@@ -14,6 +14,7 @@ from quickdraft.errors import InvalidSamplingParams
 
 MAX_STOP_STRINGS = 16
 TOP_P_CANDIDATES = 256  # top-p looks here first: enough mass for almost every real distribution
+F32_TINIEST = 2.0 ** -149  # the smallest positive float32: temperatures below it are 0 there
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    # Dividing the gaps to the largest logit, not the logits, is the same softmax, but nothing can
+    # overflow: (l - max) / T <= 0 for any T (a tiny T sends every other token to -inf, weight 0),
+    # where l / T could give +inf and softmax inf - inf = NaN.
+    shifted = logits - logits.amax(-1, keepdim=True)  # [..., V], 0 at the max
+    logits = shifted / params.temperature
+    if params.temperature < F32_TINIEST:  # T is 0 in float32: the max's 0 / 0 is NaN, its limit 0
+        logits = logits.masked_fill(shifted == 0, 0.0)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -93,6 +100,8 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     if n < probs.shape[-1] and bool((cand_p.sum(-1) < top_p).any()):
         cand_p, cand_i = probs.sort(dim=-1, descending=True)
     outside = (cand_p.cumsum(-1) - cand_p) >= top_p
+    # A top_p that is 0 in float32 (under 1.4e-45) would cut even the first token: 0 >= 0.
+    outside[..., 0] = False
     kept = torch.zeros_like(probs).scatter_(-1, cand_i, cand_p.masked_fill(outside, 0.0))
     return kept / kept.sum(-1, keepdim=True)
 

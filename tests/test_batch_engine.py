@@ -6,12 +6,13 @@ first sampled tokens (chi-square) for rows sampled inside full batches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import pytest
 import torch
 
+import quickdraft.verify as verify_module
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import MAX_BACKOFF, Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
@@ -99,6 +100,8 @@ def run_batched(model: Transformer, jobs: Sequence[Job], config: EngineConfig, c
             last[rid] = event
         for index, row in enumerate(engine.rows):
             rid = row.request.id
+            if last[rid].finish_reason == "error":  # ended: its cache is no one's any more
+                continue
             seq = jobs[int(rid)].prompt + out[rid]
             expected = len(seq) - (0 if last[rid].finish_reason == "stop" else 1)
             if engine.cache.lengths[index] != row.length or row.length != expected:
@@ -194,6 +197,109 @@ def test_failing_proposer_ends_only_its_request() -> None:
     assert [t for e in events["good"] for t in e.token_ids] == JOBS[1].alone(model)
 
 
+# -- a request whose pass fails ends alone ----------------------------------------------------------------
+
+OUT_OF_VOCAB = 10**6  # a token id no tiny model has: the target's pass raises on it (index error)
+BAD_SEED = 666
+
+
+class PoisonedLookup:
+    """Prompt lookup, except that its `at`-th proposal is a token id past the vocabulary: the
+    target's pass fails on it, whoever shares the pass."""
+
+    def __init__(self, prompt: Sequence[int], at: int) -> None:
+        self.inner, self.at, self.asked = NgramProposer(prompt, 4, 1), at, 0
+
+    def propose(self, k: int) -> Draft:
+        self.asked += 1
+        return Draft([OUT_OF_VOCAB], None) if self.asked == self.at else self.inner.propose(k)
+
+    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        self.inner.commit(tokens, accepted)
+
+
+def poisoned(at: int) -> ProposerFactory:
+    return lambda prompt, params: PoisonedLookup(prompt, at)
+
+
+def nan_for_seed(monkeypatch: pytest.MonkeyPatch, seed: int, calls: Callable[[int], bool]) -> None:
+    """The target's p is NaN (what a temperature of 1e-38 used to give) for the request seeded
+    `seed`, at its n-th verification when calls(n): multinomial raises on it."""
+    real, seen = verify_module.probabilities, [0]
+
+    def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        if params.seed == seed:
+            seen[0] += 1
+            if calls(seen[0]):
+                return torch.full(logits.shape, float("nan"))
+        return real(logits, params)
+
+    monkeypatch.setattr(verify_module, "probabilities", probabilities)
+
+
+# Greedy and seeded rows, some with proposers: the requests that must not notice a failing one.
+# The seeded rows sit before the failing ones, so the failed pass has drawn from their generators.
+BYSTANDERS = [
+    Job([1, 17, 42, 8, 77, 23], greedy(30), None, 0),
+    Job([5, 6, 7, 8, 5, 6, 7], greedy(30, temperature=0.9, seed=21), draft_random, 3),
+    Job([9, 2, 9, 2, 9, 2, 9], greedy(30, temperature=1.0, seed=22), None, 0),
+    Job([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], greedy(30), ngram, 8, join_at=2),  # waits for a row
+]
+FAULTS = {
+    # name: (failing jobs, appended after the bystanders; do they end with an error)
+    "target pass": ([Job([3, 3, 4, 5, 3, 3, 4], greedy(30), poisoned(4), 2)], True),
+    "two target passes": ([Job([3, 3, 4, 5, 3, 3, 4], greedy(30), poisoned(4), 2),
+                           Job([8, 8, 8, 8], greedy(30), poisoned(4), 2)], True),
+    "sampling": ([Job([2, 4, 6, 8], greedy(30, temperature=1.0, seed=BAD_SEED), None, 0)], True),
+    "prefill": ([Job([4, OUT_OF_VOCAB, 4], greedy(30), None, 0)], True),
+    "sampling, once": ([Job([2, 4, 6, 8], greedy(30, temperature=1.0, seed=BAD_SEED), None, 0)], False),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_failing_pass_ends_only_the_request_that_caused_it(fault: str, monkeypatch) -> None:
+    """The batch's pass raises because of one row (a draft token the target cannot embed, a NaN
+    distribution, a prompt it cannot embed): that row ends with finish reason "error", every other
+    row decodes exactly what it decodes alone, K/V included. A fault that does not recur ("once")
+    ends nobody and changes no one's tokens: the failed pass committed nothing, not even draws."""
+    model = target()
+    alone = [job.alone(model) for job in BYSTANDERS]  # before the fault is injected
+    failing, ends = FAULTS[fault]
+    if fault.startswith("sampling"):
+        alone.append(failing[0].alone(model))
+        nan_for_seed(monkeypatch, BAD_SEED, (lambda n: n == 5) if fault.endswith("once") else (lambda n: n >= 5))
+    jobs = BYSTANDERS[:3] + failing + BYSTANDERS[3:]
+    out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=len(jobs) - 1))
+    assert violations == []
+    bystanders = [str(jobs.index(job)) for job in BYSTANDERS]
+    for rid, expected in zip(bystanders, alone):
+        assert out[rid] == expected and last[rid].finish_reason == "length", f"request {rid} was disturbed"
+    for job in failing:
+        rid = str(jobs.index(job))
+        if not ends:
+            assert out[rid] == alone[-1] and last[rid].finish_reason == "length"
+            continue
+        stats = last[rid].stats  # what its passes before the failing one gave: prefill, 3 steps
+        assert last[rid].finish_reason == "error" and last[rid].error is not None
+        assert stats.target_passes == (0 if fault == "prefill" else 4) and len(out[rid]) == stats.new_tokens
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e-38), dict(temperature=1e-46, seed=3),
+                                     dict(temperature=0.8, top_p=1e-46), dict(temperature=100.0, top_k=1)])
+def test_extreme_sampling_settings_decode_as_greedy(extreme: dict) -> None:
+    """Settings that validation accepts and that leave one token possible decode as greedy does,
+    in a batch, with sampled drafts (q takes the same transform) and with prompt lookup."""
+    model = target()
+    jobs = [Job([5, 6, 7, 8, 5, 6, 7], greedy(25, **extreme), draft_random, 3),
+            Job([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], greedy(25, **extreme), ngram, 4),
+            Job([1, 17, 42, 8, 77, 23], greedy(25, **extreme), None, 0), JOBS[0]]
+    out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=4), check_kv=False)
+    assert violations == []
+    for i, job in enumerate(jobs):
+        as_greedy = replace(job, params=replace(job.params, temperature=0.0, top_k=0, top_p=1.0, seed=None))
+        assert out[str(i)] == as_greedy.alone(model) and last[str(i)].finish_reason == "length"
+
+
 def test_too_long_prompt_is_refused_without_touching_the_batch() -> None:
     model = target()
     engine = Engine(model, EngineConfig(max_batch=2, max_seq_len=16))
@@ -285,6 +391,16 @@ def test_policy_cap_pinned_rows_and_fixed() -> None:
     pinned = [RowDraft(5, [0.1] * 5, True), RowDraft(3, None, False), RowDraft(4, [0.0] * 4, False)]
     assert choose_draft_lengths(pinned, flat_then_steep(1)) == [5, 3, 0]
     assert choose_draft_lengths(pinned, flat_then_steep(1), policy="fixed") == [5, 3, 4]
+
+
+def test_policy_never_feeds_a_draft_expected_to_be_rejected() -> None:
+    """Measured step times are noisy: here 5 tokens were timed faster than 1. Tokens rated as never
+    accepted still go unverified (the rated ones are taken as long as they pay)."""
+    cost = StepCost()
+    cost.observe(1, 0.135)
+    cost.observe(5, 0.120)
+    assert choose_draft_lengths([RowDraft(4, [0.0] * 4, False)], cost) == [0]
+    assert choose_draft_lengths([RowDraft(4, [0.9, 0.9, 0.0, 0.0], False)], cost) == [2]
 
 
 def test_step_cost_estimates_from_the_prior_through_measurements() -> None:

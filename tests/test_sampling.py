@@ -128,6 +128,76 @@ def test_rows_are_distributions(kw: dict) -> None:
     assert (p[0, 0, :10] == 0).all()
 
 
+# Extreme settings that validation accepts. Before the logits were shifted by their max, a
+# temperature of 1e-38 overflowed l / T to +inf (softmax: inf - inf = NaN), one under float32's
+# smallest positive value made 0 / 0 at the max, and a top_p that is 0 in float32 cut every token.
+TINY_TEMPERATURES = [1e-38, 2.0 ** -149, 1e-46, 5e-324, 1e-300]
+
+
+def wide_logits(seed: int) -> torch.Tensor:
+    logits = random_logits(3, 5, 64, seed=seed) * 1000  # [B, k+1, V], gaps far beyond exp's range
+    logits[0, 0, :10] = float("-inf")
+    return logits
+
+
+def assert_distributions(p: torch.Tensor, logits: torch.Tensor) -> None:
+    assert p.shape == logits.shape and p.dtype == torch.float32
+    assert torch.isfinite(p).all() and (p >= 0).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(logits.shape[:-1]))
+    assert (p[logits == float("-inf")] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+@pytest.mark.parametrize("extra", [{}, dict(top_k=1), dict(top_k=5), dict(top_p=1e-46), dict(top_p=0.5)])
+def test_tiny_temperature_is_greedy(temperature: float, extra: dict) -> None:
+    logits = wide_logits(seed=6) / 1000
+    p = probabilities(logits, params(temperature=temperature, **extra))
+    assert_distributions(p, logits)
+    assert torch.equal(p, probabilities(logits, params()))  # one-hot at the argmax, exactly
+    tokens = sample(p, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("temperature", TINY_TEMPERATURES)
+def test_tiny_temperature_splits_tied_maxima_evenly(temperature: float) -> None:
+    # The T -> 0 limit of softmax(l / T) is uniform over the tokens holding the max, 0 elsewhere.
+    logits = torch.tensor([[1.0, 3.0, -2.0, 3.0, 3.0 - 1e-6, 3.0]])
+    p = probabilities(logits, params(temperature=temperature))
+    torch.testing.assert_close(p, torch.tensor([[0.0, 1 / 3, 0.0, 1 / 3, 0.0, 1 / 3]]))
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-30, 1e-7])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 100.0])
+def test_tiny_top_p_keeps_the_most_probable_token(top_p: float, temperature: float) -> None:
+    logits = wide_logits(seed=7) / 500
+    p = probabilities(logits, params(temperature=temperature, top_p=top_p))
+    assert_distributions(p, logits)
+    assert torch.equal(p, probabilities(logits, params()))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=100.0), dict(temperature=100.0, top_k=7), dict(temperature=0.01, top_p=0.3),
+    dict(temperature=1.0, top_k=10**30), dict(temperature=3e-3, top_k=2, top_p=0.999999999),
+])
+def test_extreme_settings_match_float64_softmax(kw: dict) -> None:
+    """Wide logits (gaps of thousands) against the textbook transform in float64."""
+    logits = wide_logits(seed=8)
+    p = probabilities(logits, params(**kw))
+    assert_distributions(p, logits)
+    scaled = logits.double() / kw["temperature"]
+    top_k = kw.get("top_k", 0)
+    if 0 < top_k < logits.shape[-1]:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[..., -1:], float("-inf"))
+    expected = torch.softmax(scaled, -1)
+    top_p = kw.get("top_p", 1.0)
+    if top_p < 1.0:
+        sorted_p, order = expected.sort(-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        expected = torch.zeros_like(expected).scatter_(-1, order, sorted_p * keep)
+        expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(p.double(), expected, atol=1e-6, rtol=1e-5)
+
+
 # -- sample -----------------------------------------------------------------------------------------
 
 def test_sample_shape_and_one_hot_rows() -> None:

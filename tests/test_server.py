@@ -236,12 +236,17 @@ def test_chat_errors_and_unknown_route(server: Server) -> None:
         server.client.completions.create(model="other", prompt="hi")
 
 
-def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monkeypatch) -> None:
+@pytest.mark.parametrize("fault", ["proposer", "target pass"])
+def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monkeypatch, fault: str) -> None:
+    """A request whose proposer raises, or whose draft makes the batch's target pass raise (a token
+    id past the vocabulary), gets a 500; concurrent requests get what they get alone."""
     class Exploding:
         def __init__(self, ctx) -> None:
             pass
 
         def propose(self, k: int) -> Draft:  # first called right after the prompt's pass
+            if fault == "target pass":
+                return Draft([10**6], None)
             raise RuntimeError("proposer exploded")
 
         def commit(self, tokens: Sequence[int], accepted: int) -> None:
@@ -253,10 +258,43 @@ def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monke
                 for i in (3, 4)]
         bad = pool.submit(lambda: httpx.post(f"{server.url}/v1/completions", timeout=60, json={
             "model": NAME, "prompt": "boom", "max_tokens": 40, "speculative": {"method": "exploding"}}))
-        assert bad.result().status_code == 500 and "exploded" in bad.result().json()["error"]["message"]
+        message = bad.result().json()["error"]["message"]
+        assert bad.result().status_code == 500 and message.startswith("generation failed")
+        assert "exploded" in message or fault == "target pass"
         for i, future in zip((3, 4), good):
             assert future.result()[0] == alone(llm, PROMPTS[i], 40, {"method": "none"})
     assert server.metrics()['quickdraft_requests_total{finish_reason="error"}'] >= 1
+
+
+EXTREMES = [{"temperature": 1e-38}, {"temperature": 1e-38, "top_p": 1e-46}, {"temperature": 0.7, "top_p": 1e-46},
+            {"temperature": 5e-324, "seed": 7}]
+
+
+def test_extreme_sampling_values_are_served_and_harm_no_one(server: Server, llm) -> None:
+    """Issue 16: temperature 1e-38 (or top_p 1e-46) passed validation, made NaN probabilities and
+    failed the engine step: a 500 for the sender, "generation failed" for the whole batch. Sent
+    while a greedy stream runs: every request gets a 200, the extreme ones decode as greedy (one
+    token is left possible) and the stream gets exactly what it gets alone."""
+    errors = lambda: server.metrics().get('quickdraft_requests_total{finish_reason="error"}', 0.0)  # noqa: E731
+    errors_before = errors()
+    expected = alone(llm, PROMPTS[6], 200, {"method": "none"})
+    expected_extreme = alone(llm, PROMPTS[2], 30, {"method": "none"})
+    stream = server.client.completions.create(model=NAME, prompt=PROMPTS[6], max_tokens=200, stream=True,
+                                              temperature=0, extra_body={"speculative": {"method": "none"}})
+    first = next(stream).choices[0].text  # its row is in the batch; 200 tokens keep it there meanwhile
+
+    def send(sampling: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"model": NAME, "prompt": PROMPTS[2], "max_tokens": 30, **sampling})
+
+    with ThreadPoolExecutor(len(EXTREMES)) as pool:
+        replies = list(pool.map(send, EXTREMES))
+    text = first + "".join(c.choices[0].text for c in stream if c.choices)
+    for sampling, r in zip(EXTREMES, replies):
+        assert r.status_code == 200, (sampling, r.text)
+        assert r.json()["choices"][0]["text"] == expected_extreme, sampling
+    assert text == expected
+    assert errors() == errors_before
 
 
 # -- the command line server and SIGTERM --------------------------------------------------------------------

@@ -168,14 +168,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[tuple[str, TokenEvent]]:
         """Decode every running row once (one target pass), then admit and prefill waiting
-        requests into free rows. Returns (request id, event) pairs; finished rows are gone."""
+        requests into free rows. Returns (request id, event) pairs; finished rows are gone.
+        A request whose pass fails ends with finish reason "error"; the others go on (_decode)."""
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
         events: list[tuple[str, TokenEvent]] = []
-        decoding = list(self.rows)
-        if decoding:
-            events += self._decode(decoding)
+        if self.rows:
+            events += self._decode(0, len(self.rows))
         while self.waiting and len(self.rows) < self.config.max_batch:
             events += self._prefill(self.waiting.pop(0))
         return events
@@ -196,20 +196,38 @@ class Engine:
         t0 = time.perf_counter()
         device = self.model.device
         n = len(request.prompt_ids)
-        ids = torch.tensor([request.prompt_ids], device=device)
-        positions = torch.arange(n, device=device)[None]
-        out = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1)
-        verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, out.logits,
-                         [request.params], [row.generator])
+        try:
+            ids = torch.tensor([request.prompt_ids], device=device)
+            positions = torch.arange(n, device=device)[None]
+            out = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1)
+            verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, out.logits,
+                             [request.params], [row.generator])
+        except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
+            return self._fail(row, e)
         row.length = n
         return self._finish_step([row], [0], verdict, time.perf_counter() - t0, [out.hidden[0]])
 
-    def _decode(self, rows: list[_Row]) -> list[tuple[str, TokenEvent]]:
+    def _decode(self, lo: int, hi: int) -> list[tuple[str, TokenEvent]]:
+        """Decode rows lo..hi-1 (they sit in cache rows lo..hi-1) with one target pass.
+
+        A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
+        rows' generators are rewound), so each half of the rows is decoded again on its own, down
+        to single rows: a row that fails alone ends with the error. Every other row commits what
+        the whole pass would have given it: which rows share a pass changes neither a greedy
+        row's tokens nor a seeded one's (its draft lengths are pinned, its generator rewound)."""
+        rows = self.rows[lo:hi]
         t0 = time.perf_counter()
-        lengths = choose_draft_lengths(
-            [RowDraft(len(r.draft.tokens), r.draft.accept_probs, r.pinned) for r in rows], self.cost,
-            self.config.policy, self.config.max_step_tokens)
-        drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
+        rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
+        try:
+            lengths, verdict, hidden = self._verify_pass(lo, rows)
+        except Exception as e:  # noqa: BLE001 - found and reported per row below
+            for row, state in zip(rows, rng):
+                if state is not None:
+                    row.generator.set_state(state)
+            if len(rows) == 1:
+                return self._fail(rows[0], e)
+            mid = (lo + hi) // 2
+            return self._decode(lo, mid) + self._decode(mid, hi)
         for row, n in zip(rows, lengths):
             # A declined costly draft was work for nothing: a draft head's forwards cost a few
             # percent of a batched step per row. After such a decline the proposer rests for a
@@ -222,6 +240,21 @@ class Engine:
                 row.quiet = row.backoff
             elif n and row.draft.costly:
                 row.backoff = 1
+        for row, accepted in zip(rows, verdict.accepted):
+            row.length += 1 + accepted  # rejected drafts' K/V are evicted: a length change
+        step_s = time.perf_counter() - t0
+        self.cost.observe(len(rows) + sum(lengths), step_s)
+        return self._finish_step(rows, lengths, verdict, step_s, hidden)
+
+    def _verify_pass(self, lo: int, rows: list[_Row]) -> tuple[list[int], Verdict, list[torch.Tensor]]:
+        """Choose draft lengths, run the target over each row's newest token and draft, verify.
+        Changes nothing but the sampled rows' generators and K/V past the rows' lengths.
+        Returns the draft lengths, the verdict and, per row, the target's features of the
+        positions it keeps ([1 + accepted, D]: its last token and accepted drafts)."""
+        lengths = choose_draft_lengths(
+            [RowDraft(len(r.draft.tokens), r.draft.accept_probs, r.pinned) for r in rows], self.cost,
+            self.config.policy, self.config.max_step_tokens)
+        drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
         width = max(lengths)
         device = self.model.device
         # [B, 1+width]: the newest committed token, the row's draft, padding (its outputs are ignored
@@ -230,17 +263,17 @@ class Engine:
         ids = torch.tensor(feed, device=device)
         starts = torch.tensor([r.length for r in rows], device=device)
         positions = starts[:, None] + torch.arange(1 + width, device=device)  # [B, 1+width]
-        view = self.cache.rows(0, len(rows))
+        view = self.cache.rows(lo, lo + len(rows))
         out = self.model(ids, positions, view, last_n=1 + width)   # logits [B, 1+width, V]
         verdict = verify(ids[:, 1:], lengths, [d.q for d in drafts], out.logits,
                          [r.request.params for r in rows], [r.generator for r in rows])
-        for row, accepted in zip(rows, verdict.accepted):
-            row.length += 1 + accepted  # rejected drafts' K/V are evicted: a length change
-        step_s = time.perf_counter() - t0
-        self.cost.observe(len(rows) + sum(lengths), step_s)
-        # the target's features of the positions each row keeps: its last token and accepted drafts
-        hidden = [out.hidden[b, :1 + a] for b, a in enumerate(verdict.accepted)]
-        return self._finish_step(rows, lengths, verdict, step_s, hidden)
+        return lengths, verdict, [out.hidden[b, :1 + a] for b, a in enumerate(verdict.accepted)]
+
+    def _fail(self, row: _Row, error: Exception) -> list[tuple[str, TokenEvent]]:
+        """End one request with the error its own pass raised; its row is freed at the next step."""
+        row.stats.total_s = time.perf_counter() - row.start
+        self.finished.append(row)
+        return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
     def _finish_step(self, rows: list[_Row], lengths: Sequence[int], verdict: Verdict, step_s: float,
                      hidden: Sequence[torch.Tensor]) -> list[tuple[str, TokenEvent]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer failed
+FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer or pass failed
 
 
 @dataclass

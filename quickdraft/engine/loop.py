@@ -22,7 +22,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
     """Tokens of one request. `cache` (batch 1, room for prompt + max_new_tokens) may be passed
     in to be inspected: after each event it holds every committed token but the newest.
     `adaptive` lets the draft-length policy verify only the part of a draft expected to pay off.
-    A failing proposer's exception is raised here."""
+    The exception that ended the request (its proposer's or its pass's) is raised here."""
     context = model.config.max_position_embeddings
     check_context(len(prompt_ids), context)
     max_seq_len = len(prompt_ids) + min(params.max_new_tokens, context - len(prompt_ids))

@@ -89,8 +89,11 @@ def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: Polic
     fed = len(rows) + sum(lengths)
     # Each candidate is one more draft token of a row: its marginal expected gain a_1...a_j. Gains
     # fall along a row, so taking candidates in descending order (stable) extends every row by a prefix.
+    # A token with no expected gain is never a candidate: only noise in the measured step times
+    # (a longer step timed faster than a shorter one) could make it look worth feeding.
     candidates = sorted(((gain, b) for b, r in enumerate(rows) if lengths[b] == 0 and r.available
-                         for gain in accumulate(r.accept_probs[:r.available], mul)), key=lambda c: -c[0])
+                         for gain in accumulate(r.accept_probs[:r.available], mul) if gain > 0),
+                        key=lambda c: -c[0])
     expected, best, best_rate = float(len(rows)), 0, len(rows) / cost.estimate(fed)
     for i, (gain, _) in enumerate(candidates):
         n = fed + i + 1

@@ -6,8 +6,9 @@ building proposers included, runs on the engine's thread. All torch work stays o
 purpose: OpenMP keeps a worker pool per calling thread, and once the pools hold more threads than
 the machine has cores, libgomp stops spinning between parallel regions, which made every decode
 step about 1.7x slower here. `quickdraft serve` therefore runs the engine on the thread that
-loaded the model (`run`); `start` runs it on a thread of its own (tests). A failure inside a step
-ends the requests of that step with an error and leaves the engine ready for the next ones.
+loaded the model (`run`); `start` runs it on a thread of its own (tests). The engine ends only
+the requests whose own pass fails; should a step fail outside any request's pass (a bug), the
+requests it held end with the error and the engine stays ready for the next ones.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ class EngineWorker:
         try:
             events = self.engine.step()
         except Exception as e:  # noqa: BLE001 - a broken step must not take the server down
-            log.exception("engine step failed; ending the requests it held")
+            log.exception("engine step failed outside any request's pass; ending the requests it held")
             for row in list(self.engine.rows):
                 self._deliver(row.request.id, TokenEvent([], "error", row.stats, e))
                 self.engine.cancel(row.request.id)
@@ -112,6 +113,8 @@ class EngineWorker:
         sink = self._sinks.get(request_id)
         if sink is None:
             return
+        if event.error is not None:  # the client sees the message; the operator needs the traceback
+            log.error("request %s failed", request_id, exc_info=event.error)
         self.metrics.observe_event(request_id, event)
         sink(event)
         if event.finish_reason is not None:
