@@ -150,7 +150,10 @@ class LLM:
 
 
 def load(model: str | Path | None = None, device: str | torch.device = "cpu",
-         dtype: str | torch.dtype = "float32", progress: bool = False, spec: SpecConfig | None = None) -> LLM:
+         dtype: str | torch.dtype = "float32", progress: bool = False, spec: SpecConfig | None = None,
+         dequantize: bool = False, quantize: str | None = None) -> LLM:
     """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file;
-    `spec` sets its default speculative decoding (plain decoding when absent)."""
-    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress), spec)
+    `spec` sets its default speculative decoding (plain decoding when absent). A quantized GGUF
+    runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices."""
+    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
+                          dequantize=dequantize, quantize=quantize), spec)

@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from quickdraft.kernels import KERNEL_TYPES, QuantizedWeight
 from quickdraft.model.llama import build_transformer
 from quickdraft.weights import hf_dir
 from quickdraft.weights.gguf_file import read_gguf
@@ -69,7 +70,7 @@ def test_f32_gguf_equals_safetensors_and_transformers(name, tmp_path, tokens):
 def test_quantized_gguf_loads_its_exact_dequantization(name, qtype, tmp_path, tokens):
     hf = hf_model(name)
     stored = write_gguf(hf, tmp_path / "model.gguf", qtype)
-    ckpt = read_gguf(tmp_path / "model.gguf")
+    ckpt = read_gguf(tmp_path / "model.gguf", quantized=False)
     cfg = hf.config
     permuted = cfg.model_type == "llama"
 
@@ -104,6 +105,16 @@ def test_quantized_gguf_loads_its_exact_dequantization(name, qtype, tmp_path, to
     # the metadata's config (checked against config.json in the F32 test; its eps is float32)
     reference = build_transformer(ckpt.config, expected)
     assert torch.equal(logits_of(ours, tokens), logits_of(reference, tokens))
+
+    # Kept as stored: the same values, multiplied by the integer kernel with int8 activations.
+    as_stored = read_gguf(tmp_path / "model.gguf")
+    for key, value in expected.items():
+        w = as_stored.tensors[key]
+        assert isinstance(w, QuantizedWeight) == (qtype in KERNEL_TYPES and value.ndim == 2), key
+        assert torch.equal(w.dequantize() if isinstance(w, QuantizedWeight) else w, value), key
+    quantized = logits_of(build_transformer(as_stored.config, as_stored.tensors), tokens)
+    ref = logits_of(reference, tokens)
+    assert (quantized - ref).abs().max() <= 2e-3 * ref.abs().max()  # int16 activations: ~1e-4
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K], ids=lambda q: q.name)

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
 from quickdraft.model.llama import Transformer
@@ -27,16 +28,24 @@ from tiny_models import hf_model, ours_from_hf
 
 MAX_NEW = 40
 KS = [1, 2, 4, 8]
-MODELS = ["llama-gqa-untied", "qwen2-qkv-bias"]
+# name[@GGUF block type]: quantized models must be as exact (hidden 256 for the K-quants' superblocks)
+MODELS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-gqa-untied@Q4_1", "qwen2-qkv-bias@Q8_0",
+          "llama-gqa-untied@Q4_K", "qwen2-qkv-bias@Q6_K"]
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)
 PROMPT = [1, 17, 42, 8, 77, 23, 5, 61, 30, 12]          # varied: little for n-grams to find
 PROMPT_REPEAT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeated phrases
 
 
 @functools.lru_cache(maxsize=None)
 def tiny(name: str, seed: int = 0, init: float = 0.2, **overrides) -> Transformer:
-    """float32 tiny random model. init 0.2 spreads the logits so greedy output varies; at
-    transformers' 0.02 tiny models fall into loops (useful for n-gram acceptance)."""
-    return ours_from_hf(hf_model(name, seed=seed, initializer_range=init, **overrides))
+    """Tiny random model, float32 or (name@Q4_1...) with GGUF-block matrices. init 0.2 spreads the
+    logits so greedy output varies; at transformers' 0.02 tiny models fall into loops (useful for
+    n-gram acceptance)."""
+    name, _, qtype = name.partition("@")
+    if qtype.endswith("_K"):
+        overrides = {**K_QUANT_SHAPE, **overrides}
+    hf = hf_model(name, seed=seed, initializer_range=init, **overrides)
+    return ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None)
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
@@ -162,8 +171,9 @@ SCENARIOS = {
     # name: (target, proposer factory(model_name, prompt, params, k), prompt)
     "draft-same": (lambda m: tiny(m), lambda m, pr, pa, k: draft_proposer(tiny(m), pr, pa, k), PROMPT),
     "draft-random": (lambda m: tiny(m), lambda m, pr, pa, k: draft_proposer(tiny(m, seed=1), pr, pa, k), PROMPT),
-    # llama at init 0.02 loops with variations, qwen2 at 0.2 half-repeats: both mix hits and misses.
-    "ngram": (lambda m: tiny(m, init=0.02 if m.startswith("llama") else 0.2),
+    # llama at init 0.02 loops with variations, qwen2 at 0.2 half-repeats: both mix hits and misses
+    # (random K-quant blocks at 0.02 repeat one token: they keep 0.2).
+    "ngram": (lambda m: tiny(m, init=0.02 if m.startswith("llama") and "_K" not in m else 0.2),
               lambda m, pr, pa, k: Checked(NgramProposer(pr, 4, 1), pr), PROMPT_REPEAT),
 }
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from quickdraft.kernels import QuantizedWeight
+from quickdraft.kernels.quantized import Part
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer, build_transformer
 
@@ -57,6 +62,45 @@ def save_hf_dir(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
-def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> Transformer:
+K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K}
+
+
+def random_k_blocks(rows: int, cols: int, qtype: GGMLQuantizationType, std: float, seed: int) -> np.ndarray:
+    """K-quant blocks (gguf cannot quantize to them) with random quants and scales, the superblock
+    scales set so the values have mean ~0 and about `std`: a random weight stored as llama.cpp's
+    Q4_K_M files store theirs."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+
+    def put(offset: int, value: float) -> None:
+        raw[..., offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+    if qtype == GGMLQuantizationType.Q6_K:
+        put(208, std / 1330)  # std of sc * (q - 32) for uniform int8 sc, 6-bit q
+    else:
+        d = std / (200 if qtype == GGMLQuantizationType.Q4_K else 400)
+        put(0, d)
+        put(2, d * (7.5 if qtype == GGMLQuantizationType.Q4_K else 15.5))  # mean q: centres the values
+    return raw.reshape(rows, -1)
+
+
+def quantized_tensors(tensors: dict[str, torch.Tensor], qtype: GGMLQuantizationType) -> dict:
+    """Projection and output matrices as `qtype` blocks: gguf's quantization of the float weights,
+    or random K-quant blocks of the same spread."""
+    out = dict(tensors)
+    for i, (name, w) in enumerate(sorted(tensors.items())):
+        if w.ndim == 2 and name.endswith(("proj.weight", "lm_head.weight")):
+            blocks = (random_k_blocks(*w.shape, qtype, float(w.std()), seed=i) if qtype in K_QUANTS
+                      else quantize(w.float().numpy(), qtype))
+            out[name] = QuantizedWeight([Part(qtype, blocks)], w.shape[1])
+    return out
+
+
+def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32,
+                 qtype: GGMLQuantizationType | None = None) -> Transformer:
+    """Our model of the same weights; with `qtype`, its matrices held as those GGUF blocks."""
     config = ModelConfig.from_hf(model.config.to_dict())
-    return build_transformer(config, dict(model.state_dict()), dtype=dtype)
+    tensors = dict(model.state_dict())
+    if qtype is not None:
+        tensors = quantized_tensors(tensors, qtype)
+    return build_transformer(config, tensors, dtype=dtype)

@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from quickdraft.cli.bench import add_bench_forward_cost, add_bench_plain, add_bench_serve, add_bench_specbench
+from quickdraft.cli.bench import (add_bench_forward_cost, add_bench_plain, add_bench_quality, add_bench_serve,
+                                  add_bench_specbench)
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
@@ -17,9 +18,48 @@ from quickdraft.cli.train import add_train_head
 from quickdraft.errors import QuickdraftError
 
 
+class _Version(argparse.Action):
+    """--version: the package version and the kernel that runs (building it first if needed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        info = runtime_info()
+        print(f"quickdraft {info['version']} (kernel: {info['kernel']['isa'] or 'none, torch path'}; "
+              f"torch {info['torch']})")
+        parser.exit()
+
+
+def runtime_info() -> dict:
+    import platform
+
+    import torch
+
+    from quickdraft import __version__, kernels
+    return {"version": __version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+            "kernel": kernels.kernel_info().as_dict()}
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import json
+    info = runtime_info()
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    k = info["kernel"]
+    print(f"quickdraft {info['version']}, torch {info['torch']}, Python {info['python']}\n"
+          f"CPU capability (torch): {info['cpu_capability']}, {info['threads']} threads\n"
+          f"kernel: {k['isa'] or 'none (torch path)'}: {k['status']}" + (f"\n  {k['path']}" if k["path"] else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quickdraft", description="Fast, exact speculative decoding.")
+    parser.add_argument("--version", action=_Version, nargs=0, help="print the version and active kernel, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    info = sub.add_parser("info", help="version, instruction set and the CPU kernel that runs")
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(func=cmd_info)
 
     gen = sub.add_parser("generate", help="generate text from a prompt or chat message")
     add_model_args(gen)
@@ -44,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_specbench(bsub)
     add_bench_forward_cost(bsub)
     add_bench_serve(bsub)
+    add_bench_quality(bsub)
     return parser
 
 

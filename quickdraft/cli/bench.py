@@ -6,7 +6,7 @@ import threading
 import json
 import sys
 
-from quickdraft.cli.common import add_model_args, set_threads
+from quickdraft.cli.common import add_model_args, load_llm, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.weights.resolve import DEFAULT_MODEL
@@ -144,7 +144,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
 
 def add_bench_specbench(bsub) -> None:
     sb = bsub.add_parser("specbench", help="Spec-Bench questions: speedup of each method over plain decoding")
-    add_model_args(sb)
+    add_model_args(sb, weight_formats=False)
     sb.add_argument("--questions", help="questions.jsonl (default: ../shared/data/specbench/questions.jsonl "
                                         "beside the repository, when present)")
     sb.add_argument("--methods", default="plain,ngram",
@@ -176,7 +176,7 @@ def add_bench_specbench(bsub) -> None:
 
 def add_bench_forward_cost(bsub) -> None:
     fc = bsub.add_parser("forward-cost", help="t(q)/t(1): one target pass feeding q tokens over a cached context")
-    add_model_args(fc)
+    add_model_args(fc, weight_formats=False)
     fc.add_argument("--max-q", type=int, default=64, help="largest q measured (default 64)")
     fc.add_argument("--all-q", action="store_true", help="every q in 1..max-q (default: a spread of q)")
     fc.add_argument("--context", type=int, default=256, help="cached context length (default 256)")
@@ -188,11 +188,39 @@ def add_bench_forward_cost(bsub) -> None:
 
 
 
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from quickdraft.bench.quality import run_quality
+    if args.tokens < 2 or args.window < 2 or not 0 <= args.prompts <= 82 or args.new_tokens < 1:
+        raise QuickdraftError("--tokens and --window must be >= 2, --prompts in 0..82, --new-tokens >= 1")
+    set_threads(args.threads)
+    q = run_quality(args.model, args.tokens, args.window, args.prompts, args.new_tokens)
+    if args.json:
+        print(json.dumps({"model": args.model, **q.as_dict()}))
+        return 0
+    print(f"{args.model}: as stored vs float32 dequantized, {q.tokens} teacher-forced tokens of ShareGPT answers\n"
+          f"  top-1 agreement {q.top1_agreement:.4f} | mean KL {q.mean_kl:.5f} nats (max {q.max_kl:.3f})\n"
+          f"  greedy {args.new_tokens} tokens on {q.greedy_prompts} HumanEval dev prompts: {q.greedy_identical} "
+          f"identical, mean matching prefix {q.greedy_matching_prefix:.2f}")
+    return 0
+
+
+def add_bench_quality(bsub) -> None:
+    qb = bsub.add_parser("quality", help="a quantized GGUF run as stored vs its float32 dequantization "
+                                         "(top-1 agreement, KL, greedy continuations)")
+    qb.add_argument("--model", "-m", default=DEFAULT_MODEL)
+    qb.add_argument("--tokens", type=int, default=2048, help="teacher-forced tokens compared (default 2048)")
+    qb.add_argument("--window", type=int, default=512, help="tokens per forward (default 512)")
+    qb.add_argument("--prompts", type=int, default=10, help="HumanEval dev prompts (problems 0-81; default 10)")
+    qb.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    qb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    qb.add_argument("--json", action="store_true", help="one JSON object")
+    qb.set_defaults(func=cmd_bench_quality)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from itertools import zip_longest
     from pathlib import Path
 
-    from quickdraft.api import load
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig
@@ -213,7 +241,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
     set_threads(args.threads)
-    llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    llm = load_llm(args, progress=not args.no_progress)
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
     cost = startup_cost(llm, args.policy, measure=True)
     server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)

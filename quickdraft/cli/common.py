@@ -3,19 +3,35 @@ from __future__ import annotations
 
 import argparse
 
-from quickdraft.api import DTYPES
+from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> None:
+    """`weight_formats`: also --dequantize / --quantize, for commands that load through load_llm."""
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"packaged name, HF model directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="activations and unquantized weights (default: float32)")
+    if not weight_formats:
+        return
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--dequantize", action="store_true",
+                         help="dequantize a quantized GGUF to --dtype at load (default: run it as stored)")
+    weights.add_argument("--quantize", choices=sorted(SCHEMES),
+                         help="quantize float weights at load, group-wise (int8: Q8_0, int4: Q4_1)")
+
+
+def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress: bool = False) -> LLM:
+    """The model the flags of add_model_args name, loaded as they ask."""
+    return load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec,
+                dequantize=args.dequantize, quantize=args.quantize)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

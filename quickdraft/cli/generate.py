@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
-from quickdraft.api import load
-from quickdraft.cli.common import sampling_from_args, spec_from_args, stats_line
+from quickdraft.cli.common import load_llm, sampling_from_args, spec_from_args, stats_line
+from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.spec import SpecConfig
 
@@ -39,7 +40,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise QuickdraftError("--compare needs a proposer: leave --spec at its default (ngram) or name one "
                               "(ngram, head, hybrid, draft --draft-model PATH) with -k >= 1")
     progress = sys.stderr.isatty() and not args.json
-    llm = load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec)
+    llm = load_llm(args, spec, progress)
+    if args.compare:  # warm both paths first (caches, thread pools, the policy's timings): warm runs compared
+        warm = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 16))
+        for s in (SpecConfig(), spec):
+            _run(llm, args, warm, s, echo=False)
     plain = _run(llm, args, params, SpecConfig(), echo=False) if args.compare else None
     result = _run(llm, args, params, spec, echo=not args.json)
     if not args.json:
@@ -56,6 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
     if args.json:
         out = {key: value for key, value in result.items() if not key.startswith("_")}
+        out["runtime"] = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().as_dict()}
         if plain is not None:
             out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
                        speculative={key: value for key, value in result.items() if not key.startswith("_")},

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from quickdraft.cli.common import add_model_args, add_spec_args, set_threads, spec_from_args
+from quickdraft.cli.common import add_model_args, add_spec_args, load_llm, set_threads, spec_from_args
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import POLICIES, StepCost
 from quickdraft.errors import QuickdraftError
@@ -25,7 +25,6 @@ def startup_cost(llm, policy: str, measure: bool) -> StepCost:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from quickdraft.api import load
     from quickdraft.server import ServerConfig, serve
 
     spec = spec_from_args(args)
@@ -37,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise QuickdraftError(f"--port must be in 1..65535, found {args.port}")
     set_threads(args.threads)
-    llm = load(args.model, device=args.device, dtype=args.dtype, progress=sys.stderr.isatty(), spec=spec)
+    llm = load_llm(args, spec, progress=sys.stderr.isatty())
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
     cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "

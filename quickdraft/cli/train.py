@@ -8,7 +8,7 @@ import itertools
 import sys
 from pathlib import Path
 
-from quickdraft.cli.common import add_model_args, set_threads
+from quickdraft.cli.common import add_model_args, load_llm, set_threads
 from quickdraft.errors import QuickdraftError
 
 HELD_OUT = 8  # prompts after the training ones, for the acceptance report
@@ -16,7 +16,6 @@ EXAMPLES = "examples.pt"  # the generated responses and features, reused by a re
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
-    from quickdraft.api import load
     from quickdraft.bench.questions import OWN_QUESTIONS, default_questions_path, load_questions
     from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
     from quickdraft.train.responses import generate_examples, load_examples, save_examples
@@ -34,7 +33,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
     data = sharegpt_path()
     set_threads(args.threads)
-    llm = load(args.model, device=args.device, dtype=args.dtype, progress=not args.no_progress)
+    llm = load_llm(args, progress=not args.no_progress)
     questions = default_questions_path()
     banned = {t for f in (questions, OWN_QUESTIONS) if f for q in load_questions(f) for t in q.turns}
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"

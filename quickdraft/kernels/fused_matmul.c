@@ -10,8 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 enum { W_F32 = 0, W_BF16 = 1, W_F16 = 2 };
-enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
 #define M_BLOCK 6
 /* How far ahead in the weights to prefetch: the hardware prefetcher alone left the FMAs of a
  * several-row pass waiting on memory (t(9)/t(1) 1.81 -> 1.45 in float32 with it, 2048 measured
@@ -90,7 +91,7 @@ INLINE void matmul(const float *x, const void *w, const float *b, const float *r
 }
 
 /* h[m] = x[m] / sqrt(mean(x[m]^2) + eps) * g, summing squares in 8 lanes in a fixed order. */
-static void rmsnorm_rows(const float *x, const float *g, float eps, float *h, int64_t M, int64_t K) {
+void qd_rmsnorm_rows(const float *x, const float *g, float eps, float *h, int64_t M, int64_t K) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
         __m256 acc = _mm256_setzero_ps();
@@ -124,7 +125,7 @@ INLINE __m256 exp_ps(__m256 x) {
 }
 
 /* h[m, k] = silu(x[m, k]) * x[m, K + k]: x holds gate | up side by side. */
-static void swiglu_rows(const float *x, float *h, int64_t M, int64_t K) {
+void qd_swiglu_rows(const float *x, float *h, int64_t M, int64_t K) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
     for (int64_t m = 0; m < M; m++) {
         const float *gate = x + m * 2 * K, *up = gate + K;
@@ -138,12 +139,18 @@ static void swiglu_rows(const float *x, float *h, int64_t M, int64_t K) {
     }
 }
 
+const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
+                         int64_t M, int64_t K) {
+    if (prologue == PRO_RMSNORM) { qd_rmsnorm_rows(x, g, eps, scratch, M, K); return scratch; }
+    if (prologue == PRO_SWIGLU) { qd_swiglu_rows(x, scratch, M, K); return scratch; }
+    return x;
+}
+
 /* x: [M, K] (or [M, 2K] for SwiGLU); scratch: [M, K] for the prologue's output. */
 void qd_fused_matmul(const float *x, const void *w, const float *b, const float *r, float *y,
                      int prologue, const float *g, float eps, float *scratch,
                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {
-    if (prologue == PRO_RMSNORM) { rmsnorm_rows(x, g, eps, scratch, M, K); x = scratch; }
-    else if (prologue == PRO_SWIGLU) { swiglu_rows(x, scratch, M, K); x = scratch; }
+    x = qd_prologue(x, prologue, g, eps, scratch, M, K);
     switch (wtype) {
         case W_F32: matmul(x, w, b, r, y, M, N, K, W_F32, threads); break;
         case W_BF16: matmul(x, w, b, r, y, M, N, K, W_BF16, threads); break;

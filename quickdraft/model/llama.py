@@ -2,7 +2,8 @@
 
 Knows the transformer math only: nothing of requests, sampling, proposers or cache policy.
 Weights arrive under Hugging Face names (weights/ maps every format to them) and are fused
-here (q|k|v, gate|up) so a decode step runs few, large matmuls.
+here (q|k|v, gate|up) so a decode step runs few, large matmuls. A matrix is a float tensor or a
+`QuantizedWeight` (GGUF blocks as stored); `kernels.linear` takes either.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quickdraft.kernels import linear
+from quickdraft import kernels
+from quickdraft.kernels import QuantizedWeight, linear
 from quickdraft.cache import KVCache, Slots
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
@@ -64,6 +66,19 @@ class RMSNorm(nn.Module):
         return self.weight, self.eps
 
 
+class Embedding(nn.Module):
+    """Token embeddings; quantized tables dequantize only the rows a forward looks up."""
+
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.rows_of(tokens).view(*tokens.shape, -1).to(tokens.device)
+        return F.embedding(tokens, self.weight)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -86,8 +101,7 @@ class Block(nn.Module):
         q, k = qk.split((n_q, self.n_kv), dim=1)
         v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
         keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask, enable_gqa=self.n_kv != n_q)
-        attn = attn.transpose(1, 2).reshape(B, T, n_q * hd).to(x.dtype)
+        attn = kernels.attention(q, keys, values, at.mask).to(x.dtype)  # [B, T, n_q * hd]
         x = linear(attn, self.wo.weight, residual=x)
         h = linear(x, self.w_gate_up.weight, norm=self.mlp_norm.fused)
         return linear(h, self.w_down.weight, swiglu=True, residual=x)
@@ -97,7 +111,7 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, rope_freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -110,8 +124,15 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The weights' dtype."""
+        """The weights' dtype (float32 for GGUF blocks kept as stored: their values' dtype)."""
         return self.embed.weight.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """How the matrices are held: a dtype name, or the GGUF block types kept as stored."""
+        quantized = sorted({p.qtype.name for m in self.modules() for w in vars(m).values()
+                            if isinstance(w, QuantizedWeight) for p in w.parts})
+        return "+".join(quantized) if quantized else str(self.dtype).removeprefix("torch.")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -138,13 +159,15 @@ class Transformer(nn.Module):
         return linear(hidden, self.lm_head.weight, norm=self.norm.fused)
 
 
-def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
+def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | QuantizedWeight],
                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                       rope_freq_factors: torch.Tensor | None = None) -> Transformer:
-    """A Transformer from tensors under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`...)."""
+    """A Transformer from tensors under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`...).
+    `QuantizedWeight` matrices stay as stored on CPU and are dequantized to `dtype` elsewhere."""
+    kernels.prepare()  # build the CPU kernels now, never inside a forward
     with torch.device("meta"):
         model = Transformer(config, None)
-    fused: dict[str, torch.Tensor] = {
+    fused: dict[str, torch.Tensor | QuantizedWeight] = {
         "embed.weight": _take(tensors, "model.embed_tokens.weight"),
         "norm.weight": _take(tensors, "model.norm.weight"),
     }
@@ -154,13 +177,12 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
         raise ModelLoadError("weights have no 'lm_head.weight' but the config says embeddings are not tied")
     for i in range(config.num_layers):
         pre = f"model.layers.{i}."
-        attn = [_take(tensors, f"{pre}self_attn.{p}_proj.weight") for p in "qkv"]
-        fused[f"blocks.{i}.wqkv.weight"] = torch.cat(attn)
+        fused[f"blocks.{i}.wqkv.weight"] = _cat([_take(tensors, f"{pre}self_attn.{p}_proj.weight") for p in "qkv"])
         if config.qkv_bias:
             fused[f"blocks.{i}.wqkv.bias"] = torch.cat(
                 [_take(tensors, f"{pre}self_attn.{p}_proj.bias") for p in "qkv"])
         fused[f"blocks.{i}.wo.weight"] = _take(tensors, f"{pre}self_attn.o_proj.weight")
-        fused[f"blocks.{i}.w_gate_up.weight"] = torch.cat(
+        fused[f"blocks.{i}.w_gate_up.weight"] = _cat(
             [_take(tensors, f"{pre}mlp.gate_proj.weight"), _take(tensors, f"{pre}mlp.up_proj.weight")])
         fused[f"blocks.{i}.w_down.weight"] = _take(tensors, f"{pre}mlp.down_proj.weight")
         fused[f"blocks.{i}.attn_norm.weight"] = _take(tensors, f"{pre}input_layernorm.weight")
@@ -170,13 +192,32 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor],
         if fused[name].shape != shape:
             raise ModelLoadError(f"tensor for {name} has shape {tuple(fused[name].shape)}, "
                                  f"the config implies {tuple(shape)}")
-    norm_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype  # = compute_dtype
-    model.load_state_dict({k: v.to(device=device, dtype=norm_dtype if "norm" in k else dtype)
-                           for k, v in fused.items()}, assign=True)
+    on_cpu = torch.device(device).type == "cpu"
+    norm_dtype = torch.float32 if on_cpu else dtype  # = compute_dtype
+    stored = {k: v for k, v in fused.items() if isinstance(v, QuantizedWeight) and on_cpu}
+    model.load_state_dict({k: _dense(v).to(device=device, dtype=norm_dtype if "norm" in k else dtype)
+                           for k, v in fused.items() if k not in stored}, assign=True, strict=False)
+    for name, weight in stored.items():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        del owner.weight  # a plain attribute now: the blocks are no Parameter
+        owner.weight = weight
     if config.tie_word_embeddings:
+        if isinstance(model.embed.weight, QuantizedWeight):
+            del model.lm_head.weight
         model.lm_head.weight = model.embed.weight
     model.inv_freq = inverse_frequencies(config, rope_freq_factors).to(device)
     return model.requires_grad_(False).eval()
+
+
+def _dense(w: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+
+def _cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Rows of q|k|v or gate|up in one matrix: as stored if every piece is, else float."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat(parts)
+    return torch.cat([_dense(p) for p in parts])
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 
+from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer, build_transformer
 from quickdraft.tokenizer import Tokenizer, gguf_tokenizer, load_hf_tokenizer
 from quickdraft.weights import gguf_file, hf_dir
+from quickdraft.weights.quantize import quantize_tensors
 from quickdraft.weights.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "load_model", "resolve_model"]
@@ -27,15 +29,24 @@ class LoadedModel:
 
 
 def load_model(name_or_path: str | Path | None = None, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32, progress: bool = False) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, progress: bool = False,
+               dequantize: bool = False, quantize: str | None = None) -> LoadedModel:
+    """`dtype` is that of activations and of unquantized tensors. A quantized GGUF runs as stored
+    on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
+    `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py)."""
+    if quantize is not None and (dequantize or torch.device(device).type != "cpu"):
+        raise ModelLoadError("--quantize runs on CPU and cannot be combined with --dequantize")
     source = resolve_model(name_or_path)
     if source.kind == "gguf":
-        ckpt = gguf_file.read_gguf(source.path, progress=progress)
+        as_stored = not dequantize and torch.device(device).type == "cpu"
+        ckpt = gguf_file.read_gguf(source.path, progress=progress, quantized=as_stored)
         config, tensors, freq_factors = ckpt.config, ckpt.tensors, ckpt.rope_freq_factors
         tokenizer = gguf_tokenizer(ckpt.metadata, config.eos_token_ids)
     else:
         config = hf_dir.read_config(source.path)
         tensors, freq_factors = hf_dir.read_tensors(source.path), None
         tokenizer = load_hf_tokenizer(source.path, config.eos_token_ids)
+    if quantize is not None:
+        tensors = quantize_tensors(tensors, quantize, progress=progress)
     model = build_transformer(config, tensors, device=device, dtype=dtype, rope_freq_factors=freq_factors)
     return LoadedModel(model, tokenizer, source)

@@ -1,7 +1,9 @@
-"""Loading a single GGUF file: config and tokenizer metadata, tensors dequantized with `gguf`.
+"""Loading a single GGUF file: config and tokenizer metadata, and tensors either kept in their
+block formats (`QuantizedWeight`, a view of the memory-mapped file) or dequantized with `gguf`.
 
 llama.cpp stores the q/k projections of `llama`-architecture models permuted for its interleaved
-RoPE; they are permuted back here so the model has one RoPE layout for every format.
+RoPE; they are permuted back here (whole rows of blocks, so quantized rows move unchanged) so
+the model has one RoPE layout for every format.
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
+from quickdraft.kernels.quantized import KERNEL_TYPES, Part, QuantizedWeight
 from quickdraft.model.config import ModelConfig
+from quickdraft.weights.gguf_reader import GGUFFile
 from quickdraft.weights.names import hf_name_for_gguf
 
 # GGUF `general.architecture` -> our model_type. Mistral files say "llama".
@@ -28,32 +32,24 @@ PERMUTED_QK = {"llama"}
 @dataclass
 class GGUFCheckpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32
+    tensors: dict[str, torch.Tensor | QuantizedWeight]  # Hugging Face names; float32 or as stored
     metadata: dict[str, Any]          # every key-value field (tokenizer.ggml.*, chat template...)
     rope_freq_factors: torch.Tensor | None
 
 
-def open_reader(path: Path) -> GGUFReader:
+def open_reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
-        return GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on damage
+        return GGUFFile(path)
+    except Exception as e:  # ValueError, struct errors, bad UTF-8... on damage
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (expected magic 'GGUF' and a complete header): "
             f"{type(e).__name__}: {e}") from None
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"GGUF metadata field {key!r} is malformed: {e}") from None
-    return meta
+def read_metadata(reader: GGUFFile) -> dict[str, Any]:
+    return {key: value for key, value in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def config_from_metadata(meta: dict[str, Any], has_output: bool, has_qkv_bias: bool) -> ModelConfig:
@@ -105,7 +101,7 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def dequantize_tensor(t: Any) -> np.ndarray:
     """A reader tensor as float32 in numpy order ([out, in] for matrices)."""
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = tuple(int(d) for d in reversed(t.shape))
     try:
         qtype = GGMLQuantizationType(t.tensor_type)
         values = dequantize(t.data, qtype)
@@ -115,25 +111,44 @@ def dequantize_tensor(t: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(shape)
 
 
-def read_gguf(path: Path, progress: bool = False) -> GGUFCheckpoint:
+def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGUFCheckpoint:
+    """`quantized`: keep matrices in the block types the kernel runs (KERNEL_TYPES) as stored;
+    everything else (and everything when False) is dequantized to float32."""
     reader = open_reader(path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
     config = config_from_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
     arch = meta["general.architecture"]
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     freq_factors = None
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False):
+    verb = "reading" if quantized else "dequantizing"
+    for t in tqdm(reader.tensors, desc=f"{verb} GGUF", unit="tensor", disable=not progress, leave=False):
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
             continue
         hf = hf_name_for_gguf(t.name)
         if hf is None:
             continue
-        w = torch.from_numpy(dequantize_tensor(t).copy())
+        heads = None
         if arch in PERMUTED_QK and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_qk(w, config.num_heads)
+            heads = config.num_heads
         elif arch in PERMUTED_QK and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_qk(w, config.num_kv_heads)
-        tensors[hf] = w
+            heads = config.num_kv_heads
+        if quantized and len(t.shape) == 2 and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
+            tensors[hf] = _as_stored(t, heads)
+        else:
+            w = torch.from_numpy(dequantize_tensor(t).copy())
+            tensors[hf] = w if heads is None else _unpermute_qk(w, heads)
     return GGUFCheckpoint(config, tensors, meta, freq_factors)
+
+
+def _as_stored(t: Any, heads: int | None) -> QuantizedWeight:
+    """A quantized matrix as a view of the file's blocks ([rows, row_bytes]); q/k rows reordered."""
+    blocks = np.asarray(t.data)
+    if heads is not None:
+        order = _unpermute_qk(torch.arange(blocks.shape[0]), heads).numpy()
+        blocks = blocks[order]  # the only copy: llama-architecture q and k
+    try:
+        return QuantizedWeight([Part(GGMLQuantizationType(t.tensor_type), blocks)], int(t.shape[0]))
+    except ValueError as e:
+        raise ModelLoadError(f"GGUF tensor {t.name!r}: {e}") from None

@@ -1,0 +1,126 @@
+"""Building and loading the C kernels: one shared library per instruction set, chosen at run time.
+
+The sources ship inside the package; `prepare()` compiles them with the system C compiler into a
+per-user cache (once per source version) when a model is loaded, never inside a forward. Two
+builds exist: `avx512vnni` (integer dot products with VNNI) where the CPU has AVX512-VNNI/VL/BW,
+and `avx2` (AVX2 + FMA) otherwise. When neither can be built, `status()` says why and a warning
+names the slower torch path that runs instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c")
+HEADERS = ("kernels.h",)
+FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                   "-DQD_VNNI"],
+}
+ISAS = tuple(FLAGS)
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """Which kernel runs: `isa` is None when the torch path runs, and `status` says why."""
+    isa: str | None
+    status: str
+    path: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"isa": self.isa, "status": self.status, "path": self.path}
+
+
+_libs: dict[str, ctypes.CDLL | str] = {}  # isa -> library, or the reason it could not be built
+_active: KernelInfo | None = None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "quickdraft" / "kernels"
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.qd_fused_matmul.restype = None
+    lib.qd_fused_matmul.argtypes = [p] * 5 + [i32, p, f32, p] + [i64] * 3 + [i32] * 2
+    lib.qd_quant_matmul.restype = i32
+    lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
+    lib.qd_attention.restype = None
+    lib.qd_attention.argtypes = [p] * 5 + [i64] * 8 + [f32, p, i32]
+    lib.qd_isa.restype = ctypes.c_char_p
+    lib.qd_cpu_has_vnni.restype = i32
+    return lib
+
+
+def library(isa: str) -> ctypes.CDLL | str:
+    """The library built for `isa`, or the reason it could not be built (cached either way)."""
+    if isa not in _libs:
+        _libs[isa] = _build(isa)
+    return _libs[isa]
+
+
+def _build(isa: str) -> ctypes.CDLL | str:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    flags = FLAGS[isa]
+    digest = hashlib.sha256(b"".join((HERE / f).read_bytes() for f in SOURCES + HEADERS)
+                            + " ".join(flags).encode()).hexdigest()[:16]
+    target = cache_dir() / f"quickdraft-{isa}-{digest}.so"
+    if not target.is_file():
+        if compiler is None:
+            return "no C compiler found (set CC)"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", *(str(HERE / s) for s in SOURCES),
+                   "-o", str(out)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                return f"build failed ({' '.join(cmd)}): {proc.stderr.strip()[:500]}"
+            os.replace(out, target)  # atomic: concurrent builders never see half a file
+    try:
+        return _declare(ctypes.CDLL(str(target)))
+    except OSError as e:
+        return f"cannot load {target.name}: {e}"
+
+
+def prepare() -> KernelInfo:
+    """Build (once) and choose the kernel for this CPU; warns when the torch path must run."""
+    global _active
+    if _active is None:
+        _active = _choose()
+        if _active.isa is None:
+            warnings.warn(f"quickdraft's CPU kernels are not available ({_active.status}); quantized GGUF "
+                          f"weights are dequantized per call and few-row matmuls run in torch: much slower",
+                          RuntimeWarning, stacklevel=2)
+    return _active
+
+
+def _choose() -> KernelInfo:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return KernelInfo(None, f"CPU capability {capability} lacks AVX2")
+    base = library("avx2")
+    if isinstance(base, str):
+        return KernelInfo(None, base)
+    isa = "avx512vnni" if base.qd_cpu_has_vnni() else "avx2"
+    lib = library(isa)
+    if isinstance(lib, str):  # VNNI build failed (an old compiler): AVX2 runs, and says so
+        return KernelInfo("avx2", f"built; avx512vnni unavailable: {lib}", base._name)
+    return KernelInfo(isa, "built", lib._name)
+
+
+def active_library() -> ctypes.CDLL | None:
+    info = prepare()
+    return None if info.isa is None else library(info.isa)

@@ -1,0 +1,17 @@
+/* Shared between the float-weight kernel (fused_matmul.c) and the quantized one (quant_matmul.c):
+ * the prologues that run before a matmul, computed identically for both. */
+#ifndef QD_KERNELS_H
+#define QD_KERNELS_H
+#include <stdint.h>
+
+enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
+
+/* h[m] = x[m] / sqrt(mean(x[m]^2) + eps) * g */
+void qd_rmsnorm_rows(const float *x, const float *g, float eps, float *h, int64_t M, int64_t K);
+/* h[m, k] = silu(x[m, k]) * x[m, K + k]: x holds gate | up side by side. */
+void qd_swiglu_rows(const float *x, float *h, int64_t M, int64_t K);
+/* x itself, or the prologue's output written into scratch. */
+const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
+                         int64_t M, int64_t K);
+
+#endif

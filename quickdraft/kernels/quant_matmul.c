@@ -1,0 +1,332 @@
+/* y[m, n] = r[m, n] + b[n] + sum_k h[m, k] * W[n, k] with W in GGUF block formats, read as stored
+ * (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), for few rows m: decode and verification.
+ *
+ * Integer dot products: each row of h is quantized to int16 in blocks of 256 (one float scale per
+ * block, |values| <= 8191, round to nearest even: 64 times finer than the int8 of llama.cpp's CPU
+ * path, whose error showed as KL 0.013 against float32 on SmolLM2), and each 32-weight unit of W is
+ * unpacked ONCE into 16-bit integers that every row then multiplies (s16 x s16 pairs -> int32:
+ * AVX2's vpmaddwd, VNNI's vpdpwssd). So verifying k+1 tokens reads and unpacks the weights once, as
+ * decoding one does. Each row is computed by the same instruction sequence whatever M is: results
+ * are bitwise independent of the batch shape.
+ *
+ * Per unit u of 32 weights: value = d_u * q + m_u. K-quants carry d_u as an integer sub-scale times
+ * the superblock's float d: the sub-scale is multiplied into the 16-bit weights (|q * sc| <= 4096)
+ * so a superblock sums in int32 (|sum| < 8 units * 32 * 4096 * 8191 < 2^31) and converts once.
+ * The others have a float d_u per unit. The offset m_u (Q4_1, Q5_1, Q4_K, Q5_K) meets the row's
+ * sum over the unit. Scales are formed as the GGUF reference forms them (d * sc in float32).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* ggml's type ids */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+#define XB 256      /* weights per activation block: one scale per row per block */
+#define X_MAX 8191  /* activations as int16 in [-X_MAX, X_MAX] */
+#define UNITS 8     /* 32-weight units per activation block */
+#define M_CHUNK 64  /* rows per call of the row loop (their outputs live on the stack) */
+#ifdef QD_VNNI
+#define MB_MAX 8    /* rows whose accumulators stay in registers: 32 of them with AVX512VL */
+#else
+#define MB_MAX 4    /* 16 registers with AVX2 */
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* Bytes of one block and weights it holds, per type; 0 for unsupported types. */
+int qd_quant_block(int type, int *weights) {
+    switch (type) {
+        case Q4_0: *weights = 32; return 18;
+        case Q4_1: *weights = 32; return 20;
+        case Q5_0: *weights = 32; return 22;
+        case Q5_1: *weights = 32; return 24;
+        case Q8_0: *weights = 32; return 34;
+        case Q4_K: *weights = 256; return 144;
+        case Q5_K: *weights = 256; return 176;
+        case Q6_K: *weights = 256; return 210;
+        default: *weights = 0; return 0;
+    }
+}
+
+INLINE float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+
+/* 16 weights as int16 from 16 bytes. */
+INLINE __m256i widen_u8(__m128i v) { return _mm256_cvtepu8_epi16(v); }
+INLINE __m256i widen_s8(__m128i v) { return _mm256_cvtepi8_epi16(v); }
+
+/* Byte j = 0x10 where bit j of the 32 bits at p is set (the fifth bit of Q5_0/Q5_1). */
+INLINE __m256i fifth_bits(const uint8_t *p) {
+    uint32_t bits; memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* What one activation block of a weight row shares across its units (K-quants: the superblock). */
+typedef struct {
+    const uint8_t *b;     /* the superblock (K-quants) or the first 32-weight block (others) */
+    float d;              /* K-quants: the superblock's scale */
+    uint8_t sc[UNITS];    /* Q4_K/Q5_K: the 6-bit sub-scales */
+    __m256 m;             /* lane u: the offset of unit u's weights (Q4_1, Q5_1, Q4_K, Q5_K) */
+    __m256i qh;           /* Q5_K: the fifth bits of the superblock */
+} Prep;
+
+#define K_QUANT(type) ((type) == Q4_K || (type) == Q5_K || (type) == Q6_K)
+#define BLOCK_BYTES(type) ((type) == Q4_0 ? 18 : (type) == Q4_1 ? 20 : (type) == Q5_0 ? 22 : (type) == Q5_1 ? 24 \
+                           : (type) == Q8_0 ? 34 : (type) == Q4_K ? 144 : (type) == Q5_K ? 176 : 210)
+
+INLINE uint16_t u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
+
+INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep *p) {
+    p->b = row + xb * (K_QUANT(type) ? 1 : UNITS) * BLOCK_BYTES(type);
+    p->m = _mm256_setzero_ps();
+    if (type == Q4_K || type == Q5_K) {
+        /* the 6-bit scales and mins of ggml's 12 packed bytes, as its get_scale_min_k4 reads them:
+         * scales to bytes 0..7, mins to bytes 8..15 */
+        uint32_t u[4];
+        memcpy(u, p->b + 4, 12);
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
+        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+        u[2] = mins_lo;
+        u[0] &= 0x3f3f3f3f;
+        memcpy(p->sc, u, 8);
+        p->d = f16(p->b);
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])));
+        p->m = _mm256_mul_ps(mins, _mm256_set1_ps(-f16(p->b + 2)));  /* as ggml forms it: d*sc*q - dmin*m */
+        if (type == Q5_K) p->qh = _mm256_loadu_si256((const __m256i *)(p->b + 16));
+    } else if (type == Q6_K) {
+        p->d = f16(p->b + 208);
+    } else if (type == Q4_1 || type == Q5_1) {
+        uint16_t m[UNITS] = {0};
+        for (int s = 0; s < nu; s++) m[s] = u16(p->b + s * BLOCK_BYTES(type) + 2);
+        p->m = _mm256_cvtph_ps(_mm_set_epi16((short)m[7], (short)m[6], (short)m[5], (short)m[4], (short)m[3],
+                                             (short)m[2], (short)m[1], (short)m[0]));
+    }
+}
+
+/* Unit s (32 weights) of the prepared block as int16: w[0] weights 0..15, w[1] 16..31; for
+ * K-quants already times their integer sub-scale, for the others with the float scale d. */
+INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    if (type == Q4_K || type == Q5_K) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(p->b + (type == Q4_K ? 16 : 48) + 32 * (s / 2)));
+        __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(packed, 4) : packed, lo4);
+        if (type == Q5_K)
+            q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(p->qh, s), _mm256_set1_epi8(1)), 4));
+        const __m256i sc = _mm256_set1_epi16(p->sc[s]);
+        w[0] = _mm256_mullo_epi16(widen_u8(_mm256_castsi256_si128(q)), sc);
+        w[1] = _mm256_mullo_epi16(widen_u8(_mm256_extracti128_si256(q, 1)), sc);
+        return;
+    }
+    if (type == Q6_K) {
+        const int h = s / 4, t = s % 4;
+        const int8_t *sc = (const int8_t *)(p->b + 192);
+        const __m256i src = _mm256_loadu_si256((const __m256i *)(p->b + 64 * h + 32 * (t & 1)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(p->b + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(src, 4) : src, lo4);
+        const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3)), 4);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+        w[0] = _mm256_mullo_epi16(widen_s8(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[2 * s]));
+        w[1] = _mm256_mullo_epi16(widen_s8(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16(sc[2 * s + 1]));
+        return;
+    }
+    const uint8_t *b = p->b + s * BLOCK_BYTES(type);
+    *d = _mm256_set1_ps(f16(b));
+    if (type == Q8_0) {
+        w[0] = widen_s8(_mm_loadu_si128((const __m128i *)(b + 2)));
+        w[1] = widen_s8(_mm_loadu_si128((const __m128i *)(b + 18)));
+        return;
+    }
+    /* Q4_x/Q5_x: byte j holds weight j in its low nibble and weight j + 16 in its high one */
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8)));
+    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+    if (type == Q5_0 || type == Q5_1) {
+        const __m256i fifth = fifth_bits(b + (type == Q5_0 ? 2 : 4));
+        lo = _mm_or_si128(lo, _mm256_castsi256_si128(fifth));
+        hi = _mm_or_si128(hi, _mm256_extracti128_si256(fifth, 1));
+    }
+    if (type == Q4_0 || type == Q5_0) {  /* value (q - 8) * d, (q - 16) * d */
+        const __m128i off = _mm_set1_epi8(type == Q4_0 ? 8 : 16);
+        lo = _mm_sub_epi8(lo, off);
+        hi = _mm_sub_epi8(hi, off);
+    }
+    w[0] = widen_s8(lo);
+    w[1] = widen_s8(hi);
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Rows of h quantized: x [M, K] int16, dx [M, nxb] their scales, xs [M, nxb * UNITS] the sums of
+ * each 32-value unit of the quantized row (dx * sum of x: what a unit's offset multiplies). */
+typedef struct { int16_t *x; float *dx, *xs; int64_t nxb; } QRows;
+
+static void quantize_rows(const float *h, int64_t M, int64_t K, QRows *q) {
+    for (int64_t i = 0; i < M; i++) {
+        for (int64_t xb = 0; xb < q->nxb; xb++) {
+            const int64_t k0 = xb * XB, n = K - k0 < XB ? K - k0 : XB;
+            const float *src = h + i * K + k0;
+            int16_t *dst = q->x + i * K + k0;
+            float amax = 0.0f;
+            for (int64_t k = 0; k < n; k++) amax = amax > fabsf(src[k]) ? amax : fabsf(src[k]);
+            const float iscale = amax > 0.0f ? (float)X_MAX / amax : 0.0f, dx = amax / (float)X_MAX;
+            q->dx[i * q->nxb + xb] = dx;
+            float *xs = q->xs + (i * q->nxb + xb) * UNITS;
+            for (int s = 0; s < UNITS; s++) {
+                int sum = 0;
+                for (int64_t k = 32 * s; k < 32 * s + 32 && k < n; k++) {
+                    const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
+                    dst[k] = (int16_t)v;
+                    sum += v;
+                }
+                xs[s] = dx * (float)sum;
+            }
+        }
+    }
+}
+
+/* 16 int16 weight-activation products, in pairs, added into 8 int32 lanes. */
+INLINE __m256i madd_acc(__m256i acc, __m256i w, const int16_t *x) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+#ifdef QD_VNNI
+    return _mm256_dpwssd_epi32(acc, w, xv);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, xv));
+#endif
+}
+
+/* Weight row `row` against rows [0, mb) of q (mb constant after inlining: accumulators stay in
+ * registers while each unit, unpacked once, meets every row). The order of every sum is fixed, so
+ * each row's result is the same for any M. K-quants sum a superblock in int32 and convert once;
+ * the others scale each 32-weight block in float (two accumulators per row hide the FMA latency). */
+INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int type, const int mb, float *out) {
+    __m256 tot[MB_MAX];
+    for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
+    Prep p;
+    for (int64_t xb = 0; xb < q->nxb; xb++) {
+        const int nu = (int)((K - xb * XB < XB ? K - xb * XB : XB) / 32);
+        prepare(row, xb, nu, type, &p);
+        __m256 a0[MB_MAX], a1[MB_MAX];
+        __m256i isum[MB_MAX];
+        for (int j = 0; j < mb; j++) { a0[j] = a1[j] = _mm256_setzero_ps(); isum[j] = _mm256_setzero_si256(); }
+        for (int s = 0; s < UNITS; s++) {  /* constant trip count: unrolled, s known in each copy */
+            if (s == nu) break;
+            __m256i w[2];
+            __m256 d = _mm256_setzero_ps();
+            unit(&p, s, type, w, &d);
+            for (int j = 0; j < mb; j++) {
+                const int16_t *x = q->x + j * K + xb * XB + 32 * s;
+                if (K_QUANT(type)) {
+                    isum[j] = madd_acc(madd_acc(isum[j], w[0], x), w[1], x + 16);
+                } else {
+                    const __m256 v = _mm256_cvtepi32_ps(madd_acc(madd_acc(_mm256_setzero_si256(), w[0], x), w[1], x + 16));
+                    if (s & 1) a1[j] = _mm256_fmadd_ps(v, d, a1[j]);
+                    else a0[j] = _mm256_fmadd_ps(v, d, a0[j]);
+                }
+            }
+        }
+        for (int j = 0; j < mb; j++) {
+            const float dx = q->dx[j * q->nxb + xb];
+            if (K_QUANT(type)) tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(p.d * dx), tot[j]);
+            else tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_set1_ps(dx), tot[j]);
+            if (type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K)
+                tot[j] = _mm256_fmadd_ps(p.m, _mm256_loadu_ps(q->xs + (j * q->nxb + xb) * UNITS), tot[j]);
+        }
+    }
+    for (int j = 0; j < mb; j++) out[j] = hsum(tot[j]);
+}
+
+INLINE void row_dot(const uint8_t *row, const QRows *q, int64_t M, int64_t K, const int type, float *out) {
+    for (int64_t i = 0; i < M; i += MB_MAX) {
+        const QRows qi = {q->x + i * K, q->dx + i * q->nxb, q->xs + i * q->nxb * UNITS, q->nxb};
+        switch (M - i < MB_MAX ? M - i : MB_MAX) {
+            case 1: row_block(row, &qi, K, type, 1, out + i); break;
+            case 2: row_block(row, &qi, K, type, 2, out + i); break;
+            case 3: row_block(row, &qi, K, type, 3, out + i); break;
+#if MB_MAX > 4
+            case 4: row_block(row, &qi, K, type, 4, out + i); break;
+            case 5: row_block(row, &qi, K, type, 5, out + i); break;
+            case 6: row_block(row, &qi, K, type, 6, out + i); break;
+            case 7: row_block(row, &qi, K, type, 7, out + i); break;
+#endif
+            default: row_block(row, &qi, K, type, MB_MAX, out + i); break;
+        }
+    }
+}
+
+static void part_matmul(const QRows *q, const uint8_t *w, int type, int64_t row_bytes, const float *b,
+                        const float *r, float *y, int64_t M, int64_t n0, int64_t rows, int64_t N, int64_t K,
+                        int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < rows; n++) {
+        float out[M_CHUNK];
+        const uint8_t *row = w + n * row_bytes;
+        switch (type) {
+            case Q4_0: row_dot(row, q, M, K, Q4_0, out); break;
+            case Q4_1: row_dot(row, q, M, K, Q4_1, out); break;
+            case Q5_0: row_dot(row, q, M, K, Q5_0, out); break;
+            case Q5_1: row_dot(row, q, M, K, Q5_1, out); break;
+            case Q8_0: row_dot(row, q, M, K, Q8_0, out); break;
+            case Q4_K: row_dot(row, q, M, K, Q4_K, out); break;
+            case Q5_K: row_dot(row, q, M, K, Q5_K, out); break;
+            default: row_dot(row, q, M, K, Q6_K, out); break;
+        }
+        const int64_t col = n0 + n;
+        for (int64_t i = 0; i < M; i++) {
+            float v = out[i];
+            if (b) v += b[col];
+            y[i * N + col] = r ? r[i * N + col] + v : v;
+        }
+    }
+}
+
+/* x: [M, K] (or [M, 2K] for SwiGLU); W: nparts row ranges of N in total, part p with rows[p] rows
+ * of type types[p] at data[p]; scratch: [M, K]. Returns 0, or -1 if memory ran out. */
+int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows,
+                    const void *const *data, const float *b, const float *r, float *y, int prologue,
+                    const float *g, float eps, float *scratch, int64_t M, int64_t N, int64_t K, int threads) {
+    const float *h = qd_prologue(x, prologue, g, eps, scratch, M, K);
+    QRows q;
+    q.nxb = (K + XB - 1) / XB;
+    q.x = malloc(sizeof(int16_t) * (size_t)(M * K));
+    q.dx = malloc(sizeof(float) * (size_t)(M * q.nxb));
+    q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * UNITS));
+    if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); return -1; }
+    quantize_rows(h, M, K, &q);
+    for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
+        const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
+        QRows qc = {q.x + m0 * K, q.dx + m0 * q.nxb, q.xs + m0 * q.nxb * UNITS, q.nxb};
+        int64_t n0 = 0;
+        for (int p = 0; p < nparts; p++) {
+            int per_block;
+            const int64_t row_bytes = qd_quant_block(types[p], &per_block) * (K / per_block);
+            part_matmul(&qc, data[p], types[p], row_bytes, b, r ? r + m0 * N : 0, y + m0 * N, mc, n0, rows[p],
+                        N, K, threads);
+            n0 += rows[p];
+        }
+    }
+    free(q.x); free(q.dx); free(q.xs);
+    return 0;
+}
+
+#ifdef QD_VNNI
+#define QD_ISA "avx512vnni"
+#else
+#define QD_ISA "avx2"
+#endif
+const char *qd_isa(void) { return QD_ISA; }
+/* Asked of the AVX2 build, which runs everywhere the project's kernels do. */
+int qd_cpu_has_vnni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+        && __builtin_cpu_supports("avx512bw");
+}

@@ -1,0 +1,106 @@
+"""`QuantizedWeight`: a weight matrix kept in GGUF block formats, exactly as the file stores it.
+
+Rows stay as the file's blocks (a memory map, no copy), so a pass reads 4.5-8.5 bits per weight
+instead of 16 or 32. Fused matrices (q|k|v, gate|up) are lists of parts, because a GGUF file may
+store their pieces in different types (Q4_K_M keeps attn_v in Q6_K). Dequantization, where
+anything needs float values (embedding rows, a draft head's vocabulary, the torch path), is
+gguf's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+# The block types the kernel multiplies as stored (quant_matmul.c); others are dequantized at load.
+KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
+
+@dataclass(frozen=True)
+class Part:
+    qtype: GGMLQuantizationType
+    blocks: np.ndarray  # [rows, row_bytes] uint8: the file's blocks for these rows
+
+    @property
+    def rows(self) -> int:
+        return self.blocks.shape[0]
+
+
+class QuantizedWeight:
+    """An [N, K] weight as GGUF blocks, in one or more row ranges (parts)."""
+
+    def __init__(self, parts: list[Part], in_features: int) -> None:
+        for p in parts:
+            block, size = GGML_QUANT_SIZES[p.qtype]
+            if in_features % block or p.blocks.shape[1] != in_features // block * size or p.blocks.dtype != np.uint8:
+                raise ValueError(f"{p.qtype.name} blocks of shape {p.blocks.shape} do not hold rows of "
+                                 f"{in_features} weights")
+        self.parts = parts
+        self.in_features = in_features
+
+    @classmethod
+    def cat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several weights with the same K, one after another (no copy)."""
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError("cannot stack quantized weights with different input sizes")
+        return cls([p for w in weights for p in w.parts], weights[0].in_features)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.rows for p in self.parts), self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of its dequantized values."""
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.blocks.nbytes for p in self.parts)
+
+    @property
+    def types(self) -> str:
+        return "+".join(sorted({p.qtype.name for p in self.parts}))
+
+    def rows_of(self, index: torch.Tensor | list[int] | np.ndarray) -> torch.Tensor:
+        """Dequantized float32 rows [len(index), K]."""
+        idx = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index, dtype=np.int64).reshape(-1)
+        out = np.empty((idx.size, self.in_features), dtype=np.float32)
+        start = 0
+        for p in self.parts:
+            hit = (idx >= start) & (idx < start + p.rows)
+            if hit.any():
+                out[hit] = dequantize(p.blocks[idx[hit] - start], p.qtype).reshape(-1, self.in_features)
+            start += p.rows
+        if idx.size and (idx.min() < 0 or idx.max() >= start):
+            raise IndexError(f"row index out of range for a weight of {start} rows")
+        return torch.from_numpy(out)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole matrix as float32 [N, K]."""
+        return torch.cat([torch.from_numpy(dequantize(p.blocks, p.qtype).reshape(p.rows, self.in_features))
+                          for p in self.parts])
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        """w[rows] or w[rows, cols]: dequantized values of the rows asked for."""
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if isinstance(rows, slice):
+            rows = range(*rows.indices(self.shape[0]))
+        elif isinstance(rows, int):
+            return self.rows_of([rows])[0][rest] if rest else self.rows_of([rows])[0]
+        values = self.rows_of(list(rows) if isinstance(rows, (range, tuple)) else rows)
+        return values[(slice(None), *rest)] if rest else values
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.types}, shape={tuple(self.shape)})"

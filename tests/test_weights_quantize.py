@@ -1,0 +1,64 @@
+"""--quantize int8|int4: float matrices become Q8_0 / Q4_1 blocks at load (gguf's quantizers), the
+model built from them runs on the integer kernel, and `quickdraft info` reports that kernel."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from quickdraft.cli import main
+from quickdraft.errors import ModelLoadError
+from quickdraft.kernels import QuantizedWeight
+from quickdraft.model.config import ModelConfig
+from quickdraft.model.llama import build_transformer
+from quickdraft.weights import load_model
+from quickdraft.weights.quantize import quantize_tensors
+from tiny_models import hf_model, save_hf_dir
+from tiny_tokenizer import save_tokenizer
+
+
+@pytest.mark.parametrize("scheme, qtype, tol", [("int8", GGMLQuantizationType.Q8_0, 0.02),
+                                                ("int4", GGMLQuantizationType.Q4_1, 0.3)])
+def test_quantize_keeps_gguf_blocks_of_the_float_matrices(scheme, qtype, tol):
+    hf = hf_model("llama-gqa-untied")
+    tensors = dict(hf.state_dict())
+    out = quantize_tensors(tensors, scheme)
+    name = "model.layers.0.mlp.up_proj.weight"
+    w = out[name]
+    assert isinstance(w, QuantizedWeight) and w.types == qtype.name
+    expected = dequantize(quantize(tensors[name].numpy(), qtype), qtype)
+    assert torch.equal(w.dequantize(), torch.from_numpy(expected))
+    assert isinstance(out["model.embed_tokens.weight"], torch.Tensor)  # read a row at a time: kept
+    assert torch.equal(out["model.norm.weight"], tensors["model.norm.weight"])
+
+    config = ModelConfig.from_hf(hf.config.to_dict())
+    tokens = torch.randint(0, config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    logits = [m(tokens, torch.arange(12)[None], m.new_cache(1, 12)).logits
+              for m in (build_transformer(config, out), build_transformer(config, tensors))]
+    assert (logits[0] - logits[1]).abs().max() <= tol * logits[1].abs().max()
+
+
+def test_quantize_at_load_and_its_errors(tmp_path):
+    path = save_hf_dir(hf_model("qwen2-qkv-bias"), tmp_path / "hf")
+    save_tokenizer(path)
+    loaded = load_model(path, quantize="int4")
+    assert loaded.model.weight_format == "Q4_1"
+    assert load_model(path).model.weight_format == "float32"
+    with pytest.raises(ModelLoadError, match="must be one of int8, int4"):
+        load_model(path, quantize="int3")
+    with pytest.raises(ModelLoadError, match="cannot be combined"):
+        load_model(path, quantize="int8", dequantize=True)
+    with pytest.raises(ModelLoadError, match="whole groups of 32"):
+        quantize_tensors({"lm_head.weight": torch.zeros(4, 40)}, "int8")
+
+
+def test_info_reports_the_active_kernel(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kernel"]["isa"] in ("avx2", "avx512vnni") and info["kernel"]["status"].startswith("built")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert f"kernel: {info['kernel']['isa']}" in capsys.readouterr().out
