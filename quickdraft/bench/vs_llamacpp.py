@@ -5,6 +5,7 @@ Owns turning the options into token ids and a `CompareConfig`, and the run's des
 """
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -78,6 +79,8 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
               "max_new_tokens": max_new_tokens, "repeats": repeats, "context": context,
               "torch": torch.__version__, "llama_cpp_python": lc.__version__,
               "llama_cpp_system_info": theirs.system_info(), "llama_cpp_flash_attn": True,
+              # both engines' threads wait in one OpenMP runtime; its policy decides the numbers on a busy machine
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
               "machine": platform.machine(), "processor": platform.processor(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
