@@ -53,10 +53,6 @@ int qd_quant_block(int type, int *weights) {
 
 INLINE float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
 
-/* 16 weights as int16 from 16 bytes. */
-INLINE __m256i widen_u8(__m128i v) { return _mm256_cvtepu8_epi16(v); }
-INLINE __m256i widen_s8(__m128i v) { return _mm256_cvtepi8_epi16(v); }
-
 /* Byte j = 0x10 where bit j of the 32 bits at p is set (the fifth bit of Q5_0/Q5_1). */
 INLINE __m256i fifth_bits(const uint8_t *p) {
     uint32_t bits; memcpy(&bits, p, 4);
@@ -71,19 +67,32 @@ typedef struct {
     const uint8_t *b;     /* the superblock (K-quants) or the first 32-weight block (others) */
     float d;              /* K-quants: the superblock's scale */
     uint8_t sc[UNITS];    /* Q4_K/Q5_K: the 6-bit sub-scales */
-    __m256 m;             /* lane u: the offset of unit u's weights (Q4_1, Q5_1, Q4_K, Q5_K) */
+    __m256 m[2];          /* lane g: the offset of the weights in 16-value group g */
     __m256i qh;           /* Q5_K: the fifth bits of the superblock */
 } Prep;
 
 #define K_QUANT(type) ((type) == Q4_K || (type) == Q5_K || (type) == Q6_K)
+#define HAS_OFFSET(type) ((type) != Q8_0)
 #define BLOCK_BYTES(type) ((type) == Q4_0 ? 18 : (type) == Q4_1 ? 20 : (type) == Q5_0 ? 22 : (type) == Q5_1 ? 24 \
                            : (type) == Q8_0 ? 34 : (type) == Q4_K ? 144 : (type) == Q5_K ? 176 : 210)
 
 INLINE uint16_t u16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return h; }
 
+/* 8 per-unit values -> 16 per-group lanes (each unit is two groups of 16). */
+INLINE void per_group(__m256 unit_values, __m256 m[2]) {
+    m[0] = _mm256_permutevar8x32_ps(unit_values, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    m[1] = _mm256_permutevar8x32_ps(unit_values, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
+INLINE __m256 f16x8(const uint8_t *b, int stride, int offset, int n) {
+    uint16_t h[UNITS] = {0};
+    for (int s = 0; s < n; s++) h[s] = u16(b + s * stride + offset);
+    return _mm256_cvtph_ps(_mm_set_epi16((short)h[7], (short)h[6], (short)h[5], (short)h[4], (short)h[3],
+                                         (short)h[2], (short)h[1], (short)h[0]));
+}
+
 INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep *p) {
     p->b = row + xb * (K_QUANT(type) ? 1 : UNITS) * BLOCK_BYTES(type);
-    p->m = _mm256_setzero_ps();
     if (type == Q4_K || type == Q5_K) {
         /* the 6-bit scales and mins of ggml's 12 packed bytes, as its get_scale_min_k4 reads them:
          * scales to bytes 0..7, mins to bytes 8..15 */
@@ -97,20 +106,36 @@ INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep
         memcpy(p->sc, u, 8);
         p->d = f16(p->b);
         const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])));
-        p->m = _mm256_mul_ps(mins, _mm256_set1_ps(-f16(p->b + 2)));  /* as ggml forms it: d*sc*q - dmin*m */
+        per_group(_mm256_mul_ps(mins, _mm256_set1_ps(-f16(p->b + 2))), p->m);  /* as ggml: d*sc*q - dmin*m */
         if (type == Q5_K) p->qh = _mm256_loadu_si256((const __m256i *)(p->b + 16));
-    } else if (type == Q6_K) {
+    } else if (type == Q6_K) {  /* d * sc * (q - 32): the -32 is an offset of -32 * d * sc per group */
         p->d = f16(p->b + 208);
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(p->b + 192));
+        const __m256 k = _mm256_set1_ps(-32.0f * p->d);
+        p->m[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), k);
+        p->m[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), k);
     } else if (type == Q4_1 || type == Q5_1) {
-        uint16_t m[UNITS] = {0};
-        for (int s = 0; s < nu; s++) m[s] = u16(p->b + s * BLOCK_BYTES(type) + 2);
-        p->m = _mm256_cvtph_ps(_mm_set_epi16((short)m[7], (short)m[6], (short)m[5], (short)m[4], (short)m[3],
-                                             (short)m[2], (short)m[1], (short)m[0]));
+        per_group(f16x8(p->b, BLOCK_BYTES(type), 2, nu), p->m);
+    } else if (type == Q4_0 || type == Q5_0) {  /* (q - 8) * d, (q - 16) * d */
+        per_group(_mm256_mul_ps(f16x8(p->b, BLOCK_BYTES(type), 0, nu), _mm256_set1_ps(type == Q4_0 ? -8.0f : -16.0f)),
+                  p->m);
     }
 }
 
-/* Unit s (32 weights) of the prepared block as int16: w[0] weights 0..15, w[1] 16..31; for
- * K-quants already times their integer sub-scale, for the others with the float scale d. */
+/* Unit s (32 weights, unsigned q in natural order, or signed for Q8_0) as int16 times its integer
+ * scale (1 outside K-quants), split as the activations are stored: w[0] the even weights, w[1]
+ * the odd. One vpmaddubsw each: q times a scale in every other byte (no product exceeds 63 * 128). */
+INLINE void split(__m256i q, __m256i scale_even, const int is_signed, __m256i w[2]) {
+    const __m256i scale_odd = _mm256_slli_epi16(scale_even, 8);
+    if (is_signed) {
+        w[0] = _mm256_maddubs_epi16(scale_even, q);
+        w[1] = _mm256_maddubs_epi16(scale_odd, q);
+    } else {
+        w[0] = _mm256_maddubs_epi16(q, scale_even);
+        w[1] = _mm256_maddubs_epi16(q, scale_odd);
+    }
+}
+
 INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     if (type == Q4_K || type == Q5_K) {
@@ -118,45 +143,30 @@ INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) 
         __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(packed, 4) : packed, lo4);
         if (type == Q5_K)
             q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(p->qh, s), _mm256_set1_epi8(1)), 4));
-        const __m256i sc = _mm256_set1_epi16(p->sc[s]);
-        w[0] = _mm256_mullo_epi16(widen_u8(_mm256_castsi256_si128(q)), sc);
-        w[1] = _mm256_mullo_epi16(widen_u8(_mm256_extracti128_si256(q, 1)), sc);
+        split(q, _mm256_set1_epi16(p->sc[s]), 0, w);
         return;
     }
     if (type == Q6_K) {
         const int h = s / 4, t = s % 4;
-        const int8_t *sc = (const int8_t *)(p->b + 192);
+        const uint8_t *sc = p->b + 192;
         const __m256i src = _mm256_loadu_si256((const __m256i *)(p->b + 64 * h + 32 * (t & 1)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(p->b + 128 + 32 * h));
         const __m256i low = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(src, 4) : src, lo4);
         const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3)), 4);
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
-        w[0] = _mm256_mullo_epi16(widen_s8(_mm256_castsi256_si128(q)), _mm256_set1_epi16(sc[2 * s]));
-        w[1] = _mm256_mullo_epi16(widen_s8(_mm256_extracti128_si256(q, 1)), _mm256_set1_epi16(sc[2 * s + 1]));
+        split(_mm256_or_si256(low, high), _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s])), 0, w);
         return;
     }
     const uint8_t *b = p->b + s * BLOCK_BYTES(type);
     *d = _mm256_set1_ps(f16(b));
     if (type == Q8_0) {
-        w[0] = widen_s8(_mm_loadu_si128((const __m128i *)(b + 2)));
-        w[1] = widen_s8(_mm_loadu_si128((const __m128i *)(b + 18)));
+        split(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi16(1), 1, w);
         return;
     }
     /* Q4_x/Q5_x: byte j holds weight j in its low nibble and weight j + 16 in its high one */
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8)));
-    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-    if (type == Q5_0 || type == Q5_1) {
-        const __m256i fifth = fifth_bits(b + (type == Q5_0 ? 2 : 4));
-        lo = _mm_or_si128(lo, _mm256_castsi256_si128(fifth));
-        hi = _mm_or_si128(hi, _mm256_extracti128_si256(fifth, 1));
-    }
-    if (type == Q4_0 || type == Q5_0) {  /* value (q - 8) * d, (q - 16) * d */
-        const __m128i off = _mm_set1_epi8(type == Q4_0 ? 8 : 16);
-        lo = _mm_sub_epi8(lo, off);
-        hi = _mm_sub_epi8(hi, off);
-    }
-    w[0] = widen_s8(lo);
-    w[1] = widen_s8(hi);
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), _mm_and_si128(q, _mm_set1_epi8(0x0F)));
+    if (type == Q5_0 || type == Q5_1) v = _mm256_or_si256(v, fifth_bits(b + (type == Q5_0 ? 2 : 4)));
+    split(v, _mm256_set1_epi16(1), 0, w);
 }
 
 INLINE float hsum(__m256 v) {
@@ -166,8 +176,10 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Rows of h quantized: x [M, K] int16, dx [M, nxb] their scales, xs [M, nxb * UNITS] the sums of
- * each 32-value unit of the quantized row (dx * sum of x: what a unit's offset multiplies). */
+/* Rows of h quantized: x [M, K] int16, each 32-value unit stored even values first, then odd (as
+ * `split` orders the weights); dx [M, nxb] the block scales; xs [M, nxb * GROUPS] the sums of each
+ * 16-value group of the quantized row (dx * sum of x: what a group's offset multiplies). */
+#define GROUPS (2 * UNITS)
 typedef struct { int16_t *x; float *dx, *xs; int64_t nxb; } QRows;
 
 static void quantize_rows(const float *h, int64_t M, int64_t K, QRows *q) {
@@ -180,16 +192,15 @@ static void quantize_rows(const float *h, int64_t M, int64_t K, QRows *q) {
             for (int64_t k = 0; k < n; k++) amax = amax > fabsf(src[k]) ? amax : fabsf(src[k]);
             const float iscale = amax > 0.0f ? (float)X_MAX / amax : 0.0f, dx = amax / (float)X_MAX;
             q->dx[i * q->nxb + xb] = dx;
-            float *xs = q->xs + (i * q->nxb + xb) * UNITS;
-            for (int s = 0; s < UNITS; s++) {
-                int sum = 0;
-                for (int64_t k = 32 * s; k < 32 * s + 32 && k < n; k++) {
-                    const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
-                    dst[k] = (int16_t)v;
-                    sum += v;
-                }
-                xs[s] = dx * (float)sum;
+            float *xs = q->xs + (i * q->nxb + xb) * GROUPS;
+            for (int g = 0; g < GROUPS; g++) xs[g] = 0.0f;
+            for (int64_t k = 0; k < n; k++) {
+                const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
+                const int64_t unit = k / 32, j = k % 32;
+                dst[unit * 32 + (j % 2) * 16 + j / 2] = (int16_t)v;
+                xs[k / 16] += (float)v;  /* exact: integers below 2^24 */
             }
+            for (int g = 0; g < GROUPS; g++) xs[g] *= dx;
         }
     }
 }
@@ -238,8 +249,11 @@ INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int t
             const float dx = q->dx[j * q->nxb + xb];
             if (K_QUANT(type)) tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(p.d * dx), tot[j]);
             else tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_set1_ps(dx), tot[j]);
-            if (type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K)
-                tot[j] = _mm256_fmadd_ps(p.m, _mm256_loadu_ps(q->xs + (j * q->nxb + xb) * UNITS), tot[j]);
+            if (HAS_OFFSET(type)) {
+                const float *xs = q->xs + (j * q->nxb + xb) * GROUPS;
+                tot[j] = _mm256_fmadd_ps(p.m[0], _mm256_loadu_ps(xs), tot[j]);
+                tot[j] = _mm256_fmadd_ps(p.m[1], _mm256_loadu_ps(xs + 8), tot[j]);
+            }
         }
     }
     for (int j = 0; j < mb; j++) out[j] = hsum(tot[j]);
@@ -247,7 +261,7 @@ INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int t
 
 INLINE void row_dot(const uint8_t *row, const QRows *q, int64_t M, int64_t K, const int type, float *out) {
     for (int64_t i = 0; i < M; i += MB_MAX) {
-        const QRows qi = {q->x + i * K, q->dx + i * q->nxb, q->xs + i * q->nxb * UNITS, q->nxb};
+        const QRows qi = {q->x + i * K, q->dx + i * q->nxb, q->xs + i * q->nxb * GROUPS, q->nxb};
         switch (M - i < MB_MAX ? M - i : MB_MAX) {
             case 1: row_block(row, &qi, K, type, 1, out + i); break;
             case 2: row_block(row, &qi, K, type, 2, out + i); break;
@@ -299,12 +313,12 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
     q.nxb = (K + XB - 1) / XB;
     q.x = malloc(sizeof(int16_t) * (size_t)(M * K));
     q.dx = malloc(sizeof(float) * (size_t)(M * q.nxb));
-    q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * UNITS));
+    q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * GROUPS));
     if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); return -1; }
     quantize_rows(h, M, K, &q);
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
-        QRows qc = {q.x + m0 * K, q.dx + m0 * q.nxb, q.xs + m0 * q.nxb * UNITS, q.nxb};
+        QRows qc = {q.x + m0 * K, q.dx + m0 * q.nxb, q.xs + m0 * q.nxb * GROUPS, q.nxb};
         int64_t n0 = 0;
         for (int p = 0; p < nparts; p++) {
             int per_block;
