@@ -23,6 +23,7 @@ import openai
 import pytest
 
 import quickdraft
+from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import BackgroundServer, ServerConfig
@@ -84,7 +85,8 @@ def stream_text(client: openai.OpenAI, prompt: str, n: int, spec: dict, **kw) ->
 
 def test_models_health_and_metrics_format(server: Server) -> None:
     assert [m.id for m in server.client.models.list()] == [NAME]
-    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{server.url}/health").json()
+    assert health == {"status": "ok", "weights": "float32", "kernel": kernels.kernel_info().isa}
     metrics = httpx.get(f"{server.url}/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     for name in ("quickdraft_requests_running", "quickdraft_requests_waiting", "quickdraft_tokens_per_pass",

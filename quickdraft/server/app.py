@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from quickdraft import kernels
 from quickdraft.api import LLM, TextAssembler
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
@@ -69,9 +70,12 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     app.state.worker, app.state.metrics = worker, metrics
     _install_error_handlers(app)
 
+    runtime = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().isa or "none (torch path)"}
+
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        """Liveness, and which weights and CPU kernel answer (no silent slow path)."""
+        return {"status": "ok", **runtime}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
