@@ -204,6 +204,7 @@ def test_command_end_to_end_on_a_tiny_gguf(tmp_path: Path, monkeypatch, capsys) 
         assert e["t_q_ratio"]["1"] == 1.0 and len(e["runs"]["decode_tok_s"]) == 4 and e["load_s"] > 0
         assert e["t_q_ms"]["5"] == pytest.approx(statistics.median(e["runs"]["t_q_s"]["5"]) * 1000)
     assert res["config"]["threads"] == 1 and res["config"]["prompt_tokens"][0] > 10
+    assert "isa" in res["config"]["quickdraft_kernel"]  # which path ran is in the record
     assert res["config"]["command"].startswith("quickdraft bench plain --compare-llamacpp -m ")
     assert main(args) == 0
     assert "| decode tok/s (greedy, after the first token) |" in capsys.readouterr().out

@@ -19,6 +19,7 @@ from quickdraft.bench.llamacpp_engine import LlamaCppEngine, import_llama_cpp
 from quickdraft.bench.plain import PROMPTS
 from quickdraft.bench.qd_engine import QuickdraftEngine
 from quickdraft.errors import QuickdraftError
+from quickdraft.kernels import kernel_info
 from quickdraft.tokenizer import Tokenizer
 from quickdraft.weights.resolve import resolve_model
 
@@ -77,7 +78,7 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
               "dtype": dtype, "threads": threads, "torch_threads": torch.get_num_threads(),
               "prompts": len(cfg.prompts), "prompt_tokens": [len(p) for p in cfg.prompts],
               "max_new_tokens": max_new_tokens, "repeats": repeats, "context": context,
-              "torch": torch.__version__, "llama_cpp_python": lc.__version__,
+              "torch": torch.__version__, "quickdraft_kernel": kernel_info().as_dict(), "llama_cpp_python": lc.__version__,
               "llama_cpp_system_info": theirs.system_info(), "llama_cpp_flash_attn": True,
               # both engines' threads wait in one OpenMP runtime; its policy decides the numbers on a busy machine
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
