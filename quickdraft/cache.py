@@ -45,13 +45,17 @@ class KVCache:
         heads = torch.arange(self.k[0].shape[1], device=positions.device)[None, :, None]
         return rows, heads, positions[:, None, :]
 
-    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
-              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, hd] at `slots`; return the first kv_len slots to attend over."""
+    def buffers(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's whole K and V buffers [B, Hkv, max_len, hd], for a pass attending over kv_len slots."""
         if kv_len > self.max_len:
             raise ContextTooLong(
                 f"position {kv_len - 1} is past the KV cache's capacity of {self.max_len} tokens")
-        k_buf, v_buf = self.k[layer], self.v[layer]
+        return self.k[layer], self.v[layer]
+
+    def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
+              kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, Hkv, T, hd] at `slots`; return the first kv_len slots to attend over."""
+        k_buf, v_buf = self.buffers(layer, kv_len)
         if isinstance(slots, torch.Tensor):
             k_buf.index_copy_(2, slots, k)
             v_buf.index_copy_(2, slots, v)

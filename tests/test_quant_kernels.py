@@ -126,27 +126,74 @@ def test_both_instruction_sets_agree_bitwise():
     assert torch.equal(*results)
 
 
-def attention_case(B=2, Hq=4, Hkv=2, T=5, kv_len=12, D=24, seed=7):
+def attention_case(B=2, Hq=4, Hkv=2, T=5, ctx=7, D=24, seed=7):
+    """A pass of T new tokens after ctx cached ones, per batch row: qkv, rotary tables, positions,
+    cache buffers (longer than needed, as the model's) holding random K/V for the context."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, T, D, generator=g)
-    cache_k = torch.randn(B, Hkv, 32, D, generator=g)  # a cache buffer longer than kv_len, as the model's
-    cache_v = torch.randn(B, Hkv, 32, D, generator=g)
-    positions = torch.arange(kv_len - T, kv_len).expand(B, T)
-    mask = (torch.arange(kv_len) <= positions[..., None])[:, None]  # [B, 1, T, kv_len], causal
-    return q, cache_k[:, :, :kv_len], cache_v[:, :, :kv_len], mask
+    qkv = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=g)
+    positions = torch.arange(ctx, ctx + T).expand(B, T).contiguous()
+    angles = positions[..., None].float() * torch.rand(D // 2, generator=g)
+    emb = torch.cat((angles, angles), -1)[:, None]  # [B, 1, T, D]
+    k_cache, v_cache = torch.randn(B, Hkv, 32, D, generator=g), torch.randn(B, Hkv, 32, D, generator=g)
+    return qkv, emb.cos(), emb.sin(), positions, k_cache, v_cache
 
 
-def test_attention_equals_sdpa():
-    q, k, v, mask = attention_case()
-    out = kernels.attention(q, k, v, mask)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2).reshape(out.shape)
+def torch_reference(qkv, cos, sin, positions, k_cache, v_cache, Hq=4, Hkv=2):
+    """Rotate-half RoPE, cache writes and SDPA in torch, as the model's non-CPU path does."""
+    from quickdraft.model.rope import apply_rope
+    B, T, _ = qkv.shape
+    D = k_cache.shape[-1]
+    x = qkv.view(B, T, Hq + 2 * Hkv, D).transpose(1, 2)
+    q, k = apply_rope(x[:, :Hq + Hkv], cos, sin).split((Hq, Hkv), dim=1)
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for b in range(B):
+        k_cache[b, :, positions[b]] = k[b]
+        v_cache[b, :, positions[b]] = x[b, Hq + Hkv:]
+    kv_len = int(positions.max()) + 1
+    mask = (torch.arange(kv_len) <= positions[..., None])[:, None]
+    out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(B, T, Hq * D), k_cache, v_cache
+
+
+def test_rope_attention_equals_torch():
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case()
+    ref, ref_k, ref_v = torch_reference(qkv, cos, sin, positions, k_cache, v_cache)
+    kv_len = int(positions.max()) + 1
+    mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
+    out = kernels.rope_attention(qkv, cos, sin, positions, k_cache, v_cache, mask, kv_len, 4, 2)
     assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(k_cache, ref_k, atol=1e-6) and torch.equal(v_cache, ref_v)
 
 
 def test_attention_of_a_query_does_not_depend_on_the_others():
-    q, k, v, mask = attention_case()
-    full = kernels.attention(q, k, v, mask)  # [B, T, Hq * D]
-    for t in range(q.shape[2]):  # each query alone: one row, its own mask, a shorter kv_len
-        n = int(mask[0, 0, t].sum())
-        alone = kernels.attention(q[:, :, t:t + 1], k[:, :, :n], v[:, :, :n], None)
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case()
+    kv_len = int(positions.max()) + 1
+    mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
+    full = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2)
+    k_step, v_step = k_cache.clone(), v_cache.clone()
+    for t in range(qkv.shape[1]):  # one token at a time, as decoding feeds them: no mask, a shorter kv_len
+        n = int(positions[0, t]) + 1
+        alone = kernels.rope_attention(qkv[:, t:t + 1], cos[:, :, t:t + 1], sin[:, :, t:t + 1], positions[:, t:t + 1],
+                                       k_step, v_step, None, n, 4, 2)
         assert torch.equal(alone[:, 0], full[:, t]), t
+
+
+def test_threads_share_the_work_without_changing_a_bit():
+    """The pool (pool.c) splits rows and queries among threads; each is computed alone either way."""
+    w, dense = weight(Q.Q5_K, N=200), torch.randn(200, 512, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(9))
+    case = attention_case(B=3, T=9)
+    kv_len = int(case[3].max()) + 1
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 2):
+            torch.set_num_threads(threads)
+            k_cache, v_cache = case[4].clone(), case[5].clone()
+            att = kernels.rope_attention(case[0], case[1], case[2], case[3], k_cache, v_cache, None, kv_len, 4, 2)
+            results.append((kernels.linear(x, w), kernels.linear(x, dense), att, k_cache))
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -12,7 +12,6 @@ rows and reduce every output in a fixed order (bitwise batch-invariant). They ar
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +20,8 @@ import torch.nn.functional as F
 from quickdraft.kernels.build import KernelInfo, active_library, prepare
 from quickdraft.kernels.quantized import KERNEL_TYPES, QuantizedWeight
 
-__all__ = ["KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "attention", "kernel_info",
-           "kernel_status", "linear", "prepare", "usable"]
+__all__ = ["KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "kernel_info", "kernel_status", "linear",
+           "prepare", "rope_attention", "rope_attention_usable", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 64  # above this float weights are compute-bound and MKL's blocked GEMM wins
@@ -124,37 +123,52 @@ def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
                       norm: tuple[torch.Tensor, float] | None, swiglu: bool,
                       residual: torch.Tensor | None) -> torch.Tensor:
+    # Lean on purpose: a SmolLM2 decode step makes ~120 of these calls, and each torch call here
+    # costs ~1 us (the model hands over float32, contiguous tensors; anything else is converted).
     N, K = weight.shape
-    c, p = _Call.of(x, N, K, bias, norm, swiglu, residual), _Call.ptr
-    n = len(weight.parts)
-    types = (ctypes.c_int * n)(*(int(part.qtype) for part in weight.parts))
-    rows = (ctypes.c_int64 * n)(*(part.rows for part in weight.parts))
-    data = (ctypes.c_void_p * n)(*(part.blocks.ctypes.data for part in weight.parts))
+    x2 = _f32(x.reshape(-1, x.shape[-1]))
+    M = x2.shape[0]
+    y = torch.empty(M, N)
     status = active_library().qd_quant_matmul(
-        c.x.data_ptr(), n, types, rows, data, p(c.bias), p(c.residual), c.y.data_ptr(), c.prologue,
-        p(c.norm_weight), c.eps, p(c.scratch), c.x.shape[0], N, K, torch.get_num_threads())
+        x2.data_ptr(), *weight.c_parts, None if bias is None else _f32(bias).data_ptr(),
+        None if residual is None else _f32(residual.reshape(M, N)).data_ptr(), y.data_ptr(),
+        1 if norm is not None else 2 if swiglu else 0, None if norm is None else _f32(norm[0]).data_ptr(),
+        0.0 if norm is None else norm[1], None, M, N, K, torch.get_num_threads())
     if status != 0:
-        raise MemoryError(f"quantized matmul of {c.x.shape[0]} rows x {K} could not allocate its buffers")
-    return c.y.view(*x.shape[:-1], N)
+        raise MemoryError(f"quantized matmul of {M} rows x {K} could not allocate its buffers")
+    return y.view(*x.shape[:-1], N)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, Hq, T, D], keys/values [B, Hkv, kv_len, D] (views of the cache), mask [B, 1, T, kv_len]
-    (True = may attend) or None (all) -> [B, T, Hq * D]. On CPU in float32 each query is computed
-    alone (attention.c), so its output does not depend on the batch it is in; else torch's SDPA."""
-    B, Hq, T, D = q.shape
-    Hkv, kv_len = keys.shape[1], keys.shape[2]
-    lib = active_library() if q.device.type == "cpu" and q.dtype == torch.float32 else None
-    if lib is None or torch.is_grad_enabled() and q.requires_grad or keys.stride()[2:] != (D, 1) \
-            or values.stride() != keys.stride():
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=Hkv != Hq)
-        return out.transpose(1, 2).reshape(B, T, Hq * D)
-    qc = q.transpose(1, 2).contiguous()  # [B, T, Hq, D]
-    out = torch.empty(B, T, Hq * D, dtype=torch.float32)
-    visible = None if mask is None else mask[:, 0].contiguous()
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def rope_attention_usable(qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        return False
+    return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and cache_dtype == torch.float32
+            and active_library() is not None)
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
+                   n_q: int, n_kv: int) -> torch.Tensor:
+    """The attention half of a layer in one C call (attention.c): rotary embedding of q and k, k and v
+    written to the cache buffers at `positions`, each query attending alone over the keys it may
+    see, so its output does not depend on the batch it is in.
+    qkv [B, T, (n_q + 2 n_kv) * D]; cos, sin [B, 1, T, D]; positions [B, T]; k_cache, v_cache
+    [B, n_kv, max_len, D] (a layer's buffers); visible [B, T, kv_len] (True = may attend) or None
+    (every key below kv_len) -> [B, T, n_q * D]."""
+    B, T, _ = qkv.shape
+    D = k_cache.shape[-1]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (D, 1) and kv_len <= k_cache.shape[2]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(B, T, n_q * D, dtype=torch.float32)
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, kv_len, dtype=torch.float32)
-    lib.qd_attention(qc.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                     None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, Hq, Hkv, D, kv_len,
-                     keys.stride(0), keys.stride(1), D ** -0.5, scratch.data_ptr(), threads)
+    scratch = torch.empty(B * T * n_q * D, dtype=torch.float32)
+    active_library().qd_rope_attention(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
+        k_cache.stride(0), k_cache.stride(1), D ** -0.5, scratch.data_ptr(), threads)
     return out

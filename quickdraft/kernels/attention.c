@@ -7,7 +7,6 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -31,41 +30,86 @@ INLINE float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* One query's attention: scores s over the visible keys, softmax, weighted sum of values into o. */
+static void attend(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
+                   int64_t D, int64_t kv_len, float scale) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < kv_len; j++) {
+        if (vis && !vis[j]) { s[j] = -INFINITY; continue; }
+        s[j] = dot(qv, kb + j * D, D) * scale;
+        m = s[j] > m ? s[j] : m;
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < kv_len; j++) {
+        if (s[j] == -INFINITY) continue;
+        const float p = expf(s[j] - m);
+        sum += p;
+        const __m256 pv = _mm256_set1_ps(p);
+        const float *vj = vb + j * D;
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
+        for (; d < D; d++) o[d] += p * vj[d];
+    }
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    const uint8_t *visible;
+    float *out;
+    int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
+    float scale;
+} AttentionJob;
+
+static void attention_task(void *ctx, int64_t task) {
+    const AttentionJob *j = ctx;
+    float scores[j->kv_len];  /* on the stack: at most 128 KB for a 32k context (threads have MBs) */
+    const int64_t b = task / (j->T * j->Hq), t = task / j->Hq % j->T, h = task % j->Hq, g = h / (j->Hq / j->Hkv);
+    attend(j->q + task * j->D, j->k + b * j->kv_batch + g * j->kv_head, j->v + b * j->kv_batch + g * j->kv_head,
+           j->visible ? j->visible + (b * j->T + t) * j->kv_len : 0, j->out + task * j->D, scores, j->D, j->kv_len,
+           j->scale);
+}
+
 /* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of batch row b at
  * b * kv_batch + g * kv_head + j * D; visible: [B, T, kv_len] (1 = may attend) or NULL (every key
- * < kv_len); out: [B, T, Hq, D]. scratch: threads * kv_len floats. */
-void qd_attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
-                  int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
-                  int64_t kv_batch, int64_t kv_head, float scale, float *scratch, int threads) {
-    const int64_t group = Hq / Hkv;
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * T * Hq; task++) {
-        const int64_t b = task / (T * Hq), t = task / Hq % T, h = task % Hq;
-        float *s = scratch + (int64_t)omp_get_thread_num() * kv_len;
-        const float *qv = q + task * D;
-        const float *kb = k + b * kv_batch + (h / group) * kv_head, *vb = v + b * kv_batch + (h / group) * kv_head;
-        const uint8_t *vis = visible ? visible + (b * T + t) * kv_len : 0;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < kv_len; j++) {
-            if (vis && !vis[j]) { s[j] = -INFINITY; continue; }
-            s[j] = dot(qv, kb + j * D, D) * scale;
-            m = s[j] > m ? s[j] : m;
+ * < kv_len); out: [B, T, Hq, D]. */
+static void attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
+                      int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
+                      int64_t kv_batch, int64_t kv_head, float scale, int threads) {
+    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale};
+    qd_parallel(attention_task, &job, B * T * Hq, threads);
+}
+
+/* The attention half of a layer after its q|k|v matmul, in one call: rotary embedding of q and k
+ * (Hugging Face's rotate-half form; cos/sin [B, T, D] hold each half twice), k and v written to the
+ * cache at their positions, then every query attends as qd_attention does. qkv: [B, T, (Hq + 2Hkv)
+ * * D]; positions: [B, T]; k, v: the layer's cache buffers (strides as in qd_attention, slot p of a
+ * head at p * D); scratch: B * T * Hq * D floats (the rotated queries). */
+void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
+                       float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
+                       int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t kv_batch, int64_t kv_head,
+                       float scale, float *scratch, int threads) {
+    const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
+    float *q = scratch;
+    for (int64_t bt = 0; bt < B * T; bt++) {
+        const int64_t b = bt / T, pos = positions[bt];
+        const float *row = qkv + bt * width, *c = cos + bt * D, *sn = sin + bt * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            const float *x = row + h * D;
+            float *dst = h < Hq ? q + (bt * Hq + h) * D : k + b * kv_batch + (h - Hq) * kv_head + pos * D;
+            for (int64_t i = 0; i < half; i++) {
+                dst[i] = x[i] * c[i] - x[i + half] * sn[i];
+                dst[i + half] = x[i + half] * c[i + half] + x[i] * sn[i + half];
+            }
         }
-        float *o = out + task * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        float sum = 0.0f;
-        for (int64_t j = 0; j < kv_len; j++) {
-            if (s[j] == -INFINITY) continue;
-            const float p = expf(s[j] - m);
-            sum += p;
-            const __m256 pv = _mm256_set1_ps(p);
-            const float *vj = vb + j * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8)
-                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
-            for (; d < D; d++) o[d] += p * vj[d];
+        for (int64_t h = 0; h < Hkv; h++) {
+            const float *x = row + (Hq + Hkv + h) * D;
+            float *dst = v + b * kv_batch + h * kv_head + pos * D;
+            for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
+    attention(q, k, v, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, threads);
 }

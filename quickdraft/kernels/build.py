@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c")
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c", "pool.c")
 HEADERS = ("kernels.h",)
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -57,8 +57,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_fused_matmul.argtypes = [p] * 5 + [i32, p, f32, p] + [i64] * 3 + [i32] * 2
     lib.qd_quant_matmul.restype = i32
     lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
-    lib.qd_attention.restype = None
-    lib.qd_attention.argtypes = [p] * 5 + [i64] * 8 + [f32, p, i32]
+    lib.qd_rope_attention.restype = None
+    lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 8 + [f32, p, i32]
     lib.qd_isa.restype = ctypes.c_char_p
     lib.qd_cpu_has_vnni.restype = i32
     return lib
@@ -83,7 +83,7 @@ def _build(isa: str) -> ctypes.CDLL | str:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [compiler, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", *(str(HERE / s) for s in SOURCES),
+            cmd = [compiler, "-O3", *flags, "-pthread", "-shared", "-fPIC", *(str(HERE / s) for s in SOURCES),
                    "-o", str(out)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

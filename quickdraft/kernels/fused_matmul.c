@@ -71,22 +71,34 @@ INLINE void row_block(const float *x, const void *w, const float *b, const float
     }
 }
 
-INLINE void matmul(const float *x, const void *w, const float *b, const float *r, float *y,
-                   int64_t M, int64_t N, int64_t K, const int wtype, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; n++) {
-        for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
-            const float *xm = x + m0 * K, *rm = r ? r + m0 * N : 0;
-            float *ym = y + m0 * N;
-            switch (M - m0 < M_BLOCK ? M - m0 : M_BLOCK) {
-                case 1: row_block(xm, w, b, rm, ym, n, N, K, wtype, 1); break;
-                case 2: row_block(xm, w, b, rm, ym, n, N, K, wtype, 2); break;
-                case 3: row_block(xm, w, b, rm, ym, n, N, K, wtype, 3); break;
-                case 4: row_block(xm, w, b, rm, ym, n, N, K, wtype, 4); break;
-                case 5: row_block(xm, w, b, rm, ym, n, N, K, wtype, 5); break;
-                default: row_block(xm, w, b, rm, ym, n, N, K, wtype, 6); break;
+#define ROWS_PER_TASK 16
+typedef struct { const float *x; const void *w; const float *b, *r; float *y; int64_t M, N, K; int wtype; } MatmulJob;
+
+INLINE void matmul_rows(const MatmulJob *j, int64_t n0, int64_t n1, const int wtype) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int64_t m0 = 0; m0 < j->M; m0 += M_BLOCK) {
+            const float *xm = j->x + m0 * j->K, *rm = j->r ? j->r + m0 * j->N : 0;
+            float *ym = j->y + m0 * j->N;
+            const int64_t N = j->N, K = j->K;
+            switch (j->M - m0 < M_BLOCK ? j->M - m0 : M_BLOCK) {
+                case 1: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 1); break;
+                case 2: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 2); break;
+                case 3: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 3); break;
+                case 4: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 4); break;
+                case 5: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 5); break;
+                default: row_block(xm, j->w, j->b, rm, ym, n, N, K, wtype, 6); break;
             }
         }
+    }
+}
+
+static void matmul_task(void *ctx, int64_t task) {
+    const MatmulJob *j = ctx;
+    const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
+    switch (j->wtype) {
+        case W_F32: matmul_rows(j, n0, n1, W_F32); break;
+        case W_BF16: matmul_rows(j, n0, n1, W_BF16); break;
+        default: matmul_rows(j, n0, n1, W_F16); break;
     }
 }
 
@@ -151,9 +163,6 @@ void qd_fused_matmul(const float *x, const void *w, const float *b, const float 
                      int prologue, const float *g, float eps, float *scratch,
                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {
     x = qd_prologue(x, prologue, g, eps, scratch, M, K);
-    switch (wtype) {
-        case W_F32: matmul(x, w, b, r, y, M, N, K, W_F32, threads); break;
-        case W_BF16: matmul(x, w, b, r, y, M, N, K, W_BF16, threads); break;
-        default: matmul(x, w, b, r, y, M, N, K, W_F16, threads); break;
-    }
+    MatmulJob job = {x, w, b, r, y, M, N, K, wtype};
+    qd_parallel(matmul_task, &job, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
 }

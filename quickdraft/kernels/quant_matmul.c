@@ -277,44 +277,60 @@ INLINE void row_dot(const uint8_t *row, const QRows *q, int64_t M, int64_t K, co
     }
 }
 
-static void part_matmul(const QRows *q, const uint8_t *w, int type, int64_t row_bytes, const float *b,
-                        const float *r, float *y, int64_t M, int64_t n0, int64_t rows, int64_t N, int64_t K,
-                        int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < rows; n++) {
+/* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
+#define ROWS_PER_TASK 16
+typedef struct {
+    const QRows *q;
+    const uint8_t *w;
+    int type;
+    int64_t row_bytes, M, n0, rows, N, K;
+    const float *b, *r;
+    float *y;
+} PartJob;
+
+static void part_task(void *ctx, int64_t task) {
+    const PartJob *j = ctx;
+    const int64_t end = (task + 1) * ROWS_PER_TASK < j->rows ? (task + 1) * ROWS_PER_TASK : j->rows;
+    for (int64_t n = task * ROWS_PER_TASK; n < end; n++) {
         float out[M_CHUNK];
-        const uint8_t *row = w + n * row_bytes;
-        switch (type) {
-            case Q4_0: row_dot(row, q, M, K, Q4_0, out); break;
-            case Q4_1: row_dot(row, q, M, K, Q4_1, out); break;
-            case Q5_0: row_dot(row, q, M, K, Q5_0, out); break;
-            case Q5_1: row_dot(row, q, M, K, Q5_1, out); break;
-            case Q8_0: row_dot(row, q, M, K, Q8_0, out); break;
-            case Q4_K: row_dot(row, q, M, K, Q4_K, out); break;
-            case Q5_K: row_dot(row, q, M, K, Q5_K, out); break;
-            default: row_dot(row, q, M, K, Q6_K, out); break;
+        const uint8_t *row = j->w + n * j->row_bytes;
+        switch (j->type) {
+            case Q4_0: row_dot(row, j->q, j->M, j->K, Q4_0, out); break;
+            case Q4_1: row_dot(row, j->q, j->M, j->K, Q4_1, out); break;
+            case Q5_0: row_dot(row, j->q, j->M, j->K, Q5_0, out); break;
+            case Q5_1: row_dot(row, j->q, j->M, j->K, Q5_1, out); break;
+            case Q8_0: row_dot(row, j->q, j->M, j->K, Q8_0, out); break;
+            case Q4_K: row_dot(row, j->q, j->M, j->K, Q4_K, out); break;
+            case Q5_K: row_dot(row, j->q, j->M, j->K, Q5_K, out); break;
+            default: row_dot(row, j->q, j->M, j->K, Q6_K, out); break;
         }
-        const int64_t col = n0 + n;
-        for (int64_t i = 0; i < M; i++) {
+        const int64_t col = j->n0 + n;
+        for (int64_t i = 0; i < j->M; i++) {
             float v = out[i];
-            if (b) v += b[col];
-            y[i * N + col] = r ? r[i * N + col] + v : v;
+            if (j->b) v += j->b[col];
+            j->y[i * j->N + col] = j->r ? j->r[i * j->N + col] + v : v;
         }
     }
 }
 
 /* x: [M, K] (or [M, 2K] for SwiGLU); W: nparts row ranges of N in total, part p with rows[p] rows
- * of type types[p] at data[p]; scratch: [M, K]. Returns 0, or -1 if memory ran out. */
+ * of type types[p] at data[p]; scratch: [M, K] or NULL (allocated here). Returns 0, or -1 if memory
+ * ran out. */
 int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows,
                     const void *const *data, const float *b, const float *r, float *y, int prologue,
                     const float *g, float eps, float *scratch, int64_t M, int64_t N, int64_t K, int threads) {
+    float *own = 0;
+    if (prologue != PRO_NONE && !scratch) {  /* the prologue's output: the caller's buffer, or ours */
+        scratch = own = malloc(sizeof(float) * (size_t)(M * K));
+        if (!own) return -1;
+    }
     const float *h = qd_prologue(x, prologue, g, eps, scratch, M, K);
     QRows q;
     q.nxb = (K + XB - 1) / XB;
     q.x = malloc(sizeof(int16_t) * (size_t)(M * K));
     q.dx = malloc(sizeof(float) * (size_t)(M * q.nxb));
     q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * GROUPS));
-    if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); return -1; }
+    if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); free(own); return -1; }
     quantize_rows(h, M, K, &q);
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
@@ -323,12 +339,12 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
         for (int p = 0; p < nparts; p++) {
             int per_block;
             const int64_t row_bytes = qd_quant_block(types[p], &per_block) * (K / per_block);
-            part_matmul(&qc, data[p], types[p], row_bytes, b, r ? r + m0 * N : 0, y + m0 * N, mc, n0, rows[p],
-                        N, K, threads);
+            PartJob job = {&qc, data[p], types[p], row_bytes, mc, n0, rows[p], N, K, b, r ? r + m0 * N : 0, y + m0 * N};
+            qd_parallel(part_task, &job, (rows[p] + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
             n0 += rows[p];
         }
     }
-    free(q.x); free(q.dx); free(q.xs);
+    free(q.x); free(q.dx); free(q.xs); free(own);
     return 0;
 }
 

@@ -7,6 +7,7 @@ here (q|k|v, gate|up) so a decode step runs few, large matmuls. A matrix is a fl
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,12 @@ class AttentionInputs:
     mask: torch.Tensor | None  # [B, 1, T, kv_len], True = may attend; None = attend to all
     slots: Slots
     kv_len: int
+    positions: torch.Tensor    # [B, T]
+
+    @functools.cached_property
+    def visible(self) -> torch.Tensor | None:
+        """The mask as the C kernel reads it: [B, T, kv_len], contiguous."""
+        return None if self.mask is None else self.mask[:, 0].contiguous()
 
 
 def attention_inputs(inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -50,7 +57,7 @@ def attention_inputs(inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVC
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
-    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len)
+    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len, positions)
 
 
 class RMSNorm(nn.Module):
@@ -96,13 +103,18 @@ class Block(nn.Module):
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused)
-        qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
-        qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), at.cos, at.sin)  # q and k in one go
-        q, k = qk.split((n_q, self.n_kv), dim=1)
-        v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
-        keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-        attn = kernels.attention(q, keys, values, at.mask).to(x.dtype)  # [B, T, n_q * hd]
-        x = linear(attn, self.wo.weight, residual=x)
+        if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
+            attn = kernels.rope_attention(qkv, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
+                                          at.visible, at.kv_len, n_q, self.n_kv)
+        else:
+            qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
+            qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), at.cos, at.sin)  # q and k in one go
+            q, k = qk.split((n_q, self.n_kv), dim=1)
+            v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
+            keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask, enable_gqa=self.n_kv != n_q)
+            attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
+        x = linear(attn.to(x.dtype), self.wo.weight, residual=x)
         h = linear(x, self.w_gate_up.weight, norm=self.mlp_norm.fused)
         return linear(h, self.w_down.weight, swiglu=True, residual=x)
 
