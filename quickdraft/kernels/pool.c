@@ -7,6 +7,7 @@
  * step took 1.9 s instead of 20 ms. Here a worker that is not running claims no task, and the
  * caller does the work itself.
  */
+#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -15,7 +16,8 @@
 #include "kernels.h"
 
 #define MAX_WORKERS 63
-#define SPINS 20000  /* idle polls before a worker sleeps: a decode step's calls come ~10 us apart */
+#define PAUSES 50000  /* idle polls with a pause (0.1-1 ms in all): a decode step's calls come ~10-50 us apart */
+#define YIELDS 20000  /* then polls that yield the core (a busy machine's other work runs), then sleep */
 
 typedef struct {
     void (*fn)(void *ctx, int64_t task);
@@ -49,7 +51,8 @@ static void *worker(void *arg) {
     for (;;) {
         int spins = 0;
         while (atomic_load(&pool.generation) == seen) {
-            if (++spins < SPINS) { sched_yield(); continue; }
+            if (++spins < PAUSES) { _mm_pause(); continue; }
+            if (spins < PAUSES + YIELDS) { sched_yield(); continue; }
             pthread_mutex_lock(&pool.lock);
             while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
             pthread_mutex_unlock(&pool.lock);
