@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c", "pool.c")
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c", "pool.c", "layer.c")
 HEADERS = ("kernels.h",)
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -59,6 +59,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
     lib.qd_rope_attention.restype = None
     lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 8 + [f32, p, i32]
+    lib.qd_layer.restype = i32
+    lib.qd_layer.argtypes = [p] * 7 + [i64] * 2 + [p] + [i64] * 3 + [i32]
     lib.qd_isa.restype = ctypes.c_char_p
     lib.qd_cpu_has_vnni.restype = i32
     return lib

@@ -16,6 +16,7 @@ from torch import nn
 
 from quickdraft import kernels
 from quickdraft.kernels import QuantizedWeight, linear
+from quickdraft.kernels.layer import FusedLayer, fused_layer_usable, run_layer
 from quickdraft.cache import KVCache, Slots
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
@@ -57,7 +58,7 @@ def attention_inputs(inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVC
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
-    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len, positions)
+    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len, positions.to(torch.int64).contiguous())
 
 
 class RMSNorm(nn.Module):
@@ -98,8 +99,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.fused: FusedLayer | None = None  # the weights packed for layer.c, on first use
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
+        weights = (self.wqkv.weight, self.wo.weight, self.w_gate_up.weight, self.w_down.weight)
+        if fused_layer_usable(x, cache.dtype, *weights):  # GGUF blocks on CPU: the layer in one C call
+            if self.fused is None:
+                self.fused = FusedLayer.of(weights[0], self.wqkv.bias, *weights[1:], self.attn_norm.weight,
+                                           self.mlp_norm.weight, self.attn_norm.eps, self.n_heads, self.n_kv,
+                                           self.head_dim)
+            return run_layer(x, self.fused, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
+                             at.visible, at.kv_len)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused)

@@ -1,0 +1,73 @@
+"""A decoder layer over GGUF-block weights in one C call (layer.c): what a decode step spends in
+Python drops from ~150 kernel calls to 30. The layer's recipe is model/llama.py's Block; this
+module only packs its weights for C, once.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from quickdraft.kernels.build import active_library
+from quickdraft.kernels.quantized import QuantizedWeight
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("nparts", ctypes.c_int), ("types", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+                ("data", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("wo", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("n_q", ctypes.c_int64), ("n_kv", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64)]
+
+
+@dataclass
+class FusedLayer:
+    """A layer's weights as layer.c reads them; holds every tensor its pointers point into."""
+    layer: _Layer
+    keep: tuple
+
+    @staticmethod
+    def of(qkv: QuantizedWeight, qkv_bias: torch.Tensor | None, wo: QuantizedWeight, gate_up: QuantizedWeight,
+           down: QuantizedWeight, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float, n_q: int, n_kv: int,
+           head_dim: int) -> "FusedLayer":
+        keep = [t.float().contiguous() for t in (attn_norm, mlp_norm)]
+        bias = None if qkv_bias is None else qkv_bias.float().contiguous()
+        keep.append(bias)
+
+        def linear(w: QuantizedWeight, b: torch.Tensor | None = None) -> _Linear:
+            n, types, rows, data = w.c_parts
+            return _Linear(n, ctypes.addressof(types), ctypes.addressof(rows), ctypes.addressof(data), w.shape[0],
+                           w.shape[1], None if b is None else b.data_ptr())
+
+        layer = _Layer(linear(qkv, bias), linear(wo), linear(gate_up), linear(down), keep[0].data_ptr(),
+                       keep[1].data_ptr(), eps, head_dim ** -0.5, n_q, n_kv, head_dim)
+        return FusedLayer(layer, tuple(keep))
+
+
+def fused_layer_usable(x: torch.Tensor, cache_dtype: torch.dtype, *weights: object) -> bool:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and cache_dtype == torch.float32
+            and all(isinstance(w, QuantizedWeight) for w in weights) and active_library() is not None)
+
+
+def run_layer(x: torch.Tensor, fused: FusedLayer, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+    """x [B, T, hidden] -> the layer's output (a new tensor); K/V written to the cache buffers
+    [B, n_kv, max_len, head_dim] at `positions` [B, T] (int64); cos, sin [B, 1, T, head_dim];
+    visible [B, T, kv_len] or None (every key below kv_len)."""
+    B, T, _ = x.shape
+    assert k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]
+    out = x.contiguous().clone()
+    status = active_library().qd_layer(
+        out.data_ptr(), ctypes.addressof(fused.layer), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        None if visible is None else visible.data_ptr(), B, T, kv_len, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"a layer over {B * T} rows could not allocate its buffers")
+    return out
