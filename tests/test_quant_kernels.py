@@ -9,6 +9,9 @@ The kernel must be built: these tests fail, not skip, where it is not.
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -108,22 +111,40 @@ def test_parts_of_several_types_are_one_matrix():
     assert torch.equal(fused[[0, 40]], torch.stack([parts[0].dequantize()[0], parts[1].dequantize()[8]]))
 
 
-def test_both_instruction_sets_agree_bitwise():
-    """VNNI's vpdpwssd and AVX2's vpmaddwd + vpaddd sum the same integers: one result."""
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_both_instruction_sets_agree_bitwise(qtype):
+    """VNNI's vpdpwssd and AVX2's vpmaddwd + vpaddd sum the same integers, in register layouts
+    that differ with the row count (more accumulator chains for fewer rows): one result."""
     vnni = library("avx512vnni")
     if not library("avx2").qd_cpu_has_vnni():
         pytest.skip("this CPU lacks AVX512-VNNI: only the AVX2 build can run here")
     assert not isinstance(vnni, str), vnni
-    w, x = weight(Q.Q4_K), torch.randn(9, 512)
-    results = []
-    for isa in ("avx2", "avx512vnni"):
-        y = torch.empty(9, w.shape[0])
-        part = w.parts[0]
-        library(isa).qd_quant_matmul(x.data_ptr(), 1, (ctypes.c_int * 1)(int(part.qtype)),
-                                     (ctypes.c_int64 * 1)(part.rows), (ctypes.c_void_p * 1)(part.blocks.ctypes.data),
-                                     None, None, y.data_ptr(), 0, None, 0.0, None, 9, w.shape[0], 512, 1)
-        results.append(y)
-    assert torch.equal(*results)
+    w = weight(qtype)
+    part, (N, K) = w.parts[0], w.shape
+    for M in (1, 2, 3, 9):
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+        results = []
+        for isa in ("avx2", "avx512vnni"):
+            y = torch.empty(M, N)
+            library(isa).qd_quant_matmul(x.data_ptr(), 1, (ctypes.c_int * 1)(int(part.qtype)),
+                                         (ctypes.c_int64 * 1)(part.rows), (ctypes.c_void_p * 1)(part.blocks.ctypes.data),
+                                         None, None, y.data_ptr(), 0, None, 0.0, None, M, N, K, 1)
+            results.append(y)
+        assert torch.equal(*results), M
+
+
+def kernel_chosen_with(value: str) -> subprocess.CompletedProcess:
+    code = "from quickdraft import kernels; print(kernels.kernel_info().isa)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "QUICKDRAFT_KERNEL": value})
+
+
+def test_the_kernel_can_be_chosen_explicitly():
+    assert kernel_chosen_with("avx2").stdout.split() == ["avx2"]
+    torch_path = kernel_chosen_with("torch")
+    assert torch_path.stdout.split() == ["None"] and "QUICKDRAFT_KERNEL=torch" in torch_path.stderr
+    wrong = kernel_chosen_with("sse9")
+    assert wrong.returncode != 0 and "QUICKDRAFT_KERNEL='sse9': expected one of avx2, avx512vnni" in wrong.stderr
 
 
 def attention_case(B=2, Hq=4, Hkv=2, T=5, ctx=7, D=24, seed=7):

@@ -4,7 +4,8 @@ The sources ship inside the package; `prepare()` compiles them with the system C
 per-user cache (once per source version) when a model is loaded, never inside a forward. Two
 builds exist: `avx512vnni` (integer dot products with VNNI) where the CPU has AVX512-VNNI/VL/BW,
 and `avx2` (AVX2 + FMA) otherwise. When neither can be built, `status()` says why and a warning
-names the slower torch path that runs instead.
+names the slower torch path that runs instead. QUICKDRAFT_KERNEL=avx2|avx512vnni|torch picks one
+path explicitly (to compare them, or to rule the kernel out); a choice that cannot run is an error.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ FLAGS = {
                    "-DQD_VNNI"],
 }
 ISAS = tuple(FLAGS)
+FORCE_ENV = "QUICKDRAFT_KERNEL"  # avx2 | avx512vnni | torch: run that path instead of the best one
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,18 @@ def prepare() -> KernelInfo:
 
 
 def _choose() -> KernelInfo:
+    forced = os.environ.get(FORCE_ENV, "").strip()
+    if forced:
+        if forced == "torch":
+            return KernelInfo(None, f"disabled by {FORCE_ENV}=torch")
+        if forced not in ISAS:
+            raise ValueError(f"{FORCE_ENV}={forced!r}: expected one of {', '.join(ISAS)} or torch")
+        lib = library(forced)
+        if isinstance(lib, str):
+            raise RuntimeError(f"{FORCE_ENV}={forced} asks for a kernel that cannot be used: {lib}")
+        if forced == "avx512vnni" and not library("avx2").qd_cpu_has_vnni():
+            raise RuntimeError(f"{FORCE_ENV}=avx512vnni: this CPU lacks AVX512-VNNI/VL/BW")
+        return KernelInfo(forced, f"built; chosen by {FORCE_ENV}", lib._name)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return KernelInfo(None, f"CPU capability {capability} lacks AVX2")

@@ -34,6 +34,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 #else
 #define MB_MAX 4    /* 16 registers with AVX2 */
 #endif
+#define CHAINS_MAX 8 /* int32 accumulators per row when it is alone */
 #define INLINE static inline __attribute__((always_inline))
 
 /* Bytes of one block and weights it holds, per type; 0 for unsupported types. */
@@ -66,7 +67,7 @@ INLINE __m256i fifth_bits(const uint8_t *p) {
 typedef struct {
     const uint8_t *b;     /* the superblock (K-quants) or the first 32-weight block (others) */
     float d;              /* K-quants: the superblock's scale */
-    uint8_t sc[UNITS];    /* Q4_K/Q5_K: the 6-bit sub-scales */
+    uint64_t sc;          /* Q4_K/Q5_K: the 6-bit sub-scales, unit s in byte s */
     __m256 m[2];          /* lane g: the offset of the weights in 16-value group g */
     __m256i qh;           /* Q5_K: the fifth bits of the superblock */
 } Prep;
@@ -103,7 +104,8 @@ INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep
         u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
         u[2] = mins_lo;
         u[0] &= 0x3f3f3f3f;
-        memcpy(p->sc, u, 8);
+        p->sc = (uint64_t)u[0] | (uint64_t)u[1] << 32;  /* in a register: a copy through memory stalled on
+                                                          * store forwarding once per superblock */
         p->d = f16(p->b);
         const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])));
         per_group(_mm256_mul_ps(mins, _mm256_set1_ps(-f16(p->b + 2))), p->m);  /* as ggml: d*sc*q - dmin*m */
@@ -143,7 +145,7 @@ INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) 
         __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(packed, 4) : packed, lo4);
         if (type == Q5_K)
             q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(p->qh, s), _mm256_set1_epi8(1)), 4));
-        split(q, _mm256_set1_epi16(p->sc[s]), 0, w);
+        split(q, _mm256_set1_epi16((short)(p->sc >> 8 * s & 0xff)), 0, w);
         return;
     }
     if (type == Q6_K) {
@@ -215,47 +217,67 @@ INLINE __m256i madd_acc(__m256i acc, __m256i w, const int16_t *x) {
 #endif
 }
 
-/* Weight row `row` against rows [0, mb) of q (mb constant after inlining: accumulators stay in
- * registers while each unit, unpacked once, meets every row). The order of every sum is fixed, so
- * each row's result is the same for any M. K-quants sum a superblock in int32 and convert once;
- * the others scale each 32-weight block in float (two accumulators per row hide the FMA latency). */
-INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int type, const int mb, float *out) {
-    __m256 tot[MB_MAX];
-    for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
+/* One activation block (nu units) of weight row `row` against rows [0, mb) of q, added to tot
+ * (mb and, for whole blocks, nu constant after inlining: the unit loop unrolls and accumulators stay
+ * in registers while each unit, unpacked once, meets every row). The order of every float sum is
+ * fixed, so each row's result is the same for any M. K-quants sum a superblock in int32 and convert
+ * once; the others scale each 32-weight block in float (two accumulators per row hide the FMA
+ * latency). */
+INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb, const int type, const int mb,
+                      const int nu, __m256 tot[]) {
+    /* K-quants' integer sums run in several independent chains per row (few rows would otherwise
+     * wait on the multiply-add latency); integer addition makes their order irrelevant to the result */
+    const int chains = mb == 1 ? CHAINS_MAX : mb == 2 ? CHAINS_MAX / 2 : 2;
     Prep p;
-    for (int64_t xb = 0; xb < q->nxb; xb++) {
-        const int nu = (int)((K - xb * XB < XB ? K - xb * XB : XB) / 32);
-        prepare(row, xb, nu, type, &p);
-        __m256 a0[MB_MAX], a1[MB_MAX];
-        __m256i isum[MB_MAX];
-        for (int j = 0; j < mb; j++) { a0[j] = a1[j] = _mm256_setzero_ps(); isum[j] = _mm256_setzero_si256(); }
-        for (int s = 0; s < UNITS; s++) {  /* constant trip count: unrolled, s known in each copy */
-            if (s == nu) break;
-            __m256i w[2];
-            __m256 d = _mm256_setzero_ps();
-            unit(&p, s, type, w, &d);
-            for (int j = 0; j < mb; j++) {
-                const int16_t *x = q->x + j * K + xb * XB + 32 * s;
-                if (K_QUANT(type)) {
-                    isum[j] = madd_acc(madd_acc(isum[j], w[0], x), w[1], x + 16);
-                } else {
-                    const __m256 v = _mm256_cvtepi32_ps(madd_acc(madd_acc(_mm256_setzero_si256(), w[0], x), w[1], x + 16));
-                    if (s & 1) a1[j] = _mm256_fmadd_ps(v, d, a1[j]);
-                    else a0[j] = _mm256_fmadd_ps(v, d, a0[j]);
-                }
-            }
-        }
+    prepare(row, xb, nu, type, &p);
+    __m256 a0[MB_MAX], a1[MB_MAX];
+    __m256i isum[MB_MAX][CHAINS_MAX];
+    for (int j = 0; j < mb; j++) {
+        a0[j] = a1[j] = _mm256_setzero_ps();
+        for (int c = 0; c < chains; c++) isum[j][c] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < nu; s++) {
+        __m256i w[2];
+        __m256 d = _mm256_setzero_ps();
+        unit(&p, s, type, w, &d);
         for (int j = 0; j < mb; j++) {
-            const float dx = q->dx[j * q->nxb + xb];
-            if (K_QUANT(type)) tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_set1_ps(p.d * dx), tot[j]);
-            else tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_set1_ps(dx), tot[j]);
-            if (HAS_OFFSET(type)) {
-                const float *xs = q->xs + (j * q->nxb + xb) * GROUPS;
-                tot[j] = _mm256_fmadd_ps(p.m[0], _mm256_loadu_ps(xs), tot[j]);
-                tot[j] = _mm256_fmadd_ps(p.m[1], _mm256_loadu_ps(xs + 8), tot[j]);
+            const int16_t *x = q->x + j * K + xb * XB + 32 * s;
+            if (K_QUANT(type)) {
+                isum[j][(2 * s) % chains] = madd_acc(isum[j][(2 * s) % chains], w[0], x);
+                isum[j][(2 * s + 1) % chains] = madd_acc(isum[j][(2 * s + 1) % chains], w[1], x + 16);
+            } else {
+                const __m256 v = _mm256_cvtepi32_ps(madd_acc(madd_acc(_mm256_setzero_si256(), w[0], x), w[1], x + 16));
+                if (s & 1) a1[j] = _mm256_fmadd_ps(v, d, a1[j]);
+                else a0[j] = _mm256_fmadd_ps(v, d, a0[j]);
             }
         }
     }
+    for (int j = 0; j < mb; j++) {
+        const float dx = q->dx[j * q->nxb + xb];
+        if (K_QUANT(type)) {
+            __m256i sum = isum[j][0];
+            for (int c = 1; c < chains; c++) sum = _mm256_add_epi32(sum, isum[j][c]);
+            tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(p.d * dx), tot[j]);
+        } else {
+            tot[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_set1_ps(dx), tot[j]);
+        }
+        if (HAS_OFFSET(type)) {
+            const float *xs = q->xs + (j * q->nxb + xb) * GROUPS;
+            tot[j] = _mm256_fmadd_ps(p.m[0], _mm256_loadu_ps(xs), tot[j]);
+            tot[j] = _mm256_fmadd_ps(p.m[1], _mm256_loadu_ps(xs + 8), tot[j]);
+        }
+    }
+}
+
+/* Weight row `row` against rows [0, mb) of q: whole activation blocks, then the rest of K (32-weight
+ * types only: K-quants' rows are whole superblocks). */
+INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int type, const int mb, float *out) {
+    __m256 tot[MB_MAX];
+    for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
+    const int64_t whole = K / XB;
+    for (int64_t xb = 0; xb < whole; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot);
+    if (whole < q->nxb) block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot);
     for (int j = 0; j < mb; j++) out[j] = hsum(tot[j]);
 }
 
