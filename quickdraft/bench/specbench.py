@@ -4,7 +4,8 @@ same target, same machine, same run, methods interleaved per question so machine
 Turns a method list into runs and runs into per-question records; bench/report.py turns those
 into tables, results.json and the chart. Multi-turn questions are run as Spec-Bench runs them:
 turn 1 with the chat template, its text appended as the assistant message, then turn 2; both
-turns' tokens and seconds count.
+turns' tokens and seconds count. HumanEval's prompts are raw text, continued without a template.
+transformers and llama.cpp rows decode the same prompt ids as quickdraft's rows.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from tqdm import tqdm
@@ -26,31 +27,36 @@ from quickdraft.spec.base import HEAD_PROPOSERS
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"
-HF_ROWS = ("hf-plain", "hf-prompt-lookup")
+# the other engines' rows: label -> (engine, its decoding)
+HF_ROWS = {"hf-plain": ("transformers", "plain"), "hf-prompt-lookup": ("transformers", "prompt-lookup")}
+LLAMACPP_ROWS = {"llama.cpp-plain": ("llama.cpp", "plain"), "llama.cpp-prompt-lookup": ("llama.cpp", "prompt-lookup")}
+Prompt = Union[str, list[Message]]  # raw text to continue, or a chat (the template applied)
 
 
 @dataclass(frozen=True)
 class Method:
-    label: str                 # the row name in every table
-    spec: SpecConfig | None    # quickdraft's decoding (method "none" = plain); None for transformers rows
-    hf: str | None = None      # "plain" or "prompt-lookup" for the transformers comparators
+    label: str                    # the row name in every table
+    spec: SpecConfig | None       # quickdraft's decoding (method "none" = plain); None for other engines' rows
+    engine: str = "quickdraft"    # or "transformers", "llama.cpp": comparators on the same prompt ids
+    mode: str | None = None       # another engine's decoding: "plain" or "prompt-lookup"
 
     def describe(self) -> dict[str, Any]:
         if self.spec is None:
-            return {"label": self.label, "engine": "transformers", "method": self.hf, "k": None, "spec": None}
+            return {"label": self.label, "engine": self.engine, "method": self.mode, "k": None, "spec": None}
         return {"label": self.label, "engine": "quickdraft", "method": self.spec.method,
                 "k": self.spec.k if self.spec.enabled else 0, "spec": asdict(self.spec)}
 
 
 def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
-                  compare_hf: bool = False, verify_all: bool = False) -> list[Method]:
+                  compare_hf: bool = False, verify_all: bool = False, compare_llamacpp: bool = False) -> list[Method]:
     """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR` -> methods,
     plain first (always run: it is the baseline). NAME:K sets k for one method; a draft model's path
     follows `draft:`, a head's folder may follow `head:` or `hybrid:` (default: the packaged head),
     then :K. n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each
     speculative method the same one with the draft-length policy off (every offered draft token
     verified, label ending in "all"): what its drafts could commit per pass, the ceiling of its
-    speedup, measured in the same run as what the policy makes of them."""
+    speedup, measured in the same run as what the policy makes of them. `compare_hf` and
+    `compare_llamacpp` add the other engines' plain and prompt-lookup rows."""
     ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
     methods = [Method(PLAIN, SpecConfig())]
     for item in (t.strip() for t in text.split(",")):
@@ -76,19 +82,23 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
         methods.append(Method(label, spec))
         if verify_all:
             methods.append(Method(f"{label} all", replace(spec, adaptive=False)))
-    if compare_hf:
-        methods += [Method("hf-plain", None, "plain"), Method("hf-prompt-lookup", None, "prompt-lookup")]
+    for rows in (HF_ROWS if compare_hf else {}, LLAMACPP_ROWS if compare_llamacpp else {}):
+        methods += [Method(label, None, engine, mode) for label, (engine, mode) in rows.items()]
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise QuickdraftError(f"--methods names the same method twice: {', '.join(labels)}")
     return methods
 
 
-def _quickdraft_turn(llm: LLM, spec: SpecConfig, messages: list[Message], params: SamplingParams) -> dict:
+def _prompt_kwargs(prompt: Prompt) -> dict[str, Any]:
+    return {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
+
+
+def _quickdraft_turn(llm: LLM, spec: SpecConfig, prompt: Prompt, params: SamplingParams) -> dict:
     # Through the public API, as users call it: the chat template, the proposer's set-up, decoding
     # and detokenization are all timed (the same for every quickdraft row).
     start = time.perf_counter()
-    out = llm.generate(messages=messages, params=params, spec=spec)
+    out = llm.generate(**_prompt_kwargs(prompt), params=params, spec=spec)
     wall = time.perf_counter() - start
     stats = out.stats
     return {"token_ids": out.token_ids, "text": out.text, "prompt_tokens": stats.prompt_tokens,
@@ -97,30 +107,62 @@ def _quickdraft_turn(llm: LLM, spec: SpecConfig, messages: list[Message], params
             "accepted_tokens": stats.accepted_tokens, "finish_reason": out.finish_reason}
 
 
-def _hf_turn(llm: LLM, hf_model: torch.nn.Module, kind: str, lookup_tokens: int, messages: list[Message],
-             params: SamplingParams) -> dict:
-    from quickdraft.bench.hf_reference import hf_greedy, hf_prompt_lookup
-    ids = llm.tokenizer.apply_chat_template(messages)  # the prompt ids quickdraft's rows decode from
-    eos = sorted(llm.tokenizer.eos_token_ids)
-    if kind == "plain":
-        out, wall = hf_greedy(hf_model, ids, params.max_new_tokens, eos_token_ids=eos)
-    else:
-        out, wall = hf_prompt_lookup(hf_model, ids, params.max_new_tokens, eos_token_ids=eos,
-                                     num_tokens=lookup_tokens)
-    stop = next((i for i, t in enumerate(out) if t in llm.tokenizer.eos_token_ids), None)
+# Another engine's decoding of prompt ids: (ids, max_new_tokens, eos) -> (tokens through the first
+# EOS, seconds, target passes or None, drafted tokens or None)
+Decoder = Callable[[list[int], int, frozenset[int]], tuple[list[int], float, int | None, int | None]]
+
+
+def _other_engine_turn(llm: LLM, decode: Decoder, prompt: Prompt, params: SamplingParams) -> dict:
+    """A turn of transformers or llama.cpp on the prompt ids quickdraft's rows decode from, timed
+    around its decoding alone."""
+    ids = llm.prompt_ids(**_prompt_kwargs(prompt))
+    eos = llm.tokenizer.eos_token_ids
+    out, wall, passes, drafted = decode(ids, params.max_new_tokens, eos)
+    stop = next((i for i, t in enumerate(out) if t in eos), None)
     out = out if stop is None else out[:stop]  # the EOS is committed, not emitted (as ours)
+    committed = len(out) + (stop is not None)
     return {"token_ids": out, "text": llm.tokenizer.decode(out), "prompt_tokens": len(ids), "new_tokens": len(out),
-            "committed_tokens": len(out) + (stop is not None), "wall_s": wall, "target_passes": None,
-            "drafted_tokens": None, "accepted_tokens": None,
+            "committed_tokens": committed, "wall_s": wall, "target_passes": passes, "drafted_tokens": drafted,
+            # each pass commits the drafts it accepted and one token of its own
+            "accepted_tokens": None if passes is None else committed - passes,
             "finish_reason": "stop" if stop is not None else "length"}
 
 
-TurnRunner = Callable[[list[Message], SamplingParams], dict]
+def _hf_decoder(hf_model: torch.nn.Module, kind: str, lookup_tokens: int) -> Decoder:
+    from quickdraft.bench.hf_reference import hf_greedy, hf_prompt_lookup
+
+    def decode(ids: list[int], n: int, eos: frozenset[int]) -> tuple[list[int], float, None, None]:
+        if kind == "plain":
+            out, wall = hf_greedy(hf_model, ids, n, eos_token_ids=sorted(eos))
+        else:
+            out, wall = hf_prompt_lookup(hf_model, ids, n, eos_token_ids=sorted(eos), num_tokens=lookup_tokens)
+        return out, wall, None, None
+    return decode
 
 
-def run_conversation(llm: LLM, turns: Sequence[str], params: SamplingParams, run_turn: TurnRunner) -> list[dict]:
+def _llamacpp_decoder(engine: Any, kind: str) -> Decoder:
+    def decode(ids: list[int], n: int, eos: frozenset[int]) -> tuple[list[int], float, int, int]:
+        start = time.perf_counter()
+        if kind == "plain":
+            out = engine.generate(ids, n, eos)
+            passes, drafted = len(out), 0  # one token per pass, the first from the prefill
+        else:
+            out, passes, drafted = engine.generate(ids, n, eos)
+        return out, time.perf_counter() - start, passes, drafted
+    return decode
+
+
+TurnRunner = Callable[[Prompt, SamplingParams], dict]
+
+
+def run_conversation(llm: LLM, turns: Sequence[str], params: SamplingParams, run_turn: TurnRunner,
+                     chat: bool = True) -> list[dict]:
     """Every turn of one question: each turn's prompt is the chat so far (with the method's own
-    earlier answers, as Spec-Bench does), formatted with the chat template."""
+    earlier answers, as Spec-Bench does), formatted with the chat template; without `chat`, the
+    one turn is raw text the model continues (HumanEval)."""
+    if not chat:
+        assert len(turns) == 1, "a raw-text question has one turn"
+        return [run_turn(turns[0], params)]
     messages: list[Message] = []
     records = []
     for turn in turns:
@@ -158,35 +200,95 @@ def question_record(records: list[dict], plain_ids: list[int] | None) -> dict:
     }
 
 
-def _runners(llm: LLM, methods: Sequence[Method], device: str, lookup_tokens: int) -> dict[str, TurnRunner]:
+@dataclass(frozen=True)
+class OtherEngines:
+    """Settings of the transformers and llama.cpp rows."""
+    hf_lookup_tokens: int = 10        # transformers' prompt_lookup_num_tokens
+    llamacpp_lookup_tokens: int = 10  # the binding's LlamaPromptLookupDecoding: num_pred_tokens ...
+    llamacpp_ngram: int = 2           # ... and max_ngram_size (its default)
+    threads: int | None = None        # llama.cpp's threads; None: torch's count, as quickdraft's
+
+
+TURN_ROOM = 32  # context kept per turn beyond its new tokens: chat tags, re-tokenized answers
+
+
+def llamacpp_context(llm: LLM, questions: Sequence[Question], max_new_tokens: int) -> int:
+    """llama.cpp's context length: the longest question, every turn's prompt and answer, within
+    the model's positions (a context sized for the model's 32k positions would cost gigabytes)."""
+    def need(q: Question) -> int:
+        if not q.chat:
+            return len(llm.prompt_ids(prompt=q.turns[0])) + max_new_tokens
+        chat = llm.prompt_ids(messages=[{"role": "user", "content": t} for t in q.turns])
+        return len(chat) + len(q.turns) * (max_new_tokens + TURN_ROOM)
+    return min(llm.model.config.max_position_embeddings, max(map(need, questions)))
+
+
+def _runners(llm: LLM, methods: Sequence[Method], device: str, others: OtherEngines,
+             n_ctx: int) -> tuple[dict[str, TurnRunner], list[Callable[[], None]]]:
+    """Each method's turn runner, and what must be closed after the run."""
     runners: dict[str, TurnRunner] = {}
+    closers: list[Callable[[], None]] = []
     hf_model = None
     for m in methods:
-        if m.spec is not None:
-            runners[m.label] = lambda msgs, p, spec=m.spec: _quickdraft_turn(llm, spec, msgs, p)
+        if m.engine == "quickdraft":
+            runners[m.label] = lambda prompt, p, spec=m.spec: _quickdraft_turn(llm, spec, prompt, p)
             continue
-        if hf_model is None:
-            from quickdraft.bench.hf_reference import load_hf_model
-            hf_model = load_hf_model(llm.loaded.source, llm.model.dtype, device)
-        runners[m.label] = lambda msgs, p, kind=m.hf: _hf_turn(llm, hf_model, kind, lookup_tokens, msgs, p)
-    return runners
+        if m.engine == "transformers":
+            if hf_model is None:
+                from quickdraft.bench.hf_reference import load_hf_model
+                hf_model = load_hf_model(llm.loaded.source, llm.model.dtype, device)
+            decode = _hf_decoder(hf_model, m.mode, others.hf_lookup_tokens)
+        else:
+            from quickdraft.bench.llamacpp_engine import LlamaCppEngine, LlamaCppPromptLookup
+            threads, path = others.threads or torch.get_num_threads(), llm.loaded.source.path
+            engine = (LlamaCppEngine(path, threads, n_ctx) if m.mode == "plain" else
+                      LlamaCppPromptLookup(path, threads, n_ctx, others.llamacpp_lookup_tokens, others.llamacpp_ngram))
+            closers.append(engine.close)
+            decode = _llamacpp_decoder(engine, m.mode)
+        runners[m.label] = lambda prompt, p, decode=decode: _other_engine_turn(llm, decode, prompt, p)
+    return runners, closers
 
 
-def _check_hf_greedy(methods: Sequence[Method], temperature: float) -> None:
-    if temperature > 0 and any(m.spec is None for m in methods):
-        raise QuickdraftError("--compare-hf runs transformers greedily; use --temperature 0 with it")
+def _check_greedy_comparators(methods: Sequence[Method], temperature: float) -> None:
+    others = sorted({m.engine for m in methods if m.engine != "quickdraft"})
+    if temperature > 0 and others:
+        raise QuickdraftError(f"--compare-hf and --compare-llamacpp run {' and '.join(others)} greedily; "
+                              f"use --temperature 0 with them")
+
+
+def check_llamacpp(model: str | None, methods: Sequence[Method]) -> None:
+    """Before any slow load: llama.cpp rows need the bench extra and a GGUF model."""
+    if not any(m.engine == "llama.cpp" for m in methods):
+        return
+    from quickdraft.bench.llamacpp_engine import import_llama_cpp
+    from quickdraft.weights.resolve import resolve_model
+    import_llama_cpp()
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        raise QuickdraftError(f"--compare-llamacpp runs llama.cpp on the same file, so it needs a GGUF model; "
+                              f"{model!r} is a {source.kind} directory")
 
 
 def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], max_new_tokens: int,
                   temperature: float = 0.0, seed: int | None = None, device: str = "cpu",
-                  hf_lookup_tokens: int = 10, progress: bool = True) -> list[dict]:
+                  others: OtherEngines = OtherEngines(), progress: bool = True) -> list[dict]:
     """Per question, every method back to back (the order rotating from question to question), after
     one warm-up run per method. Returns one record per question with a `runs` entry per method."""
-    _check_hf_greedy(methods, temperature)
-    runners = _runners(llm, methods, device, hf_lookup_tokens)
+    _check_greedy_comparators(methods, temperature)
+    n_ctx = llamacpp_context(llm, questions, max_new_tokens) if any(m.engine == "llama.cpp" for m in methods) else 0
+    runners, closers = _runners(llm, methods, device, others, n_ctx)
+    try:
+        return _run(llm, questions, methods, runners, max_new_tokens, temperature, seed, progress)
+    finally:
+        for close in closers:
+            close()
+
+
+def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], runners: dict[str, TurnRunner],
+         max_new_tokens: int, temperature: float, seed: int | None, progress: bool) -> list[dict]:
     warm = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=min(16, max_new_tokens))
     for m in methods:  # kernels built, draft models loaded, caches touched: none of it is timed
-        run_conversation(llm, questions[0].turns[:1], warm, runners[m.label])
+        run_conversation(llm, questions[0].turns[:1], warm, runners[m.label], questions[0].chat)
     greedy = temperature == 0
     results = []
     bar = tqdm(total=len(questions) * len(methods), unit="run", file=sys.stderr, disable=not progress,
@@ -199,7 +301,7 @@ def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Met
         turns: dict[str, list[dict]] = {}
         for m in order:
             bar.set_postfix_str(f"{q.group} #{q.question_id} {m.label}", refresh=False)
-            turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label])
+            turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label], q.chat)
             bar.update()
         plain_ids = [t for r in turns[PLAIN] for t in r["token_ids"]] if greedy else None
         runs = {m.label: question_record(turns[m.label], plain_ids) for m in methods}
@@ -211,14 +313,14 @@ def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Met
 
 def run_specbench(model: str | None, questions: Sequence[Question], methods: Sequence[Method],
                   max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
-                  device: str = "cpu", dtype: str = "float32", hf_lookup_tokens: int = 10,
+                  device: str = "cpu", dtype: str = "float32", others: OtherEngines = OtherEngines(),
                   progress: bool = True) -> tuple[LLM, list[dict]]:
     SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)  # validate first
     parse_dtype(dtype)
-    _check_hf_greedy(methods, temperature)
+    _check_greedy_comparators(methods, temperature)
+    check_llamacpp(model, methods)
     drafts = sorted({m.spec.draft_model for m in methods if m.spec is not None and m.spec.draft_model})
     llm = load(model, device=device, dtype=dtype)
     for path in drafts:  # load and check compatibility before the first question, not during it
         llm.draft_model(path)
-    return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device,
-                              hf_lookup_tokens, progress)
+    return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device, others, progress)

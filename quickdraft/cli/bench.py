@@ -94,9 +94,13 @@ def cmd_bench_forward_cost(args: argparse.Namespace) -> int:
 def _specbench_command(args: argparse.Namespace) -> str:
     """The run's effective options as one command line (defaults spelled out), for the report."""
     import shlex
+
+    from quickdraft.bench.questions import parse_groups
     words = ["quickdraft", "bench", "specbench", "--model", args.model, "--device", args.device,
              "--dtype", args.dtype, "--methods", args.methods, "-k", str(args.k),
              "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
+    if "humaneval" in parse_groups(args.groups):
+        words += ["--humaneval-half", args.humaneval_half]
     for flag, value in (("--questions", args.questions), ("--groups", args.groups), ("--limit", args.limit),
                         ("--seed", args.seed), ("--ngram-max", args.ngram_max), ("--ngram-min", args.ngram_min),
                         ("--threads", args.threads), ("--out", args.out)):
@@ -104,6 +108,8 @@ def _specbench_command(args: argparse.Namespace) -> str:
             words += [flag, str(value)]
     if args.compare_hf:
         words += ["--compare-hf", "--hf-lookup-tokens", str(args.hf_lookup_tokens)]
+    if args.compare_llamacpp:
+        words += ["--compare-llamacpp", "--llamacpp-lookup-tokens", str(args.llamacpp_lookup_tokens)]
     if args.verify_all:
         words.append("--verify-all")
     return shlex.join(words)
@@ -118,28 +124,48 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
 
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.report import build_results, markdown_report, write_outputs
-    from quickdraft.bench.specbench import parse_methods, run_specbench
+    from quickdraft.bench.specbench import OtherEngines, check_llamacpp, parse_methods, run_specbench
     groups = parse_groups(args.groups)  # every check before the slow load
-    pool, files = bench_questions(groups, args.questions)
+    if args.humaneval_half != "dev" and "humaneval" not in groups:
+        raise QuickdraftError(f"--humaneval-half {args.humaneval_half} selects HumanEval problems, but --groups "
+                              f"does not name humaneval")
+    pool, files = bench_questions(groups, args.questions, args.humaneval_half)
     questions = select_questions(pool, groups, args.limit)
-    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf, args.verify_all)
+    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf, args.verify_all,
+                            args.compare_llamacpp)
+    if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1:
+        raise QuickdraftError("--hf-lookup-tokens and --llamacpp-lookup-tokens must be >= 1")
+    check_llamacpp(args.model, methods)
     set_threads(args.threads)
+    others = OtherEngines(args.hf_lookup_tokens, args.llamacpp_lookup_tokens, threads=torch.get_num_threads())
     llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
-                                 args.seed, args.device, args.dtype, args.hf_lookup_tokens,
-                                 progress=not args.no_progress)
+                                 args.seed, args.device, args.dtype, others, progress=not args.no_progress)
     config = {"model": args.model, "model_file": str(llm.loaded.source.path), "device": args.device,
               "dtype": args.dtype, "questions": ", ".join(map(str, files)), "groups": groups,
+              "humaneval_half": args.humaneval_half if "humaneval" in groups else None,
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "seed": args.seed, "k": args.k, "hf_lookup_tokens": args.hf_lookup_tokens,
+              "llamacpp_lookup_tokens": others.llamacpp_lookup_tokens, "llamacpp_ngram": others.llamacpp_ngram,
+              "llama_cpp_python": _llama_cpp_version() if args.compare_llamacpp else None,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.machine(), "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": _specbench_command(args)}
     results = build_results(config, [m.describe() for m in methods], records)
-    print(markdown_report(results), end="")
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(markdown_report(results), end="")
     if args.out:
         written = write_outputs(results, Path(args.out))
         print(f"\nwrote {', '.join(str(p) for p in written)}", file=sys.stderr)
+    for line in results["failures"] if args.json else ():  # the tables carry them otherwise
+        print(line, file=sys.stderr)
     return 1 if results["failures"] else 0
+
+
+def _llama_cpp_version() -> str:
+    from quickdraft.bench.llamacpp_engine import import_llama_cpp
+    return import_llama_cpp().__version__
 
 
 def add_bench_specbench(bsub) -> None:
@@ -153,7 +179,11 @@ def add_bench_specbench(bsub) -> None:
                          "the packaged one) (default: plain,ngram)")
     sb.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six: mt_bench, "
                                      "translation, summarization, qa, math_reasoning, rag; also code_edit, "
-                                     "quickdraft's own input-grounded group)")
+                                     "quickdraft's own input-grounded group, and humaneval, HumanEval's code "
+                                     "completions)")
+    sb.add_argument("--humaneval-half", choices=["dev", "acceptance"], default="dev",
+                    help="HumanEval problems for the humaneval group: dev = 0-81 (default; for development and "
+                         "tuning), acceptance = 82-163 (reserved for acceptance measurements: never tune on them)")
     sb.add_argument("--limit", type=int, help="questions per group (default: all)")
     sb.add_argument("--max-new-tokens", "-n", type=int, default=128, help="per turn (default 128)")
     sb.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
@@ -164,12 +194,18 @@ def add_bench_specbench(bsub) -> None:
     sb.add_argument("--compare-hf", action="store_true",
                     help="add transformers' generate (hf-plain) and its prompt lookup (hf-prompt-lookup) rows")
     sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
+    sb.add_argument("--compare-llamacpp", action="store_true",
+                    help="add llama.cpp rows on the same GGUF file, prompt ids and threads (the `bench` extra): "
+                         "plain decoding (llama.cpp-plain) and the binding's prompt lookup (llama.cpp-prompt-lookup)")
+    sb.add_argument("--llamacpp-lookup-tokens", type=int, default=10,
+                    help="llama.cpp prompt lookup's draft tokens per step (num_pred_tokens, default 10)")
     sb.add_argument("--verify-all", action="store_true",
                     help="add beside each speculative method the same one verifying every offered draft "
                          "token (draft-length policy off; label ending in 'all'): the tokens per pass its "
                          "drafts could reach, the ceiling of its speedup")
     sb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     sb.add_argument("--out", help="folder for results.json, report.md and speedup.png")
+    sb.add_argument("--json", action="store_true", help="print results.json's object instead of the tables")
     sb.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     sb.set_defaults(func=cmd_bench_specbench)
 
@@ -237,6 +273,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not spec.enabled:
         raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k)")
     groups = parse_groups(args.groups)
+    if "humaneval" in groups:
+        raise QuickdraftError("bench serve sends chat requests; the humaneval group (raw-text completions) "
+                              "runs in bench specbench")
     pool = select_questions(bench_questions(groups, args.questions)[0], groups, args.requests)
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]

@@ -1,0 +1,87 @@
+"""llama.cpp's Spec-Bench rows on a tiny random GGUF written in the test: fast, but collected only
+when the optional `bench` extra (llama-cpp-python) is installed (tests/conftest.py leaves this file
+out otherwise; `bash scripts/install.sh --bench` installs it).
+
+Oracles: the binding's own high-level greedy `generate` without a draft model (the tokens both
+llama.cpp rows must produce), a prefill in one pass (what a prefill in n_batch pieces must equal),
+and the prompt ids quickdraft's rows decode from.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quickdraft.bench.llamacpp_engine import LlamaCppEngine, LlamaCppPromptLookup, import_llama_cpp
+from quickdraft.cli import main
+from quickdraft.errors import QuickdraftError
+from tiny_tokenizer import tiny_model, write_llama_gguf
+
+PROMPT = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42]  # the lookup finds 41, 42
+N = 24
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama_gguf(tiny_model(), tmp_path_factory.mktemp("llamacpp") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def reference(gguf: Path) -> list[int]:
+    """The binding's greedy generate, no draft model."""
+    llm = import_llama_cpp().Llama(model_path=str(gguf), n_ctx=128, n_threads=1, verbose=False)
+    out = []
+    for token in llm.generate(PROMPT, top_k=1, temp=0.0, repeat_penalty=1.0):
+        out.append(token)
+        if len(out) == N:
+            break
+    llm.close()
+    return out
+
+
+def test_plain_engine_stops_at_eos_and_prefills_in_pieces(gguf: Path, reference: list[int]) -> None:
+    whole = LlamaCppEngine(gguf, threads=1, n_ctx=128, n_batch=64)
+    pieces = LlamaCppEngine(gguf, threads=1, n_ctx=128, n_batch=8)  # the prompt in 3 passes
+    try:
+        assert whole.generate(PROMPT, N, frozenset()) == reference
+        assert pieces.generate(PROMPT, N, frozenset()) == reference
+        stop = reference[5]
+        first = reference.index(stop)
+        assert whole.generate(PROMPT, N, frozenset({stop})) == reference[:first + 1]  # through the EOS
+        room = whole.llm.n_ctx()  # llama.cpp may round the context up
+        with pytest.raises(QuickdraftError, match=f"context holds {room} tokens, but a turn needs 18 prompt \\+ {room - 17}"):
+            whole.generate(PROMPT, room - 17, frozenset())
+    finally:
+        whole.close()
+        pieces.close()
+
+
+def test_prompt_lookup_drafts_and_decodes_the_greedy_tokens(gguf: Path, reference: list[int]) -> None:
+    lookup = LlamaCppPromptLookup(gguf, threads=1, n_ctx=128, num_pred_tokens=4)
+    try:
+        for _ in range(2):  # a second call starts from an empty cache: the same tokens and counts
+            out, passes, drafted = lookup.generate(PROMPT, N, frozenset())
+            assert out == reference
+            assert drafted > 0 and 1 <= passes <= len(out)
+        stop = reference[5]
+        assert lookup.generate(PROMPT, N, frozenset({stop}))[0] == reference[:reference.index(stop) + 1]
+    finally:
+        lookup.close()
+
+
+def test_specbench_rows_with_the_real_binding(gguf: Path, tmp_path: Path, capsys) -> None:
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["the cat the cat the"]}) + "\n")
+    rc = main(["bench", "specbench", "--model", str(gguf), "--questions", str(qfile), "--groups", "qa",
+               "--max-new-tokens", "12", "--compare-llamacpp", "--threads", "1", "--json", "--no-progress"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["config"]["llama_cpp_python"] == import_llama_cpp().__version__
+    (q,) = res["questions"]
+    runs = q["runs"]
+    assert runs["llama.cpp-plain"]["turns"][0]["prompt_tokens"] == runs["plain"]["turns"][0]["prompt_tokens"]
+    for label in ("llama.cpp-plain", "llama.cpp-prompt-lookup"):
+        assert runs[label]["new_tokens"] > 0 and runs[label]["tokens_per_s"] > 0
+        assert runs[label]["identical_to_plain"] is not None  # reported, not required
+    assert runs["llama.cpp-plain"]["tokens_per_pass"] == 1.0
+    assert runs["llama.cpp-prompt-lookup"]["tokens_per_pass"] >= 1.0
