@@ -62,7 +62,7 @@ def run_plain_bench(model: str, dtypes: list[str], n_prompts: int, max_new_token
               f"{row['transformers_tok_s']:6.1f} tok/s | ratio {row['ratio']:.2f}x  "
               f"(median of {row['runs']} interleaved pairs)", flush=True)
         del hf, llm
-    print(f"\n| dtype | quickdraft tok/s | transformers tok/s | ratio |\n|---|---|---|---|")
+    print("\n| dtype | quickdraft tok/s | transformers tok/s | ratio |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['dtype']} | {r['quickdraft_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | {r['ratio']:.2f}x |")
     print(f"\n(threads: {torch.get_num_threads()}, {max_new_tokens} new tokens, greedy)")
