@@ -20,6 +20,7 @@ from quickdraft.spec.draft_model import check_compatible
 from quickdraft.spec.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
+from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,13 +88,30 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
-        if self.spec.draft_model:
+        if self.spec.draft_model or (self.spec.enabled and self.spec.method == "draft"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
             self.draft_head(self.spec.head)
 
-    def draft_model(self, name_or_path: str) -> "LLM":
-        """A draft model on this model's device and dtype, loaded once and checked compatible."""
+    def draft_name(self, name_or_path: str | None = None) -> str:
+        """The draft model to use: the one named, else the packaged draft of this target's family
+        (a target loaded by its packaged name); neither is a clear error. Loads nothing."""
+        if name_or_path:
+            return name_or_path
+        source = self.loaded.source
+        draft = packaged_draft(source.name)
+        if draft is None:
+            pairs = ", ".join(f"{target} -> {d}" for target, d in PACKAGED_DRAFTS.items())
+            what = f"the packaged model {source.name!r}" if source.name else f"a model loaded from {source.path}"
+            raise SpecConfigError(f"the 'draft' proposer needs a draft model, and none ships for {what} (packaged "
+                                  f"pairs: {pairs}); name one with --draft-model NAME|PATH (in Python: "
+                                  f"SpecConfig(draft_model=...))")
+        return draft
+
+    def draft_model(self, name_or_path: str | None = None) -> "LLM":
+        """A draft model on this model's device and dtype, loaded once and checked compatible;
+        None: this target's packaged draft (draft_name)."""
+        name_or_path = self.draft_name(name_or_path)
         if name_or_path not in self._drafts:
             draft = LLM(load_model(name_or_path, self.model.device, self.model.dtype))
             check_compatible(self, draft)

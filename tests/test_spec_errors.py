@@ -74,9 +74,12 @@ def test_k_edges_are_accepted(k: int) -> None:
     assert SpecConfig(method="ngram", k=k).k == k
 
 
-def test_draft_without_a_draft_model() -> None:
-    with pytest.raises(SpecConfigError, match="draft model"):
-        SpecConfig(method="draft", k=4)
+def test_draft_without_a_draft_model(dirs: dict[str, Path]) -> None:
+    spec = SpecConfig(method="draft", k=4)  # valid: it means the target's packaged draft (test_packaged_draft.py)
+    assert spec.draft_model is None
+    with pytest.raises(SpecConfigError, match="needs a draft model, and none ships for a model loaded from .*"
+                                              "--draft-model"):
+        quickdraft.load(dirs["target"], spec=spec)  # a target that has none
 
 
 def test_spec_config_error_is_a_quickdraft_error() -> None:

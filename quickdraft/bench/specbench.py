@@ -48,11 +48,12 @@ class Method:
 
 
 def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
-                  compare_hf: bool = False, verify_all: bool = False, compare_llamacpp: bool = False) -> list[Method]:
-    """`plain,ngram,ngram:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR` -> methods,
-    plain first (always run: it is the baseline). NAME:K sets k for one method; a draft model's path
-    follows `draft:`, a head's folder may follow `head:` or `hybrid:` (default: the packaged head),
-    then :K. n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each
+                  compare_hf: bool = False, verify_all: bool = False, compare_llamacpp: bool = False,
+                  default_draft: str | None = None) -> list[Method]:
+    """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR`
+    -> methods, plain first (always run: it is the baseline). NAME:K sets k for one method; a draft
+    model's name or path may follow `draft:` (default: `default_draft`, the target's packaged
+    draft), a head's folder may follow `head:` or `hybrid:` (default: the packaged head), then :K. n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each
     speculative method the same one with the draft-length policy off (every offered draft token
     verified, label ending in "all"): what its drafts could commit per pass, the ceiling of its
     speedup, measured in the same run as what the policy makes of them. `compare_hf` and
@@ -69,7 +70,10 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
             path, k_text = (path, tail) if sep and tail.isdigit() else (arg, "")
             path = path or None
         if name == "draft" and not path:
-            raise QuickdraftError(f"method {item!r}: the draft proposer needs a model, e.g. draft:PATH")
+            path = default_draft
+            if not path:
+                raise QuickdraftError(f"method {item!r}: the draft proposer needs a model and none ships for this "
+                                      f"target; name one: draft:NAME|PATH[:K]")
         if name not in PROPOSERS:
             raise QuickdraftError(f"unknown method {name!r} in --methods; valid names: "
                                   f"{', '.join([PLAIN, *sorted(PROPOSERS)])} (NAME:K sets k; draft:PATH[:K])")
@@ -319,8 +323,8 @@ def run_specbench(model: str | None, questions: Sequence[Question], methods: Seq
     parse_dtype(dtype)
     _check_greedy_comparators(methods, temperature)
     check_llamacpp(model, methods)
-    drafts = sorted({m.spec.draft_model for m in methods if m.spec is not None and m.spec.draft_model})
     llm = load(model, device=device, dtype=dtype)
-    for path in drafts:  # load and check compatibility before the first question, not during it
-        llm.draft_model(path)
+    for m in methods:  # load drafts and check them before the first question, not during it
+        if m.spec is not None and (m.spec.draft_model or m.spec.method == "draft"):
+            llm.draft_model(m.spec.draft_model)
     return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device, others, progress)

