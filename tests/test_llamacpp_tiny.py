@@ -50,7 +50,8 @@ def test_plain_engine_stops_at_eos_and_prefills_in_pieces(gguf: Path, reference:
         first = reference.index(stop)
         assert whole.generate(PROMPT, N, frozenset({stop})) == reference[:first + 1]  # through the EOS
         room = whole.llm.n_ctx()  # llama.cpp may round the context up
-        with pytest.raises(QuickdraftError, match=f"context holds {room} tokens, but a turn needs 18 prompt \\+ {room - 17}"):
+        message = f"context holds {room} tokens, but a turn needs 18 prompt \\+ {room - 17}"
+        with pytest.raises(QuickdraftError, match=message):
             whole.generate(PROMPT, room - 17, frozenset())
     finally:
         whole.close()

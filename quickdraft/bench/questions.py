@@ -125,7 +125,8 @@ def load_humaneval(half: str = "dev", path: Path | None = None) -> list[Question
         with gzip.open(path, "rt", encoding="utf-8") as f:
             prompts = {row["task_id"]: row["prompt"] for row in map(json.loads, filter(str.strip, f))}
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise QuickdraftError(f"{path}: expected gzipped JSON lines with task_id and prompt, found an error: {e}") from None
+        raise QuickdraftError(f"{path}: expected gzipped JSON lines with task_id and prompt, "
+                              f"found an error: {e}") from None
     wanted = [f"HumanEval/{i}" for i in HUMANEVAL_HALVES[half]]
     missing = [t for t in wanted if not prompts.get(t)]
     if missing:

@@ -53,11 +53,12 @@ def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: in
     """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR`
     -> methods, plain first (always run: it is the baseline). NAME:K sets k for one method; a draft
     model's name or path may follow `draft:` (default: `default_draft`, the target's packaged
-    draft), a head's folder may follow `head:` or `hybrid:` (default: the packaged head), then :K. n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each
-    speculative method the same one with the draft-length policy off (every offered draft token
-    verified, label ending in "all"): what its drafts could commit per pass, the ceiling of its
-    speedup, measured in the same run as what the policy makes of them. `compare_hf` and
-    `compare_llamacpp` add the other engines' plain and prompt-lookup rows."""
+    draft), a head's folder may follow `head:` or `hybrid:` (default: the packaged head), then :K.
+    n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each speculative
+    method the same one with the draft-length policy off (every offered draft token verified, label
+    ending in "all"): what its drafts could commit per pass, the ceiling of its speedup, measured in
+    the same run as what the policy makes of them. `compare_hf` and `compare_llamacpp` add the other
+    engines' plain and prompt-lookup rows."""
     ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
     methods = [Method(PLAIN, SpecConfig())]
     for item in (t.strip() for t in text.split(",")):
