@@ -270,37 +270,9 @@ INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb,
     }
 }
 
-/* Weight row `row` against rows [0, mb) of q: whole activation blocks, then the rest of K (32-weight
- * types only: K-quants' rows are whole superblocks). */
-INLINE void row_block(const uint8_t *row, const QRows *q, int64_t K, const int type, const int mb, float *out) {
-    __m256 tot[MB_MAX];
-    for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
-    const int64_t whole = K / XB;
-    for (int64_t xb = 0; xb < whole; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot);
-    if (whole < q->nxb) block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot);
-    for (int j = 0; j < mb; j++) out[j] = hsum(tot[j]);
-}
-
-INLINE void row_dot(const uint8_t *row, const QRows *q, int64_t M, int64_t K, const int type, float *out) {
-    for (int64_t i = 0; i < M; i += MB_MAX) {
-        const QRows qi = {q->x + i * K, q->dx + i * q->nxb, q->xs + i * q->nxb * GROUPS, q->nxb};
-        switch (M - i < MB_MAX ? M - i : MB_MAX) {
-            case 1: row_block(row, &qi, K, type, 1, out + i); break;
-            case 2: row_block(row, &qi, K, type, 2, out + i); break;
-            case 3: row_block(row, &qi, K, type, 3, out + i); break;
-#if MB_MAX > 4
-            case 4: row_block(row, &qi, K, type, 4, out + i); break;
-            case 5: row_block(row, &qi, K, type, 5, out + i); break;
-            case 6: row_block(row, &qi, K, type, 6, out + i); break;
-            case 7: row_block(row, &qi, K, type, 7, out + i); break;
-#endif
-            default: row_block(row, &qi, K, type, MB_MAX, out + i); break;
-        }
-    }
-}
-
 /* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
 #define ROWS_PER_TASK 16
+#define X_SPAN 2  /* activation blocks per pass over a task's weight rows: mb rows of them (8 KB) stay in L1 */
 typedef struct {
     const QRows *q;
     const uint8_t *w;
@@ -310,28 +282,74 @@ typedef struct {
     float *y;
 } PartJob;
 
+/* Weight rows [n0, n1) of the part against rows [0, mb) of q, into out[n - n0][j]. The activations
+ * are walked X_SPAN blocks at a time across all the task's weight rows: read for every weight row,
+ * they must come from L1 (all of K for 8 rows overflows it, and the products then wait on L2). Each
+ * (weight row, row) pair still sums its blocks in order, so the result is that of one long walk. */
+INLINE void rows_dot(const PartJob *job, const QRows *q, int64_t n0, int64_t n1, const int type, const int mb,
+                     float out[][MB_MAX]) {
+    const int64_t K = job->K, whole = K / XB;
+    __m256 tot[ROWS_PER_TASK][MB_MAX];
+    for (int64_t n = n0; n < n1; n++)
+        for (int j = 0; j < mb; j++) tot[n - n0][j] = _mm256_setzero_ps();
+    for (int64_t x0 = 0; x0 < q->nxb; x0 += X_SPAN) {
+        const int64_t x1 = x0 + X_SPAN < whole ? x0 + X_SPAN : whole;
+        for (int64_t n = n0; n < n1; n++) {
+            const uint8_t *row = job->w + n * job->row_bytes;
+            for (int64_t xb = x0; xb < x1; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot[n - n0]);
+            if (whole < q->nxb && x0 + X_SPAN > whole)  /* the rest of K: 32-weight types only */
+                block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot[n - n0]);
+        }
+    }
+    for (int64_t n = n0; n < n1; n++)
+        for (int j = 0; j < mb; j++) out[n - n0][j] = hsum(tot[n - n0][j]);
+}
+
+/* rows_dot over the rows of q in groups of at most MB_MAX, as even as can be (9 rows: 5 + 4, not
+ * 8 + 1, whose lone row runs at one-row speed); mb is a constant in each copy. */
+INLINE void task_dot(const PartJob *job, int64_t n0, int64_t n1, const int type, float *y) {
+    const int64_t groups = (job->M + MB_MAX - 1) / MB_MAX;
+    for (int64_t g = 0, i = 0; g < groups; g++) {
+        const QRows qi = {job->q->x + i * job->K, job->q->dx + i * job->q->nxb,
+                          job->q->xs + i * job->q->nxb * GROUPS, job->q->nxb};
+        float out[ROWS_PER_TASK][MB_MAX];
+        const int mb = (int)((job->M - i + (groups - g) - 1) / (groups - g));
+        switch (mb) {
+            case 1: rows_dot(job, &qi, n0, n1, type, 1, out); break;
+            case 2: rows_dot(job, &qi, n0, n1, type, 2, out); break;
+            case 3: rows_dot(job, &qi, n0, n1, type, 3, out); break;
+#if MB_MAX > 4
+            case 4: rows_dot(job, &qi, n0, n1, type, 4, out); break;
+            case 5: rows_dot(job, &qi, n0, n1, type, 5, out); break;
+            case 6: rows_dot(job, &qi, n0, n1, type, 6, out); break;
+            case 7: rows_dot(job, &qi, n0, n1, type, 7, out); break;
+#endif
+            default: rows_dot(job, &qi, n0, n1, type, MB_MAX, out); break;
+        }
+        for (int64_t n = n0; n < n1; n++) {
+            const int64_t col = job->n0 + n;
+            for (int j = 0; j < mb; j++) {
+                float v = out[n - n0][j];
+                if (job->b) v += job->b[col];
+                y[(i + j) * job->N + col] = job->r ? job->r[(i + j) * job->N + col] + v : v;
+            }
+        }
+        i += mb;
+    }
+}
+
 static void part_task(void *ctx, int64_t task) {
     const PartJob *j = ctx;
-    const int64_t end = (task + 1) * ROWS_PER_TASK < j->rows ? (task + 1) * ROWS_PER_TASK : j->rows;
-    for (int64_t n = task * ROWS_PER_TASK; n < end; n++) {
-        float out[M_CHUNK];
-        const uint8_t *row = j->w + n * j->row_bytes;
-        switch (j->type) {
-            case Q4_0: row_dot(row, j->q, j->M, j->K, Q4_0, out); break;
-            case Q4_1: row_dot(row, j->q, j->M, j->K, Q4_1, out); break;
-            case Q5_0: row_dot(row, j->q, j->M, j->K, Q5_0, out); break;
-            case Q5_1: row_dot(row, j->q, j->M, j->K, Q5_1, out); break;
-            case Q8_0: row_dot(row, j->q, j->M, j->K, Q8_0, out); break;
-            case Q4_K: row_dot(row, j->q, j->M, j->K, Q4_K, out); break;
-            case Q5_K: row_dot(row, j->q, j->M, j->K, Q5_K, out); break;
-            default: row_dot(row, j->q, j->M, j->K, Q6_K, out); break;
-        }
-        const int64_t col = j->n0 + n;
-        for (int64_t i = 0; i < j->M; i++) {
-            float v = out[i];
-            if (j->b) v += j->b[col];
-            j->y[i * j->N + col] = j->r ? j->r[i * j->N + col] + v : v;
-        }
+    const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < j->rows ? n0 + ROWS_PER_TASK : j->rows;
+    switch (j->type) {
+        case Q4_0: task_dot(j, n0, n1, Q4_0, j->y); break;
+        case Q4_1: task_dot(j, n0, n1, Q4_1, j->y); break;
+        case Q5_0: task_dot(j, n0, n1, Q5_0, j->y); break;
+        case Q5_1: task_dot(j, n0, n1, Q5_1, j->y); break;
+        case Q8_0: task_dot(j, n0, n1, Q8_0, j->y); break;
+        case Q4_K: task_dot(j, n0, n1, Q4_K, j->y); break;
+        case Q5_K: task_dot(j, n0, n1, Q5_K, j->y); break;
+        default: task_dot(j, n0, n1, Q6_K, j->y); break;
     }
 }
 
@@ -349,7 +367,8 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
     const float *h = qd_prologue(x, prologue, g, eps, scratch, M, K);
     QRows q;
     q.nxb = (K + XB - 1) / XB;
-    q.x = malloc(sizeof(int16_t) * (size_t)(M * K));
+    /* 64-byte aligned: each unit of a row is one cache line, and a split load costs two */
+    q.x = aligned_alloc(64, (sizeof(int16_t) * (size_t)(M * K) + 63) / 64 * 64);
     q.dx = malloc(sizeof(float) * (size_t)(M * q.nxb));
     q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * GROUPS));
     if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); free(own); return -1; }
