@@ -272,7 +272,6 @@ INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb,
 
 /* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
 #define ROWS_PER_TASK 16
-#define X_SPAN 2  /* activation blocks per pass over a task's weight rows: mb rows of them (8 KB) stay in L1 */
 typedef struct {
     const QRows *q;
     const uint8_t *w;
@@ -282,27 +281,20 @@ typedef struct {
     float *y;
 } PartJob;
 
-/* Weight rows [n0, n1) of the part against rows [0, mb) of q, into out[n - n0][j]. The activations
- * are walked X_SPAN blocks at a time across all the task's weight rows: read for every weight row,
- * they must come from L1 (all of K for 8 rows overflows it, and the products then wait on L2). Each
- * (weight row, row) pair still sums its blocks in order, so the result is that of one long walk. */
+/* Weight rows [n0, n1) of the part against rows [0, mb) of q, into out[n - n0][j]: each weight
+ * row in one sequential run over K (runs hopping between rows defeat the hardware prefetcher; the
+ * activations stay in L2 either way). */
 INLINE void rows_dot(const PartJob *job, const QRows *q, int64_t n0, int64_t n1, const int type, const int mb,
                      float out[][MB_MAX]) {
     const int64_t K = job->K, whole = K / XB;
-    __m256 tot[ROWS_PER_TASK][MB_MAX];
-    for (int64_t n = n0; n < n1; n++)
-        for (int j = 0; j < mb; j++) tot[n - n0][j] = _mm256_setzero_ps();
-    for (int64_t x0 = 0; x0 < q->nxb; x0 += X_SPAN) {
-        const int64_t x1 = x0 + X_SPAN < whole ? x0 + X_SPAN : whole;
-        for (int64_t n = n0; n < n1; n++) {
-            const uint8_t *row = job->w + n * job->row_bytes;
-            for (int64_t xb = x0; xb < x1; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot[n - n0]);
-            if (whole < q->nxb && x0 + X_SPAN > whole)  /* the rest of K: 32-weight types only */
-                block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot[n - n0]);
-        }
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = job->w + n * job->row_bytes;
+        __m256 tot[MB_MAX];
+        for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
+        for (int64_t xb = 0; xb < whole; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot);
+        if (whole < q->nxb) block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot);  /* 32-weight types */
+        for (int j = 0; j < mb; j++) out[n - n0][j] = hsum(tot[j]);
     }
-    for (int64_t n = n0; n < n1; n++)
-        for (int j = 0; j < mb; j++) out[n - n0][j] = hsum(tot[n - n0][j]);
 }
 
 /* rows_dot over the rows of q in groups of at most MB_MAX, as even as can be (9 rows: 5 + 4, not
