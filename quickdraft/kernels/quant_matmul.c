@@ -271,7 +271,8 @@ INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb,
 }
 
 /* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
-#define ROWS_PER_TASK 16
+#define ROWS_PER_TASK 64  /* long runs: with 16, two threads' interleaved tasks hopped through the
+                            * rows and read no faster than one thread */
 typedef struct {
     const QRows *q;
     const uint8_t *w;
