@@ -34,6 +34,7 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 #else
 #define MB_MAX 4    /* 16 registers with AVX2 */
 #endif
+#define PREFETCH_AHEAD 2048
 #define CHAINS_MAX 8 /* int32 accumulators per row when it is alone */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -230,6 +231,10 @@ INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb,
     const int chains = mb == 1 ? CHAINS_MAX : mb == 2 ? CHAINS_MAX / 2 : 2;
     Prep p;
     prepare(row, xb, nu, type, &p);
+    /* the row's bytes 2 KB ahead: with two threads streaming, the hardware prefetcher alone left
+     * them waiting on memory (~10% at one row) */
+    for (int o = 0; o < BLOCK_BYTES(type) * (K_QUANT(type) ? 1 : UNITS); o += 64)
+        _mm_prefetch((const char *)p.b + PREFETCH_AHEAD + o, _MM_HINT_T0);
     __m256 a0[MB_MAX], a1[MB_MAX];
     __m256i isum[MB_MAX][CHAINS_MAX];
     for (int j = 0; j < mb; j++) {
