@@ -16,8 +16,10 @@
 #include "kernels.h"
 
 #define MAX_WORKERS 63
-#define PAUSES 50000  /* idle polls with a pause (0.1-1 ms in all): a decode step's calls come ~10-50 us apart */
-#define YIELDS 20000  /* then polls that yield the core (a busy machine's other work runs), then sleep */
+#define PAUSES 5000   /* idle polls with a pause (~0.1 ms in all): a decode step's calls come ~10-50 us apart, and
+                       * longer spinning held the core from torch's own threads between forwards (a 4 us
+                       * torch op took 1.5 ms right after a forward) */
+#define YIELDS 200    /* then polls that yield the core (a busy machine's other work runs), then sleep */
 
 typedef struct {
     void (*fn)(void *ctx, int64_t task);

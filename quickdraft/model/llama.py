@@ -20,7 +20,7 @@ from quickdraft.kernels.layer import FusedLayer, fused_layer_usable, run_layer
 from quickdraft.cache import KVCache, Slots
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.rope import apply_rope, inverse_frequencies, rope_tables
+from quickdraft.model.rope import RotaryTable, apply_rope, inverse_frequencies
 
 
 @dataclass
@@ -46,12 +46,12 @@ class AttentionInputs:
         return None if self.mask is None else self.mask[:, 0].contiguous()
 
 
-def attention_inputs(inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                      attn_mask: torch.Tensor | None = None) -> AttentionInputs:
     """A query at position p sees the cached keys at slots 0..p of its row; `attn_mask`
     [B, T, kv_len] narrows that further (trees)."""
     kv_len = int(positions.max()) + 1
-    cos, sin = rope_tables(inv_freq, positions, cache.dtype)
+    cos, sin = rope(inv_freq, positions, cache.dtype)
     mask = None  # one query at the last position of one row sees every key: no mask needed
     if positions.shape != (1, 1) or attn_mask is not None:
         mask = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)  # [B, T, kv_len]
@@ -138,6 +138,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(config, rope_freq_factors), persistent=False)
+        self.rope = RotaryTable()
         self.requires_grad_(False)
 
     @property
@@ -171,7 +172,7 @@ class Transformer(nn.Module):
         its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
         `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
         x = self.embed(tokens).to(self.compute_dtype)
-        at = attention_inputs(self.inv_freq, positions, cache, attn_mask)
+        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, at)
         return ForwardOutput(logits=self.logits(x if last_n is None else x[:, -last_n:]), hidden=x)

@@ -33,12 +33,29 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
     return torch.where(in_band, blended, scaled)
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [B, 1, T, head_dim] for positions [B, T]; computed in float32, then cast."""
-    freqs = positions.unsqueeze(-1).float() * inv_freq  # [B, T, hd/2]
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+class RotaryTable:
+    """cos and sin of position x inverse frequency for positions [0, n), looked up per forward and
+    grown (doubling) when a longer context arrives.
+
+    Why a table: torch runs cos/sin of even 128 values on its OpenMP threads, whose workers then
+    spin on the core the C kernels' own pool needs; on 2 cores that made a SmolLM2 pass over 2
+    tokens 17 ms instead of 11. A lookup is an index, no transcendental, no thread pool."""
+
+    def __init__(self) -> None:
+        self.cos: torch.Tensor | None = None  # [n, head_dim] float32
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [B, 1, T, head_dim] for positions [B, T] (of the same values as computing
+        them in float32 per forward), cast to dtype."""
+        need = int(positions.max()) + 1
+        if self.cos is None or self.cos.shape[0] < need or self.cos.device != inv_freq.device:
+            n = max(need, 256, 2 * (0 if self.cos is None else self.cos.shape[0]))
+            freqs = torch.arange(n, device=inv_freq.device).unsqueeze(-1).float() * inv_freq  # [n, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.cos, self.sin = emb.cos(), emb.sin()
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

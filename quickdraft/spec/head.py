@@ -34,7 +34,7 @@ from quickdraft.cache import KVCache
 from quickdraft.kernels import linear
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
-from quickdraft.model.rope import inverse_frequencies
+from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.spec.base import Agreement, Draft, ProposerContext, SpecConfigError, register
 
@@ -67,6 +67,7 @@ class DraftHead(nn.Module):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = Block(config)
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        self.rope = RotaryTable()
         self.register_buffer("vocab", torch.arange(config.vocab_size) if vocab is None else vocab.long())
 
     def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype, batch_size: int = 1) -> KVCache:
@@ -77,7 +78,7 @@ class DraftHead(nn.Module):
         """features, token_embeds: [B, T, D] pairs (f_t, e(s_{t+1})) at positions t [B, T] ->
         predicted f_{t+1} [B, T, D]."""
         x = linear(torch.cat([token_embeds, features], dim=-1), self.fc.weight)
-        return self.block(x, cache, 0, attention_inputs(self.inv_freq, positions, cache))
+        return self.block(x, cache, 0, attention_inputs(self.rope, self.inv_freq, positions, cache))
 
 
 def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str,
