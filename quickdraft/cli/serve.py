@@ -31,6 +31,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len, policy=args.policy,
                               max_step_tokens=args.max_step_tokens)
+        limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),) if v is not None}
+        ServerConfig("check", spec, engine, **limits)  # the flags are checked before the model loads
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     if not 0 < args.port < 65536:
@@ -42,7 +44,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy})",
           file=sys.stderr)
-    serve(llm, ServerConfig(name, spec, engine), args.host, args.port, args.shutdown_timeout, cost,
+    serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
           args.log_level)
     return 0
 
@@ -64,6 +66,8 @@ def add_serve(sub) -> None:
                     help="goodput policy: at most this many tokens fed per step (default 64)")
     sv.add_argument("--no-measure-cost", action="store_true",
                     help="skip measuring the forward-cost curve at start-up (the policy then starts from a prior)")
+    sv.add_argument("--max-body-bytes", type=int,
+                    help="larger request bodies get a 413 before they are parsed (default 1048576 = 1 MiB)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

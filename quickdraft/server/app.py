@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from quickdraft import kernels
@@ -25,6 +26,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out
+from quickdraft.server.guards import DeclaredBodyLimit, body_too_large
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker
@@ -32,6 +34,7 @@ from quickdraft.spec import Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 DISCONNECT_POLL_S = 0.5
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class ServerConfig:
     model_name: str
     spec: SpecConfig = SpecConfig()       # speculation for requests that do not choose their own
     engine: EngineConfig = EngineConfig(max_batch=8)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413 before they are parsed
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, found {self.max_body_bytes}")
 
 
 class BadRequest(Exception):
@@ -67,8 +75,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         worker.stop()
 
     app = FastAPI(title="quickdraft", lifespan=lifespan)
+    app.add_middleware(DeclaredBodyLimit, max_body_bytes=config.max_body_bytes)
+    # per route, inside DeclaredBodyLimit: FastAPI's limit counts the bytes of bodies of no declared length
+    body_limit = config.max_body_bytes
     app.state.worker, app.state.metrics = worker, metrics
-    _install_error_handlers(app)
+    _install_error_handlers(app, config)
 
     runtime = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().isa or "none (torch path)"}
 
@@ -86,10 +97,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "quickdraft"}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", max_body_size=body_limit)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
-        if isinstance(body.prompt, str):
-            ids = llm.tokenizer.encode(body.prompt)
+        _check_model(body)
+        if isinstance(body.prompt, str):  # off the event loop: a long prompt must not stall other requests
+            ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt)
         else:
             ids = list(body.prompt)
             vocab = llm.model.config.vocab_size
@@ -97,19 +109,23 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         return await _respond("completion", body, ids, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", max_body_size=body_limit)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        _check_model(body)
         try:
-            ids = llm.tokenizer.apply_chat_template(body.chat())
+            ids = await run_in_threadpool(llm.tokenizer.apply_chat_template, body.chat())
         except QuickdraftError as e:
             raise BadRequest(400, str(e), "messages") from None
         return await _respond("chat", body, ids, body.max_completion_tokens or body.max_tokens, http)
 
-    def _prepare(body: _Common, ids: list[int], max_tokens: int | None
-                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
+    def _check_model(body: _Common) -> None:
+        """Before any work on the prompt: a request for another model costs nothing."""
         if body.model != config.model_name:
             raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
                                   f"{config.model_name!r}", "model", "model_not_found")
+
+    def _prepare(body: _Common, ids: list[int], max_tokens: int | None
+                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
         limit = engine.max_seq_len
         try:
             check_context(len(ids), limit)
@@ -192,7 +208,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     return app
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -215,4 +231,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return out.error_response(exc.status_code, str(exc.detail), kind)
+        message = str(exc.detail)
+        if exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
+            message = body_too_large(config.max_body_bytes)
+        return out.error_response(exc.status_code, message, kind)

@@ -1,0 +1,114 @@
+"""Issue 16, server hardening, over real HTTP (uvicorn on 127.0.0.1): no request can hurt another,
+no work after a client leaves, an explicit answer for every field, access control and back-pressure.
+
+Each test sends the bad request while a well-formed one runs, and checks the status, the OpenAI
+error body and that the well-formed request got exactly what it gets alone.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
+
+import httpx
+import pytest
+
+import quickdraft
+from quickdraft.server.app import MAX_BODY_BYTES
+from test_server import NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(scope="module")
+def server(llm) -> Iterator[Server]:  # noqa: F811
+    s = Server(llm, max_batch=4)
+    yield s
+    s.stop()
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    """The OpenAI error body of a response that must have `status`."""
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+class Bystander:
+    """A greedy stream that runs while a test sends bad requests; `text()` must equal its text alone."""
+
+    def __init__(self, server: Server, prompt: str = PROMPTS[0], n: int = 60) -> None:
+        self.pool = ThreadPoolExecutor(1)
+        self.future = self.pool.submit(stream_text, server.client, prompt, n, {"method": "none"}, temperature=0)
+        self.prompt, self.n = prompt, n
+
+    def check(self, llm: quickdraft.LLM) -> None:  # noqa: F811
+        text = self.future.result(timeout=60)[0]
+        self.pool.shutdown()
+        assert text == alone(llm, self.prompt, self.n, {"method": "none"})
+
+
+# -- item 2: body size, the model checked first, tokenization off the event loop ---------------------------
+
+def test_an_oversized_body_is_a_413_and_harms_no_one(server: Server, llm) -> None:  # noqa: F811
+    """With a Content-Length past the limit the body is refused before it is read; a chunked body
+    without one is cut off as soon as it passes the limit."""
+    big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * MAX_BODY_BYTES + b'"}]}'
+    bystander = Bystander(server)
+    url, headers = f"{server.url}/v1/chat/completions", {"content-type": "application/json"}
+    start = time.monotonic()
+    sized = httpx.post(url, content=big, headers=headers, timeout=30)
+    chunked = httpx.post(url, content=iter([big[:MAX_BODY_BYTES // 2], big[MAX_BODY_BYTES // 2:]]),
+                         headers=headers, timeout=30)
+    assert time.monotonic() - start < 10
+    for r in (sized, chunked):
+        error = error_of(r, 413)
+        assert str(MAX_BODY_BYTES) in error["message"] and "--max-body-bytes" in error["message"]
+    assert "transfer-encoding" not in sized.request.headers and chunked.request.headers["transfer-encoding"] == "chunked"
+    bystander.check(llm)
+    just_under = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                            json={"model": NAME, "prompt": "x" * (MAX_BODY_BYTES - 100), "max_tokens": 1})
+    assert error_of(just_under, 400)["code"] == "context_length_exceeded"  # read, tokenized, refused
+
+
+def test_unknown_model_is_refused_before_the_prompt_is_tokenized(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+    calls = []
+    for name in ("encode", "apply_chat_template"):
+        original = getattr(llm.tokenizer, name)
+        monkeypatch.setattr(llm.tokenizer, name, lambda *a, _f=original, **kw: calls.append(a) or _f(*a, **kw))
+    text = "y" * 500_000
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-5", "prompt": text}, timeout=30)
+    assert error_of(r, 404)["code"] == "model_not_found"
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   json={"model": "gpt-5", "messages": [{"role": "user", "content": text}]})
+    assert error_of(r, 404)["param"] == "model"
+    assert calls == []
+    httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "max_tokens": 1}, timeout=30)
+    assert len(calls) == 1  # the counting wrapper does see a served request
+
+
+def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+    """A prompt whose tokenization hangs (held here until released) leaves /health and other
+    requests answering."""
+    started, release = threading.Event(), threading.Event()
+    encode = llm.tokenizer.encode
+
+    def slow_encode(text: str) -> list[int]:
+        if text == "slow prompt":
+            started.set()
+            release.wait(10)
+        return encode(text)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=30,
+                           json={"model": NAME, "prompt": "slow prompt", "max_tokens": 8, "temperature": 0})
+        assert started.wait(10)
+        t0 = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        other = server.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+        elapsed = time.monotonic() - t0
+        release.set()
+        assert elapsed < 5, "the event loop waited for another request's tokenization"
+        assert other.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
+        assert slow.result().json()["choices"][0]["text"] == alone(llm, "slow prompt", 8, {"method": "none"})
