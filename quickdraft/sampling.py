@@ -13,6 +13,7 @@ import torch
 from quickdraft.errors import InvalidSamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string; matching is incremental (tokenizer.StopStringFilter), this bounds memory
 TOP_P_CANDIDATES = 256  # top-p looks here first: enough mass for almost every real distribution
 F32_TINIEST = 2.0 ** -149  # the smallest positive float32: temperatures below it are 0 there
 
@@ -48,8 +49,11 @@ class SamplingParams:
         if not isinstance(self.stop, (str, list, tuple)):
             fail("stop", "a string or a list of strings", self.stop)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stop):
-            fail("stop", f"at most {MAX_STOP_STRINGS} non-empty strings", self.stop)
+        if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+            shown = repr(stop)  # cut: the request may carry megabytes of stop strings
+            raise InvalidSamplingParams(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                        f"{MAX_STOP_CHARS} characters, found {shown[:200]}"
+                                        f"{f'... ({len(shown)} characters)' if len(shown) > 200 else ''}")
         object.__setattr__(self, "stop", stop)
         if not isinstance(self.stop_token_ids, (list, tuple)):
             fail("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)

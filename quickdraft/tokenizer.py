@@ -123,23 +123,55 @@ def gguf_tokenizer(metadata: dict[str, Any], extra_eos_ids: Sequence[int] = ()) 
 
 
 class StopStringFilter:
-    """Cuts streamed text at the first stop string, holding back any tail that may begin one."""
+    """Cuts streamed text at the first stop string, holding back any tail that may begin one.
+
+    Incremental: for each stop string a Knuth-Morris-Pratt state (how many of its first characters
+    end the text so far) carries over between feeds, so a feed costs O(len(delta) * len(stops))
+    however long the stop strings and the text are."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
+        assert all(self.stops), "empty stop strings are refused by SamplingParams"
+        self.fallback = [_kmp_failure(s) for s in self.stops]
+        self.state = [0] * len(self.stops)
         self.pending = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was found)."""
         text = self.pending + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.pending = ""
-            return text[:min(hits)], True
-        hold = max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        first = len(text)  # the earliest start of a stop string in text, if any
+        for i, (stop, fallback) in enumerate(zip(self.stops, self.fallback)):
+            state = self.state[i]
+            for at in range(len(self.pending), len(text)):
+                c = text[at]
+                while state and stop[state] != c:
+                    state = fallback[state - 1]
+                if stop[state] == c:
+                    state += 1
+                if state == len(stop):
+                    first = min(first, at + 1 - state)
+                    break  # this stop's later occurrences start later
+            self.state[i] = state
+        if first < len(text):
+            self.pending, self.state = "", [0] * len(self.stops)
+            return text[:first], True
+        hold = max(self.state, default=0)  # the longest tail that begins a stop string
         self.pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold], False
 
     def flush(self) -> str:
         text, self.pending = self.pending, ""
+        self.state = [0] * len(self.stops)
         return text
+
+
+def _kmp_failure(s: str) -> list[int]:
+    """f[i]: the length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f

@@ -314,6 +314,15 @@ def test_invalid_sampling_params(field: str, value: object) -> None:
     assert isinstance(e.value, ValueError)
 
 
+def test_stop_strings_past_the_length_limit() -> None:
+    """Issue 16 item 3: at most 1024 characters a stop string; the message shows a cut of what came."""
+    assert SamplingParams(stop=["x" * 1024]).stop == ("x" * 1024,)
+    with pytest.raises(InvalidSamplingParams) as e:
+        SamplingParams(stop=["ok", "x" * 150_000])
+    msg = str(e.value)
+    assert msg.startswith("stop must be") and "1024 characters" in msg and len(msg) < 400, msg
+
+
 def test_valid_sampling_edges_are_accepted() -> None:
     p = SamplingParams(temperature=100, top_k=0, top_p=1.0, seed=2**63 - 1, max_new_tokens=1,
                        stop="only one", stop_token_ids=[0, 5])
