@@ -112,3 +112,26 @@ def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) 
         assert elapsed < 5, "the event loop waited for another request's tokenization"
         assert other.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
         assert slow.result().json()["choices"][0]["text"] == alone(llm, "slow prompt", 8, {"method": "none"})
+
+
+# -- item 3: stop strings bounded and matched incrementally ------------------------------------------------
+
+def test_long_stop_strings_are_bounded_and_cheap(server: Server, llm) -> None:  # noqa: F811
+    """16 stop strings of the largest allowed length cost next to nothing while a stream runs; one
+    character more, or a 17th string, is a 400 naming `stop`."""
+    bystander = Bystander(server)
+    stops = [chr(ord("A") + i) * 1023 + "!" for i in range(16)]
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0, "stop": stops})
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    assert r.status_code == 200 and health.status_code == 200 and time.monotonic() - start < 5
+    assert r.json()["choices"][0]["text"] == alone(llm, PROMPTS[2], 5, {"method": "none"})
+    for stop, fragment in (("x" * 1025, "at most 1024 characters"), (["ab"] * 17, "at most 16 items"),
+                           ([""], "at least 1 character")):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       json={"model": NAME, "prompt": "hi", "stop": stop})
+        error = error_of(r, 400)
+        assert error["param"].startswith("stop") and fragment in error["message"], error
+        assert len(error["message"]) < 300
+    bystander.check(llm)

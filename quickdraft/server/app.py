@@ -136,7 +136,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} "
                                   f"more, but the context holds {limit}; expected at most "
                                   f"{limit - len(ids)} new tokens", "max_tokens", "context_length_exceeded")
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        stop = tuple(body.stop or ())
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
         spec = config.spec

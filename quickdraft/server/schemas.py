@@ -6,9 +6,17 @@ client never silently gets something other than what it asked for. Unknown field
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+
+from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+# One string or a list of them; validated as a list so an error names the string it is about.
+Stop = Annotated[StopList, BeforeValidator(lambda v: [v] if isinstance(v, str) else v,
+                                           json_schema_input_type=StopString | StopList)]
 
 
 class Speculative(BaseModel):
@@ -27,7 +35,7 @@ class _Common(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)   # not OpenAI's, but common in compatible servers
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool = False
     n: int = Field(default=1, ge=1)
     speculative: Speculative | None = None
