@@ -6,6 +6,8 @@ error body and that the well-formed request got exactly what it gets alone.
 """
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +18,7 @@ import pytest
 
 import quickdraft
 from quickdraft.server.app import MAX_BODY_BYTES
-from test_server import NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
+from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text, wait_for  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -134,4 +136,35 @@ def test_long_stop_strings_are_bounded_and_cheap(server: Server, llm) -> None:  
         error = error_of(r, 400)
         assert error["param"].startswith("stop") and fragment in error["message"], error
         assert len(error["message"]) < 300
+    bystander.check(llm)
+
+
+# -- item 4: a non-streaming request whose client left is cancelled -------------------------------------
+
+def raw_post(server: Server, path: str, body: dict, headers: str = "") -> socket.socket:
+    """Send a request on a socket of our own (the caller reads or closes it)."""
+    data = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n{headers}\r\n".encode() + data)
+    return sock
+
+
+def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server: Server, llm) -> None:  # noqa: F811
+    """The request's tokens arrive without pause, so the disconnect must be noticed while they do
+    (it was checked only when no token came for 0.5 s: the row ran on to max_tokens)."""
+    m = server.metrics
+    cancelled = lambda: m().get('quickdraft_requests_total{finish_reason="cancelled"}', 0.0)  # noqa: E731
+    finished = lambda: sum(v for k, v in m().items() if k.startswith("quickdraft_requests_total"))  # noqa: E731
+    before, generated_before = cancelled(), m()["quickdraft_generated_tokens_total"]
+    bystander = Bystander(server, n=120)
+    sock = raw_post(server, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ - 10,
+                                                "temperature": 0, "speculative": {"method": "none"}})
+    wait_for(lambda: m()["quickdraft_generated_tokens_total"] > generated_before + 5)
+    finished_before = finished()
+    sock.close()
+    wait_for(lambda: cancelled() == before + 1, timeout=10)
+    assert finished() in (finished_before + 1, finished_before + 2)  # the bystander may end meanwhile
+    assert m()["quickdraft_generated_tokens_total"] - generated_before < MAX_SEQ - 10 + 120
     bystander.check(llm)

@@ -33,7 +33,6 @@ from quickdraft.server.worker import EngineWorker
 from quickdraft.spec import Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
-DISCONNECT_POLL_S = 0.5
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
 
 
@@ -153,7 +152,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                        http: HTTPRequest) -> Response:
         request, params, make_proposer = _prepare(body, ids, max_tokens)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), make_proposer)
         text = TextAssembler(llm.tokenizer, params)
         if body.stream:
@@ -161,16 +160,14 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return await _whole(kind, request, text, events, http)
 
     async def _whole(kind: out.Kind, request: Request, text: TextAssembler,
-                     events: asyncio.Queue[TokenEvent], http: HTTPRequest) -> Response:
+                     events: asyncio.Queue[TokenEvent | None], http: HTTPRequest) -> Response:
         parts, engine_done = [], False
+        watcher = asyncio.create_task(_put_none_on_disconnect(http, events))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        return Response(status_code=499)
-                    continue
+                event = await events.get()
+                if event is None:  # the client left: nobody reads the answer (499, as nginx logs it)
+                    return Response(status_code=499)
                 engine_done = event.finish_reason is not None
                 if event.error is not None:
                     return out.error_response(500, f"generation failed: {event.error}", "server_error")
@@ -180,11 +177,12 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                     return JSONResponse(out.whole(kind, request.id, config.model_name, "".join(parts),
                                                   chunk.finish_reason, chunk.stats))
         finally:
+            watcher.cancel()
             if not engine_done:
                 worker.cancel(request.id)
 
     async def _stream(kind: out.Kind, request: Request, text: TextAssembler,
-                      events: asyncio.Queue[TokenEvent]) -> AsyncIterator[str]:
+                      events: asyncio.Queue[TokenEvent | None]) -> AsyncIterator[str]:
         engine_done, first = False, True
         try:
             while True:
@@ -206,6 +204,14 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 worker.cancel(request.id)
 
     return app
+
+
+async def _put_none_on_disconnect(http: HTTPRequest, events: asyncio.Queue[TokenEvent | None]) -> None:
+    """The body has been read, so the next ASGI message is the disconnect (as for Starlette's
+    StreamingResponse, which cancels a stream's generator on it)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    events.put_nowait(None)
 
 
 def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
