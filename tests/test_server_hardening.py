@@ -7,18 +7,20 @@ error body and that the well-formed request got exactly what it gets alone.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
 
 import quickdraft
 from quickdraft.server.app import MAX_BODY_BYTES
-from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text, wait_for  # noqa: F401 (fixtures)
+from test_server import (MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, serve_process,  # noqa: F401 (fixtures)
+                         stream_text, wait_for)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +143,10 @@ def test_long_stop_strings_are_bounded_and_cheap(server: Server, llm) -> None:  
 
 # -- item 4: a non-streaming request whose client left is cancelled -------------------------------------
 
+# greedy from "y" runs to max_tokens (no end-of-text): ~1 s here with the row alone
+LONG = {"model": NAME, "prompt": "y", "max_tokens": MAX_SEQ - 10, "temperature": 0, "speculative": {"method": "none"}}
+
+
 def raw_post(server: Server, path: str, body: dict, headers: str = "") -> socket.socket:
     """Send a request on a socket of our own (the caller reads or closes it)."""
     data = json.dumps(body).encode()
@@ -159,8 +165,7 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server: Ser
     finished = lambda: sum(v for k, v in m().items() if k.startswith("quickdraft_requests_total"))  # noqa: E731
     before, generated_before = cancelled(), m()["quickdraft_generated_tokens_total"]
     bystander = Bystander(server, n=120)
-    sock = raw_post(server, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": MAX_SEQ - 10,
-                                                "temperature": 0, "speculative": {"method": "none"}})
+    sock = raw_post(server, "/v1/completions", LONG)
     wait_for(lambda: m()["quickdraft_generated_tokens_total"] > generated_before + 5)
     finished_before = finished()
     sock.close()
@@ -168,3 +173,47 @@ def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server: Ser
     assert finished() in (finished_before + 1, finished_before + 2)  # the bystander may end meanwhile
     assert m()["quickdraft_generated_tokens_total"] - generated_before < MAX_SEQ - 10 + 120
     bystander.check(llm)
+
+
+# -- item 5: past --shutdown-timeout, every request still running gets a final answer --------------------
+
+def stop_with_requests_in_flight(url: str, stop: Callable[[], None]) -> tuple[list[str], httpx.Response]:
+    """Start a long stream and a long non-streaming request, call stop() once both hold a row and
+    return the stream's remaining events and the other's response."""
+    with ThreadPoolExecutor(1) as pool:
+        whole = pool.submit(httpx.post, f"{url}/v1/completions", json=LONG, timeout=60)
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            wait_for(lambda: 'quickdraft_requests_running 2.0' in httpx.get(f"{url}/metrics").text)
+            stop()
+            rest = [line for line in lines if line]
+        return rest, whole.result()
+
+
+def check_final_answers(rest: list[str], whole: httpx.Response) -> None:
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"] and error["type"] == "server_error"
+    error = error_of(whole, 503)
+    assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"]
+
+
+def test_requests_past_the_shutdown_timeout_get_a_final_answer(llm) -> None:  # noqa: F811
+    s = Server(llm, max_batch=4, shutdown_timeout_s=0.3)
+    start = time.monotonic()
+    rest, whole = stop_with_requests_in_flight(s.url, s.request_stop)
+    check_final_answers(rest, whole)
+    s.thread.join(30)
+    assert not s.thread.is_alive() and time.monotonic() - start < 20
+    assert s.worker.engine.num_running == 0 and not s.worker.engine.waiting
+
+
+def test_serve_command_exits_0_after_cancelling_at_the_shutdown_timeout(dirs) -> None:  # noqa: F811
+    """The engine runs on the main thread there: it must not raise once the event loop is closed."""
+    with serve_process(dirs, "--shutdown-timeout", "0.3") as (proc, url):
+        rest, whole = stop_with_requests_in_flight(url, lambda: proc.send_signal(signal.SIGTERM))
+        check_final_answers(rest, whole)
+        assert proc.wait(60) == 0
+        output = proc.stdout.read().decode()
+        assert "Traceback" not in output and "Event loop is closed" not in output, output

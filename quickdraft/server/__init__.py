@@ -13,12 +13,17 @@ from quickdraft.server.app import ServerConfig, create_app
 __all__ = ["BackgroundServer", "ServerConfig", "create_app", "serve"]
 
 
+SHUTDOWN_GRACE_S = 10.0  # after the shutdown timeout: for the cancelled requests' final answers to go out
+
+
 class BackgroundServer:
     """The app served by uvicorn on a thread of this process, on a free port of `host`.
 
     engine_thread=True also runs the engine on a thread of its own (tests); with False the caller
     runs `self.worker.run(...)` on the thread that loaded the model (serve, bench serve: see
-    server/worker.py for why). stop() shuts the HTTP side down as SIGTERM would."""
+    server/worker.py for why). stop() shuts the HTTP side down as SIGTERM would: no new
+    connections, in-flight requests get shutdown_timeout_s to finish, then the rest are cancelled
+    with a final answer (a 503 body, or an error event and [DONE] for a stream)."""
 
     def __init__(self, llm: LLM, config: ServerConfig, cost: StepCost | None = None, host: str = "127.0.0.1",
                  port: int = 0, engine_thread: bool = True, shutdown_timeout_s: float = 30.0,
@@ -30,8 +35,11 @@ class BackgroundServer:
         self.url = f"http://{host}:{sock.getsockname()[1]}"
         self.app = create_app(llm, config, cost, engine_thread=engine_thread)
         self.worker = self.app.state.worker
+        self.shutdown_timeout_s = shutdown_timeout_s
+        # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level,
-                                                     timeout_graceful_shutdown=shutdown_timeout_s))
+                                                     timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_GRACE_S))
+        self._deadline: threading.Timer | None = None
         self.thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout_s
@@ -42,10 +50,17 @@ class BackgroundServer:
 
     def request_stop(self) -> None:
         self._server.should_exit = True
+        if self._deadline is None:
+            reason = (f"the server is shutting down: this request was still running {self.shutdown_timeout_s:g} s "
+                      f"after the shutdown began (--shutdown-timeout) and was cancelled")
+            self._deadline = threading.Timer(self.shutdown_timeout_s, self.worker.close, (reason,))
+            self._deadline.daemon = True
+            self._deadline.start()
 
     def stop(self) -> None:
         self.request_stop()
         self.thread.join(120)
+        self._deadline.cancel()
 
 
 def serve(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,

@@ -29,7 +29,7 @@ from quickdraft.server import responses as out
 from quickdraft.server.guards import DeclaredBodyLimit, body_too_large
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
-from quickdraft.server.worker import EngineWorker
+from quickdraft.server.worker import EngineWorker, ShuttingDown
 from quickdraft.spec import Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
@@ -153,7 +153,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         request, params, make_proposer = _prepare(body, ids, max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
-        worker.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), make_proposer)
+        worker.submit(request, _sink(loop, events), make_proposer)
         text = TextAssembler(llm.tokenizer, params)
         if body.stream:
             return StreamingResponse(_stream(kind, request, text, events), media_type="text/event-stream")
@@ -169,6 +169,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 if event is None:  # the client left: nobody reads the answer (499, as nginx logs it)
                     return Response(status_code=499)
                 engine_done = event.finish_reason is not None
+                if isinstance(event.error, ShuttingDown):
+                    return out.error_response(503, str(event.error), "server_error", code="server_shutting_down")
                 if event.error is not None:
                     return out.error_response(500, f"generation failed: {event.error}", "server_error")
                 chunk = text.feed(event)
@@ -189,7 +191,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 event = await events.get()
                 engine_done = event.finish_reason is not None
                 if event.error is not None:
-                    yield out.sse_error(f"generation failed: {event.error}")
+                    yield out.sse_error(str(event.error) if isinstance(event.error, ShuttingDown)
+                                        else f"generation failed: {event.error}")
                     break
                 chunk = text.feed(event)
                 if chunk.text or chunk.finish_reason is not None:
@@ -204,6 +207,16 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 worker.cancel(request.id)
 
     return app
+
+
+def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[TokenEvent | None]) -> Callable[[TokenEvent], None]:
+    """Hands the engine thread's events to a handler on the event loop."""
+    def put(event: TokenEvent) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop has closed (the server stopped): nobody is left to tell
+            pass
+    return put
 
 
 async def _put_none_on_disconnect(http: HTTPRequest, events: asyncio.Queue[TokenEvent | None]) -> None:

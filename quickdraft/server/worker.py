@@ -8,7 +8,9 @@ the machine has cores, libgomp stops spinning between parallel regions, which ma
 step about 1.7x slower here. `quickdraft serve` therefore runs the engine on the thread that
 loaded the model (`run`); `start` runs it on a thread of its own (tests). The engine ends only
 the requests whose own pass fails; should a step fail outside any request's pass (a bug), the
-requests it held end with the error and the engine stays ready for the next ones.
+requests it held end with the error and the engine stays ready for the next ones. At shutdown,
+`close` ends every request still there with a `ShuttingDown` error, so each client gets a final
+answer before the HTTP side stops.
 """
 from __future__ import annotations
 
@@ -19,13 +21,17 @@ import time
 from typing import Callable
 
 from quickdraft.engine.batch import Engine, Request
-from quickdraft.engine.events import TokenEvent
+from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.server.metrics import Metrics
 from quickdraft.spec.base import Proposer
 
 log = logging.getLogger("quickdraft.server")
 
 Sink = Callable[[TokenEvent], None]  # called on the engine thread; must not block
+
+
+class ShuttingDown(Exception):
+    """The error of requests the server cancelled because its shutdown timeout ran out."""
 
 
 class EngineWorker:
@@ -35,6 +41,7 @@ class EngineWorker:
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._sinks: dict[str, Sink] = {}
         self._stopping = threading.Event()
+        self._closed: ShuttingDown | None = None  # set by close(): every request, new ones too, ends with it
         self._thread = threading.Thread(target=self.run, name="quickdraft-engine", daemon=True)
 
     def start(self) -> None:
@@ -69,6 +76,10 @@ class EngineWorker:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(("cancel", request_id))
 
+    def close(self, reason: str) -> None:
+        """End every request, running, waiting or still to come, with ShuttingDown(reason)."""
+        self._inbox.put(("close", ShuttingDown(reason)))
+
     # -- the engine thread ------------------------------------------------------------------------
 
     def _drain(self, block: bool) -> None:
@@ -78,22 +89,38 @@ class EngineWorker:
             return
         while True:
             if kind == "add":
-                request, sink, make_proposer = item
-                self._sinks[request.id] = sink
-                try:
-                    if make_proposer is not None:
-                        request.proposer = make_proposer()
-                    self.engine.add(request)
-                except Exception as e:  # noqa: BLE001 - the handler checked; report, never crash
-                    sink(TokenEvent([], "error", error=e))
-                    self._finish(request.id, "error")
+                self._add(*item)
             elif kind == "cancel" and item in self._sinks:
                 self.engine.cancel(item)
                 self._finish(item, None, cancelled=True)
+            elif kind == "close":
+                self._closed = item
+                for request_id in list(self._sinks):
+                    self._end(request_id, item)
             try:
                 kind, item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _add(self, request: Request, sink: Sink, make_proposer: Callable[[], Proposer | None] | None) -> None:
+        self._sinks[request.id] = sink
+        if self._closed is not None:
+            self._end(request.id, self._closed)
+            return
+        try:
+            if make_proposer is not None:
+                request.proposer = make_proposer()
+            self.engine.add(request)
+        except Exception as e:  # noqa: BLE001 - the handler checked; report, never crash
+            sink(TokenEvent([], "error", error=e))
+            self._finish(request.id, "error")
+
+    def _end(self, request_id: str, error: ShuttingDown) -> None:
+        """Cancel a request, telling its client why."""
+        stats = next((row.stats for row in self.engine.rows if row.request.id == request_id), GenerationStats())
+        self.engine.cancel(request_id)
+        self._sinks[request_id](TokenEvent([], "error", stats, error))
+        self._finish(request_id, None, cancelled=True)
 
     def _step(self) -> None:
         start = time.perf_counter()
