@@ -58,10 +58,14 @@ INLINE float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh
 /* Byte j = 0x10 where bit j of the 32 bits at p is set (the fifth bit of Q5_0/Q5_1). */
 INLINE __m256i fifth_bits(const uint8_t *p) {
     uint32_t bits; memcpy(&bits, p, 4);
+#ifdef QD_VNNI
+    return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10));  /* the bits are a byte mask */
+#else
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+#endif
 }
 
 /* What one activation block of a weight row shares across its units (K-quants: the superblock). */
@@ -139,6 +143,17 @@ INLINE void split(__m256i q, __m256i scale_even, const int is_signed, __m256i w[
     }
 }
 
+/* `split` with a scale of 1 (the 32-weight types): bytes to int16 by shifts, no multiply. */
+INLINE void widen(__m256i q, const int is_signed, __m256i w[2]) {
+    if (is_signed) {
+        w[0] = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
+        w[1] = _mm256_srai_epi16(q, 8);
+    } else {
+        w[0] = _mm256_and_si256(q, _mm256_set1_epi16(0x00FF));
+        w[1] = _mm256_srli_epi16(q, 8);
+    }
+}
+
 INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     if (type == Q4_K || type == Q5_K) {
@@ -162,14 +177,14 @@ INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) 
     const uint8_t *b = p->b + s * BLOCK_BYTES(type);
     *d = _mm256_set1_ps(f16(b));
     if (type == Q8_0) {
-        split(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi16(1), 1, w);
+        widen(_mm256_loadu_si256((const __m256i *)(b + 2)), 1, w);
         return;
     }
     /* Q4_x/Q5_x: byte j holds weight j in its low nibble and weight j + 16 in its high one */
     const __m128i q = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8)));
     __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), _mm_and_si128(q, _mm_set1_epi8(0x0F)));
     if (type == Q5_0 || type == Q5_1) v = _mm256_or_si256(v, fifth_bits(b + (type == Q5_0 ? 2 : 4)));
-    split(v, _mm256_set1_epi16(1), 0, w);
+    widen(v, 0, w);
 }
 
 INLINE float hsum(__m256 v) {
