@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from quickdraft.errors import ModelLoadError
+from quickdraft.errors import ModelLoadError, QuickdraftError
 
 Message = dict[str, str]
 
@@ -26,6 +26,7 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str) -> list[int]:
+        _check_text(text, "the prompt")
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -45,9 +46,25 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"chat messages need string 'role' and 'content', found {m!r}")
+            _check_text(m["content"], f"the content of a {m['role']!r} message")
         text = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
         return list(self.hf.encode(text, add_special_tokens=False))
+
+
+def unicode_error(text: str) -> str | None:
+    """Why `text` is no valid Unicode (a lone surrogate such as "\\ud800", which JSON and Python
+    strings can carry but no tokenizer encodes), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"found the lone surrogate {text[e.start]!r} at character {e.start}; expected valid Unicode text"
+    return None
+
+
+def _check_text(text: str, what: str) -> None:
+    if (error := unicode_error(text)) is not None:
+        raise QuickdraftError(f"{what}: {error}")
 
 
 class StreamDetokenizer:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from quickdraft.errors import QuickdraftError
 from quickdraft.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer, load_hf_tokenizer
 from tiny_tokenizer import EOS_ID, SPECIAL, build_tokenizer, render_chatml, save_tokenizer
 
@@ -48,6 +49,15 @@ def test_wrapper_round_trips_and_agrees_with_the_raw_tokenizer(tok: Tokenizer) -
         assert tok.decode(ids) == text
     assert tok.eos_token_ids == frozenset({EOS_ID})
     assert tok.token_strings()[:3] == list(SPECIAL)
+
+
+def test_lone_surrogates_are_a_clear_error(tok: Tokenizer) -> None:
+    """Issue 16 item 6: JSON can carry "\\ud800"; the raw tokenizer raised a bare TypeError."""
+    with pytest.raises(QuickdraftError, match=r"the prompt: found the lone surrogate '\\ud800' at character 1"):
+        tok.encode("a\ud800b")
+    with pytest.raises(QuickdraftError, match=r"'user' message: found the lone surrogate '\\udc00' at character 0"):
+        tok.apply_chat_template([{"role": "system", "content": "ok"}, {"role": "user", "content": "\udc00"}])
+    assert tok.decode(tok.encode("a\U0001F600b")) == "a😀b"  # a surrogate pair in JSON is one valid character
 
 
 def test_chat_template_renders_chatml(tok: Tokenizer) -> None:
