@@ -217,3 +217,36 @@ def test_serve_command_exits_0_after_cancelling_at_the_shutdown_timeout(dirs) ->
         assert proc.wait(60) == 0
         output = proc.stdout.read().decode()
         assert "Traceback" not in output and "Event loop is closed" not in output, output
+
+
+# -- item 6: text that is no valid Unicode ------------------------------------------------------------------
+
+SURROGATES = [  # (route, body, param)
+    ("completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("completions", {"prompt": ["\udc00"]}, "prompt.0"),
+    ("completions", {"prompt": "ok", "stop": ["fine", "x\ud800"]}, "stop.1"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "system", "content": "ok"},
+                                       {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages.1.content.0.text"),
+]
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None:  # noqa: F811
+    """JSON can spell a lone surrogate ("\\ud800"; the openai client cannot send one); it reached the
+    tokenizer, which raised: a plain-text 500."""
+    bystander = Bystander(server)
+    for route, body, param in SURROGATES:
+        data = json.dumps({"model": NAME, "max_tokens": 4, **body}).encode()  # "\\ud800" spelled out, as JSON allows
+        r = httpx.post(f"{server.url}/v1/{route}", content=data, headers={"content-type": "application/json"},
+                       timeout=30)
+        error = error_of(r, 400)
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert "surrogate" in error["message"] or "unicode" in error["message"], error
+    r = httpx.post(f"{server.url}/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud83d"}]}')
+    assert error_of(r, 400)["message"] == ("messages.0.content: Value error, found the lone surrogate '\\ud83d' "
+                                           "at character 3; expected valid Unicode text")
+    bystander.check(llm)
+    paired = server.client.completions.create(model=NAME, prompt="\U0001F600 ok", max_tokens=3, temperature=0)
+    assert paired.choices[0].text == alone(llm, "\U0001F600 ok", 3, {"method": "none"})  # a valid pair is fine

@@ -13,10 +13,8 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 
 from quickdraft import kernels
 from quickdraft.api import LLM, TextAssembler
@@ -26,7 +24,8 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out
-from quickdraft.server.guards import DeclaredBodyLimit, body_too_large
+from quickdraft.server.errors import BadRequest, install_error_handlers
+from quickdraft.server.guards import DeclaredBodyLimit
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
@@ -46,12 +45,6 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, found {self.max_body_bytes}")
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, engine_thread: bool = True) -> FastAPI:
@@ -78,7 +71,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     # per route, inside DeclaredBodyLimit: FastAPI's limit counts the bytes of bodies of no declared length
     body_limit = config.max_body_bytes
     app.state.worker, app.state.metrics = worker, metrics
-    _install_error_handlers(app, config)
+    install_error_handlers(app, config.max_body_bytes)
 
     runtime = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().isa or "none (torch path)"}
 
@@ -100,7 +93,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
         _check_model(body)
         if isinstance(body.prompt, str):  # off the event loop: a long prompt must not stall other requests
-            ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt)
+            try:
+                ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt)
+            except QuickdraftError as e:
+                raise BadRequest(400, str(e), "prompt") from None
         else:
             ids = list(body.prompt)
             vocab = llm.model.config.vocab_size
@@ -225,32 +221,3 @@ async def _put_none_on_disconnect(http: HTTPRequest, events: asyncio.Queue[Token
     while (await http.receive())["type"] != "http.disconnect":
         pass
     events.put_nowait(None)
-
-
-def _install_error_handlers(app: FastAPI, config: ServerConfig) -> None:
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return out.error_response(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-        message = first.get("msg", "invalid request")
-        where = ".".join(loc)
-        return out.error_response(400, f"{where}: {message}" if where else message, param=where or None)
-
-    @app.exception_handler(BadRequest)
-    async def bad(_: HTTPRequest, exc: BadRequest) -> JSONResponse:
-        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return out.error_response(exc.status, exc.message, kind, exc.param, exc.code)
-
-    @app.exception_handler(QuickdraftError)
-    async def quickdraft_error(_: HTTPRequest, exc: QuickdraftError) -> JSONResponse:
-        return out.error_response(400, str(exc))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = str(exc.detail)
-        if exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
-            message = body_too_large(config.max_body_bytes)
-        return out.error_response(exc.status_code, message, kind)

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from quickdraft.tokenizer import unicode_error
 
-StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+
+def _unicode(text: str) -> str:
+    if (error := unicode_error(text)) is not None:
+        raise ValueError(error)
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]  # text that reaches the tokenizer
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 # One string or a list of them; validated as a list so an error names the string it is about.
 Stop = Annotated[StopList, BeforeValidator(lambda v: [v] if isinstance(v, str) else v,
@@ -66,7 +75,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: Text | list[int] | list[Text]
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CompletionRequest":
@@ -82,13 +91,13 @@ class CompletionRequest(_Common):
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

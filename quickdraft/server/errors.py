@@ -1,0 +1,67 @@
+"""Every refusal as an OpenAI error body with the right status: request validation, the app's own
+checks (BadRequest), quickdraft's errors and Starlette's HTTP errors (404, 405, 413).
+
+Knows nothing about the engine.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from quickdraft.errors import QuickdraftError
+from quickdraft.server import responses as out
+from quickdraft.server.guards import body_too_large
+
+FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors: of the errors one value got from the members of a
+    union, the one about a member whose type it has; the path without the members' labels
+    ("prompt.function-after[...]" -> "prompt")."""
+    if not errors:
+        return "invalid request", None
+    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    path = [str(p) for p in first["loc"][1:] if isinstance(p, int) or (FIELD.fullmatch(p) and p not in TYPE_NAMES)]
+    where = ".".join(path)
+    message = first["msg"]
+    return (f"{where}: {message}" if where else message), where or None
+
+
+def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        if errors and errors[0]["type"] == "json_invalid":
+            return out.error_response(400, f"the body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+        message, param = validation_error(errors)
+        return out.error_response(400, message, param=param)
+
+    @app.exception_handler(BadRequest)
+    async def bad(_: HTTPRequest, exc: BadRequest) -> JSONResponse:
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return out.error_response(exc.status, exc.message, kind, exc.param, exc.code)
+
+    @app.exception_handler(QuickdraftError)
+    async def quickdraft_error(_: HTTPRequest, exc: QuickdraftError) -> JSONResponse:
+        return out.error_response(400, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = str(exc.detail)
+        if exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
+            message = body_too_large(max_body_bytes)
+        return out.error_response(exc.status_code, message, kind)
