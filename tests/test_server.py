@@ -203,7 +203,7 @@ BAD = {
     "negative max_tokens": ({"model": NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     "temperature out of range": ({"model": NAME, "prompt": "hi", "temperature": 7}, 400, "temperature"),
     "top_p zero": ({"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
-    "n = 2": ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n must be 1"),
+    "n = 2": ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n: must be 1"),
     "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "not served"),
     "prompt too long": ({"model": NAME, "prompt": list(range(3, 200)) * 11}, 400, "context"),
     "max_tokens past context": ({"model": NAME, "prompt": "hi", "max_tokens": MAX_SEQ}, 400, "context holds"),

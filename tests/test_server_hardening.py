@@ -245,8 +245,42 @@ def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None
         assert "surrogate" in error["message"] or "unicode" in error["message"], error
     r = httpx.post(f"{server.url}/v1/chat/completions", headers={"content-type": "application/json"},
                    content=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud83d"}]}')
-    assert error_of(r, 400)["message"] == ("messages.0.content: Value error, found the lone surrogate '\\ud83d' "
-                                           "at character 3; expected valid Unicode text")
+    assert error_of(r, 400)["message"] == ("messages.0.content: found the lone surrogate '\\ud83d' at character 3; "
+                                           "expected valid Unicode text")
     bystander.check(llm)
     paired = server.client.completions.create(model=NAME, prompt="\U0001F600 ok", max_tokens=3, temperature=0)
     assert paired.choices[0].text == alone(llm, "\U0001F600 ok", 3, {"method": "none"})  # a valid pair is fine
+
+
+# -- item 9: every error names its field and says no more than it must -------------------------------------
+
+FIELD_ERRORS = [  # (body fields, param, the message exactly)
+    ({"n": 2}, "n", "n: must be 1 (quickdraft returns one choice per request)"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty: not supported; leave it unset or 0"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias: not supported; leave it unset or {}"),
+    ({"logprobs": 2}, "logprobs", "logprobs: not supported; leave it unset, false or 0"),
+    ({"best_of": 3}, "best_of", "best_of: must be 1"),
+    ({"echo": True}, "echo", "echo: not supported; leave it unset or false"),
+    ({"prompt": ""}, "prompt", "prompt: must not be empty"),
+    ({"prompt": ["a", "b"]}, "prompt", "prompt: give one prompt per request (a string or token ids)"),
+    ({"model": "m" * 100_000}, "model", "model: String should have at most 256 characters"),
+    ({"speculative": {"method": "magic"}}, "speculative", None),
+]
+
+
+def test_errors_name_their_field_without_validator_noise(server: Server, llm) -> None:  # noqa: F811
+    """Checks made by model-level validators had param null and messages starting "Value error, ";
+    a 404 echoed a 100k-character model name."""
+    bystander = Bystander(server)
+    for fields, param, message in FIELD_ERRORS:
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={"model": NAME, "prompt": "hi", **fields})
+        error = error_of(r, 400)
+        assert error["param"] == param and "Value error" not in error["message"], error
+        assert message is None or error["message"] == message, error
+    unknown = error_of(httpx.post(f"{server.url}/v1/completions", json={"model": "m" * 256, "prompt": "hi"}), 404)
+    assert unknown["param"] == "model" and len(unknown["message"]) < 400
+    assert "unknown proposer 'magic'" in error["message"]
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "tiny", "prompt": "\xff"}',
+                   headers={"content-type": "application/json"})
+    assert error_of(r, 400)["message"].startswith("the body is not JSON in UTF-8: 'utf-8' codec can't decode byte 0xff")
+    bystander.check(llm)

@@ -137,7 +137,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         spec = config.spec
         if body.speculative is not None:
             chosen = body.speculative.model_dump(exclude_none=True)
-            spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
+            try:
+                spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
+            except SpecConfigError as e:
+                raise BadRequest(400, str(e), "speculative") from None
         if spec.needs_head and head_error:
             raise BadRequest(400, head_error, "speculative")
         request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,

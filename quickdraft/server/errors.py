@@ -36,7 +36,9 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     path = [str(p) for p in first["loc"][1:] if isinstance(p, int) or (FIELD.fullmatch(p) and p not in TYPE_NAMES)]
     where = ".".join(path)
-    message = first["msg"]
+    error = first.get("ctx", {}).get("error")
+    # a validator's own ValueError says what was expected; pydantic would prefix "Value error, "
+    message = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
     return (f"{where}: {message}" if where else message), where or None
 
 
@@ -64,4 +66,6 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
         message = str(exc.detail)
         if exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
             message = body_too_large(max_body_bytes)
+        elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
+            message = f"the body is not JSON in UTF-8: {exc.__cause__}"
         return out.error_response(exc.status_code, message, kind)

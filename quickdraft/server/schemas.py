@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from quickdraft.tokenizer import unicode_error
@@ -28,17 +28,30 @@ Stop = Annotated[StopList, BeforeValidator(lambda v: [v] if isinstance(v, str) e
                                            json_schema_input_type=StopString | StopList)]
 
 
+def only(*allowed: object, why: str) -> AfterValidator:
+    """A field OpenAI defines and quickdraft does not implement: only its neutral values pass, so
+    the error names the field (a model-level check would give param null)."""
+    def check(value: object) -> object:
+        if value not in allowed:
+            raise ValueError(why)
+        return value
+    return AfterValidator(check)
+
+
+ModelName = Annotated[str, StringConstraints(max_length=256)]
+
+
 class Speculative(BaseModel):
     """quickdraft's extra field: this request's speculation; unset parts take the server's flags."""
     model_config = ConfigDict(strict=True, extra="forbid")
-    method: str | None = None   # a proposer name, or "none" for plain decoding
+    method: Annotated[str, StringConstraints(max_length=64)] | None = None  # a proposer, or "none"
     k: int | None = None
     adaptive: bool | None = None
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    model: str
+    model: ModelName
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -46,46 +59,30 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Stop | None = None
     stream: bool = False
-    n: int = Field(default=1, ge=1)
+    n: Annotated[int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
     speculative: Speculative | None = None
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
-    best_of: int | None = None
-    echo: bool | None = None
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> "_Common":
-        if self.n != 1:
-            raise ValueError("n must be 1: quickdraft returns one choice per request")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported; leave it unset or 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
+    presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
+    frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
+    logit_bias: Annotated[dict[str, float] | None, only(None, {}, why="not supported; leave it unset or {}")] = None
+    logprobs: Annotated[bool | int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
+    best_of: Annotated[int | None, only(None, 1, why="must be 1")] = None
+    echo: Annotated[bool | None, only(None, False, why="not supported; leave it unset or false")] = None
 
 
 class CompletionRequest(_Common):
     prompt: Text | list[int] | list[Text]
 
-    @model_validator(mode="after")
-    def _one_prompt(self) -> "CompletionRequest":
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("prompt: give one prompt per request (a string or token ids)")
-            self.prompt = self.prompt[0]
-        if not self.prompt:
-            raise ValueError("prompt must not be empty")
-        return self
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("give one prompt per request (a string or token ids)")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("must not be empty")
+        return prompt
 
 
 class TextPart(BaseModel):
