@@ -200,27 +200,43 @@ INLINE float hsum(__m256 v) {
 #define GROUPS (2 * UNITS)
 typedef struct { int16_t *x; float *dx, *xs; int64_t nxb; } QRows;
 
-static void quantize_rows(const float *h, int64_t M, int64_t K, QRows *q) {
-    for (int64_t i = 0; i < M; i++) {
-        for (int64_t xb = 0; xb < q->nxb; xb++) {
-            const int64_t k0 = xb * XB, n = K - k0 < XB ? K - k0 : XB;
-            const float *src = h + i * K + k0;
-            int16_t *dst = q->x + i * K + k0;
-            float amax = 0.0f;
-            for (int64_t k = 0; k < n; k++) amax = amax > fabsf(src[k]) ? amax : fabsf(src[k]);
-            const float iscale = amax > 0.0f ? (float)X_MAX / amax : 0.0f, dx = amax / (float)X_MAX;
-            q->dx[i * q->nxb + xb] = dx;
-            float *xs = q->xs + (i * q->nxb + xb) * GROUPS;
-            for (int g = 0; g < GROUPS; g++) xs[g] = 0.0f;
-            for (int64_t k = 0; k < n; k++) {
-                const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
-                const int64_t unit = k / 32, j = k % 32;
-                dst[unit * 32 + (j % 2) * 16 + j / 2] = (int16_t)v;
-                xs[k / 16] += (float)v;  /* exact: integers below 2^24 */
-            }
-            for (int g = 0; g < GROUPS; g++) xs[g] *= dx;
+static void quantize_row(const float *h, int64_t i, int64_t K, QRows *q) {
+    for (int64_t xb = 0; xb < q->nxb; xb++) {
+        const int64_t k0 = xb * XB, n = K - k0 < XB ? K - k0 : XB;
+        const float *src = h + k0;
+        int16_t *dst = q->x + i * K + k0;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < n; k++) amax = amax > fabsf(src[k]) ? amax : fabsf(src[k]);
+        const float iscale = amax > 0.0f ? (float)X_MAX / amax : 0.0f, dx = amax / (float)X_MAX;
+        q->dx[i * q->nxb + xb] = dx;
+        float *xs = q->xs + (i * q->nxb + xb) * GROUPS;
+        for (int g = 0; g < GROUPS; g++) xs[g] = 0.0f;
+        for (int64_t k = 0; k < n; k++) {
+            const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
+            const int64_t unit = k / 32, j = k % 32;
+            dst[unit * 32 + (j % 2) * 16 + j / 2] = (int16_t)v;
+            xs[k / 16] += (float)v;  /* exact: integers below 2^24 */
         }
+        for (int g = 0; g < GROUPS; g++) xs[g] *= dx;
     }
+}
+
+/* Row i of the matmul's input: its prologue (into row i of scratch), then quantize_row. */
+typedef struct {
+    const float *x, *g;
+    int prologue;
+    float eps;
+    float *scratch;
+    int64_t K;
+    QRows *q;
+} RowPrep;
+
+static void row_prep_task(void *ctx, int64_t i) {
+    const RowPrep *r = ctx;
+    const int64_t width = r->prologue == PRO_SWIGLU ? 2 * r->K : r->K;  /* SwiGLU reads gate | up */
+    const float *h = qd_prologue(r->x + i * width, r->prologue, r->g, r->eps, r->scratch ? r->scratch + i * r->K : 0,
+                                 1, r->K);
+    quantize_row(h, i, r->K, r->q);
 }
 
 /* 16 int16 weight-activation products, in pairs, added into 8 int32 lanes. */
@@ -377,7 +393,6 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
         scratch = own = malloc(sizeof(float) * (size_t)(M * K));
         if (!own) return -1;
     }
-    const float *h = qd_prologue(x, prologue, g, eps, scratch, M, K);
     QRows q;
     q.nxb = (K + XB - 1) / XB;
     /* 64-byte aligned: each unit of a row is one cache line, and a split load costs two */
@@ -385,7 +400,10 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
     q.dx = malloc(sizeof(float) * (size_t)(M * q.nxb));
     q.xs = malloc(sizeof(float) * (size_t)(M * q.nxb * GROUPS));
     if (!q.x || !q.dx || !q.xs) { free(q.x); free(q.dx); free(q.xs); free(own); return -1; }
-    quantize_rows(h, M, K, &q);
+    /* rows on all threads when there are several (a 64-row prefill chunk's SwiGLU and rounding
+     * were ~8% of its down projection on one thread); each row's result is the same either way */
+    RowPrep prep = {x, g, prologue, eps, scratch, K, &q};
+    qd_parallel(row_prep_task, &prep, M, M >= 4 ? threads : 1);
     for (int64_t m0 = 0; m0 < M; m0 += M_CHUNK) {
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
         QRows qc = {q.x + m0 * K, q.dx + m0 * q.nxb, q.xs + m0 * q.nxb * GROUPS, q.nxb};
