@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import httpx
+import openai
 import pytest
 
 import quickdraft
+from quickdraft.sampling import SamplingParams
 from quickdraft.server.app import MAX_BODY_BYTES
 from test_server import (MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, serve_process,  # noqa: F401 (fixtures)
                          stream_text, wait_for)
@@ -284,3 +286,93 @@ def test_errors_name_their_field_without_validator_noise(server: Server, llm) ->
                    headers={"content-type": "application/json"})
     assert error_of(r, 400)["message"].startswith("the body is not JSON in UTF-8: 'utf-8' codec can't decode byte 0xff")
     bystander.check(llm)
+
+
+# -- item 7: an explicit answer for every OpenAI field -----------------------------------------------------
+
+USER = [{"role": "user", "content": "Say hi"}]
+REFUSED = [  # (route, fields, param)
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"function_call": {"name": "f"}}, "function_call"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat", {"prediction": {"type": "content", "content": "hi"}}, "prediction"),
+    ("chat", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("chat", {"verbosity": "low"}, "verbosity"),
+    ("chat", {"web_search_options": {}}, "web_search_options"),
+    ("chat", {"store": True}, "store"),
+    ("chat", {"service_tier": "flex"}, "service_tier"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),  # not OpenAI's: unknown, never ignored
+    ("completions", {"suffix": "def f():"}, "suffix"),
+    ("completions", {"min_p": 0.1}, "min_p"),
+]
+
+
+def test_unimplemented_fields_are_a_400_naming_the_field(server: Server, llm) -> None:  # noqa: F811
+    """They were accepted and silently ignored."""
+    bystander = Bystander(server)
+    for route, fields, param in REFUSED:
+        base = {"messages": USER} if route == "chat" else {"prompt": "hi"}
+        r = httpx.post(f"{server.url}/v1/{'chat/completions' if route == 'chat' else 'completions'}", timeout=30,
+                       json={"model": NAME, "max_tokens": 4, **base, **fields})
+        error = error_of(r, 400)
+        assert error["param"] == param and error["type"] == "invalid_request_error", (fields, error)
+        assert error["message"].startswith(f"{param}: ") and len(error["message"]) > len(param) + 10, error
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=NAME, messages=USER, response_format={"type": "json_object"})
+    assert e.value.status_code == 400 and e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(model=NAME, messages=USER, tools=[
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}])
+    assert "text only" in e.value.body["message"] and e.value.body["param"] == "tools"
+    bystander.check(llm)
+
+
+def test_fields_accepted_without_effect_change_nothing(server: Server, llm) -> None:  # noqa: F811
+    expected = llm.generate(messages=USER, params=SamplingParams(max_new_tokens=12)).text
+    r = server.client.chat.completions.create(
+        model=NAME, messages=USER, max_tokens=12, temperature=0, user="u-1", metadata={"team": "a"}, store=False,
+        service_tier="auto", parallel_tool_calls=False, tools=[], tool_choice="none", modalities=["text"],
+        response_format={"type": "text"}, extra_body={"prompt_cache_key": "k", "safety_identifier": "s"})
+    assert r.choices[0].message.content == expected
+    r = server.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0, user="u-1",
+                                         suffix=None, echo=False, best_of=1)
+    assert r.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
+
+
+def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage(server: Server, llm) -> None:  # noqa: F811
+    """As OpenAI does: after the chunk with finish_reason, one with empty choices and the usage."""
+    whole = server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=12, temperature=0)
+    chunks = list(server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=12, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+    plain = list(server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=12, temperature=0,
+                                                       stream=True))
+    assert all(c.choices for c in plain) and len(plain) == len(chunks) - 1
+    _, completion_chunks = stream_text(server.client, PROMPTS[2], 6, {}, temperature=0,
+                                       stream_options={"include_usage": True})
+    assert completion_chunks[-1].choices == [] and completion_chunks[-1].usage.completion_tokens > 0
+
+
+def test_earlier_tool_calls_in_the_conversation_are_history(server: Server, llm) -> None:  # noqa: F811
+    """Tools are refused for generation only: a conversation holding an assistant's tool call
+    (content null) and the tool's result is rendered by the chat template like any other."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"}]
+    r = server.client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    as_templated = [messages[0], {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "content": "12 C, rain", "tool_call_id": "call_1"}]
+    assert r.choices[0].message.content == llm.generate(messages=as_templated,
+                                                        params=SamplingParams(max_new_tokens=10)).text
+    missing = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                         json={"model": NAME, "messages": [{"role": "user"}]})
+    assert error_of(missing, 400)["param"] == "messages.0.content"

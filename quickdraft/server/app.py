@@ -155,7 +155,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         worker.submit(request, _sink(loop, events), make_proposer)
         text = TextAssembler(llm.tokenizer, params)
         if body.stream:
-            return StreamingResponse(_stream(kind, request, text, events), media_type="text/event-stream")
+            return StreamingResponse(_stream(kind, request, text, events, body.include_usage),
+                                     media_type="text/event-stream")
         return await _whole(kind, request, text, events, http)
 
     async def _whole(kind: out.Kind, request: Request, text: TextAssembler,
@@ -183,7 +184,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 worker.cancel(request.id)
 
     async def _stream(kind: out.Kind, request: Request, text: TextAssembler,
-                      events: asyncio.Queue[TokenEvent | None]) -> AsyncIterator[str]:
+                      events: asyncio.Queue[TokenEvent | None], include_usage: bool) -> AsyncIterator[str]:
         engine_done, first = False, True
         try:
             while True:
@@ -199,6 +200,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                                         chunk.stats, first)
                     first = False
                 if chunk.finish_reason is not None:
+                    if include_usage:
+                        yield out.sse_usage(kind, request.id, config.model_name, chunk.stats)
                     break
             yield out.SSE_DONE
         finally:  # also when the client disconnected and this generator was cancelled

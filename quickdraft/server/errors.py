@@ -39,6 +39,8 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     error = first.get("ctx", {}).get("error")
     # a validator's own ValueError says what was expected; pydantic would prefix "Value error, "
     message = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown field (quickdraft refuses fields it does not implement rather than ignore them)"
     return (f"{where}: {message}" if where else message), where or None
 
 

@@ -59,6 +59,12 @@ def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def sse_usage(kind: Kind, request_id: str, model: str, stats: GenerationStats) -> str:
+    """stream_options.include_usage: after the last choice chunk, one with no choices and the usage."""
+    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(stats)}
+    return f"data: {json.dumps(body)}\n\n"
+
+
 def sse_error(message: str, kind: str = "server_error") -> str:
     return f"data: {json.dumps({'error': {'message': message, 'type': kind, 'param': None, 'code': None}})}\n\n"
 

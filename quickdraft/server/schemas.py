@@ -1,14 +1,16 @@
 """Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
 
-Types are strict (a string where a number belongs is a 400, not a coercion); fields OpenAI defines
-but quickdraft does not implement are refused when set to anything but their neutral value, so a
-client never silently gets something other than what it asked for. Unknown fields are ignored.
+Types are strict (a string where a number belongs is a 400, not a coercion). Every field OpenAI
+defines has an explicit answer: implemented, accepted with no effect (identifiers and metadata,
+listed in docs/server.md), or refused when set to anything but its neutral value, so a client
+never silently gets something other than what it asked for. Unknown fields are refused.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationInfo,
+                      field_validator)
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from quickdraft.tokenizer import unicode_error
@@ -49,8 +51,18 @@ class Speculative(BaseModel):
     adaptive: bool | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None       # a last chunk with empty choices and the usage, as OpenAI sends
+    include_obfuscation: bool | None = None  # accepted, no effect: quickdraft pads no chunks
+
+
+Json = dict[str, Any]
+IGNORED = "accepted and ignored"  # identifiers and metadata: they change nothing generated
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
     model: ModelName
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -59,19 +71,33 @@ class _Common(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: Stop | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: Annotated[int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
     speculative: Speculative | None = None
+    user: str | None = Field(default=None, description=IGNORED)
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     logit_bias: Annotated[dict[str, float] | None, only(None, {}, why="not supported; leave it unset or {}")] = None
     logprobs: Annotated[bool | int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
-    best_of: Annotated[int | None, only(None, 1, why="must be 1")] = None
-    echo: Annotated[bool | None, only(None, False, why="not supported; leave it unset or false")] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streams_only(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_Common):
     prompt: Text | list[int] | list[Text]
+    best_of: Annotated[int | None, only(None, 1, why="must be 1")] = None
+    echo: Annotated[bool | None, only(None, False, why="not supported; leave it unset or false")] = None
+    suffix: Annotated[str | None, only(None, "", why="not supported (no fill-in-the-middle); leave it unset")] = None
 
     @field_validator("prompt")
     @classmethod
@@ -91,20 +117,73 @@ class TextPart(BaseModel):
     text: Text
 
 
-class ChatMessage(BaseModel):
+class ToolCall(BaseModel):
+    """An assistant's earlier tool call, as history (OpenAI's shape)."""
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    id: str
+    type: Literal["function"]
+    function: "ToolCallFunction"
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: Text
+    arguments: Text
+
+
+class ChatMessage(BaseModel):
+    """Keys OpenAI's clients echo back from earlier replies (refusal, annotations, audio) are ignored."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # history: the calls an assistant made
+    tool_call_id: str | None = None           # history: which call a tool message answers
+    content: Text | list[TextPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _needs_content(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("required (only an assistant message with tool_calls may leave it out)")
+        return content
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: OpenAI's keys, text content."""
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return message
+
+
+NO_TOOLS = "not supported: quickdraft generates text only (earlier tool calls in messages are fine)"
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    metadata: dict[str, str] | None = Field(default=None, description=IGNORED)
+    prompt_cache_key: str | None = Field(default=None, description=IGNORED)
+    safety_identifier: str | None = Field(default=None, description=IGNORED)
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted; no effect without tools")
+    service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "
+                                             "leave it unset, auto or default")] = None
+    store: Annotated[bool | None, only(None, False, why="quickdraft stores nothing; leave it unset or false")] = None
+    top_logprobs: Annotated[int | None, only(None, 0, why="not supported; leave it unset or 0")] = None
+    tools: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
+    tool_choice: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
+    functions: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
+    function_call: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
+    response_format: Annotated[Json | None, only(None, {"type": "text"}, why="only {\"type\": \"text\"}: "
+                                                 "quickdraft does not constrain output to JSON")] = None
+    modalities: Annotated[list[str] | None, only(None, ["text"], why="only [\"text\"]")] = None
+    audio: Annotated[Json | None, only(None, why="not supported: quickdraft generates text only")] = None
+    prediction: Annotated[Json | None, only(None, why="not supported (predicted outputs)")] = None
+    reasoning_effort: Annotated[str | None, only(None, why="not supported: no reasoning models")] = None
+    verbosity: Annotated[str | None, only(None, why="not supported")] = None
+    web_search_options: Annotated[Json | None, only(None, why="not supported: quickdraft has no web search")] = None
 
-    def chat(self) -> list[dict[str, str]]:
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.to_template() for m in self.messages]
