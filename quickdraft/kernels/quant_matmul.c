@@ -72,9 +72,10 @@ INLINE __m256i fifth_bits(const uint8_t *p) {
 typedef struct {
     const uint8_t *b;     /* the superblock (K-quants) or the first 32-weight block (others) */
     float d;              /* K-quants: the superblock's scale */
-    uint64_t sc;          /* Q4_K/Q5_K: the 6-bit sub-scales, unit s in byte s */
     __m256 m[2];          /* lane g: the offset of the weights in 16-value group g */
     __m256i qh;           /* Q5_K: the fifth bits of the superblock */
+    __m256i sc_bytes;     /* K-quants: the sub-scales as bytes in each 128-bit lane, for vpshufb
+                           * (Q4_K/Q5_K: the 6-bit scale of unit s in byte s) */
 } Prep;
 
 #define K_QUANT(type) ((type) == Q4_K || (type) == Q5_K || (type) == Q6_K)
@@ -109,8 +110,7 @@ INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep
         u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
         u[2] = mins_lo;
         u[0] &= 0x3f3f3f3f;
-        p->sc = (uint64_t)u[0] | (uint64_t)u[1] << 32;  /* in a register: a copy through memory stalled on
-                                                          * store forwarding once per superblock */
+        p->sc_bytes = _mm256_set1_epi64x((long long)((uint64_t)u[0] | (uint64_t)u[1] << 32));
         p->d = f16(p->b);
         const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)u[3], (int)u[2])));
         per_group(_mm256_mul_ps(mins, _mm256_set1_ps(-f16(p->b + 2))), p->m);  /* as ggml: d*sc*q - dmin*m */
@@ -118,6 +118,7 @@ INLINE void prepare(const uint8_t *row, int64_t xb, int nu, const int type, Prep
     } else if (type == Q6_K) {  /* d * sc * (q - 32): the -32 is an offset of -32 * d * sc per group */
         p->d = f16(p->b + 208);
         const __m128i sc = _mm_loadu_si128((const __m128i *)(p->b + 192));
+        p->sc_bytes = _mm256_broadcastsi128_si256(sc);
         const __m256 k = _mm256_set1_ps(-32.0f * p->d);
         p->m[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), k);
         p->m[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), k);
@@ -154,6 +155,17 @@ INLINE void widen(__m256i q, const int is_signed, __m256i w[2]) {
     }
 }
 
+/* K-quant unit s's sub-scale in the even bytes of every 16-bit lane (what `split` takes): one
+ * vpshufb of the superblock's scale bytes (a scalar extraction and broadcast per unit cost ~6% of
+ * a one-row pass). Q6_K's unit has two: scale 2s for weights 0-15 (lane 0), 2s + 1 for 16-31. */
+INLINE __m256i sub_scale(const Prep *p, int s, const int type) {
+    const __m256i odd_bytes = _mm256_set1_epi64x((long long)0x8000800080008000);  /* vpshufb's zero */
+    const __m256i pick = type == Q6_K
+        ? _mm256_add_epi8(_mm256_set1_epi8((char)(2 * s)), _mm256_set_epi64x(0x0101010101010101, 0x0101010101010101, 0, 0))
+        : _mm256_set1_epi8((char)s);
+    return _mm256_shuffle_epi8(p->sc_bytes, _mm256_or_si256(odd_bytes, pick));
+}
+
 INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) {
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     if (type == Q4_K || type == Q5_K) {
@@ -161,17 +173,16 @@ INLINE void unit(const Prep *p, int s, const int type, __m256i w[2], __m256 *d) 
         __m256i q = _mm256_and_si256(s & 1 ? _mm256_srli_epi16(packed, 4) : packed, lo4);
         if (type == Q5_K)
             q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(p->qh, s), _mm256_set1_epi8(1)), 4));
-        split(q, _mm256_set1_epi16((short)(p->sc >> 8 * s & 0xff)), 0, w);
+        split(q, sub_scale(p, s, type), 0, w);
         return;
     }
     if (type == Q6_K) {
         const int h = s / 4, t = s % 4;
-        const uint8_t *sc = p->b + 192;
         const __m256i src = _mm256_loadu_si256((const __m256i *)(p->b + 64 * h + 32 * (t & 1)));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(p->b + 128 + 32 * h));
         const __m256i low = _mm256_and_si256(t & 2 ? _mm256_srli_epi16(src, 4) : src, lo4);
         const __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3)), 4);
-        split(_mm256_or_si256(low, high), _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s])), 0, w);
+        split(_mm256_or_si256(low, high), sub_scale(p, s, type), 0, w);
         return;
     }
     const uint8_t *b = p->b + s * BLOCK_BYTES(type);
@@ -249,14 +260,15 @@ INLINE __m256i madd_acc(__m256i acc, __m256i w, const int16_t *x) {
 #endif
 }
 
-/* One activation block (nu units) of weight row `row` against rows [0, mb) of q, added to tot
+/* One activation block (nu units) of weight row `row` against rows [0, mb) of q, added to tot[j]
+ * and its offsets to tot[MB_MAX + j] (a second sum keeps them off the first one's FMA chain: ~6%)
  * (mb and, for whole blocks, nu constant after inlining: the unit loop unrolls and accumulators stay
  * in registers while each unit, unpacked once, meets every row). The order of every float sum is
  * fixed, so each row's result is the same for any M. K-quants sum a superblock in int32 and convert
  * once; the others scale each 32-weight block in float (two accumulators per row hide the FMA
  * latency). */
 INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb, const int type, const int mb,
-                      const int nu, __m256 tot[]) {
+                      const int nu, __m256 tot[2 * MB_MAX]) {
     /* K-quants' integer sums run in several independent chains per row (few rows would otherwise
      * wait on the multiply-add latency); integer addition makes their order irrelevant to the result */
     const int chains = mb == 1 ? CHAINS_MAX : mb == 2 ? CHAINS_MAX / 2 : 2;
@@ -300,8 +312,8 @@ INLINE void block_dot(const uint8_t *row, const QRows *q, int64_t K, int64_t xb,
         }
         if (HAS_OFFSET(type)) {
             const float *xs = q->xs + (j * q->nxb + xb) * GROUPS;
-            tot[j] = _mm256_fmadd_ps(p.m[0], _mm256_loadu_ps(xs), tot[j]);
-            tot[j] = _mm256_fmadd_ps(p.m[1], _mm256_loadu_ps(xs + 8), tot[j]);
+            const __m256 offsets = _mm256_fmadd_ps(p.m[1], _mm256_loadu_ps(xs + 8), _mm256_mul_ps(p.m[0], _mm256_loadu_ps(xs)));
+            tot[MB_MAX + j] = _mm256_add_ps(tot[MB_MAX + j], offsets);
         }
     }
 }
@@ -326,11 +338,11 @@ INLINE void rows_dot(const PartJob *job, const QRows *q, int64_t n0, int64_t n1,
     const int64_t K = job->K, whole = K / XB;
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = job->w + n * job->row_bytes;
-        __m256 tot[MB_MAX];
-        for (int j = 0; j < mb; j++) tot[j] = _mm256_setzero_ps();
+        __m256 tot[2 * MB_MAX];
+        for (int j = 0; j < mb; j++) tot[j] = tot[MB_MAX + j] = _mm256_setzero_ps();
         for (int64_t xb = 0; xb < whole; xb++) block_dot(row, q, K, xb, type, mb, UNITS, tot);
         if (whole < q->nxb) block_dot(row, q, K, whole, type, mb, (int)(K % XB / 32), tot);  /* 32-weight types */
-        for (int j = 0; j < mb; j++) out[n - n0][j] = hsum(tot[j]);
+        for (int j = 0; j < mb; j++) out[n - n0][j] = hsum(_mm256_add_ps(tot[j], tot[MB_MAX + j]));
     }
 }
 
