@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from quickdraft import kernels
@@ -23,13 +23,13 @@ from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.server import responses as out
+from quickdraft.server import openapi, responses as out
 from quickdraft.server.errors import BadRequest, install_error_handlers
 from quickdraft.server.guards import DeclaredBodyLimit
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
-from quickdraft.spec import Proposer, SpecConfig, SpecConfigError
+from quickdraft.spec import PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
@@ -80,16 +80,19 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         """Liveness, and which weights and CPU kernel answer (no silent slow path)."""
         return {"status": "ok", **runtime}
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        """Prometheus' text format."""
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "quickdraft"}]}
 
-    @app.post("/v1/completions", max_body_size=body_limit)
+    generation = {**openapi.GENERATION, **openapi.errors(400, 404, 413, 500, 503)}
+
+    @app.post("/v1/completions", max_body_size=body_limit, responses=generation)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
         _check_model(body)
         if isinstance(body.prompt, str):  # off the event loop: a long prompt must not stall other requests
@@ -102,16 +105,39 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             vocab = llm.model.config.vocab_size
             if not all(0 <= t < vocab for t in ids):
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-        return await _respond("completion", body, ids, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, http)
+        return await _respond("completion", body, ids, {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS},
+                              http)
 
-    @app.post("/v1/chat/completions", max_body_size=body_limit)
+    @app.post("/v1/chat/completions", max_body_size=body_limit, responses=generation)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         _check_model(body)
         try:
             ids = await run_in_threadpool(llm.tokenizer.apply_chat_template, body.chat())
         except QuickdraftError as e:
             raise BadRequest(400, str(e), "messages") from None
-        return await _respond("chat", body, ids, body.max_completion_tokens or body.max_tokens, http)
+        # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
+        budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
+        return await _respond("chat", body, ids, budget, http)
+
+    def _unusable(spec: SpecConfig) -> str | None:
+        """Why this server cannot run `spec`, or None: what it can run depends on the models it has."""
+        if spec.needs_head and head_error:
+            return head_error
+        try:
+            if spec.enabled and spec.method == "draft":
+                llm.draft_name(spec.draft_model)  # loads nothing; an error names the missing flag
+        except SpecConfigError as e:
+            return str(e)
+        return None
+
+    def _methods() -> list[str]:
+        """The speculation methods a request may name here (for the published schema)."""
+        usable = []
+        for method in ["none", *sorted(PROPOSERS)]:
+            spec = replace(config.spec, method=method, k=max(config.spec.k, 1))
+            if _unusable(spec) is None:
+                usable.append(method)
+        return usable
 
     def _check_model(body: _Common) -> None:
         """Before any work on the prompt: a request for another model costs nothing."""
@@ -119,18 +145,21 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
                                   f"{config.model_name!r}", "model", "model_not_found")
 
-    def _prepare(body: _Common, ids: list[int], max_tokens: int | None
+    def _prepare(body: _Common, ids: list[int], budget: dict[str, int | None]
                  ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
+        """budget: the fields that bound the new tokens, the first one given deciding."""
         limit = engine.max_seq_len
         try:
             check_context(len(ids), limit)
         except ContextTooLong as e:
             raise BadRequest(400, str(e), "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                              "context_length_exceeded") from None
-        if max_tokens is not None and len(ids) + max_tokens > limit:
-            raise BadRequest(400, f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} "
-                                  f"more, but the context holds {limit}; expected at most "
-                                  f"{limit - len(ids)} new tokens", "max_tokens", "context_length_exceeded")
+        for field, wanted in budget.items():
+            if wanted is not None and len(ids) + wanted > limit:
+                raise BadRequest(400, f"the prompt has {len(ids)} tokens and {field} asks for {wanted} more, but "
+                                      f"the context holds {limit}; expected at most {limit - len(ids)} new tokens",
+                                 field, "context_length_exceeded")
+        max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
         stop = tuple(body.stop or ())
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
@@ -140,16 +169,16 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             try:
                 spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
             except SpecConfigError as e:
-                raise BadRequest(400, str(e), "speculative") from None
-        if spec.needs_head and head_error:
-            raise BadRequest(400, head_error, "speculative")
+                raise BadRequest(400, str(e), "speculative", "invalid_speculation") from None
+        if problem := _unusable(spec):
+            raise BadRequest(400, problem, "speculative", "invalid_speculation")
         request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,
                           spec.adaptive)
         return request, params, lambda: llm.proposer(ids, params, spec)
 
-    async def _respond(kind: out.Kind, body: _Common, ids: list[int], max_tokens: int | None,
+    async def _respond(kind: out.Kind, body: _Common, ids: list[int], budget: dict[str, int | None],
                        http: HTTPRequest) -> Response:
-        request, params, make_proposer = _prepare(body, ids, max_tokens)
+        request, params, make_proposer = _prepare(body, ids, budget)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)
@@ -208,6 +237,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             if not engine_done:
                 worker.cancel(request.id)
 
+    openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods)
     return app
 
 

@@ -39,6 +39,8 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     error = first.get("ctx", {}).get("error")
     # a validator's own ValueError says what was expected; pydantic would prefix "Value error, "
     message = str(error) if first["type"] == "value_error" and error is not None else first["msg"]
+    if first["type"] == "string_unicode":  # pydantic's own check, for constrained strings
+        message = "found a lone surrogate (such as \\ud800); expected valid Unicode text"
     if first["type"] == "extra_forbidden":
         message = "unknown field (quickdraft refuses fields it does not implement rather than ignore them)"
     return (f"{where}: {message}" if where else message), where or None
@@ -63,11 +65,13 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
         return out.error_response(400, str(exc))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: HTTPRequest, exc: HTTPException) -> JSONResponse:
+    async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
-        if exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
+        if exc.status_code == 405:
+            message = f"{request.url.path} does not answer {request.method}; it answers {exc.headers['Allow']}"
+        elif exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
             message = body_too_large(max_body_bytes)
         elif exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI could not read the body
             message = f"the body is not JSON in UTF-8: {exc.__cause__}"
-        return out.error_response(exc.status_code, message, kind)
+        return out.error_response(exc.status_code, message, kind, headers=exc.headers)  # 405's Allow

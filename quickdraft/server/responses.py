@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -15,10 +16,10 @@ from quickdraft.engine.events import GenerationStats
 Kind = Literal["completion", "chat"]
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def usage(stats: GenerationStats) -> dict[str, int]:

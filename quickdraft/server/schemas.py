@@ -7,13 +7,31 @@ never silently gets something other than what it asked for. Unknown fields are r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationInfo,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler,
+                      GetJsonSchemaHandler, StringConstraints, ValidationInfo, field_validator)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from quickdraft.spec import MAX_K
 from quickdraft.tokenizer import unicode_error
+
+
+def _integral(value: object) -> object:
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+# JSON Schema's "integer" holds 1.0 too (a number with no fraction), so the server does as well;
+# "1" and true stay refused.
+Int = Annotated[int, BeforeValidator(_integral)]
+# bounds sit before the validator, where the published schema shows them as minimum / maximum
+Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=0, lt=2**63), BeforeValidator(_integral)]  # 2**63: exact as a float (openapi.py)
+DraftLength = Annotated[int, Field(ge=0, le=MAX_K), BeforeValidator(_integral)]
 
 
 def _unicode(text: str) -> str:
@@ -23,6 +41,7 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]  # text that reaches the tokenizer
+PromptText = Annotated[str, StringConstraints(min_length=1), AfterValidator(_unicode)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_unicode)]
 StopList = Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 # One string or a list of them; validated as a list so an error names the string it is about.
@@ -30,14 +49,27 @@ Stop = Annotated[StopList, BeforeValidator(lambda v: [v] if isinstance(v, str) e
                                            json_schema_input_type=StopString | StopList)]
 
 
-def only(*allowed: object, why: str) -> AfterValidator:
-    """A field OpenAI defines and quickdraft does not implement: only its neutral values pass, so
-    the error names the field (a model-level check would give param null)."""
-    def check(value: object) -> object:
-        if value not in allowed:
-            raise ValueError(why)
+@dataclass(frozen=True)
+class only:
+    """A field OpenAI defines and quickdraft does not implement: only its neutral values pass, and the
+    published schema says so (an enum). A field validator, so the error names the field."""
+    allowed: tuple[object, ...]
+    why: str
+
+    def __init__(self, *allowed: object, why: str) -> None:
+        object.__setattr__(self, "allowed", allowed)
+        object.__setattr__(self, "why", why)
+
+    def _check(self, value: object) -> object:
+        if value not in self.allowed:
+            raise ValueError(self.why)
         return value
-    return AfterValidator(check)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"enum": list(self.allowed), "description": self.why}
 
 
 ModelName = Annotated[str, StringConstraints(max_length=256)]
@@ -47,7 +79,7 @@ class Speculative(BaseModel):
     """quickdraft's extra field: this request's speculation; unset parts take the server's flags."""
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Annotated[str, StringConstraints(max_length=64)] | None = None  # a proposer, or "none"
-    k: int | None = None
+    k: DraftLength | None = None
     adaptive: bool | None = None
 
 
@@ -61,25 +93,30 @@ Json = dict[str, Any]
 IGNORED = "accepted and ignored"  # identifiers and metadata: they change nothing generated
 
 
+STREAM_OPTIONS_NEED_STREAM = {  # the published schema states the check of _streams_only
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
     model: ModelName
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Count | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)   # not OpenAI's, but common in compatible servers
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    top_k: NonNegative = 0   # not OpenAI's, but common in compatible servers
+    seed: Seed | None = None
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
+    n: Annotated[Int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
     speculative: Speculative | None = None
     user: str | None = Field(default=None, description=IGNORED)
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     logit_bias: Annotated[dict[str, float] | None, only(None, {}, why="not supported; leave it unset or {}")] = None
-    logprobs: Annotated[bool | int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
+    logprobs: Annotated[bool | Int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -94,20 +131,20 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[int] | list[Text]
-    best_of: Annotated[int | None, only(None, 1, why="must be 1")] = None
+    # one prompt: a string, token ids, or a list holding one string (its length checked below)
+    prompt: PromptText | Annotated[list[Int], Field(min_length=1)] | \
+        Annotated[list[PromptText], Field(min_length=1, json_schema_extra={"maxItems": 1})]
+    best_of: Annotated[Int | None, only(None, 1, why="must be 1")] = None
     echo: Annotated[bool | None, only(None, False, why="not supported; leave it unset or false")] = None
     suffix: Annotated[str | None, only(None, "", why="not supported (no fill-in-the-middle); leave it unset")] = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ValueError("give one prompt per request (a string or token ids)")
             prompt = prompt[0]
-        if not prompt:
-            raise ValueError("must not be empty")
         return prompt
 
 
@@ -131,9 +168,15 @@ class ToolCallFunction(BaseModel):
     arguments: Text
 
 
+CONTENT_UNLESS_TOOL_CALLS = {  # the published schema states the check of _needs_content
+    "if": {"required": ["role", "tool_calls"],
+           "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}}},
+    "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}}
+
+
 class ChatMessage(BaseModel):
     """Keys OpenAI's clients echo back from earlier replies (refusal, annotations, audio) are ignored."""
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=CONTENT_UNLESS_TOOL_CALLS)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # history: the calls an assistant made
@@ -163,7 +206,7 @@ NO_TOOLS = "not supported: quickdraft generates text only (earlier tool calls in
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     metadata: dict[str, str] | None = Field(default=None, description=IGNORED)
     prompt_cache_key: str | None = Field(default=None, description=IGNORED)
     safety_identifier: str | None = Field(default=None, description=IGNORED)
@@ -171,7 +214,7 @@ class ChatCompletionRequest(_Common):
     service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "
                                              "leave it unset, auto or default")] = None
     store: Annotated[bool | None, only(None, False, why="quickdraft stores nothing; leave it unset or false")] = None
-    top_logprobs: Annotated[int | None, only(None, 0, why="not supported; leave it unset or 0")] = None
+    top_logprobs: Annotated[Int | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     tools: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
     tool_choice: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
     functions: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None

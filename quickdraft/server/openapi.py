@@ -1,0 +1,99 @@
+"""The published OpenAPI schema, made true to the server: errors are OpenAI bodies with the
+statuses the server answers (400, never FastAPI's 422), generation answers JSON or an event
+stream, and what is known only once a model is loaded (its vocabulary, its context, the
+speculation methods it can run) is written in.
+
+Knows nothing about the engine.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+STATUSES = {
+    400: "Malformed JSON, a field of the wrong type or out of range, an unsupported field, or a prompt "
+         "past the context (code context_length_exceeded)",
+    401: "No or a wrong API key (Authorization: Bearer)",
+    404: "A model this server does not serve (code model_not_found)",
+    413: "A body larger than --max-body-bytes",
+    429: "The waiting queue is full (--max-waiting); retry after Retry-After seconds",
+    500: "Generation failed inside the engine",
+    503: "The server is shutting down (code server_shutting_down)",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorBody, "description": STATUSES[status]} for status in statuses}
+
+
+# each event's data: a chunk, an error, or the closing "[DONE]"
+EVENT = {"anyOf": [{"type": "object", "properties": {"choices": {"type": "array"}, "error": {"type": "object"}}},
+                   {"type": "string", "enum": ["[DONE]"]}]}
+GENERATION: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The completion as JSON, or with stream: true server-sent events ending with "
+                         "data: [DONE]",
+          "content": {"text/event-stream": {"schema": EVENT}}},
+}
+
+
+def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, methods: Callable[[], list[str]]) -> None:
+    """Replace FastAPI's schema generation with one that drops the 422s the server never sends,
+    names the one model served, bounds token ids by its vocabulary and new tokens by its context
+    (the prompt takes at least one of them), and lists the speculation methods this server can run
+    (`methods()`, asked when the schema is first requested)."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            for request in ("CompletionRequest", "ChatCompletionRequest"):
+                fields = components[request]["properties"]
+                fields["model"]["enum"] = [model_name]  # any other is a 404
+                for name in ("max_tokens", "max_completion_tokens"):
+                    if name in fields:
+                        fields[name]["anyOf"][0]["maximum"] = max_seq_len - 1
+            method = components["Speculative"]["properties"]["method"]["anyOf"][0]
+            method["enum"] = methods()
+            for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+                if form.get("items", {}).get("type") == "integer":
+                    form["items"].update(minimum=0, maximum=vocab_size - 1)
+            _integer_bounds(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _integer_bounds(schema: Any) -> None:
+    """FastAPI's OpenAPI model holds bounds as floats ("minimum": 1.0): an integer's bounds are
+    written back as integers. Only bounds a float holds exactly survive (hence seed < 2**63, not
+    <= 2**63 - 1, which a float rounds up to 2**63)."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(schema.get(key), float):
+                    schema[key] = int(schema[key])
+        for value in schema.values():
+            _integer_bounds(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _integer_bounds(value)
