@@ -5,7 +5,7 @@ deltas, stop strings are applied to that text. The CLI and (later) the server co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -66,18 +66,32 @@ def parse_device(device: str | torch.device) -> torch.device:
 
 class TextAssembler:
     """Token events of one request -> text chunks: UTF-8-safe deltas, cut at the first stop string
-    (the chunk that finds it says finish_reason "stop"; the consumer then stops the request)."""
+    (the chunk that finds it says finish_reason "stop"; the consumer then stops the request).
+
+    The ids end with the token that completes the stop string, and the stats count them: a step
+    commits several tokens, and those after the stop string's are neither text nor usage."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
         self.detok = StreamDetokenizer(tokenizer)
         self.stops = StopStringFilter(params.stop)
+        self.by_token = bool(params.stop)  # with stop strings, token by token: where one ends is a token
 
     def feed(self, event: TokenEvent) -> Chunk:
-        text, stopped = self.stops.feed(self.detok.push(event.token_ids))
+        ids = list(event.token_ids)
+        parts, kept, stopped = [], 0, False
+        for group in ([t] for t in ids) if self.by_token else [ids]:
+            text, stopped = self.stops.feed(self.detok.push(group))
+            parts.append(text)
+            kept += len(group)
+            if stopped:
+                break
         if not stopped and event.finish_reason is not None:
             tail, stopped = self.stops.feed(self.detok.flush())
-            text += tail + ("" if stopped else self.stops.flush())
-        return Chunk(text, event.token_ids, "stop" if stopped else event.finish_reason, event.stats)
+            parts.append(tail + ("" if stopped else self.stops.flush()))
+        stats = event.stats
+        if kept < len(ids):
+            stats = replace(stats, new_tokens=stats.new_tokens - (len(ids) - kept))
+        return Chunk("".join(parts), ids[:kept], "stop" if stopped else event.finish_reason, stats)
 
 
 class LLM:

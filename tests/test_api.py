@@ -19,6 +19,7 @@ import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.cli import main
 from quickdraft.sampling import probabilities, sample
+from quickdraft.spec import SpecConfig
 from tiny_tokenizer import build_tokenizer, render_chatml, tiny_llm_dir, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +172,50 @@ def test_earliest_of_several_stop_strings_wins(llm: quickdraft.LLM) -> None:
     assert k2 > k
     out = llm.generate(PROMPT, params=greedy(40, stop=[late, early], ignore_eos=True))
     assert (out.finish_reason, out.text) == ("stop", full[:k])
+
+
+def stops_across_steps(llm: quickdraft.LLM, n: int = 40) -> tuple[list[int], str, list[str]]:
+    """The greedy reference and stop strings starting at many places in its text."""
+    ref = reference_ids(llm, n)
+    full = llm.tokenizer.decode(ref)
+    stops = {stop_candidate(full, start)[0] for start in range(3, len(full) - 8, 3)}
+    return ref, full, sorted(stops)
+
+
+def expected_at_stop(llm: quickdraft.LLM, ref: list[int], full: str, stop: str) -> tuple[str, list[int]]:
+    """The text before the stop string, and the shortest prefix of the ids whose text holds it."""
+    j = next(j for j in range(1, len(ref) + 1) if stop in llm.tokenizer.decode(ref[:j]))
+    return full[:full.index(stop)], ref[:j]
+
+
+def test_ids_and_usage_end_at_the_stop_string_when_a_step_commits_several(llm: quickdraft.LLM,
+                                                                          model_dir: Path) -> None:
+    """Issue 16 item 10: the draft is the target itself (every draft token accepted, 9 tokens a
+    step), so a stop string mostly ends mid-step; the ids still included the rest of that step
+    (and usage counted them) while the text was cut."""
+    spec = SpecConfig("draft", k=8, draft_model=str(model_dir))
+    ref, full, stops = stops_across_steps(llm)
+    assert len(stops) >= 5
+    dropped = 0
+    for stop in stops:
+        out = llm.generate(PROMPT, params=greedy(40, stop=[stop], ignore_eos=True), spec=spec)
+        text, ids = expected_at_stop(llm, ref, full, stop)
+        assert (out.finish_reason, out.text, out.token_ids) == ("stop", text, ids), stop
+        assert out.stats.new_tokens == len(ids)
+        dropped += out.stats.committed_tokens - out.stats.new_tokens  # committed counts the whole step
+    assert dropped > 0, "no stop string ended mid-step: the test does not test"
+
+
+def test_cli_json_ids_agree_with_the_text_at_a_stop_string(llm: quickdraft.LLM, model_dir: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    ref, full, stops = stops_across_steps(llm)
+    stop = stops[len(stops) // 2]
+    text, ids = expected_at_stop(llm, ref, full, stop)
+    assert main(["generate", "--model", str(model_dir), "--prompt", PROMPT, "-n", "40", "--json", "--ignore-eos",
+                 "--stop", stop, "--spec", "draft", "--draft-model", str(model_dir), "-k", "8"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert (obj["text"], obj["token_ids"], obj["new_tokens"]) == (text, ids, len(ids))
+    assert obj["stats"]["new_tokens"] == len(ids)
 
 
 def test_stop_string_absent_changes_nothing(llm: quickdraft.LLM) -> None:

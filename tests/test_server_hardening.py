@@ -488,3 +488,33 @@ def test_schemathesis_finds_no_failure(server: Server, tmp_path) -> None:
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "No issues found" in run.stdout and "5 selected" in run.stdout, run.stdout[-3000:]
 
+
+# -- item 10: at a stop string, text and usage agree --------------------------------------------------------
+
+def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None:  # noqa: F811
+    """The draft is the target itself, so every step commits k + 1 = 9 tokens and a stop string
+    mostly ends mid-step: usage counted the whole step while the text was cut. Expected: the
+    shortest prefix of the greedy tokens whose text holds the stop string."""
+    target = quickdraft.load(str(dirs[0]), spec=SpecConfig("draft", k=8, draft_model=str(dirs[0])))
+    s = Server(target, max_batch=4)
+    try:
+        ref = target.generate(PROMPTS[3], params=SamplingParams(max_new_tokens=60), spec=SpecConfig()).token_ids
+        full = target.tokenizer.decode(ref)
+        stops = sorted({full[i:i + 2] for i in range(3, len(full) - 2, 3)
+                        if "\ufffd" not in full[i:i + 2] and full.find(full[i:i + 2]) == i})
+        assert len(stops) >= 4, full
+        bystander = Bystander(s)
+        cut = 0
+        for stop in stops:
+            j = next(j for j in range(1, len(ref) + 1) if stop in target.tokenizer.decode(ref[:j]))
+            text = full[:full.index(stop)]
+            r = s.client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=60, temperature=0, stop=stop)
+            assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (text, "stop", j)
+            streamed, chunks = stream_text(s.client, PROMPTS[3], 60, {}, temperature=0, stop=stop,
+                                           stream_options={"include_usage": True})
+            assert streamed == text and chunks[-1].usage.completion_tokens == j
+            cut += r.model_extra["stats"]["committed_tokens"] - j  # the step went on past the stop string
+        assert cut > 0, "no stop string ended mid-step: the test does not test"
+        bystander.check(target)
+    finally:
+        s.stop()
