@@ -25,6 +25,7 @@ import pytest
 import quickdraft
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.app import MAX_BODY_BYTES
+from quickdraft.server.guards import answered_hosts
 from quickdraft.spec import SpecConfig
 from test_server import (MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, serve_process,  # noqa: F401 (fixtures)
                          stream_text, wait_for)
@@ -518,3 +519,130 @@ def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None
         bystander.check(target)
     finally:
         s.stop()
+
+
+# -- item 11: API keys, a bounded queue, loopback Host names, latency in /metrics ---------------------------
+
+KEY = "qd-test-key"
+
+
+def test_an_api_key_guards_the_v1_routes(llm) -> None:  # noqa: F811
+    s = Server(llm, max_batch=4, api_key=KEY)
+    try:
+        s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0)
+        bystander = Bystander(s)
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 4}
+        for headers, fragment in (({}, "no API key given"), ({"Authorization": "Bearer nope"}, "not this server's"),
+                                  ({"Authorization": KEY}, "not this server's")):  # no "Bearer "
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=30)
+            error = error_of(r, 401)
+            assert error["code"] == "invalid_api_key" and fragment in error["message"], error
+            assert r.headers["www-authenticate"] == "Bearer" and KEY not in r.text
+        assert error_of(httpx.get(f"{s.url}/v1/models"), 401)["code"] == "invalid_api_key"
+        for path in ("/health", "/metrics", "/openapi.json"):
+            assert httpx.get(f"{s.url}{path}").status_code == 200, path
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0).models.list()
+        r = s.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+        assert r.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
+        bystander.check(llm)
+        schema = httpx.get(f"{s.url}/openapi.json").json()
+        assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"apiKey": []}]
+        assert "401" in schema["paths"]["/v1/models"]["get"]["responses"]
+        assert s.metrics()['quickdraft_rejected_requests_total{status="401"}'] == 5  # 3 posts, 2 model lists
+    finally:
+        s.stop()
+
+
+def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None:  # noqa: F811
+    monkeypatch.setenv("QUICKDRAFT_API_KEY", KEY)
+    with serve_process(dirs) as (_, url):
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 3}
+        assert error_of(httpx.post(f"{url}/v1/completions", json=body), 401)["code"] == "invalid_api_key"
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    monkeypatch.setenv("QUICKDRAFT_API_KEY", "")
+    run = subprocess.run([sys.executable, "-m", "quickdraft", "serve", "--model", str(dirs[0])], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and "the API key is empty" in run.stderr, run.stderr
+
+
+def test_a_full_queue_is_a_429_with_retry_after(llm) -> None:  # noqa: F811
+    """One row and one waiting place: with both taken a third request is refused at once, the two
+    get what they get alone, and once they are done requests are admitted again."""
+    s = Server(llm, max_batch=1, max_waiting=1)
+    try:
+        n = 400
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(stream_text, s.client, PROMPTS[6], n, {"method": "none"}, temperature=0)
+            wait_for(lambda: s.metrics()["quickdraft_requests_running"] == 1)
+            waiting = pool.submit(stream_text, s.client, PROMPTS[0], 20, {"method": "none"}, temperature=0)
+            wait_for(lambda: s.metrics()["quickdraft_requests_waiting"] == 1)
+            start = time.monotonic()
+            r = httpx.post(f"{s.url}/v1/completions", json={"model": NAME, "prompt": "hi"}, timeout=30)
+            error = error_of(r, 429)
+            assert time.monotonic() - start < 2 and r.headers["retry-after"] == "1"
+            assert error["code"] == "queue_full" and "--max-waiting" in error["message"], error
+            with pytest.raises(openai.RateLimitError):
+                s.client.chat.completions.create(model=NAME, messages=USER, max_tokens=2)
+            assert running.result(60)[0] == alone(llm, PROMPTS[6], n, {"method": "none"})
+            assert waiting.result(60)[0] == alone(llm, PROMPTS[0], 20, {"method": "none"})
+        assert httpx.get(f"{s.url}/health").status_code == 200  # only generation is queued
+        r = s.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+        assert r.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
+        assert s.metrics()['quickdraft_rejected_requests_total{status="429"}'] == 2
+    finally:
+        s.stop()
+
+
+def raw_get(server: Server, path: str, host: str) -> tuple[int, dict]:
+    """A GET with this Host header, on a socket of our own (clients write Host from the URL)."""
+    port = server.url.rsplit(":", 1)[1]
+    with socket.create_connection(("127.0.0.1", int(port))) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server) -> None:
+    """DNS rebinding: a web page whose name now points at 127.0.0.1 sends its own name as Host."""
+    port = server.url.rsplit(":", 1)[1]
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.1"):
+        status, body = raw_get(server, "/health", host)
+        assert status == 200 and body["status"] == "ok", host
+    for host in (f"evil.example:{port}", "127.0.0.1.evil.example", f"localhost.:{port}", "0.0.0.0"):
+        status, body = raw_get(server, "/v1/models", host)
+        assert status == 400 and body["error"]["code"] == "invalid_host" and body["error"]["param"] == "Host", host
+        assert "--allowed-host" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("bind", "extra", "answered"), [
+    ("127.0.0.1", (), ("127.0.0.1", "localhost", "::1")), ("localhost", ("box",), ("127.0.0.1", "localhost", "::1", "box")),
+    ("127.0.0.2", (), ("127.0.0.1", "localhost", "::1", "127.0.0.2")), ("0.0.0.0", (), None),
+    ("0.0.0.0", ("api.example",), ("api.example",))])
+def test_the_host_names_answered_follow_the_address_bound(bind: str, extra: tuple, answered: tuple | None) -> None:
+    assert answered_hosts(bind, extra) == answered
+
+
+def test_latency_histograms_and_refusals_by_status_in_metrics(server: Server) -> None:
+    before = server.metrics()
+
+    def count(name: str) -> float:
+        return server.metrics().get(name, 0.0) - before.get(name, 0.0)
+
+    server.client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    stream_text(server.client, PROMPTS[1], 8, {}, temperature=0)
+    assert count("quickdraft_time_to_first_token_seconds_count") == 2
+    assert count("quickdraft_request_seconds_count") == 2
+    assert 0 < count("quickdraft_time_to_first_token_seconds_sum") <= count("quickdraft_request_seconds_sum")
+    httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "n": 2})
+    httpx.post(f"{server.url}/v1/completions", json={"model": "other", "prompt": "hi"})
+    httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "stop": 5})
+    httpx.delete(f"{server.url}/v1/completions")
+    assert count('quickdraft_rejected_requests_total{status="400"}') == 2
+    assert count('quickdraft_rejected_requests_total{status="404"}') == 1
+    assert count('quickdraft_rejected_requests_total{status="405"}') == 1
+    assert count("quickdraft_request_seconds_count") == 2  # refused requests are not timed

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from quickdraft.engine.policy import POLICIES, StepCost
 from quickdraft.errors import QuickdraftError
 
 COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
+API_KEY_ENV = "QUICKDRAFT_API_KEY"  # the key, when not given by --api-key (which would show in `ps`)
 
 
 def startup_cost(llm, policy: str, measure: bool) -> StepCost:
@@ -31,7 +33,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len, policy=args.policy,
                               max_step_tokens=args.max_step_tokens)
-        limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes),) if v is not None}
+        limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_waiting", args.max_waiting),
+                                    ("api_key", args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)),
+                                    ("allowed_hosts", tuple(args.allowed_host))) if v is not None}
         ServerConfig("check", spec, engine, **limits)  # the flags are checked before the model loads
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
@@ -42,8 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
     cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
-          f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy})",
-          file=sys.stderr)
+          f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy}"
+          f"{', API key required' if limits.get('api_key') else ''})", file=sys.stderr)
     serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
           args.log_level)
     return 0
@@ -68,6 +72,15 @@ def add_serve(sub) -> None:
                     help="skip measuring the forward-cost curve at start-up (the policy then starts from a prior)")
     sv.add_argument("--max-body-bytes", type=int,
                     help="larger request bodies get a 413 before they are parsed (default 1048576 = 1 MiB)")
+    sv.add_argument("--max-waiting", type=int,
+                    help="generation requests that may wait for a batch row; more get a 429 with Retry-After "
+                         "(default 64)")
+    sv.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 routes (401 otherwise; /health "
+                                      f"and /metrics stay open); default: the environment variable {API_KEY_ENV}")
+    sv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                    help="a Host header name to answer besides 127.0.0.1, localhost and ::1, which alone are "
+                         "answered when bound to loopback (DNS rebinding); bound elsewhere, if given, only "
+                         "these (repeatable)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
     sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -33,7 +33,7 @@ class BackgroundServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        self.app = create_app(llm, config, cost, engine_thread=engine_thread)
+        self.app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
         self.worker = self.app.state.worker
         self.shutdown_timeout_s = shutdown_timeout_s
         # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 
 from quickdraft import kernels
-from quickdraft.api import LLM, TextAssembler
+from quickdraft.api import LLM, Chunk, TextAssembler
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.policy import StepCost
@@ -25,7 +26,7 @@ from quickdraft.errors import ContextTooLong, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import openapi, responses as out
 from quickdraft.server.errors import BadRequest, install_error_handlers
-from quickdraft.server.guards import DeclaredBodyLimit
+from quickdraft.server.guards import Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
@@ -33,6 +34,8 @@ from quickdraft.spec import PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
+MAX_WAITING = 64  # requests waiting for a batch row; more get a 429
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 @dataclass(frozen=True)
@@ -41,15 +44,24 @@ class ServerConfig:
     spec: SpecConfig = SpecConfig()       # speculation for requests that do not choose their own
     engine: EngineConfig = EngineConfig(max_batch=8)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413 before they are parsed
+    max_waiting: int = MAX_WAITING        # generation requests beyond the batch's rows; past it a 429
+    api_key: str | None = None            # if set, /v1 routes need Authorization: Bearer <api_key>
+    allowed_hosts: tuple[str, ...] = ()   # Host names answered besides loopback ones (guards.answered_hosts)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be at least 1, found {self.max_body_bytes}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be at least 0, found {self.max_waiting}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty (--api-key or QUICKDRAFT_API_KEY); give a key, or neither")
 
 
-def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, engine_thread: bool = True) -> FastAPI:
+def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, engine_thread: bool = True,
+               bind: str = "127.0.0.1") -> FastAPI:
     """engine_thread: run the engine on a thread started with the app; False leaves it to the
-    caller to run `app.state.worker.run()` on its own thread (see worker.py for why)."""
+    caller to run `app.state.worker.run()` on its own thread (see worker.py for why). bind: the
+    address served, which decides the Host names answered."""
     engine = Engine(llm.model, config.engine, cost)
     try:  # loaded here, on the model's thread: a request asking for the head then only reuses it
         llm.draft_head(config.spec.head)
@@ -67,7 +79,14 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         worker.stop()
 
     app = FastAPI(title="quickdraft", lifespan=lifespan)
+    # the last added runs first: count errors, check Host, the key, room, then the body's size
     app.add_middleware(DeclaredBodyLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(Admission, paths=GENERATION_PATHS, rows=config.engine.max_batch, waiting=config.max_waiting)
+    if config.api_key is not None:
+        app.add_middleware(ApiKey, key=config.api_key)
+    if (hosts := answered_hosts(bind, config.allowed_hosts)) is not None:
+        app.add_middleware(HostCheck, allowed=hosts)
+    app.add_middleware(CountErrors, count=metrics.count_error)
     # per route, inside DeclaredBodyLimit: FastAPI's limit counts the bytes of bodies of no declared length
     body_limit = config.max_body_bytes
     app.state.worker, app.state.metrics = worker, metrics
@@ -85,15 +104,18 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         """Prometheus' text format."""
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    auth = (401,) if config.api_key is not None else ()
+
+    @app.get("/v1/models", responses=openapi.errors(*auth))
     async def models() -> dict:
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "quickdraft"}]}
 
-    generation = {**openapi.GENERATION, **openapi.errors(400, 404, 413, 500, 503)}
+    generation = {**openapi.GENERATION, **openapi.errors(400, *auth, 404, 413, 429, 500, 503)}
 
     @app.post("/v1/completions", max_body_size=body_limit, responses=generation)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        arrived = time.perf_counter()
         _check_model(body)
         if isinstance(body.prompt, str):  # off the event loop: a long prompt must not stall other requests
             try:
@@ -106,10 +128,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             if not all(0 <= t < vocab for t in ids):
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
         return await _respond("completion", body, ids, {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS},
-                              http)
+                              http, arrived)
 
     @app.post("/v1/chat/completions", max_body_size=body_limit, responses=generation)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        arrived = time.perf_counter()
         _check_model(body)
         try:
             ids = await run_in_threadpool(llm.tokenizer.apply_chat_template, body.chat())
@@ -117,7 +140,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, str(e), "messages") from None
         # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
         budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
-        return await _respond("chat", body, ids, budget, http)
+        return await _respond("chat", body, ids, budget, http, arrived)
 
     def _unusable(spec: SpecConfig) -> str | None:
         """Why this server cannot run `spec`, or None: what it can run depends on the models it has."""
@@ -177,18 +200,18 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return request, params, lambda: llm.proposer(ids, params, spec)
 
     async def _respond(kind: out.Kind, body: _Common, ids: list[int], budget: dict[str, int | None],
-                       http: HTTPRequest) -> Response:
+                       http: HTTPRequest, arrived: float) -> Response:
         request, params, make_proposer = _prepare(body, ids, budget)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)
-        text = TextAssembler(llm.tokenizer, params)
+        text = _Timed(TextAssembler(llm.tokenizer, params), metrics, arrived)
         if body.stream:
             return StreamingResponse(_stream(kind, request, text, events, body.include_usage),
                                      media_type="text/event-stream")
         return await _whole(kind, request, text, events, http)
 
-    async def _whole(kind: out.Kind, request: Request, text: TextAssembler,
+    async def _whole(kind: out.Kind, request: Request, text: _Timed,
                      events: asyncio.Queue[TokenEvent | None], http: HTTPRequest) -> Response:
         parts, engine_done = [], False
         watcher = asyncio.create_task(_put_none_on_disconnect(http, events))
@@ -212,7 +235,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             if not engine_done:
                 worker.cancel(request.id)
 
-    async def _stream(kind: out.Kind, request: Request, text: TextAssembler,
+    async def _stream(kind: out.Kind, request: Request, text: _Timed,
                       events: asyncio.Queue[TokenEvent | None], include_usage: bool) -> AsyncIterator[str]:
         engine_done, first = False, True
         try:
@@ -237,8 +260,27 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             if not engine_done:
                 worker.cancel(request.id)
 
-    openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods)
+    openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods,
+                    bearer=config.api_key is not None)
     return app
+
+
+class _Timed:
+    """A request's text assembler that also times it for /metrics: time to the first text, and to
+    the answer, from the request's arrival."""
+
+    def __init__(self, text: TextAssembler, metrics: Metrics, arrived: float) -> None:
+        self.text, self.metrics, self.arrived, self.first = text, metrics, arrived, True
+
+    def feed(self, event: TokenEvent) -> Chunk:
+        chunk = self.text.feed(event)
+        now = time.perf_counter()
+        if self.first and chunk.token_ids:
+            self.metrics.ttft_s.observe(now - self.arrived)
+            self.first = False
+        if chunk.finish_reason in ("stop", "length"):
+            self.metrics.request_s.observe(now - self.arrived)
+        return chunk
 
 
 def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[TokenEvent | None]) -> Callable[[TokenEvent], None]:

@@ -4,8 +4,11 @@ Each answers in OpenAI's error shape (responses.error_response); none knows abou
 """
 from __future__ import annotations
 
+import hmac
+from collections.abc import Callable
+
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quickdraft.server import responses as out
 
@@ -29,3 +32,105 @@ class DeclaredBodyLimit:
                 await out.error_response(413, body_too_large(self.limit))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def answered_hosts(bind: str, extra: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bind` answers (None: any). Bound to loopback, only loopback
+    names and `extra`: a web page that rebinds its own name to 127.0.0.1 then cannot read this
+    server. Bound elsewhere, `extra` if given."""
+    if bind in LOOPBACK or bind.startswith("127."):
+        return (*LOOPBACK, bind, *extra) if bind not in LOOPBACK else (*LOOPBACK, *extra)
+    return extra or None
+
+
+def host_name(header: str) -> str:
+    """'[::1]:8000' -> '::1', 'localhost:8000' -> 'localhost'."""
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class HostCheck:
+    """A 400 for a Host header not in `allowed` (DNS rebinding). A request with no Host header (HTTP/1.0)
+    passes: a browser always sends one."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, {name.lower() for name in allowed}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = Headers(scope=scope).get("host")
+            if header is not None and host_name(header.lower()) not in self.allowed:
+                message = (f"the Host header {header[:100]!r} is not a name of this server: it answers "
+                           f"{', '.join(sorted(self.allowed))} (quickdraft serve --allowed-host NAME adds one)")
+                await out.error_response(400, message, param="Host", code="invalid_host")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ApiKey:
+    """/v1 routes need `Authorization: Bearer <key>`; /health, /metrics and the schema stay open."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):  # in constant time: no guessing by timing
+                message = ("no API key given: send the header Authorization: Bearer <key> (quickdraft serve --api-key)"
+                           if not given else "the API key given is not this server's")
+                response = out.error_response(401, message, code="invalid_api_key",
+                                              headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class Admission:
+    """At most `limit` generation requests in the server at once (rows + waiting queue); past it a
+    429 with Retry-After, before the body is read. A request leaves when its answer is sent or its
+    client is gone."""
+
+    def __init__(self, app: ASGIApp, paths: frozenset[str], rows: int, waiting: int, retry_after_s: int = 1) -> None:
+        self.app, self.paths, self.rows, self.waiting = app, paths, rows, waiting
+        self.retry_after = str(retry_after_s)
+        self.inside = 0  # only touched on the event loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        if self.inside >= self.rows + self.waiting:
+            message = (f"the server is full: {self.rows} requests decoding and {self.waiting} waiting "
+                       f"(quickdraft serve --max-batch, --max-waiting); retry after {self.retry_after} s")
+            response = out.error_response(429, message, "rate_limit_error", code="queue_full",
+                                          headers={"Retry-After": self.retry_after})
+            await response(scope, receive, send)
+            return
+        self.inside += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inside -= 1
+
+
+class CountErrors:
+    """Counts every answer with an error status (4xx, 5xx), whichever layer sent it."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[int], None]) -> None:
+        self.app, self.count = app, count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                self.count(message["status"])
+            await send(message)
+        await self.app(scope, receive, counting_send)

@@ -13,6 +13,7 @@ from prometheus_client.core import GaugeMetricFamily
 from quickdraft.engine.events import GenerationStats, TokenEvent
 
 PREFIX = "quickdraft"
+LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
@@ -32,12 +33,21 @@ class Metrics:
         self.step_s = Histogram(f"{PREFIX}_step_seconds", "Engine step time (one target pass for the batch)",
                                 buckets=(.005, .01, .02, .04, .08, .16, .32, .64, 1.28, 2.56, 5.12),
                                 registry=r)
+        self.ttft_s = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Request arrival -> its first token, "
+                                "for requests that got one", buckets=LATENCY_BUCKETS, registry=r)
+        self.request_s = Histogram(f"{PREFIX}_request_seconds", "Request arrival -> its last token, for "
+                                   "requests that finished (stop or length)", buckets=LATENCY_BUCKETS, registry=r)
+        self.errors = Counter(f"{PREFIX}_rejected_requests", "Answers with an error status, by status (4xx: "
+                              "refused; 499: the client left; 5xx: failed)", ["status"], registry=r)
         self._lock = threading.Lock()
         self._last: dict[str, GenerationStats] = {}  # per running request: stats already counted
         self._totals = {"committed": 0, "passes": 0, "drafted": 0, "accepted": 0}  # for the ratios
         self._drafted_at: list[int] = []
         self._accepted_at: list[int] = []
         r.register(_Derived(self))
+
+    def count_error(self, status: int) -> None:
+        self.errors.labels(status=str(status)).inc()
 
     def observe_step(self, seconds: float) -> None:
         self.step_s.observe(seconds)

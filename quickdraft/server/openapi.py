@@ -27,8 +27,8 @@ class ErrorBody(BaseModel):
 
 
 STATUSES = {
-    400: "Malformed JSON, a field of the wrong type or out of range, an unsupported field, or a prompt "
-         "past the context (code context_length_exceeded)",
+    400: "Malformed JSON, a field of the wrong type or out of range, an unsupported field, a prompt "
+         "past the context (code context_length_exceeded), or a Host header not answered (code invalid_host)",
     401: "No or a wrong API key (Authorization: Bearer)",
     404: "A model this server does not serve (code model_not_found)",
     413: "A body larger than --max-body-bytes",
@@ -52,11 +52,12 @@ GENERATION: dict[int | str, dict[str, Any]] = {
 }
 
 
-def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, methods: Callable[[], list[str]]) -> None:
+def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, methods: Callable[[], list[str]],
+            bearer: bool = False) -> None:
     """Replace FastAPI's schema generation with one that drops the 422s the server never sends,
     names the one model served, bounds token ids by its vocabulary and new tokens by its context
     (the prompt takes at least one of them), and lists the speculation methods this server can run
-    (`methods()`, asked when the schema is first requested)."""
+    (`methods()`, asked when the schema is first requested); bearer: /v1 routes need an API key."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -77,6 +78,12 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
             for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
                 if form.get("items", {}).get("type") == "integer":
                     form["items"].update(minimum=0, maximum=vocab_size - 1)
+            if bearer:
+                schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                for path, operations in schema["paths"].items():
+                    for operation in operations.values():
+                        if path.startswith("/v1"):
+                            operation["security"] = [{"apiKey": []}]
             _integer_bounds(schema)
             app.openapi_schema = schema
         return app.openapi_schema
