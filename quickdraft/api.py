@@ -102,7 +102,7 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
-        if self.spec.draft_model or (self.spec.enabled and self.spec.method == "draft"):
+        if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
             self.draft_head(self.spec.head)
@@ -148,7 +148,7 @@ class LLM:
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:
             return None
-        return PROPOSERS[spec.method](ProposerContext(prompt_ids, params, spec, self))
+        return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self))
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         if (prompt is None) == (messages is None):

@@ -1,7 +1,8 @@
 """KV cache: preallocated K/V buffers and a committed length per batch row.
 
-Rollback is moving a row's length back: no copy. The model writes K/V at the positions it is
-given; this module does not know when or why rows are truncated (the engine decides).
+The model writes K/V at the slots it is given. Rollback of a chain is moving a row's length back:
+no copy; after a tree pass the kept path is compacted into place (`compact`). This module does not
+know when or why rows are truncated or compacted (the engine decides).
 """
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         return self.k[0].dtype
 
-    def slots(self, positions: torch.Tensor) -> Slots:
-        """Index for `write`, built once per forward: K/V of position p go to slot p of its row."""
-        if positions.shape[0] == 1:
-            return positions[0]  # index_copy_ along the sequence axis: cheaper than index_put_
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None, None]
-        heads = torch.arange(self.k[0].shape[1], device=positions.device)[None, :, None]
-        return rows, heads, positions[:, None, :]
+    def slots(self, slots: torch.Tensor) -> Slots:
+        """Index for `write` from slots [B, T], built once per forward."""
+        if slots.shape[0] == 1:
+            return slots[0]  # index_copy_ along the sequence axis: cheaper than index_put_
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None, None]
+        heads = torch.arange(self.k[0].shape[1], device=slots.device)[None, :, None]
+        return rows, heads, slots[:, None, :]
 
     def buffers(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's whole K and V buffers [B, Hkv, max_len, hd], for a pass attending over kv_len slots."""
@@ -81,6 +82,15 @@ class KVCache:
             for t in buffers:
                 t[dst, :, :length] = t[src, :, :length]
         self.lengths[dst] = length
+
+    def compact(self, row: int, start: int, kept: Sequence[int]) -> None:
+        """Move the K/V of slots `kept` (ascending, each >= its destination) of `row` to slots
+        start, start+1, ...: a tree's accepted path into place. A chain's path is in place already."""
+        if list(kept) == list(range(start, start + len(kept))):
+            return
+        index = torch.tensor(kept, device=self.k[0].device)
+        for t in self.k + self.v:
+            t[row, :, start:start + len(kept)] = t[row, :, index]  # the gather copies before the write
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set every row's committed length (rollback of rejected tokens is a smaller number)."""

@@ -1,12 +1,19 @@
-"""The verifier: one pure function for greedy and sampled decoding, batch 1 and batch N.
+"""The verifier: one pure function for greedy and sampled decoding, chains and trees, batch 1 and N.
 
-p is the target's distribution, q the proposer's. Draft token x at position i is accepted if
-u < p_i(x) / q_i(x) (u uniform in [0, 1)); at the first rejection a *recovered* token is drawn
-from normalize(max(0, p_i - q_i)); if every draft token is accepted a *bonus* token is drawn
-from p_k. Greedy is p = one-hot(argmax), deterministic proposers have q = one-hot(x): the same
-arithmetic then accepts exactly the drafts that equal the target's argmax. For greedy rows that
-arithmetic is evaluated in closed form (p(x) = [x == argmax]; the residual and the bonus are both
-one-hot at the argmax) instead of on [k+1, V] one-hot tensors. Knows nothing of models or caches.
+p is the target's distribution, q the proposer's. The walk starts at the root (the newest
+committed token) and tries its children in node order: child x is accepted if u < p(x) / q(x)
+(u uniform in [0, 1)); after a rejected child the next sibling is tried against
+p <- normalize(max(0, p - q)) (recursive rejection sampling, SpecInfer / SpecTr: exact for the
+target's distribution whatever each sibling's q); an accepted child becomes the node whose
+children are tried, against p at its own position. Where no child is accepted one token is drawn
+from what is left of p: a *recovered* token after a rejection, a *bonus* token at a leaf. A chain
+is the tree in which every node has one child.
+
+Greedy is p = one-hot(argmax), deterministic proposers have q = one-hot(x): the same arithmetic
+then accepts the first child equal to the target's argmax and ends with that argmax; greedy rows
+evaluate it in closed form. Each node's test, and each node's final draw, is computed before the
+walk: a sibling's residual depends only on the siblings before it (it is tried only if they were
+all rejected), so one host sync serves the step. Knows nothing of models or caches.
 """
 from __future__ import annotations
 
@@ -16,64 +23,90 @@ from typing import Sequence
 import torch
 
 from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.spec.base import Draft
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verdict:
-    accepted: list[int]      # per row: how many draft tokens were accepted (0..draft length)
-    tokens: list[list[int]]  # per row: the accepted drafts, then one recovered or bonus token
+    kept: list[list[int]]    # per row: the accepted nodes, root to leaf (node indices, ascending)
+    tokens: list[list[int]]  # per row: the accepted nodes' tokens, then one recovered or bonus token
 
 
-def verify(draft: torch.Tensor, draft_lens: Sequence[int],
-           q: torch.Tensor | Sequence[torch.Tensor | None] | None,
-           target_logits: torch.Tensor, params: Sequence[SamplingParams],
+def sibling_ranks(parents: Sequence[int]) -> list[list[int]]:
+    """Nodes grouped by how many siblings precede them: within a group no two share a parent."""
+    seen: dict[int, int] = {}
+    ranks: list[list[int]] = []
+    for i, p in enumerate(parents):
+        rank = seen.get(p, 0)
+        seen[p] = rank + 1
+        if rank == len(ranks):
+            ranks.append([])
+        ranks[rank].append(i)
+    return ranks
+
+
+def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n+1, V] -> (accepted if reached [n], final token at each of root and nodes [n+1])."""
+    best = logits.argmax(-1)  # [n+1]: the target's token after the root and after each node
+    if not draft.tokens:
+        return best[:0], best
+    parents = torch.tensor(draft.tree, device=logits.device) + 1
+    return best[parents] == torch.tensor(draft.tokens, device=logits.device), best
+
+
+def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n+1, V] -> (accepted if reached [n], final draw at each of root and nodes [n+1])."""
+    device, n = logits.device, len(draft.tokens)
+    residual = probabilities(logits, params)  # [n+1, V]: row 1+i (0 = the root) becomes what is left
+                                              # of p at node i once its children have been tried
+    x = torch.tensor(draft.tokens, device=device, dtype=torch.long)
+    u = torch.rand(n, generator=generator, device=device)
+    ok = torch.zeros(n, dtype=torch.bool, device=device)
+    parents = draft.tree
+    for group in sibling_ranks(parents):
+        nodes = torch.tensor(group, device=device)
+        at = torch.tensor([parents[i] + 1 for i in group], device=device)
+        r, xs = residual[at], x[nodes][:, None]  # [m, V] unnormalized p at each parent, [m, 1]
+        mass = r.sum(-1, keepdim=True)           # p = r / mass: compare and subtract at r's scale
+        if draft.q is None:                      # q = one-hot(x)
+            q_x = torch.ones_like(mass)
+            left = r.scatter(1, xs, (r.gather(1, xs) - mass).clamp_(min=0))
+        else:
+            q = draft.q[nodes].float()
+            q_x = q.gather(1, xs)
+            left = (r - q * mass).clamp_(min=0)
+        ok[nodes] = (u[nodes, None] * q_x * mass < r.gather(1, xs))[:, 0]  # u < p/q without dividing by q = 0
+        # An all-zero residual means p == q up to rounding, where rejection cannot happen in exact
+        # arithmetic; p is then the right distribution to draw from.
+        residual[at] = torch.where(left.sum(-1, keepdim=True) > 0, left, r)
+    return ok, torch.multinomial(residual, 1, generator=generator)[:, 0]
+
+
+def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator]) -> Verdict:
-    """draft: [B, k] token ids (row b uses its first draft_lens[b]; the rest is padding);
-    q: [B, k, V] proposer probabilities, or per row [>= draft_lens[b], V] or None, or None for
-    all rows; None means a deterministic proposer (q = one-hot(draft));
-    target_logits: [B, k+1, V], position i scoring the token after draft[:, :i].
+    """drafts: per row, the tree to verify (n_b nodes; q per node, or None for deterministic);
+    target_logits: [B, 1+W, V] with W >= every n_b: position 0 scores the token after the row's
+    root, position 1+i the token after node i (padding past 1+n_b is ignored);
     params / generators: per row (each request has its own settings and RNG)."""
-    B = draft.shape[0]
-    rows = []  # per row: (p [n+1, V] or argmax [n+1] for greedy rows, q [n, V] or None, accept flags [n])
-    for b in range(B):
-        n = draft_lens[b]
-        x = draft[b, :n]
-        if params[b].greedy:
-            best = target_logits[b, :n + 1].argmax(-1)  # [n+1]
-            rows.append((best, None, best[:n] == x))
-            continue
-        p = probabilities(target_logits[b, :n + 1], params[b])
-        steps = torch.arange(n, device=x.device)
-        q_b = None if q is None else q[b]
-        q_row = None if q_b is None else q_b[:n].float()
-        q_x = torch.ones(n, device=x.device) if q_row is None else q_row[steps, x]
-        u = torch.rand(n, generator=generators[b], device=x.device)
-        rows.append((p, q_row, u * q_x < p[steps, x]))  # u < p/q without dividing by q = 0
-    flags = torch.cat([ok for _, _, ok in rows]).tolist() if B else []  # first host sync
-    accepted, offset = [], 0
-    for b in range(B):
-        ok = flags[offset:offset + draft_lens[b]]
-        offset += draft_lens[b]
-        accepted.append(ok.index(False) if False in ok else draft_lens[b])
-    picks = []
-    for b, (p, q_row, _) in enumerate(rows):
-        n_acc, n = accepted[b], draft_lens[b]
-        if params[b].greedy:
-            picks.append(p[n_acc:n_acc + 1])  # recovered or bonus: the argmax either way
-            continue
-        dist = p[n_acc]  # bonus: every draft accepted
-        if n_acc < n:
-            q_at = (torch.zeros_like(dist).scatter_(0, draft[b, n_acc:n_acc + 1], 1.0)
-                    if q_row is None else q_row[n_acc])
-            residual = (dist - q_at).clamp_(min=0)
-            # An all-zero residual means p == q up to rounding, where rejection cannot happen in
-            # exact arithmetic; p is then the right distribution to draw from.
-            dist = torch.where(residual.sum() > 0, residual, dist)
-        picks.append(torch.multinomial(dist, 1, generator=generators[b]))
-    if not B:
+    tests = [_greedy_tests(d, target_logits[b, :len(d.tokens) + 1]) if params[b].greedy else
+             _sampled_tests(d, target_logits[b, :len(d.tokens) + 1], params[b], generators[b])
+             for b, d in enumerate(drafts)]
+    if not tests:
         return Verdict([], [])
-    host = torch.cat([torch.cat(picks), draft.flatten()]).tolist()  # second host sync
-    nxt, drafted = host[:B], host[B:]
-    k = draft.shape[1]
-    tokens = [drafted[b * k:b * k + accepted[b]] + [nxt[b]] for b in range(B)]
-    return Verdict(accepted, tokens)
+    host = torch.cat([t.long() for pair in tests for t in pair]).tolist()  # the one host sync
+    kept_rows, token_rows, offset = [], [], 0
+    for draft in drafts:
+        n = len(draft.tokens)
+        ok, final = host[offset:offset + n], host[offset + n:offset + 2 * n + 1]
+        offset += 2 * n + 1
+        children: dict[int, list[int]] = {}
+        for i, p in enumerate(draft.tree):
+            children.setdefault(p, []).append(i)
+        kept, node = [], -1
+        while (nxt := next((c for c in children.get(node, ()) if ok[c]), None)) is not None:
+            kept.append(nxt)
+            node = nxt
+        kept_rows.append(kept)
+        token_rows.append([draft.tokens[i] for i in kept] + [final[node + 1]])
+    return Verdict(kept_rows, token_rows)

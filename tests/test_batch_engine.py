@@ -14,13 +14,15 @@ import torch
 
 import quickdraft.verify as verify_module
 from quickdraft.engine import generate_tokens
-from quickdraft.engine.batch import MAX_BACKOFF, Engine, EngineConfig, Request
+from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Draft, Proposer
+from quickdraft.spec.base import NO_DRAFT, Committed, Draft, Proposer
 from quickdraft.spec.draft_model import DraftModelProposer
+from quickdraft.spec.head import MAX_REST, Rest
+from quickdraft.spec.hybrid import HybridProposer
 from quickdraft.spec.ngram import NgramProposer
 from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
                                  assert_plain_sampling_law, kv_mismatch, tiny, tiny16, tiny16_draft)
@@ -182,7 +184,7 @@ def test_failing_proposer_ends_only_its_request() -> None:
         def propose(self, k: int) -> Draft:
             raise RuntimeError("proposer exploded")
 
-        def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        def commit(self, step: Committed) -> None:
             pass
 
     model = target()
@@ -214,8 +216,8 @@ class PoisonedLookup:
         self.asked += 1
         return Draft([OUT_OF_VOCAB], None) if self.asked == self.at else self.inner.propose(k)
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        self.inner.commit(tokens, accepted)
+    def commit(self, step: Committed) -> None:
+        self.inner.commit(step)
 
 
 def poisoned(at: int) -> ProposerFactory:
@@ -315,15 +317,26 @@ def test_sampling_law_inside_full_batches(kind: str) -> None:
     """N_SAMPLES sampled requests through one engine, 8 rows at a time with requests joining as
     others leave: the first tokens follow plain sampling's law (chi-square, as for batch 1)."""
     model, draft = tiny16(), tiny16_draft()
-    engine = Engine(model, EngineConfig(max_batch=8))
-    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
-    ids: dict[str, list[int]] = {}
-    drafted = accepted = 0
+    requests = []
     for seed in range(30_000, 30_000 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         proposer = (DraftModelProposer(draft, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
                     if kind == "draft" else NgramProposer(PROMPT16, 4, 1))
-        engine.add(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
+        requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
+    counts, drafted, accepted = first_tokens_in_batches(model, requests)
+    assert int(counts.sum()) == N_SAMPLES
+    assert_plain_sampling_law(model, counts, drafted, accepted)
+
+
+def first_tokens_in_batches(model: Transformer, requests: Sequence[Request]) -> tuple[torch.Tensor, int, int]:
+    """Runs the requests through one engine, 8 rows at a time: counts [V16]*N_TOKENS of their
+    first tokens, and the drafted and accepted tokens in all."""
+    engine = Engine(model, EngineConfig(max_batch=8))
+    for request in requests:
+        engine.add(request)
+    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
+    ids: dict[str, list[int]] = {}
+    drafted = accepted = 0
     while engine.has_work():
         for rid, event in engine.step():
             ids.setdefault(rid, []).extend(event.token_ids)
@@ -331,8 +344,7 @@ def test_sampling_law_inside_full_batches(kind: str) -> None:
                 counts[tuple(ids[rid][:N_TOKENS])] += 1
                 drafted += event.stats.drafted_tokens
                 accepted += event.stats.accepted_tokens
-    assert int(counts.sum()) == N_SAMPLES
-    assert_plain_sampling_law(model, counts, drafted, accepted)
+    return counts, drafted, accepted
 
 
 # -- the draft-length policy -------------------------------------------------------------------------------
@@ -418,26 +430,43 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
 
 
 class Hopeless:
-    """Offers k tokens it rates as never accepted; counts how often it is asked and told."""
+    """Offers k tokens it rates as never accepted; counts how often it drafts and is told."""
 
-    def __init__(self, costly: bool = True) -> None:
-        self.runs_a_model = costly  # marks its drafts costly (a head) or not (a lookup)
+    def __init__(self) -> None:
         self.asked = self.told = 0
 
     def propose(self, k: int) -> Draft:
         self.asked += 1
-        return Draft([1] * k, None, [0.0] * k, self.runs_a_model)
+        return Draft([1] * k, None, [0.0] * k)
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+    def commit(self, step: Committed) -> None:
         self.told += 1
+
+
+class Costly(Hopeless):
+    """Drafts as the draft head does: it rests (head.Rest) after the engine declines a draft it ran for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rest = Rest()
+
+    def propose(self, k: int) -> Draft:
+        if self.rest.resting:
+            return NO_DRAFT
+        self.rest.ran = True
+        return super().propose(k)
+
+    def commit(self, step: Committed) -> None:
+        super().commit(step)
+        self.rest.after_step(step.verified)
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_a_costly_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> None:
     """The policy declines every draft of a proposer that expects nothing accepted; after each
-    decline a costly proposer is left alone for 2, 4, 8, 16, 16... steps (it still sees every
-    token). Rows that verify whatever is offered (adaptive off) ask every step."""
-    model, proposer = target(), Hopeless()
+    decline a costly proposer rests for 2, 4, 8, 16, 16... steps (it still sees every token).
+    Rows that verify whatever is offered (adaptive off) never rest it."""
+    model, proposer = target(), Costly()
     events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
                                   frozenset(), proposer, 4, adaptive=adaptive))
     steps = events[-1].stats.target_passes
@@ -449,70 +478,37 @@ def test_a_costly_proposer_whose_drafts_are_declined_rests(adaptive: bool) -> No
         assert proposer.asked == steps - 1
 
 
-def test_a_cheap_proposer_is_asked_every_step_though_declined() -> None:
-    model, proposer = target(), Hopeless(costly=False)
+def test_the_engine_asks_a_proposer_every_step_though_declined() -> None:
+    model, proposer = target(), Hopeless()
     events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
                                   frozenset(), proposer, 4))
     assert events[-1].stats.drafted_tokens == 0  # every draft declined ...
     assert proposer.asked == events[-1].stats.target_passes - 1  # ... and yet asked at every step
 
 
-class Oracle(Hopeless):
-    """A cheap proposer that knows the greedy continuation and offers its next k tokens."""
-
-    def __init__(self, continuation: Sequence[int]) -> None:
-        super().__init__(costly=False)
-        self.future, self.done = list(continuation), 0  # done: tokens of it committed so far
-
-    def propose(self, k: int) -> Draft:
-        self.asked += 1
-        ahead = self.future[self.done:self.done + k]
-        return Draft(ahead, None, [0.99] * len(ahead))
-
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        super().commit(tokens, accepted)
-        self.done += len(tokens)
-
-
-class WithCheapPart(Hopeless):
-    """A costly proposer (as the hybrid's head) with a cheap part (as its prompt lookup)."""
-
-    def __init__(self, cheap: Hopeless | None = None) -> None:
-        super().__init__(costly=True)
-        self.cheap = cheap or Hopeless(costly=False)
-
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        super().commit(tokens, accepted)
-        self.cheap.commit(tokens, accepted)
-
-
-def test_the_cheap_part_of_a_resting_proposer_drafts_meanwhile() -> None:
-    """While the costly proposer rests after declined drafts, its cheap part is asked at each step
-    instead; the cheap part's declined drafts do not lengthen the rest."""
-    model, proposer = target(), WithCheapPart()
+def test_the_hybrids_lookup_drafts_while_its_head_rests() -> None:
+    """The hybrid asks its lookup every step and its head on the head's own schedule."""
+    model, lookup, head = target(), Hopeless(), Costly()
     events = list(generate_tokens(model, [5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True),
-                                  frozenset(), proposer, 4))
+                                  frozenset(), HybridProposer(lookup, head), 4))
     steps = events[-1].stats.target_passes
-    assert proposer.asked == 6  # the same schedule as a costly proposer alone: steps 1, 4, 9, 18, 35, 52
-    assert proposer.cheap.asked == steps - 1 - proposer.asked
-    assert proposer.cheap.told == steps - 1
+    assert head.asked == 6 and lookup.asked == lookup.told == head.told == steps - 1
 
 
-def test_the_cheap_parts_verified_drafts_do_not_wake_the_costly_one() -> None:
-    """A resting costly proposer keeps its doubling rest though its cheap part's drafts are
-    verified meanwhile (only its own verified drafts end the rest); the output stays plain greedy."""
-    model, prompt = target(), [5, 6, 7]
-    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
-    plain = [t for e in generate_tokens(model, prompt, params, frozenset(), None, 0) for t in e.token_ids]
-    proposer = WithCheapPart(Oracle(plain))
-    events = list(generate_tokens(model, prompt, params, frozenset(), proposer, 4))
-    assert [t for e in events for t in e.token_ids] == plain
-    steps = events[-1].stats.target_passes
-    assert events[-1].stats.accepted_tokens > 0 and steps < 40  # the cheap drafts were verified
-    asks, step, rest = 0, 1, 1
-    while step < steps:  # asked after step 1, then after rests of 2, 4, 8, 16, 16, ... steps
-        asks += 1
-        rest = min(2 * rest, MAX_BACKOFF)
-        step += rest + 1
-    assert proposer.asked == asks
-    assert proposer.cheap.asked == steps - 1 - proposer.asked
+def test_rest_doubles_and_only_drafts_the_head_ran_for_end_it() -> None:
+    """Declines after a head's drafts double its rest up to MAX_REST; steps that verify drafts it did
+    not run for (the hybrid's lookup) neither lengthen nor end the rest; its own verified draft does."""
+    rest, schedule = Rest(), []
+    for step in range(60):
+        ran = not rest.resting
+        rest.ran = ran
+        schedule.append(ran)
+        rest.after_step(verified=0 if step < 40 else 3)  # declined, then always verified
+    asks = [i for i, ran in enumerate(schedule) if ran]
+    assert asks[:6] == [0, 3, 8, 17, 34, 51] and asks[5] - asks[4] == MAX_REST + 1  # rests 2, 4, 8, 16, 16
+    assert schedule[52:] == [True] * 8  # a verified draft it ran for ends the rest
+    rest = Rest()
+    rest.ran = True
+    rest.after_step(verified=0)
+    rest.after_step(verified=5)  # a lookup draft verified while the head rests: still resting
+    assert rest.resting

@@ -27,7 +27,8 @@ from quickdraft.cli import main
 from quickdraft.engine import batch
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec import PROPOSERS, Draft
+from quickdraft.spec import Committed, Draft
+from quickdraft.spec.registry import PROPOSERS, Registration
 from quickdraft.verify import Verdict
 from tiny_tokenizer import tiny_llm_dir
 
@@ -54,7 +55,7 @@ def specbench(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[int, dict, 
     out = tmp_path / "out"
     rc = main(["bench", "specbench", "--model", str(model_dir), "--questions",
                str(write_questions(tmp_path / "q.jsonl")), "--max-new-tokens", "8", "--out", str(out),
-               "--no-progress", *extra])
+               "--no-progress", "-k", "4", *extra])
     return rc, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
@@ -67,7 +68,7 @@ class Repeat7:
     def propose(self, k: int) -> Draft:
         return Draft([7] * k, None)
 
-    def commit(self, tokens, accepted: int) -> None:
+    def commit(self, step: Committed) -> None:
         pass
 
 
@@ -80,7 +81,7 @@ class Unlikely7(Repeat7):
 
 def test_verify_all_adds_each_method_with_the_draft_length_policy_off(model_dir: Path, tmp_path: Path,
                                                                        monkeypatch) -> None:
-    monkeypatch.setitem(PROPOSERS, "unlikely7", Unlikely7)
+    monkeypatch.setitem(PROPOSERS, "unlikely7", Registration("unlikely7", Unlikely7))
     rc, res, _ = specbench(model_dir, tmp_path, "--methods", "plain,unlikely7", "--verify-all")
     assert rc == 0 and [m["label"] for m in res["methods"]] == ["plain", "unlikely7 k=4", "unlikely7 k=4 all"]
     assert [m["spec"]["adaptive"] for m in res["methods"][1:]] == [True, False]
@@ -98,7 +99,7 @@ def test_verify_all_adds_each_method_with_the_draft_length_policy_off(model_dir:
 
 def test_specbench_report_figures_follow_the_definitions(model_dir: Path, tmp_path: Path, capsys,
                                                         monkeypatch) -> None:
-    monkeypatch.setitem(PROPOSERS, "repeat7", Repeat7)
+    monkeypatch.setitem(PROPOSERS, "repeat7", Registration("repeat7", Repeat7))
     rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,ngram,repeat7:2")
     stdout = capsys.readouterr().out
     assert rc == 0 and res["failures"] == []
@@ -195,14 +196,14 @@ def test_turns_ending_on_eos_count_the_stop_token_as_committed(model_dir: Path) 
 
 # -- the identity check --------------------------------------------------------------------------------
 
-def accept_everything(draft, draft_lens, q, target_logits, params, generators) -> Verdict:
-    """A broken verifier: every draft token accepted, then the target's argmax after them."""
-    return Verdict(list(draft_lens), [draft[b, :n].tolist() + [int(target_logits[b, n].argmax())]
-                                      for b, n in enumerate(draft_lens)])
+def accept_everything(drafts, target_logits, params, generators) -> Verdict:
+    """A broken verifier: every draft token of a chain accepted, then the target's argmax after them."""
+    return Verdict([list(range(len(d.tokens))) for d in drafts],
+                   [d.tokens + [int(target_logits[b, len(d.tokens)].argmax())] for b, d in enumerate(drafts)])
 
 
 def test_identity_check_catches_a_broken_engine(model_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(PROPOSERS, "repeat7", Repeat7)
+    monkeypatch.setitem(PROPOSERS, "repeat7", Registration("repeat7", Repeat7))
     rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,repeat7,ngram")
     assert rc == 0 and res["failures"] == []  # the real verifier makes even this proposer exact
     assert res["summary"]["overall"]["repeat7 k=4"]["identical_pct"] == 100.0

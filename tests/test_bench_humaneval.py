@@ -70,7 +70,7 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_json(capsys, *argv: str) -> tuple[int, dict]:
-    rc = main(["bench", "specbench", "--no-progress", "--json", *argv])
+    rc = main(["bench", "specbench", "--no-progress", "--json", "-k", "4", *argv])
     out = capsys.readouterr().out
     return rc, json.loads(out) if out.strip() else {}
 
@@ -187,7 +187,7 @@ def test_compare_llamacpp_adds_both_rows_to_the_same_table(stand_ins, tmp_path: 
     assert lookup["target_passes"] == passes and lookup["drafted_tokens"] == 3 * passes
     assert lookup["accepted_tokens"] == lookup["committed_tokens"] - passes
     assert lookup["speedup"] > 0 and lookup["acceptance_rate"] == pytest.approx(lookup["accepted_tokens"] / (3 * passes))
-    rc = main(["bench", "specbench", "--no-progress", *argv])
+    rc = main(["bench", "specbench", "--no-progress", "-k", "4", *argv])
     report = capsys.readouterr().out
     assert rc == 0 and "| llama.cpp-prompt-lookup |" in report and "llama.cpp rows: the same GGUF file" in report
 

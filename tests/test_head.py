@@ -19,7 +19,7 @@ from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import Draft, SpecConfig, SpecConfigError
+from quickdraft.spec import Committed, Draft, SpecConfig, SpecConfigError
 from quickdraft.spec.head import DraftHead, HeadProposer, head_config, load_head, save_head
 from quickdraft.spec.hybrid import HybridProposer
 from quickdraft.spec.ngram import NgramProposer
@@ -60,8 +60,8 @@ class CheckedHead(HeadProposer):
         super().__init__(*args)
         self.violations: list[str] = []
 
-    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
-        super().commit(tokens, accepted, hidden)
+    def commit(self, step: Committed) -> None:
+        super().commit(step)
         n = self.n_features
         if n != len(self.tokens) - 1:
             self.violations.append(f"{n} features for {len(self.tokens)} tokens")
@@ -158,8 +158,8 @@ class Fixed:
         self.asked += 1
         return self.draft
 
-    def commit(self, tokens, accepted, hidden=None) -> None:
-        self.committed.append(list(tokens))
+    def commit(self, step: Committed) -> None:
+        self.committed.append(list(step.tokens))
 
 
 @pytest.mark.parametrize("lookup, head, chosen, head_asked", [
@@ -170,14 +170,13 @@ class Fixed:
 ])
 def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
     drafts = {"lookup": Draft([1] * len(lookup), None, lookup),
-              "head": Draft([2] * len(head), None, head, costly=True)}
+              "head": Draft([2] * len(head), None, head)}
     ngram, heads = Fixed(drafts["lookup"]), Fixed(drafts["head"])
     hybrid = HybridProposer(ngram, heads)
     draft = hybrid.propose(8)
     assert (draft.tokens, draft.accept_probs) == (drafts[chosen].tokens, drafts[chosen].accept_probs)
     assert heads.asked == head_asked
-    assert draft.costly == head_asked  # the head's forwards were spent, whichever draft is chosen
-    hybrid.commit([7, 8], 1, torch.zeros(2, 4))
+    hybrid.commit(Committed([7, 8], 1, 1, torch.zeros(2, 4)))
     assert ngram.committed == heads.committed == [[7, 8]]  # both follow every step
 
 

@@ -12,8 +12,13 @@ import pytest
 import torch
 
 from quickdraft.spec import ngram as ngram_module
+from quickdraft.spec.base import Committed
 from quickdraft.spec.ngram import NgramProposer
 
+
+def committed(tokens: list[int], drafted: int) -> Committed:
+    """What the engine tells a proposer after a step that appended `tokens`."""
+    return Committed(tokens, drafted, drafted, torch.empty(len(tokens), 0))
 
 def propose(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
     draft = NgramProposer(tokens, max_n, min_n).propose(k)
@@ -72,12 +77,12 @@ def test_proposal_is_cut_by_the_end_of_the_sequence() -> None:
 def test_commit_extends_the_index() -> None:
     prop = NgramProposer([10, 11, 12], max_n=3)
     assert prop.propose(4).tokens == []
-    prop.commit([40, 41, 42, 11], accepted=0)   # [11] now occurred before, at 1, followed by 12 40 41 42
+    prop.commit(committed([40, 41, 42, 11], 0))   # [11] now occurred before, at 1, followed by 12 40 41 42
     assert prop.propose(4).tokens == [12, 40, 41, 42]
-    prop.commit([50, 40, 41], accepted=2)       # [40 41] occurred at 3..4, followed by 42 11 50
+    prop.commit(committed([50, 40, 41], 2))       # [40 41] occurred at 3..4, followed by 42 11 50
     assert prop.propose(3).tokens == [42, 11, 50]
     # A pattern made only of committed tokens is found: [50 40 41] ... [50]
-    prop.commit([60, 50], accepted=1)
+    prop.commit(committed([60, 50], 1))
     assert prop.propose(3).tokens == [40, 41, 60]
 
 
@@ -93,7 +98,7 @@ def test_matches_brute_force_on_random_sequences(max_n: int, min_n: int) -> None
             k = rng.randrange(0, 7)
             assert prop.propose(k).tokens == brute_force(seq, k, max_n, min_n), (seq, k)
             new = [rng.randrange(vocab) for _ in range(rng.randrange(1, 5))]
-            prop.commit(new, accepted=rng.randrange(0, len(new)))
+            prop.commit(committed(new, rng.randrange(0, len(new))))
             seq += new
         assert prop.tokens == seq
 
@@ -130,7 +135,8 @@ def test_torch_call_detector_detects_torch() -> None:
 def test_a_miss_and_a_hit_cost_no_torch() -> None:
     prop = NgramProposer(list(range(200)), max_n=4)
     assert torch_calls(lambda: prop.propose(4)) == []               # a miss
-    assert torch_calls(lambda: prop.commit([5, 6, 7], 0)) == []     # index update
+    step = committed([5, 6, 7], 0)
+    assert torch_calls(lambda: prop.commit(step)) == []             # index update
     assert torch_calls(lambda: prop.propose(4)) == []               # a hit ([5 6 7] seen before)
     assert prop.propose(4).tokens == [8, 9, 10, 11]
     assert "torch" not in vars(ngram_module)  # the module does not import torch itself

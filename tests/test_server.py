@@ -17,7 +17,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import httpx
 import openai
@@ -28,7 +28,8 @@ from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import BackgroundServer, ServerConfig
-from quickdraft.spec import PROPOSERS, Draft, SpecConfig
+from quickdraft.spec import Committed, Draft, SpecConfig
+from quickdraft.spec.registry import PROPOSERS, Registration
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"
@@ -254,10 +255,10 @@ def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monke
                 return Draft([10**6], None)
             raise RuntimeError("proposer exploded")
 
-        def commit(self, tokens: Sequence[int], accepted: int) -> None:
+        def commit(self, step: Committed) -> None:
             pass
 
-    monkeypatch.setitem(PROPOSERS, "exploding", Exploding)
+    monkeypatch.setitem(PROPOSERS, "exploding", Registration("exploding", Exploding))
     with ThreadPoolExecutor(3) as pool:
         good = [pool.submit(stream_text, server.client, PROMPTS[i], 40, {"method": "ngram", "k": 4}, temperature=0)
                 for i in (3, 4)]

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Draft, Proposer
+from quickdraft.spec.base import Committed, Draft, Proposer
 from quickdraft.spec.draft_model import DraftModelProposer
 from quickdraft.spec.ngram import NgramProposer
 from test_verify import ALPHA, chi_square_p_value
@@ -87,9 +87,9 @@ class Checked:
         self.proposals.append(list(draft.tokens))
         return draft
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        self.inner.commit(tokens, accepted)
-        self.seq += tokens
+    def commit(self, step: Committed) -> None:
+        self.inner.commit(step)
+        self.seq += step.tokens
         inner = self.inner
         if not isinstance(inner, DraftModelProposer):
             return
@@ -257,8 +257,8 @@ class Replay:
         done = len(self.seq) - self.n_prompt
         return Draft(self.continuation[done:done + k], None)
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        self.seq += tokens
+    def commit(self, step: Committed) -> None:
+        self.seq += step.tokens
 
 
 STOP_K = 8

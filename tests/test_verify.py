@@ -1,4 +1,4 @@
-"""verify(): the accept / recover / bonus rule, greedy and sampled, batch 1 and batch N.
+"""verify(): the accept / recover / bonus rule, greedy and sampled, chains and trees, batch 1 and N.
 
 Oracles: hand-made logits whose argmax is clear (greedy cases, table-driven), and for sampling the
 distribution the speculative-sampling theorem promises: the emitted tokens follow p exactly,
@@ -8,13 +8,15 @@ each paired with a deliberately biased verifier (written here) that the same tes
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import pytest
 import torch
 
 from quickdraft.sampling import SamplingParams
-from quickdraft.verify import Verdict, verify
+from quickdraft.spec.base import Draft
+from quickdraft.verify import verify
 
 GREEDY = SamplingParams()
 T1 = SamplingParams(temperature=1.0)
@@ -61,6 +63,22 @@ def test_chi_square_helper_matches_textbook_values() -> None:
     assert chi_square_p_value(torch.tensor([490, 490, 20, 0]), probs) == pytest.approx(1.0)
 
 
+@dataclass
+class Chains:
+    accepted: list[int]      # per row: accepted drafts
+    tokens: list[list[int]]  # per row: accepted drafts, then the recovered or bonus token
+
+
+def verify_chains(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tensor | None,
+                  target_logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[torch.Generator]) -> Chains:
+    """verify() on chains given as padded tensors: draft [B, k], q [B, k, V] or None, logits [B, k+1, V]
+    (the form the biased verifiers below are written in)."""
+    drafts = [Draft(draft[b, :n].tolist(), None if q is None else q[b, :n]) for b, n in enumerate(draft_lens)]
+    verdict = verify(drafts, target_logits, params, generators)
+    return Chains([len(kept) for kept in verdict.kept], verdict.tokens)
+
+
 # -- greedy, table-driven --------------------------------------------------------------------------------
 
 V = 10
@@ -74,7 +92,7 @@ def clear_logits(argmaxes: Sequence[int], seed: int = 0) -> torch.Tensor:
     return logits
 
 
-def run_greedy(rows: list[tuple[list[int], list[int]]], k: int) -> Verdict:
+def run_greedy(rows: list[tuple[list[int], list[int]]], k: int) -> Chains:
     """rows: (draft, target argmax per position 0..len(draft)); padded to k with values that would
     be accepted if the verifier read past a row's length (padding repeats the argmaxes)."""
     B = len(rows)
@@ -88,7 +106,7 @@ def run_greedy(rows: list[tuple[list[int], list[int]]], k: int) -> Verdict:
         # Past the row's bonus position the "argmax" rows agree with the padding drafts, so reading
         # them would accept more tokens than the row has.
     gens = [torch.Generator().manual_seed(b) for b in range(B)]
-    return verify(draft, [len(d) for d, _ in rows], None, logits, [GREEDY] * B, gens)
+    return verify_chains(draft, [len(d) for d, _ in rows], None, logits, [GREEDY] * B, gens)
 
 
 GREEDY_CASES = {
@@ -144,7 +162,7 @@ def test_deterministic_q_none_equals_explicit_one_hot(params: SamplingParams) ->
     draft = torch.where(torch.rand(B, k, generator=g) < 0.5, logits[:, :k].argmax(-1),
                         torch.randint(0, V, (B, k), generator=g))
     lens = torch.randint(0, k + 1, (B,), generator=g).tolist()
-    run = lambda q: verify(draft, lens, q, logits, [params] * B,  # noqa: E731
+    run = lambda q: verify_chains(draft, lens, q, logits, [params] * B,  # noqa: E731
                            [torch.Generator().manual_seed(100 + b) for b in range(B)])
     none, explicit = run(None), run(one_hot_q(draft, V))
     assert (none.accepted, none.tokens) == (explicit.accepted, explicit.tokens)
@@ -158,7 +176,7 @@ def test_deterministic_q_none_equals_explicit_one_hot(params: SamplingParams) ->
 
 # -- sampling: the emitted tokens follow p ---------------------------------------------------------------
 
-Verifier = Callable[..., Verdict]
+Verifier = Callable[..., Chains]
 
 # Vocabulary of 6: q is far from p; token 4 has p > 0 = q (never drafted, reached only by recovery),
 # token 5 has q > 0 = p (drafted often, must always be rejected).
@@ -172,15 +190,15 @@ def log(p: torch.Tensor) -> torch.Tensor:
     return p.log()  # log 0 = -inf: softmax gives exactly 0 there
 
 
-def always_accept(draft, draft_lens, q, target_logits, params, generators) -> Verdict:
+def always_accept(draft, draft_lens, q, target_logits, params, generators) -> Chains:
     """Biased: emits the drafts (so x ~ q), then a bonus from p."""
     g = generators[0]
     bonus = torch.multinomial(torch.softmax(target_logits[:, -1].float(), -1), 1, generator=g)[:, 0]
     rows = draft.tolist()
-    return Verdict([len(r) for r in rows], [r + [int(t)] for r, t in zip(rows, bonus)])
+    return Chains([len(r) for r in rows], [r + [int(t)] for r, t in zip(rows, bonus)])
 
 
-def recover_from_p(draft, draft_lens, q, target_logits, params, generators) -> Verdict:
+def recover_from_p(draft, draft_lens, q, target_logits, params, generators) -> Chains:
     """Biased (a classic bug): the right accept test, but a rejected position redraws from p
     instead of normalize(max(0, p - q)). Vectorised; temperature-1 params, full-length rows."""
     g = generators[0]
@@ -192,11 +210,11 @@ def recover_from_p(draft, draft_lens, q, target_logits, params, generators) -> V
     n = torch.where(ok.all(1), k, (~ok).int().argmax(1))               # first rejection, or k
     nxt = torch.multinomial(p[torch.arange(B), n], 1, generator=g)[:, 0]
     rows, n, nxt = draft.tolist(), n.tolist(), nxt.tolist()
-    return Verdict(n, [rows[b][:n[b]] + [nxt[b]] for b in range(B)])
+    return Chains(n, [rows[b][:n[b]] + [nxt[b]] for b in range(B)])
 
 
 def k1_draws(verifier: Verifier, n: int, p: torch.Tensor, q: torch.Tensor, params: SamplingParams,
-             seed: int, p_logits: torch.Tensor | None = None) -> Verdict:
+             seed: int, p_logits: torch.Tensor | None = None) -> Chains:
     """n independent k = 1 steps: x ~ q, target logits log p (or p_logits) then log P_BONUS."""
     g = torch.Generator().manual_seed(seed)
     x = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=g)   # [n, 1]
@@ -211,7 +229,7 @@ def counts_of(tokens: list[int], V_: int) -> torch.Tensor:
 
 
 def test_k1_first_token_follows_p() -> None:
-    verdict = k1_draws(verify, N_K1, P, Q, T1, seed=0)
+    verdict = k1_draws(verify_chains, N_K1, P, Q, T1, seed=0)
     first = counts_of([t[0] for t in verdict.tokens], 6)
     assert first[5] == 0, "a token with p = 0 was emitted"
     assert first[4] > 0  # p > 0 = q: reachable only through the recovered distribution
@@ -256,7 +274,7 @@ N_PROCESSED = 10_000
 def test_temperature_top_k_top_p_are_applied_to_p(case: str) -> None:
     params, p_hand = PROCESSED[case]
     q = torch.full((6,), 1 / 6)  # drafts land outside the kept set often
-    verdict = k1_draws(verify, N_PROCESSED, p_hand, q, params, seed=1, p_logits=LOGITS)
+    verdict = k1_draws(verify_chains, N_PROCESSED, p_hand, q, params, seed=1, p_logits=LOGITS)
     kept = set((p_hand > 0).nonzero().flatten().tolist())
     assert {t[0] for t in verdict.tokens} <= kept  # whether accepted or recovered
     first = counts_of([t[0] for t in verdict.tokens], 6)
@@ -268,7 +286,7 @@ def test_temperature_top_k_top_p_are_applied_to_p(case: str) -> None:
 def test_bonus_position_is_processed_too() -> None:
     # top_k = 2 at the bonus position keeps P_BONUS's two largest: tokens 2 (0.4) and 5 (0.2).
     params = SamplingParams(temperature=1.0, top_k=2)
-    verdict = k1_draws(verify, 4_000, P, P, params, seed=2, p_logits=log(P))
+    verdict = k1_draws(verify_chains, 4_000, P, P, params, seed=2, p_logits=log(P))
     bonus = [t[1] for t in verdict.tokens if len(t) == 2]
     assert len(bonus) > 1000 and set(bonus) <= {2, 5}
     assert chi_square_p_value(counts_of(bonus, 6), torch.tensor([0, 0, 2 / 3, 0, 0, 1 / 3])) > ALPHA
@@ -292,7 +310,7 @@ C0 = 0  # the context's last token
 N_K2 = 20_000
 
 
-def markov_step(verifier: Verifier, last: torch.Tensor, g: torch.Generator, k: int = 2) -> Verdict:
+def markov_step(verifier: Verifier, last: torch.Tensor, g: torch.Generator, k: int = 2) -> Chains:
     """One speculative step per row from context token last [B]: drafts x_i ~ QM[x_{i-1}],
     target logits log PM[x_{i-1}] at each of the k+1 positions (the target conditions on the drafts)."""
     B = last.shape[0]
@@ -326,7 +344,7 @@ JOINT = PM[C0][:, None] * PM  # law of (t1, t2) under plain sampling from p
 
 
 def test_k2_joint_of_first_two_tokens_follows_p() -> None:
-    counts = first_two_tokens(verify, N_K2, seed=4)
+    counts = first_two_tokens(verify_chains, N_K2, seed=4)
     assert (counts[JOINT == 0] == 0).all(), "a pair with probability 0 was emitted"
     assert chi_square_p_value(counts, JOINT) > ALPHA
     # The second token conditioned on the first: each row of counts follows PM[t1].

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 from tqdm import tqdm
@@ -23,7 +23,6 @@ from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, SpecConfig
-from quickdraft.spec.base import HEAD_PROPOSERS
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"
@@ -47,41 +46,41 @@ class Method:
                 "k": self.spec.k if self.spec.enabled else 0, "spec": asdict(self.spec)}
 
 
-def parse_methods(text: str, k: int, ngram_max: int | None = None, ngram_min: int | None = None,
-                  compare_hf: bool = False, verify_all: bool = False, compare_llamacpp: bool = False,
+def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, compare_hf: bool = False,
+                  verify_all: bool = False, compare_llamacpp: bool = False,
                   default_draft: str | None = None) -> list[Method]:
     """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR`
-    -> methods, plain first (always run: it is the baseline). NAME:K sets k for one method; a draft
-    model's name or path may follow `draft:` (default: `default_draft`, the target's packaged
-    draft), a head's folder may follow `head:` or `hybrid:` (default: the packaged head), then :K.
-    n-gram sizes left None keep SpecConfig's defaults. `verify_all` adds beside each speculative
-    method the same one with the draft-length policy off (every offered draft token verified, label
-    ending in "all"): what its drafts could commit per pass, the ceiling of its speedup, measured in
-    the same run as what the policy makes of them. `compare_hf` and `compare_llamacpp` add the other
-    engines' plain and prompt-lookup rows."""
-    ngram = {key: v for key, v in (("ngram_max", ngram_max), ("ngram_min", ngram_min)) if v is not None}
+    -> methods, plain first (always run: it is the baseline). NAME:K sets k for one method; the file
+    a proposer drafts with (registry `loads`: a draft model, a head's folder) may follow NAME: (a
+    draft model's default: `default_draft`, the target's packaged draft; a head's: the packaged
+    one), then :K. `options` are proposer options (SpecConfig.options); unset ones keep their
+    defaults. `verify_all` adds beside each speculative method the same one with the draft-length
+    policy off (every offered draft token verified, label ending in "all"): what its drafts could
+    commit per pass, the ceiling of its speedup, measured in the same run as what the policy makes
+    of them. `compare_hf` and `compare_llamacpp` add the other engines' plain and prompt-lookup rows."""
     methods = [Method(PLAIN, SpecConfig())]
     for item in (t.strip() for t in text.split(",")):
         if not item or item == PLAIN:
             continue
         name, _, arg = item.partition(":")
-        path, k_text = None, arg
-        if name in ("draft", *HEAD_PROPOSERS) and not arg.isdigit():
-            path, sep, tail = arg.rpartition(":")
-            path, k_text = (path, tail) if sep and tail.isdigit() else (arg, "")
-            path = path or None
-        if name == "draft" and not path:
-            path = default_draft
-            if not path:
-                raise QuickdraftError(f"method {item!r}: the draft proposer needs a model and none ships for this "
-                                      f"target; name one: draft:NAME|PATH[:K]")
         if name not in PROPOSERS:
             raise QuickdraftError(f"unknown method {name!r} in --methods; valid names: "
                                   f"{', '.join([PLAIN, *sorted(PROPOSERS)])} (NAME:K sets k; draft:PATH[:K])")
+        loads = PROPOSERS[name].loads
+        path, k_text = None, arg
+        if loads and not arg.isdigit():
+            path, sep, tail = arg.rpartition(":")
+            path, k_text = (path, tail) if sep and tail.isdigit() else (arg, "")
+            path = path or None
+        if loads == "draft_model" and not path:
+            path = default_draft
+            if not path:
+                raise QuickdraftError(f"method {item!r}: the {name} proposer needs a model and none ships for this "
+                                      f"target; name one: {name}:NAME|PATH[:K]")
         if k_text and not k_text.isdigit():
             raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
-        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, **ngram,
-                          **{"head" if name in HEAD_PROPOSERS else "draft_model": path})
+        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, options=dict(options or {}),
+                          **({loads: path} if loads else {}))
         source = f"{name}:{Path(path).name}" if path else name
         label = f"{source} k={spec.k}"
         methods.append(Method(label, spec))

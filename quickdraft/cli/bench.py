@@ -6,9 +6,10 @@ import threading
 import json
 import sys
 
-from quickdraft.cli.common import add_model_args, load_llm, set_threads
+from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
+from quickdraft.spec import DEFAULT_K
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
@@ -102,8 +103,8 @@ def _specbench_command(args: argparse.Namespace) -> str:
     if "humaneval" in parse_groups(args.groups):
         words += ["--humaneval-half", args.humaneval_half]
     for flag, value in (("--questions", args.questions), ("--groups", args.groups), ("--limit", args.limit),
-                        ("--seed", args.seed), ("--ngram-max", args.ngram_max), ("--ngram-min", args.ngram_min),
-                        ("--threads", args.threads), ("--out", args.out)):
+                        ("--seed", args.seed), ("--threads", args.threads), ("--out", args.out),
+                        *((f"--{name.replace('_', '-')}", value) for name, value in options_from_args(args).items())):
         if value is not None:
             words += [flag, str(value)]
     if args.compare_hf:
@@ -132,7 +133,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
                               f"does not name humaneval")
     pool, files = bench_questions(groups, args.questions, args.humaneval_half)
     questions = select_questions(pool, groups, args.limit)
-    methods = parse_methods(args.methods, args.k, args.ngram_max, args.ngram_min, args.compare_hf, args.verify_all,
+    methods = parse_methods(args.methods, args.k, options_from_args(args), args.compare_hf, args.verify_all,
                             args.compare_llamacpp, default_draft=packaged_draft(args.model))
     if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1:
         raise QuickdraftError("--hf-lookup-tokens and --llamacpp-lookup-tokens must be >= 1")
@@ -190,9 +191,9 @@ def add_bench_specbench(bsub) -> None:
     sb.add_argument("--max-new-tokens", "-n", type=int, default=128, help="per turn (default 128)")
     sb.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default)")
     sb.add_argument("--seed", type=int, default=None, help="sampling seed (question i uses seed + i)")
-    sb.add_argument("-k", type=int, default=4, help="draft tokens per step unless NAME:K says (default 4)")
-    sb.add_argument("--ngram-max", type=int, help="n-gram proposer: longest suffix matched (default: SpecConfig's)")
-    sb.add_argument("--ngram-min", type=int, help="n-gram proposer: shortest suffix matched (default: SpecConfig's)")
+    sb.add_argument("-k", type=int, default=DEFAULT_K,
+                    help=f"draft tokens per step unless NAME:K says (default {DEFAULT_K})")
+    add_option_args(sb)
     sb.add_argument("--compare-hf", action="store_true",
                     help="add transformers' generate (hf-plain) and its prompt lookup (hf-prompt-lookup) rows")
     sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
@@ -329,7 +330,7 @@ def add_bench_serve(bsub) -> None:
     sv = bsub.add_parser("serve", help="the HTTP server at several concurrency levels, with and without speculation")
     add_model_args(sv)
     sv.add_argument("--spec", default="ngram", help="proposer of the speculative waves (default ngram)")
-    sv.add_argument("-k", type=int, default=8, help="draft tokens per step (default 8)")
+    sv.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft tokens per step (default {DEFAULT_K})")
     sv.add_argument("--draft-model", help="draft model for --spec draft (default: the packaged draft of a packaged "
                                           "target, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     sv.add_argument("--concurrency", default="1,4,8", help="comma-separated levels (default 1,4,8)")

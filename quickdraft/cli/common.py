@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.spec import DEFAULT_K, PROPOSERS, SpecConfig
+from quickdraft.spec.registry import option_fields
 from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
@@ -52,24 +54,34 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """--spec, -k and every proposer option, from the registry: each default stays where it is defined."""
+    about = "; ".join(f"{name} = {entry.about}" for name, entry in sorted(PROPOSERS.items()))
     # ngram by default: on a CPU the shipped head does not pay for its drafting yet, alone or in the
     # hybrid (docs/benchmarks.md, Spec-Bench and bench serve); auto and hybrid stay one flag away
     p.add_argument("--spec", default="ngram", choices=["none", *sorted(PROPOSERS)],
-                   help="proposer for speculative decoding (default: ngram): none = plain decoding; auto = "
-                        "the draft head that ships for the model with prompt lookup where the text repeats "
-                        "(hybrid), prompt lookup alone (ngram) for a model without a head")
-    p.add_argument("-k", type=int, default=8, help="draft tokens per step at most (default 8)")
+                   help=f"proposer for speculative decoding (default: ngram): none = plain decoding; {about}")
+    p.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft tokens per step at most (default {DEFAULT_K})")
     p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf); default: the "
                                          "packaged draft of a packaged target (qwen2.5-coder-1.5b: qwen2.5-coder-0.5b)")
     p.add_argument("--head", help="trained draft head directory for --spec head|hybrid|auto (quickdraft train-head); "
                                   "default: the head that ships for the model")
-    p.add_argument("--ngram-max", type=int, default=4, help="n-gram proposer: longest suffix matched")
-    p.add_argument("--ngram-min", type=int, default=1, help="n-gram proposer: shortest suffix matched")
+    add_option_args(p)
+
+
+def add_option_args(p: argparse.ArgumentParser) -> None:
+    """One flag per proposer option (--ngram-max ...); unset flags keep the option's default."""
+    for name, f in option_fields().items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=None,
+                       help=f"{f.metadata.get('help', name)} (default {f.default})")
+
+
+def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in option_fields() if getattr(args, name, None) is not None}
 
 
 def spec_from_args(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model, head=args.head,
-                      ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+                      options=options_from_args(args))
 
 
 def stats_line(stats: GenerationStats, finish: str | None) -> str:

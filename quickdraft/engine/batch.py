@@ -1,7 +1,8 @@
-"""The batched engine: admit -> propose -> ONE target pass for every running row -> verify ->
-truncate -> commit -> emit. Requests join and leave between steps (continuous batching); each row
-has its own drafts, accepted count, sampling settings and seeded generator. Plain decoding is the
-same step with empty drafts, batch 1 is the same step with one row.
+"""The batched engine: the only place that knows the order of a decoding step. Each step runs, as
+phases over every running row: choose drafts -> build inputs -> ONE target pass -> verify ->
+commit (the cache keeps the accepted path) -> propose -> emit. Requests join and leave between
+steps (continuous batching); each row has its own draft tree, sampling settings and seeded
+generator. Plain decoding is the same step with empty drafts, batch 1 the same step with one row.
 
 Not thread-safe: one thread owns an Engine (the server's engine thread, or generate_tokens).
 """
@@ -17,15 +18,15 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
+from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import MAX_K, Draft, Proposer
-from quickdraft.verify import Verdict, verify
+from quickdraft.spec.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer
+from quickdraft.verify import verify
 
-NO_DRAFT = Draft([], None)
-MAX_BACKOFF = 16  # steps a proposer whose drafts the policy keeps declining rests at most
+Events = list[tuple[str, TokenEvent]]
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,7 @@ class _Row:
     start: float
     length: int = 0             # tokens with K/V in the cache
     last: int = -1              # newest committed token: fed first at the next step
-    draft: Draft = field(default_factory=lambda: NO_DRAFT)  # the proposer's offer for the next step
-    quiet: int = 0              # steps left before the proposer is asked again (see _decode)
-    backoff: int = 1
+    draft: Draft = NO_DRAFT     # the proposer's offer for the next step
 
     @property
     def pinned(self) -> bool:
@@ -166,19 +165,61 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[str, TokenEvent]]:
+    def step(self) -> Events:
         """Decode every running row once (one target pass), then admit and prefill waiting
         requests into free rows. Returns (request id, event) pairs; finished rows are gone.
         A request whose pass fails ends with finish reason "error"; the others go on (_decode)."""
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
-        events: list[tuple[str, TokenEvent]] = []
+        events: Events = []
         if self.rows:
             events += self._decode(0, len(self.rows))
         while self.waiting and len(self.rows) < self.config.max_batch:
             events += self._prefill(self.waiting.pop(0))
         return events
+
+    def _decode(self, lo: int, hi: int) -> Events:
+        """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe.
+
+        A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
+        rows' generators are rewound), so each half of the rows is decoded again on its own, down
+        to single rows: a row that fails alone ends with the error. Every other row commits what
+        the whole pass would have given it: which rows share a pass changes neither a greedy
+        row's tokens nor a seeded one's (its draft sizes are pinned, its generator rewound)."""
+        rows = self.rows[lo:hi]
+        t0 = time.perf_counter()
+        drafts = self._choose_drafts(rows)
+        rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
+        try:
+            inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
+            out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask,
+                             inputs.width, inputs.slots)  # ONE pass: logits [B, 1+W, V], hidden [B, 1+W, D]
+            verdict = verify(drafts, out.logits, [r.request.params for r in rows], [r.generator for r in rows])
+        except Exception as e:  # noqa: BLE001 - found and reported per row below
+            for row, state in zip(rows, rng):
+                if state is not None:
+                    row.generator.set_state(state)
+            if len(rows) == 1:
+                return self._fail(rows[0], e)
+            mid = (lo + hi) // 2
+            return self._decode(lo, mid) + self._decode(mid, hi)
+        step_s = time.perf_counter() - t0
+        self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
+        steps = []
+        for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
+            # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
+            self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
+            row.length += 1 + len(kept)
+            row.stats.record_draft(draft.depths(), len(kept))
+            steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]]))
+        return self._emit(rows, steps, step_s)
+
+    def _choose_drafts(self, rows: list[_Row]) -> list[Draft]:
+        """The part of each row's offered draft to verify (engine/policy.py)."""
+        sizes = choose_draft_lengths([RowDraft.of(r.draft, r.pinned)
+                                      for r in rows], self.cost, self.config.policy, self.config.max_step_tokens)
+        return [r.draft.prefix(n) for r, n in zip(rows, sizes)]
 
     def _start_row(self, request: Request) -> _Row:
         params = request.params
@@ -188,7 +229,7 @@ class Engine:
         return _Row(request, budget, stop_ids, params.make_generator(self.model.device),
                     GenerationStats(prompt_tokens=len(request.prompt_ids)), time.perf_counter())
 
-    def _prefill(self, request: Request) -> list[tuple[str, TokenEvent]]:
+    def _prefill(self, request: Request) -> Events:
         """The prompt's pass drafts nothing, exactly like plain decoding."""
         row = self._start_row(request)
         index = len(self.rows)
@@ -200,101 +241,34 @@ class Engine:
             ids = torch.tensor([request.prompt_ids], device=device)
             positions = torch.arange(n, device=device)[None]
             out = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1)
-            verdict = verify(torch.zeros(1, 0, dtype=torch.long, device=device), [0], None, out.logits,
-                             [request.params], [row.generator])
+            verdict = verify([NO_DRAFT], out.logits, [request.params], [row.generator])
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fail(row, e)
         row.length = n
-        return self._finish_step([row], [0], verdict, time.perf_counter() - t0, [out.hidden[0]])
+        return self._emit([row], [Committed(verdict.tokens[0], 0, 0, out.hidden[0])], time.perf_counter() - t0)
 
-    def _decode(self, lo: int, hi: int) -> list[tuple[str, TokenEvent]]:
-        """Decode rows lo..hi-1 (they sit in cache rows lo..hi-1) with one target pass.
-
-        A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
-        rows' generators are rewound), so each half of the rows is decoded again on its own, down
-        to single rows: a row that fails alone ends with the error. Every other row commits what
-        the whole pass would have given it: which rows share a pass changes neither a greedy
-        row's tokens nor a seeded one's (its draft lengths are pinned, its generator rewound)."""
-        rows = self.rows[lo:hi]
-        t0 = time.perf_counter()
-        rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
-        try:
-            lengths, verdict, hidden = self._verify_pass(lo, rows)
-        except Exception as e:  # noqa: BLE001 - found and reported per row below
-            for row, state in zip(rows, rng):
-                if state is not None:
-                    row.generator.set_state(state)
-            if len(rows) == 1:
-                return self._fail(rows[0], e)
-            mid = (lo + hi) // 2
-            return self._decode(lo, mid) + self._decode(mid, hi)
-        for row, n in zip(rows, lengths):
-            # A declined costly draft was work for nothing: a draft head's forwards cost a few
-            # percent of a batched step per row. After such a decline the proposer rests for a
-            # doubling number of steps (it still sees every token, and its cheap part, if any,
-            # drafts meanwhile), until one of its costly drafts is verified (the cheap part's
-            # successes say nothing of the costly one's). Prompt lookup is asked every step:
-            # resting would only miss its matches.
-            if row.draft.tokens and n == 0 and row.draft.costly:
-                row.backoff = min(2 * row.backoff, MAX_BACKOFF)
-                row.quiet = row.backoff
-            elif n and row.draft.costly:
-                row.backoff = 1
-        for row, accepted in zip(rows, verdict.accepted):
-            row.length += 1 + accepted  # rejected drafts' K/V are evicted: a length change
-        step_s = time.perf_counter() - t0
-        self.cost.observe(len(rows) + sum(lengths), step_s)
-        return self._finish_step(rows, lengths, verdict, step_s, hidden)
-
-    def _verify_pass(self, lo: int, rows: list[_Row]) -> tuple[list[int], Verdict, list[torch.Tensor]]:
-        """Choose draft lengths, run the target over each row's newest token and draft, verify.
-        Changes nothing but the sampled rows' generators and K/V past the rows' lengths.
-        Returns the draft lengths, the verdict and, per row, the target's features of the
-        positions it keeps ([1 + accepted, D]: its last token and accepted drafts)."""
-        lengths = choose_draft_lengths(
-            [RowDraft(len(r.draft.tokens), r.draft.accept_probs, r.pinned) for r in rows], self.cost,
-            self.config.policy, self.config.max_step_tokens)
-        drafts = [r.draft.prefix(n) for r, n in zip(rows, lengths)]
-        width = max(lengths)
-        device = self.model.device
-        # [B, 1+width]: the newest committed token, the row's draft, padding (its outputs are ignored
-        # and its K/V land past the row's length, where nothing reads them)
-        feed = [[r.last] + d.tokens + [r.last] * (width - len(d.tokens)) for r, d in zip(rows, drafts)]
-        ids = torch.tensor(feed, device=device)
-        starts = torch.tensor([r.length for r in rows], device=device)
-        positions = starts[:, None] + torch.arange(1 + width, device=device)  # [B, 1+width]
-        view = self.cache.rows(lo, lo + len(rows))
-        out = self.model(ids, positions, view, last_n=1 + width)   # logits [B, 1+width, V]
-        verdict = verify(ids[:, 1:], lengths, [d.q for d in drafts], out.logits,
-                         [r.request.params for r in rows], [r.generator for r in rows])
-        return lengths, verdict, [out.hidden[b, :1 + a] for b, a in enumerate(verdict.accepted)]
-
-    def _fail(self, row: _Row, error: Exception) -> list[tuple[str, TokenEvent]]:
+    def _fail(self, row: _Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""
         row.stats.total_s = time.perf_counter() - row.start
         self.finished.append(row)
         return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
-    def _finish_step(self, rows: list[_Row], lengths: Sequence[int], verdict: Verdict, step_s: float,
-                     hidden: Sequence[torch.Tensor]) -> list[tuple[str, TokenEvent]]:
-        """hidden: per row, [n, D] target features of the positions the step ran and kept."""
+    def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float) -> Events:
+        """Cut each row's new tokens at a stop token or its budget, tell its proposer and ask it for
+        the next draft (a failing proposer ends its own request, never the batch), emit events."""
         events, finished = [], []
-        for row, n_draft, accepted, new, features in zip(rows, lengths, verdict.accepted, verdict.tokens,
-                                                         hidden):
+        for row, step in zip(rows, steps):
             stats = row.stats
             stats.target_passes += 1
-            stats.record_draft(n_draft, accepted)
             stats.verify_s += step_s
-            emitted, finish = cut_at_stop(new, row.stop_ids, row.budget - stats.new_tokens)
+            emitted, finish = cut_at_stop(step.tokens, row.stop_ids, row.budget - stats.new_tokens)
             if finish == "stop":  # drafts accepted after the stop token leave the cache too
-                row.length -= accepted - len(emitted)
+                row.length -= step.drafted - len(emitted)
             stats.new_tokens += len(emitted)
-            stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(new))
-            row.last = new[-1]
-            error = None
-            if finish is None:
-                error = self._propose(row, new, accepted, features)
-                finish = "error" if error else None
+            stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(step.tokens))
+            row.last = step.tokens[-1]
+            error = None if finish else self._propose(row, step)
+            finish = "error" if error else finish
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
@@ -305,24 +279,14 @@ class Engine:
         self._sync_cache_lengths()
         return events
 
-    def _propose(self, row: _Row, new: list[int], accepted: int, features: torch.Tensor) -> Exception | None:
-        """The row's next draft; a failing proposer ends its own request, never the batch."""
+    def _propose(self, row: _Row, step: Committed) -> Exception | None:
         proposer = row.request.proposer
         if proposer is None or row.request.k == 0:
             return None
         t0 = time.perf_counter()
         try:
-            if getattr(proposer, "wants_hidden", False):
-                proposer.commit(new, accepted, features)
-            else:
-                proposer.commit(new, accepted)
-            k = min(row.request.k, row.budget - row.stats.new_tokens - 1)
-            if row.quiet:
-                row.quiet -= 1
-                cheap = getattr(proposer, "cheap", None)
-                row.draft = NO_DRAFT if cheap is None else cheap.propose(k)
-            else:
-                row.draft = proposer.propose(k)
+            proposer.commit(step)
+            row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
         except Exception as e:  # noqa: BLE001 - reported to that request's consumer
             return e
         finally:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer or pass failed
 
@@ -17,7 +17,7 @@ class GenerationStats:
     committed_tokens: int = 0  # new tokens plus a stop token that ended generation
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    drafted_at: list[int] = field(default_factory=list)   # per draft position: tokens drafted there
+    drafted_at: list[int] = field(default_factory=list)   # per draft depth: nodes verified there
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
     propose_s: float = 0.0    # time in the proposer
     verify_s: float = 0.0     # time in target forward passes and verification
@@ -43,15 +43,18 @@ class GenerationStats:
     def other_s(self) -> float:
         return max(0.0, self.total_s - self.propose_s - self.verify_s)
 
-    def record_draft(self, drafted: int, accepted: int) -> None:
-        missing = drafted - len(self.drafted_at)
+    def record_draft(self, depths: Sequence[int], accepted: int) -> None:
+        """depths: per verified node, its depth (1 = a child of the root; a chain's are 1..n);
+        accepted: the length of the accepted path (one node per depth)."""
+        missing = max(depths, default=0) - len(self.drafted_at)
         if missing > 0:
             self.drafted_at += [0] * missing
             self.accepted_at += [0] * missing
-        for i in range(drafted):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += i < accepted
-        self.drafted_tokens += drafted
+        for depth in depths:
+            self.drafted_at[depth - 1] += 1
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+        self.drafted_tokens += len(depths)
         self.accepted_tokens += accepted
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from itertools import accumulate
 from operator import mul
 from typing import Literal, Sequence
 
+from quickdraft.spec.base import Draft
+
 EMA = 0.2            # weight of a new step-time measurement
 MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not drafting: step times
                      # and acceptance estimates are noisy, and picking the best-looking option
@@ -75,6 +77,23 @@ class RowDraft:
                                           # before are; None = no estimate
     pinned: bool                # verify all `available`: the row's draft lengths must not depend
                                 # on timing or on other rows (seeded sampling, adaptive off)
+
+    @classmethod
+    def of(cls, draft: Draft, pinned: bool) -> RowDraft:
+        """A draft tree as the policy reads it: a prefix of its nodes is verified, and node i's
+        chance of being reached and accepted is the product of the estimates along its path,
+        capped by node i-1's (so the chances fall along the node order, as along a chain)."""
+        probs = draft.accept_probs
+        if probs is None or draft.is_chain:
+            return cls(len(draft.tokens), probs, pinned)
+        path: list[float] = []  # per node, the product along its path
+        chained, before = [], 1.0
+        for parent, a in zip(draft.tree, probs):
+            path.append(a * (path[parent] if parent >= 0 else 1.0))
+            reach = min(path[-1], before)
+            chained.append(reach / before if before > 0 else 0.0)
+            before = reach
+        return cls(len(draft.tokens), chained, pinned)
 
 
 def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: PolicyName = "goodput",

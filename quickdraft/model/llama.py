@@ -38,7 +38,7 @@ class AttentionInputs:
     mask: torch.Tensor | None  # [B, 1, T, kv_len], True = may attend; None = attend to all
     slots: Slots
     kv_len: int
-    positions: torch.Tensor    # [B, T]
+    positions: torch.Tensor    # [B, T] int64: the cache slot each token's K/V go to (the kernels' name)
 
     @functools.cached_property
     def visible(self) -> torch.Tensor | None:
@@ -47,18 +47,20 @@ class AttentionInputs:
 
 
 def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                     attn_mask: torch.Tensor | None = None) -> AttentionInputs:
-    """A query at position p sees the cached keys at slots 0..p of its row; `attn_mask`
-    [B, T, kv_len] narrows that further (trees)."""
-    kv_len = int(positions.max()) + 1
+                     attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> AttentionInputs:
+    """A token's K/V go to cache slot `slots` [B, T] (default: its position; a tree's siblings share
+    a position, not a slot); a query at slot s sees the cached keys at slots 0..s of its row, and
+    `attn_mask` [B, T, kv_len] narrows that further (trees)."""
+    slots = positions if slots is None else slots
+    kv_len = int(slots.max()) + 1
     cos, sin = rope(inv_freq, positions, cache.dtype)
-    mask = None  # one query at the last position of one row sees every key: no mask needed
-    if positions.shape != (1, 1) or attn_mask is not None:
-        mask = torch.arange(kv_len, device=positions.device) <= positions.unsqueeze(-1)  # [B, T, kv_len]
+    mask = None  # one query at the last slot of one row sees every key: no mask needed
+    if slots.shape != (1, 1) or attn_mask is not None:
+        mask = torch.arange(kv_len, device=slots.device) <= slots.unsqueeze(-1)  # [B, T, kv_len]
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
-    return AttentionInputs(cos, sin, mask, cache.slots(positions), kv_len, positions.to(torch.int64).contiguous())
+    return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous())
 
 
 class RMSNorm(nn.Module):
@@ -167,12 +169,14 @@ class Transformer(nn.Module):
         return KVCache(self.config, batch_size, max_len, self.device, self.compute_dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                attn_mask: torch.Tensor | None = None, last_n: int | None = None) -> ForwardOutput:
-        """tokens, positions: [B, T]. A query at position p sees the cached keys at slots 0..p of
-        its row; `attn_mask` [B, T, kv_len] (True = may attend) narrows that further (trees).
+                attn_mask: torch.Tensor | None = None, last_n: int | None = None,
+                slots: torch.Tensor | None = None) -> ForwardOutput:
+        """tokens, positions (rotary): [B, T]. K/V go to cache `slots` [B, T] (default: the
+        positions); a query at slot s sees the cached keys at slots 0..s of its row; `attn_mask`
+        [B, T, kv_len] (True = may attend) narrows that further (trees).
         `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
         x = self.embed(tokens).to(self.compute_dtype)
-        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask)
+        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, at)
         return ForwardOutput(logits=self.logits(x if last_n is None else x[:, -last_n:]), hidden=x)

@@ -1,6 +1,7 @@
 """Proposers behind one protocol, found by name in a registry."""
 from quickdraft.spec import draft_model, head, hybrid, ngram  # noqa: F401  (importing registers them)
-from quickdraft.spec.base import (MAX_K, PROPOSERS, Draft, Proposer, ProposerContext, SpecConfig,
-                                  SpecConfigError)
+from quickdraft.spec.base import (DEFAULT_K, MAX_K, NO_DRAFT, PROPOSERS, Committed, Draft, Proposer,
+                                  ProposerContext, SpecConfig, SpecConfigError)
 
-__all__ = ["MAX_K", "PROPOSERS", "Draft", "Proposer", "ProposerContext", "SpecConfig", "SpecConfigError"]
+__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Committed", "Draft", "Proposer", "ProposerContext",
+           "SpecConfig", "SpecConfigError"]

@@ -1,42 +1,82 @@
-"""The proposer protocol, SpecConfig and the registry of proposers.
+"""The proposer protocol: drafts (token trees), the record a proposer is committed, SpecConfig.
 
 A proposer guesses the next tokens of one request; the engine verifies them with the target.
-It must not know the engine's loop: it is told the committed tokens and nothing else.
+It must not know the engine's loop: it is told what was committed and nothing else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
+from quickdraft.spec.registry import PROPOSERS, option_names, register, registration
 
-HEAD_REQUIRED = ("head", "hybrid")        # the proposers that cannot run without a draft head
-HEAD_PROPOSERS = (*HEAD_REQUIRED, "auto")  # the proposers that may run one (take --head)
-MAX_K = 32  # verifying more than this many tokens per pass costs more than it can win here
+MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
+DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
 
 
 class SpecConfigError(QuickdraftError, ValueError):
     """Invalid speculative-decoding settings (unknown proposer, bad k, unusable draft model)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Draft:
-    tokens: list[int]            # up to k proposed tokens (may be empty: then the step is plain)
-    q: torch.Tensor | None       # [len(tokens), V] proposer probabilities; None = deterministic
-    accept_probs: Sequence[float] | None = None  # per token, the proposer's estimate that it is
-                                                 # accepted if the ones before it are; when given,
-                                                 # the engine may verify only a prefix (policy.py)
-    costly: bool = False         # drafting it ran a model (a head, a draft model): declined, that
-                                 # work was for nothing, and the engine lets the proposer rest
+    """A tree of proposed tokens. Node i holds tokens[i] and hangs under node parents[i], -1 being
+    the root (the newest committed token, whose successor the target scores first). Parents come
+    before their children, so every prefix of the nodes is a tree too (the policy verifies a
+    prefix); siblings are verified in node order. A chain has parents i-1 (parents None)."""
+    tokens: list[int]            # [n] node tokens (may be empty: then the step is plain)
+    q: torch.Tensor | None = None  # [n, V] the distribution each node's token was drawn from (given
+                                   # its parent's path); None = deterministic (q = one-hot(token))
+    accept_probs: Sequence[float] | None = None  # [n] per node, the proposer's estimate that it is
+                                                 # accepted if its parent is; when given, the engine
+                                                 # may verify only a prefix (policy.py)
+    parents: list[int] | None = None  # [n] parent node per node, -1 = the root; None = a chain
 
-    def prefix(self, n: int) -> "Draft":
+    def __post_init__(self) -> None:
+        assert self.parents is None or (len(self.parents) == len(self.tokens) and
+                                        all(-1 <= p < i for i, p in enumerate(self.parents)))
+
+    @property
+    def tree(self) -> list[int]:
+        """parents, spelled out for a chain too."""
+        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """[n] per node, its distance from the root (1 for the root's children)."""
+        depths: list[int] = []
+        for p in self.tree:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        return depths
+
+    def prefix(self, n: int) -> Draft:
+        """The first n nodes (a tree: parents precede children)."""
         if n == len(self.tokens):
             return self
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
-                     None if self.accept_probs is None else self.accept_probs[:n], self.costly)
+                     None if self.accept_probs is None else self.accept_probs[:n],
+                     None if self.parents is None else self.parents[:n])
+
+
+NO_DRAFT = Draft([])
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What one engine step appended to a request's sequence, as its proposer is told."""
+    tokens: list[int]     # the accepted drafts (root to leaf), then the target's recovered or bonus token
+    drafted: int          # how many of `tokens` came from the proposer's last draft (the accepted ones)
+    verified: int         # draft nodes the target verified (0: the engine declined the draft, or none came)
+    features: torch.Tensor  # [n, D] the target's last-layer features at the positions the step ran and
+                            # kept: the whole prompt after the prefill, then the fed token and the
+                            # accepted drafts (draft heads read them; others ignore them)
 
 
 class Agreement:
@@ -64,29 +104,22 @@ class Agreement:
 
 class Proposer(Protocol):
     def propose(self, k: int) -> Draft:
-        """Up to k tokens that may follow the committed sequence."""
+        """A tree of at most k nodes that may follow the committed sequence."""
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
-        """`tokens` were appended to the sequence; the first `accepted` of them were drafts of this
-        proposer's last proposal (possibly cut short by the engine), the last one is the target's.
-        After declining a `costly` draft the engine asks the proposer again only after a few
-        steps; meanwhile it asks the proposer's `cheap` part, if it has one (a proposer that runs
-        no model and sees the same commits, as the hybrid's prompt lookup).
-        A proposer with `wants_hidden = True` is called commit(tokens, accepted, hidden), hidden
-        [n, D] being the target's last-layer features at the n positions the step ran and kept
-        (the whole prompt after the prefill, then the fed token and the accepted drafts)."""
+    def commit(self, step: Committed) -> None:
+        """The engine appended step.tokens to the sequence (after the prefill: the first token)."""
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "none"          # a registry name; "none" = plain decoding
-    k: int = 4                    # draft tokens per step
+    k: int = DEFAULT_K            # draft tokens (tree nodes) per step at most
     draft_model: str | None = None  # None: the target's packaged draft, if it has one (LLM.draft_name)
-    head: str | None = None       # a trained draft head's directory (proposer "head"; None = the
-                                  # head that ships for the target, if one does)
-    ngram_max: int = 4            # n-gram proposer: longest suffix to match ...
-    ngram_min: int = 2            # ... down to this length (1-token matches rarely pay)
-    adaptive: bool = True         # verify only the draft prefix expected to pay for itself
+    head: str | None = None       # a trained draft head's directory (None = the head that ships for
+                                  # the target, if one does)
+    adaptive: bool = True         # verify only the part of a draft expected to pay for itself
+    options: Mapping[str, Any] = field(default_factory=dict)  # proposers' own settings by name (as
+                                  # their options dataclasses spell them); unset ones keep defaults
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS and self.method != "none":
@@ -94,9 +127,20 @@ class SpecConfig:
                                   f"{', '.join(['none', *sorted(PROPOSERS)])}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= MAX_K:
             raise SpecConfigError(f"k must be an integer in 0..{MAX_K}, found {self.k!r}")
-        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
-            raise SpecConfigError(f"n-gram sizes need 1 <= ngram_min <= ngram_max <= 16, "
-                                  f"found {self.ngram_min}, {self.ngram_max}")
+        unknown = sorted(set(self.options) - set(option_names()))
+        if unknown:
+            raise SpecConfigError(f"unknown proposer option(s) {', '.join(unknown)}; valid names: "
+                                  f"{', '.join(option_names())}")
+        if self.method != "none":
+            self.proposer_options()  # each options dataclass validates its own values
+
+    def proposer_options(self) -> Any:
+        """The method's own options dataclass: the settings it has from `options`, defaults for the rest."""
+        kind = registration(self.method).options
+        try:
+            return kind(**{name: value for name, value in self.options.items() if name in kind.__dataclass_fields__})
+        except (TypeError, ValueError) as e:
+            raise SpecConfigError(f"proposer {self.method!r}: {e}") from None
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +149,10 @@ class SpecConfig:
     @property
     def needs_head(self) -> bool:
         """A draft head must load: the proposer cannot do without one, or one is named."""
-        return self.enabled and (self.method in HEAD_REQUIRED or (self.method in HEAD_PROPOSERS and bool(self.head)))
+        if not self.enabled:
+            return False
+        entry = registration(self.method)
+        return entry.loads == "head" and (entry.needs_file or bool(self.head))
 
 
 @dataclass
@@ -116,13 +163,11 @@ class ProposerContext:
     config: SpecConfig
     target: Any                  # quickdraft.api.LLM: .model, .tokenizer, .draft_model(path)
 
+    @property
+    def options(self) -> Any:
+        """The proposer's own options dataclass (spec/registry.py)."""
+        return self.config.proposer_options()
 
-ProposerFactory = Callable[[ProposerContext], Proposer]
-PROPOSERS: dict[str, ProposerFactory] = {}
 
-
-def register(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
-    def wrap(factory: ProposerFactory) -> ProposerFactory:
-        PROPOSERS[name] = factory
-        return factory
-    return wrap
+__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposer",
+           "ProposerContext", "SpecConfig", "SpecConfigError", "register"]

@@ -12,7 +12,7 @@ import torch
 
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Draft, ProposerContext, SpecConfigError, register
+from quickdraft.spec.base import NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
 
@@ -39,7 +39,7 @@ class DraftModelProposer:
     def propose(self, k: int) -> Draft:
         k = min(k, self.cache.max_len - len(self.tokens) + 1)  # stay inside the draft's context
         if k <= 0:
-            return Draft([], None)
+            return NO_DRAFT
         logits = self._forward(self.tokens[self.cached:], self.cached)  # catch up
         self.cached = len(self.tokens)
         drafted, qs = [], []
@@ -54,14 +54,14 @@ class DraftModelProposer:
             if i < k - 1:
                 logits = self._forward([x], len(self.tokens) + i)
         self.fed_drafts = k - 1
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs), costly=True)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs))
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+    def commit(self, step: Committed) -> None:
         # After a proposal `cached` == len(tokens) (before the first it is 0: nothing was run yet).
         # Accepted drafts that were fed keep their K/V; everything after is evicted.
-        self.cached += min(accepted, self.fed_drafts)
+        self.cached += min(step.drafted, self.fed_drafts)
         self.cache.truncate([self.cached])
-        self.tokens.extend(tokens)
+        self.tokens.extend(step.tokens)
         self.fed_drafts = 0
 
 
@@ -81,7 +81,8 @@ def check_compatible(target, draft) -> None:
                                   f"draft but {a!r} in the target")
 
 
-@register("draft")
+@register("draft", loads="draft_model", needs_file=True,
+          about="a smaller model of the same vocabulary drafts token by token")
 def make_draft(ctx: ProposerContext) -> DraftModelProposer:
     draft = ctx.target.draft_model(ctx.config.draft_model)
     capacity = min(draft.model.config.max_position_embeddings,

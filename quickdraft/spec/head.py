@@ -36,7 +36,7 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Agreement, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.spec.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
@@ -44,6 +44,7 @@ PROBE_ROWS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89)  # embedding rows that ident
 PROBE_TOLERANCE = 0.02       # relative: a bfloat16 or re-quantized copy of the target still matches
 HEAD_SEED_SALT = 0x4EAD_5EED  # the head's RNG must not replay the verifier's draws
 PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"  # one folder per model
+MAX_REST = 16     # steps the head rests at most after the engine declines its drafts
 STOP_REACH = 0.2  # drafting stops once the estimated chance that all drafts so far are accepted
                   # falls below this: a further draft step (a head forward) would rarely pay
 
@@ -147,10 +148,35 @@ def load_head(path: str | Path, target: Transformer) -> DraftHead:
     return head.to(device=target.device, dtype=target.compute_dtype).requires_grad_(False).eval()
 
 
+class Rest:
+    """When the engine declines a draft the head ran for, its forwards were work for nothing (a
+    few percent of a batched step per row): the head then sits out a doubling number of steps, up
+    to MAX_REST, until a draft it ran for is verified again. A hybrid's prompt lookup drafts
+    meanwhile; its successes say nothing of the head's."""
+
+    def __init__(self) -> None:
+        self.length, self.left = 1, 0  # the rest after the next decline; steps still to sit out
+        self.ran = False               # the head ran for the draft the engine just saw
+
+    @property
+    def resting(self) -> bool:
+        return self.left > 0
+
+    def after_step(self, verified: int) -> None:
+        """Called once per engine step, before the next proposal."""
+        if self.left:
+            self.left -= 1
+        elif self.ran and verified == 0:
+            self.length = min(2 * self.length, MAX_REST)
+            self.left = self.length
+        elif self.ran:
+            self.length = 1
+        self.ran = False
+
+
 class HeadProposer:
-    """Drafts k tokens with a DraftHead over its own one-layer cache; `commit` receives the target's
-    features of the positions it ran (wants_hidden)."""
-    wants_hidden = True
+    """Drafts k tokens with a DraftHead over its own one-layer cache, from the target's features
+    that each commit brings."""
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int) -> None:
@@ -164,20 +190,20 @@ class HeadProposer:
         seed = None if params.seed is None else (params.seed ^ HEAD_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(target.device)
         self.agreement = Agreement()
+        self.rest = Rest()
         self.pending: list[int] = []       # the last proposal
         self.vocab = head.vocab.to(target.device)
         self.lm_weight = target.lm_head.weight[self.vocab].contiguous()  # [Vd, D] the draft vocabulary's rows
 
-    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
-        """hidden [n, D]: the target's features at the next n positions (those it ran and kept)."""
+    def commit(self, step: Committed) -> None:
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
-        self.agreement.record(self.pending, tokens)
+        self.agreement.record(self.pending, step.tokens)
         self.pending = []
-        self.tokens.extend(tokens)
-        if hidden is not None:
-            n = hidden.shape[0]
-            self.features[self.n_features:self.n_features + n] = hidden
-            self.n_features += n
+        self.tokens.extend(step.tokens)
+        self.rest.after_step(step.verified)
+        n = step.features.shape[0]
+        self.features[self.n_features:self.n_features + n] = step.features
+        self.n_features += n
 
     def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         device = self.target.device
@@ -189,8 +215,9 @@ class HeadProposer:
     def propose(self, k: int) -> Draft:
         pairs = min(self.n_features, len(self.tokens) - 1)
         k = min(k, self.cache.max_len - pairs + 1)
-        if k <= 0 or pairs == 0:
-            return Draft([], None)
+        if k <= 0 or pairs == 0 or self.rest.resting:
+            return NO_DRAFT
+        self.rest.ran = True
         start = min(self.cached, pairs - 1)  # at least the newest pair runs: it predicts f_pairs
         self.cache.truncate([start])
         predicted = self._step(self.features[start:pairs], self.tokens[start + 1:pairs + 1], start)[-1:]
@@ -218,10 +245,11 @@ class HeadProposer:
             predicted = self._step(predicted, [x], pairs + i)
         self.pending = drafted
         # the estimates let the engine's policy verify only what pays (engine/policy.py)
-        return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates, costly=True)
+        return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates)
 
 
-@register("head")
+@register("head", loads="head", needs_file=True,
+          about="a trained draft head (EAGLE-style) over the target's features")
 def make_head(ctx: ProposerContext) -> HeadProposer:
     head = ctx.target.draft_head(ctx.config.head)
     capacity = len(ctx.prompt_ids) + ctx.params.max_new_tokens + ctx.config.k + 1

@@ -9,16 +9,12 @@ its next forward). Exactness needs nothing more: the chosen draft carries its ow
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import accumulate
 from operator import mul
-from typing import Sequence
 
-import torch
-
-from quickdraft.spec.base import Draft, ProposerContext, SpecConfigError, register
+from quickdraft.spec.base import Committed, Draft, ProposerContext, SpecConfigError, register
 from quickdraft.spec.head import HeadProposer, make_head
-from quickdraft.spec.ngram import NgramProposer, make_ngram
+from quickdraft.spec.ngram import NgramOptions, NgramProposer, make_ngram
 
 NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a head forward not worth running
 
@@ -29,15 +25,15 @@ def expected_accepted(draft: Draft) -> float:
 
 
 class HybridProposer:
-    wants_hidden = True
+    """While the head rests after declined drafts (head.Rest) it offers nothing, and prompt lookup
+    drafts alone."""
 
     def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
         self.ngram, self.head = ngram, head
-        self.cheap = ngram  # drafts alone while the engine rests the head (spec/base.py)
 
-    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor | None = None) -> None:
-        self.ngram.commit(tokens, accepted)
-        self.head.commit(tokens, accepted, hidden)
+    def commit(self, step: Committed) -> None:
+        self.ngram.commit(step)
+        self.head.commit(step)
 
     def propose(self, k: int) -> Draft:
         lookup = self.ngram.propose(k)
@@ -45,17 +41,17 @@ class HybridProposer:
         if lookup_gain >= NGRAM_ENOUGH:
             return lookup
         drafted = self.head.propose(k)
-        if lookup_gain >= expected_accepted(drafted):
-            return replace(lookup, costly=drafted.costly)  # the head's forwards were spent
-        return drafted
+        return lookup if lookup_gain >= expected_accepted(drafted) else drafted
 
 
-@register("hybrid")
+@register("hybrid", NgramOptions, loads="head", needs_file=True,
+          about="prompt lookup where the text repeats, the draft head elsewhere")
 def make_hybrid(ctx: ProposerContext) -> HybridProposer:
     return HybridProposer(make_ngram(ctx), make_head(ctx))
 
 
-@register("auto")
+@register("auto", NgramOptions, loads="head",
+          about="the hybrid where a draft head ships for the model (or one is named), else prompt lookup")
 def make_auto(ctx: ProposerContext) -> HybridProposer | NgramProposer:
     """The hybrid where a head ships for the target (or one is named), else prompt lookup alone."""
     if not ctx.config.head:

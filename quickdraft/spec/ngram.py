@@ -14,10 +14,21 @@ accepted) and reports that as the draft's `accept_probs`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from quickdraft.spec.base import Agreement, Draft, ProposerContext, register
+from quickdraft.spec.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, register
 
+
+@dataclass(frozen=True)
+class NgramOptions:
+    ngram_max: int = field(default=4, metadata={"help": "n-gram proposer: longest suffix matched"})
+    ngram_min: int = field(default=1, metadata={"help": "n-gram proposer: shortest suffix matched"})
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
+            raise ValueError(f"n-gram sizes need 1 <= ngram_min <= ngram_max <= 16, "
+                             f"found {self.ngram_min}, {self.ngram_max}")
 
 
 class NgramProposer:
@@ -47,16 +58,17 @@ class NgramProposer:
                 proposal = tokens[end + 1:end + 1 + k]
                 self.pending = (n, proposal)
                 return Draft(proposal, None, [self.agreement.setdefault(n, Agreement()).rate] * len(proposal))
-        return Draft([], None)
+        return NO_DRAFT
 
-    def commit(self, tokens: Sequence[int], accepted: int) -> None:
+    def commit(self, step: Committed) -> None:
         if self.pending is not None:
             n, proposal = self.pending
-            self.agreement.setdefault(n, Agreement()).record(proposal, tokens)
+            self.agreement.setdefault(n, Agreement()).record(proposal, step.tokens)
             self.pending = None
-        self._extend(tokens)
+        self._extend(step.tokens)
 
 
-@register("ngram")
+@register("ngram", NgramOptions, about="prompt lookup: what followed the last earlier occurrence of the text's end")
 def make_ngram(ctx: ProposerContext) -> NgramProposer:
-    return NgramProposer(ctx.prompt_ids, ctx.config.ngram_max, ctx.config.ngram_min)
+    options = ctx.options
+    return NgramProposer(ctx.prompt_ids, options.ngram_max, options.ngram_min)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Draft
+from quickdraft.spec.base import NO_DRAFT, Committed, Draft
 
 STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, noise far below the head's error
 
@@ -34,19 +34,18 @@ class Example:
 
 class FeatureRecorder:
     """A proposer that proposes nothing and records the tokens and features the engine commits."""
-    wants_hidden = True
 
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         self.tokens = list(prompt_ids)
         self.prompt_len = len(self.tokens)
         self.features: list[torch.Tensor] = []
 
-    def commit(self, tokens: Sequence[int], accepted: int, hidden: torch.Tensor) -> None:
-        self.tokens.extend(tokens)
-        self.features.append(hidden.to("cpu", STORE_DTYPE))
+    def commit(self, step: Committed) -> None:
+        self.tokens.extend(step.tokens)
+        self.features.append(step.features.to("cpu", STORE_DTYPE))
 
     def propose(self, k: int) -> Draft:
-        return Draft([], None)
+        return NO_DRAFT
 
     def example(self) -> Example:
         features = torch.cat(self.features)

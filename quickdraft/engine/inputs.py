@@ -1,0 +1,64 @@
+"""One target pass's inputs for every row of a step: each row feeds its newest committed token (the
+root) and its draft's nodes, padded to the widest row.
+
+A node's rotary position is its row's length plus its depth; its cache slot is the row's length
+plus its index (the root at the length itself), so siblings share a position but not a slot. A
+query sees its row's committed slots and the slots of its own ancestors. When every row's draft is
+a chain, positions and slots coincide and the causal mask the model builds says the same, so no
+slots or mask are built. Padding's outputs are ignored and its K/V land past the row's length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from quickdraft.spec.base import Draft
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    ids: torch.Tensor           # [B, 1+W] the root, the draft's nodes, padding (the root again)
+    positions: torch.Tensor     # [B, 1+W] rotary positions
+    slots: torch.Tensor | None  # [B, 1+W] cache slots; None = the positions (every row a chain)
+    mask: torch.Tensor | None   # [B, 1+W, kv_len] True = may attend; None = causal (every row a chain)
+
+    @property
+    def width(self) -> int:
+        return self.ids.shape[1]
+
+
+def _visible(lengths: Sequence[int], drafts: Sequence[Draft], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width, kv_len]: each fed token sees the row's committed slots and its ancestors' (itself included)."""
+    kv_len = max(lengths) + width
+    starts = torch.tensor(lengths, device=device)
+    mask = (torch.arange(kv_len, device=device) < starts[:, None, None]).expand(-1, width, -1).clone()
+    rows, queries, keys = [], [], []
+    for b, (length, draft) in enumerate(zip(lengths, drafts)):
+        lines: list[list[int]] = [[0]]  # per fed token, the fed tokens it sees (0 = the root)
+        for i, p in enumerate(draft.tree):
+            lines.append(lines[p + 1] + [i + 1])
+        lines += [[j] for j in range(len(lines), width)]  # padding sees itself
+        for j, line in enumerate(lines):
+            rows += [b] * len(line)
+            queries += [j] * len(line)
+            keys += [length + c for c in line]
+    mask[rows, queries, keys] = True
+    return mask
+
+
+def build_inputs(lengths: Sequence[int], roots: Sequence[int], drafts: Sequence[Draft],
+                 device: torch.device) -> StepInputs:
+    """lengths: per row, tokens with K/V in the cache; roots: per row, the newest committed token
+    (not yet run); drafts: per row, the part of its draft to verify."""
+    width = 1 + max(len(d.tokens) for d in drafts)
+    ids = torch.tensor([[root] + d.tokens + [root] * (width - 1 - len(d.tokens)) for root, d in zip(roots, drafts)],
+                       device=device)
+    starts = torch.tensor(lengths, device=device)[:, None]
+    slots = starts + torch.arange(width, device=device)  # [B, 1+W]
+    if all(d.is_chain for d in drafts):
+        return StepInputs(ids, slots, None, None)
+    depths = [[0] + d.depths() + list(range(len(d.tokens) + 1, width)) for d in drafts]
+    positions = starts + torch.tensor(depths, device=device)
+    return StepInputs(ids, positions, slots, _visible(lengths, drafts, width, device))

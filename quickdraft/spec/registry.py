@@ -1,0 +1,59 @@
+"""The registry of proposers: each registers its factory together with its own frozen options
+dataclass (defaults included), so command-line flags, the benchmark's method list and SpecConfig
+read each setting and its default from one home. Knows no proposer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+FileKind = Literal["draft_model", "head"]  # the SpecConfig field naming a file a proposer drafts with
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a proposer without settings of its own."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    factory: Callable[[Any], Any]   # ProposerContext -> Proposer
+    options: type = NoOptions       # a frozen dataclass: the proposer's settings, each with its default
+                                    # and a "help" in its field metadata
+    loads: FileKind | None = None   # the kind of file it drafts with, if any
+    needs_file: bool = False        # it cannot run without that file
+    about: str = ""                 # one line for --help
+
+
+PROPOSERS: dict[str, Registration] = {}
+
+
+def register(name: str, options: type = NoOptions, loads: FileKind | None = None, needs_file: bool = False,
+             about: str = "") -> Callable[[Callable], Callable]:
+    """Decorate a factory (ProposerContext -> Proposer) to make it selectable by `name`."""
+    def wrap(factory: Callable) -> Callable:
+        PROPOSERS[name] = Registration(name, factory, options, loads, needs_file, about)
+        return factory
+    return wrap
+
+
+def registration(name: str) -> Registration:
+    return PROPOSERS[name]
+
+
+def option_fields() -> dict[str, dataclasses.Field]:
+    """Every proposer option by name. Proposers sharing an option (the hybrid's n-gram sizes) share
+    its dataclass field, so one name has one default; a clash is a programming error."""
+    fields: dict[str, dataclasses.Field] = {}
+    for entry in PROPOSERS.values():
+        for f in dataclasses.fields(entry.options):
+            assert f.name not in fields or fields[f.name].default == f.default, \
+                f"proposer option {f.name!r} has two defaults: {fields[f.name].default!r}, {f.default!r}"
+            fields.setdefault(f.name, f)
+    return fields
+
+
+def option_names() -> list[str]:
+    return sorted(option_fields())

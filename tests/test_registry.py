@@ -1,0 +1,45 @@
+"""The proposer registry: each proposer's options dataclass is the one home of its settings, and
+the command line, the benchmark's method list and SpecConfig take their defaults from it."""
+from __future__ import annotations
+
+import pytest
+
+from quickdraft.bench.specbench import parse_methods
+from quickdraft.cli import build_parser
+from quickdraft.cli.common import spec_from_args
+from quickdraft.spec import DEFAULT_K, PROPOSERS, SpecConfig, SpecConfigError
+from quickdraft.spec.ngram import NgramOptions
+from quickdraft.spec.registry import option_fields
+
+COMMANDS = [["generate", "-p", "x"], ["serve"], ["bench", "specbench"], ["bench", "serve"]]
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_every_command_has_the_same_k_default(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.k == DEFAULT_K == SpecConfig().k
+
+
+def test_option_flags_come_from_the_registry_and_keep_their_defaults() -> None:
+    assert set(option_fields()) >= {"ngram_max", "ngram_min"}
+    args = build_parser().parse_args(["generate", "-p", "x"])
+    assert spec_from_args(args).proposer_options() == NgramOptions()  # unset flags: the dataclass's defaults
+    args = build_parser().parse_args(["generate", "-p", "x", "--ngram-min", "2", "--spec", "hybrid"])
+    assert spec_from_args(args).proposer_options() == NgramOptions(ngram_min=2)
+    methods = parse_methods("ngram,hybrid:/heads/h", 4, {"ngram_max": 3})
+    assert [m.spec.proposer_options().ngram_max for m in methods[1:]] == [3, 3]
+
+
+def test_options_are_validated_by_their_dataclass() -> None:
+    with pytest.raises(SpecConfigError, match="ngram_min <= ngram_max"):
+        SpecConfig("ngram", options={"ngram_min": 5, "ngram_max": 3})
+    with pytest.raises(SpecConfigError, match="unknown proposer option.*ngram_max"):
+        SpecConfig("ngram", options={"ngram_size": 3})
+    # an option of another proposer is kept for a method switch (the server's per-request method)
+    assert SpecConfig("draft", options={"ngram_min": 2}).options == {"ngram_min": 2}
+
+
+def test_every_proposer_says_what_it_is() -> None:
+    for name, entry in PROPOSERS.items():
+        assert entry.name == name and entry.about
+        assert entry.loads in (None, "draft_model", "head")
