@@ -607,8 +607,9 @@ def raw_get(server: Server, path: str, host: str) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
-def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server) -> None:
+def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server, llm) -> None:  # noqa: F811
     """DNS rebinding: a web page whose name now points at 127.0.0.1 sends its own name as Host."""
+    bystander = Bystander(server)
     port = server.url.rsplit(":", 1)[1]
     for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", "LOCALHOST", "127.0.0.1"):
         status, body = raw_get(server, "/health", host)
@@ -617,6 +618,7 @@ def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server)
         status, body = raw_get(server, "/v1/models", host)
         assert status == 400 and body["error"]["code"] == "invalid_host" and body["error"]["param"] == "Host", host
         assert "--allowed-host" in body["error"]["message"]
+    bystander.check(llm)
 
 
 @pytest.mark.parametrize(("bind", "extra", "answered"), [

@@ -147,7 +147,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         if spec.needs_head and head_error:
             return head_error
         try:
-            if spec.enabled and spec.method == "draft":
+            if spec.enabled and PROPOSERS[spec.method].loads == "draft_model":
                 llm.draft_name(spec.draft_model)  # loads nothing; an error names the missing flag
         except SpecConfigError as e:
             return str(e)
