@@ -14,6 +14,7 @@ from quickdraft.cli.bench import (add_bench_forward_cost, add_bench_plain, add_b
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
+from quickdraft.cli.soak import add_bench_soak
 from quickdraft.cli.train import add_train_head
 from quickdraft.errors import QuickdraftError
 
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_forward_cost(bsub)
     add_bench_serve(bsub)
     add_bench_quality(bsub)
+    add_bench_soak(bsub)
     return parser
 
 

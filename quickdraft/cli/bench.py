@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import threading
 import json
 import sys
 
@@ -290,18 +289,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     results: dict = {}
 
     def load() -> None:  # the clients run on a thread; the engine on this one, which loaded the model
-        try:
-            results.update(run_serve_bench(server.url, "bench", questions, levels, args.rounds,
-                                           args.max_new_tokens, {"method": spec.method, "k": spec.k},
-                                           progress=not args.no_progress))
-        finally:
-            server.worker.stop()
+        results.update(run_serve_bench(server.url, "bench", questions, levels, args.rounds, args.max_new_tokens,
+                                       {"method": spec.method, "k": spec.k}, progress=not args.no_progress))
 
-    clients = threading.Thread(target=load, name="bench-clients")
-    clients.start()
-    server.worker.run()
-    clients.join()
-    server.stop()
+    server.run_clients(load, "bench-clients")
     if not results:
         raise QuickdraftError("bench serve failed; see the error above")
     command = (f"quickdraft bench serve --model {args.model} --dtype {args.dtype} --spec {args.spec} -k {args.k} "

@@ -5,6 +5,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
@@ -47,6 +48,21 @@ class BackgroundServer:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
+
+    def run_clients(self, clients: Callable[[], None], name: str = "clients") -> None:
+        """Run `clients` on a thread of their own against this server (engine_thread=False) while the
+        engine runs on the calling thread, the one that loaded the model; then stop both."""
+        def run() -> None:
+            try:
+                clients()
+            finally:
+                self.worker.stop()
+
+        thread = threading.Thread(target=run, name=name)
+        thread.start()
+        self.worker.run()
+        thread.join()
+        self.stop()
 
     def request_stop(self) -> None:
         self._server.should_exit = True

@@ -1,0 +1,261 @@
+"""`quickdraft bench soak`: a running server under mixed traffic for a while, for what breaks slowly.
+
+`concurrency` clients send, for `duration_s`, a seeded mix of well-formed requests (completions and
+chats, streaming or not, greedy, seeded sampling, stop strings), malformed ones (each with the
+status it must get), requests whose client leaves mid-answer, and bodies past the size limit.
+Passes when no answer is a 5xx, every well-formed request gets a 200 and the text it gets alone
+(asked before the load starts), every malformed or oversized one its 4xx, no row is left running,
+and the server's memory grows less than 5% after a warm-up.
+
+Knows the server only over HTTP; `rss()` reads the memory of the process that serves.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+MAX_RSS_GROWTH = 0.05
+WEIGHTS = {"valid": 0.55, "malformed": 0.2, "cancelled": 0.15, "oversized": 0.1}
+
+
+def own_rss() -> int:
+    """This process's resident memory in bytes (Linux: /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def valid_requests(model: str) -> list[dict[str, Any]]:
+    """(route, body): well-formed requests whose answer does not depend on what runs beside them."""
+    chat = [{"role": "user", "content": "Count to five, then say why."}]
+    prompts = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+    out = []
+    for i, prompt in enumerate(prompts):
+        out.append({"route": "completions", "body": {"model": model, "prompt": prompt, "max_tokens": 24 + 8 * i,
+                                                     "temperature": 0, "stream": i % 2 == 1}})
+    out.append({"route": "chat/completions", "body": {"model": model, "messages": chat, "max_tokens": 32,
+                                                      "temperature": 0, "stream": True}})
+    out.append({"route": "chat/completions", "body": {"model": model, "messages": chat, "max_tokens": 32,
+                                                      "temperature": 0.8, "seed": 7}})
+    out.append({"route": "completions", "body": {"model": model, "prompt": prompts[1], "max_tokens": 40,
+                                                 "temperature": 0, "speculative": {"method": "none"}}})
+    return out
+
+
+def malformed_requests(model: str) -> list[tuple[str, str, bytes, int]]:
+    """(method, route, raw body, the status it must get)."""
+    def body(fields: dict[str, Any]) -> bytes:
+        return json.dumps({"model": model, "prompt": "hi", **fields}).encode()
+    return [
+        ("POST", "completions", b'{"model": "x", "prompt": ', 400),
+        ("POST", "completions", b"[1, 2]", 400),
+        ("POST", "completions", body({"max_tokens": "ten"}), 400),
+        ("POST", "completions", body({"temperature": 7}), 400),
+        ("POST", "completions", body({"n": 3}), 400),
+        ("POST", "completions", body({"min_p": 0.1}), 400),
+        ("POST", "completions", body({"stop": ["x" * 1025]}), 400),
+        ("POST", "completions", body({"prompt": [1, 10**9]}), 400),
+        ("POST", "completions", body({"max_tokens": 10**7}), 400),
+        ("POST", "completions", body({"speculative": {"method": "magic"}}), 400),
+        ("POST", "completions", json.dumps({"model": model, "prompt": "a\ud800"}).encode(), 400),
+        ("POST", "completions", body({"model": "gpt-9"}), 404),
+        ("POST", "chat/completions", json.dumps({"model": model, "messages": []}).encode(), 400),
+        ("POST", "chat/completions", json.dumps({"model": model, "tools": [{"type": "function"}],
+                                                 "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
+        ("POST", "completions", b'{"model": "x", "prompt": "\xff"}', 400),
+        ("DELETE", "completions", b"", 405),
+    ]
+
+
+@dataclass
+class SoakReport:
+    duration_s: float
+    concurrency: int
+    sent: Counter = field(default_factory=Counter)            # by kind
+    statuses: Counter = field(default_factory=Counter)        # by status, every answer seen
+    failures: list[str] = field(default_factory=list)         # what went wrong, the first 50
+    failure_count: int = 0
+    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds in, MiB)
+    rss_growth: float = 0.0  # end over the warm-up's end, minus 1
+    left_running: float = 0.0
+
+    @property
+    def server_errors(self) -> int:
+        return sum(n for status, n in self.statuses.items() if status >= 500)
+
+    @property
+    def passed(self) -> bool:
+        return (self.failure_count == 0 and self.server_errors == 0 and self.rss_growth < MAX_RSS_GROWTH
+                and self.left_running == 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"duration_s": self.duration_s, "concurrency": self.concurrency, "sent": dict(self.sent),
+                "statuses": {str(k): v for k, v in sorted(self.statuses.items())}, "server_errors": self.server_errors,
+                "failures": self.failure_count, "first_failures": self.failures[:10], "rss_mb": self.rss_mb,
+                "rss_growth": self.rss_growth, "left_running": self.left_running, "passed": self.passed}
+
+    def summary(self) -> str:
+        sent = ", ".join(f"{n} {kind}" for kind, n in sorted(self.sent.items()))
+        statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items()))
+        return (f"{sum(self.sent.values())} requests in {self.duration_s:.0f} s at concurrency {self.concurrency} "
+                f"({sent})\nstatuses: {statuses}\n5xx: {self.server_errors}, failures: {self.failure_count}, rows "
+                f"left running: {self.left_running:g}, RSS {self.rss_mb[0][1]:.0f} -> {self.rss_mb[-1][1]:.0f} MiB "
+                f"(growth after warm-up {100 * self.rss_growth:+.2f}%)\n" + ("PASS" if self.passed else "FAIL"))
+
+
+class Soak:
+    def __init__(self, url: str, model: str, rss: Callable[[], int], max_body_bytes: int, seed: int = 0,
+                 headers: dict[str, str] | None = None) -> None:
+        self.url, self.model, self.rss, self.limit = url, model, rss, max_body_bytes
+        self.headers = headers or {}
+        self.valid, self.malformed = valid_requests(model), malformed_requests(model)
+        self.oversized = json.dumps({"model": model, "prompt": "x" * max_body_bytes}).encode()
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.expected: list[str] = []
+
+    def run(self, duration_s: float, concurrency: int, warmup_s: float | None = None,
+            progress: Callable[[str], None] | None = None) -> SoakReport:
+        report = SoakReport(duration_s, concurrency)
+        with httpx.Client(timeout=120, headers=self.headers) as client:
+            self.expected = [self._text(client, r, report) for r in self.valid]  # each alone, before the load
+        warmup_s = duration_s / 10 if warmup_s is None else warmup_s
+        start = time.monotonic()
+        deadline = start + duration_s
+        threads = [threading.Thread(target=self._client, args=(i, deadline, report)) for i in range(concurrency)]
+        for t in threads:
+            t.start()
+        baseline = None
+        while any(t.is_alive() for t in threads):
+            now = time.monotonic() - start
+            report.rss_mb.append((round(now, 1), self.rss() / 2**20))
+            if baseline is None and now >= warmup_s:
+                baseline = report.rss_mb[-1][1]
+            if progress:
+                progress(f"{now:.0f}/{duration_s:.0f} s, {sum(report.sent.values())} requests, "
+                         f"{report.failure_count} failures, RSS {report.rss_mb[-1][1]:.0f} MiB")
+            time.sleep(min(5.0, max(0.5, duration_s / 60)))
+        for t in threads:
+            t.join()
+        report.rss_mb.append((round(time.monotonic() - start, 1), self.rss() / 2**20))
+        report.rss_growth = report.rss_mb[-1][1] / (baseline or report.rss_mb[0][1]) - 1
+        report.left_running = self._drained()
+        return report
+
+    # -- one client ---------------------------------------------------------------------------------------
+
+    def _client(self, index: int, deadline: float, report: SoakReport) -> None:
+        with self.lock:
+            rng = random.Random(self.rng.random())
+        with httpx.Client(timeout=120, headers=self.headers) as client:
+            while time.monotonic() < deadline:
+                kind = rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+                try:
+                    getattr(self, f"_{kind}")(client, rng, report)
+                except Exception as e:  # noqa: BLE001 - a transport error is a finding, not a crash
+                    self._fail(report, f"{kind}: {type(e).__name__}: {e}")
+                with self.lock:
+                    report.sent[kind] += 1
+
+    def _valid(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        i = rng.randrange(len(self.valid))
+        text = self._text(client, self.valid[i], report)
+        if text != self.expected[i]:
+            self._fail(report, f"valid request {i}: {text!r} differs from its answer alone {self.expected[i]!r}")
+
+    def _malformed(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        method, route, body, status = rng.choice(self.malformed)
+        r = client.request(method, f"{self.url}/v1/{route}", content=body or None,
+                           headers={"content-type": "application/json"})
+        self._saw(report, r.status_code)
+        error = r.json().get("error", {}) if r.headers.get("content-type") == "application/json" else {}
+        if r.status_code != status or not error.get("message"):
+            self._fail(report, f"{method} {route} {body[:80]!r}: {r.status_code} {r.text[:200]}, expected {status}")
+
+    def _cancelled(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """A stream read up to its first token, or a non-streaming request left after a moment."""
+        body = {"model": self.model, "prompt": "Tell me a long story.", "max_tokens": 400, "temperature": 0.7}
+        if rng.random() < 0.5:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json={**body, "stream": True},
+                              headers=self.headers, timeout=60) as r:
+                self._saw(report, r.status_code)
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+            return  # leaving the block closes the connection mid-stream
+        data = json.dumps(body).encode()
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        auth = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                         f"{auth}Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            time.sleep(rng.uniform(0.05, 0.5))
+
+    def _oversized(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        url, headers = f"{self.url}/v1/completions", {"content-type": "application/json"}
+        if rng.random() < 0.5:
+            r = client.post(url, content=self.oversized, headers=headers)
+        else:  # no Content-Length: cut off as it passes the limit
+            half = len(self.oversized) // 2
+            r = client.post(url, content=iter([self.oversized[:half], self.oversized[half:]]), headers=headers)
+        self._saw(report, r.status_code)
+        if r.status_code != 413:
+            self._fail(report, f"a body of {len(self.oversized)} bytes: {r.status_code} {r.text[:200]}, expected 413")
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _text(self, client: httpx.Client, request: dict[str, Any], report: SoakReport) -> str:
+        """The text of a well-formed request ("" and a failure if it did not get a 200)."""
+        url, body = f"{self.url}/v1/{request['route']}", request["body"]
+        chat = request["route"] == "chat/completions"
+        if not body.get("stream"):
+            r = client.post(url, json=body)
+            self._saw(report, r.status_code)
+            if r.status_code != 200:
+                self._fail(report, f"valid request: {r.status_code} {r.text[:200]}")
+                return ""
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] if chat else choice["text"]
+        parts = []
+        with client.stream("POST", url, json=body) as r:
+            self._saw(report, r.status_code)
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    self._fail(report, f"valid stream: {event['error']}")
+                for choice in event.get("choices", []):
+                    parts.append((choice["delta"].get("content") or "") if chat else choice["text"])
+        if r.status_code != 200:
+            self._fail(report, f"valid stream: {r.status_code}")
+        return "".join(parts)
+
+    def _saw(self, report: SoakReport, status: int) -> None:
+        with self.lock:
+            report.statuses[status] += 1
+
+    def _fail(self, report: SoakReport, what: str) -> None:
+        with self.lock:
+            report.failure_count += 1
+            if len(report.failures) < 50:
+                report.failures.append(what)
+
+    def _drained(self, timeout_s: float = 10.0) -> float:
+        """Requests still holding a row once every client is done (cancelled ones are freed at the
+        next step)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = httpx.get(f"{self.url}/metrics", headers=self.headers).text
+            running = sum(float(line.split()[1]) for line in metrics.splitlines()
+                          if line.startswith(("quickdraft_requests_running ", "quickdraft_requests_waiting ")))
+            if running == 0 or time.monotonic() > deadline:
+                return running
+            time.sleep(0.2)
