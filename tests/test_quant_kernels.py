@@ -114,7 +114,8 @@ def test_parts_of_several_types_are_one_matrix():
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_both_instruction_sets_agree_bitwise(qtype):
     """VNNI's vpdpwssd and AVX2's vpmaddwd + vpaddd sum the same integers, in register layouts
-    that differ with the row count (more accumulator chains for fewer rows): one result."""
+    that differ with the row count (more accumulator chains for fewer rows): one result. The
+    repacked layout (repack.c) is the same for both builds."""
     vnni = library("avx512vnni")
     if not library("avx2").qd_cpu_has_vnni():
         pytest.skip("this CPU lacks AVX512-VNNI: only the AVX2 build can run here")
@@ -127,7 +128,7 @@ def test_both_instruction_sets_agree_bitwise(qtype):
         for isa in ("avx2", "avx512vnni"):
             y = torch.empty(M, N)
             library(isa).qd_quant_matmul(x.data_ptr(), 1, (ctypes.c_int * 1)(int(part.qtype)),
-                                         (ctypes.c_int64 * 1)(part.rows), (ctypes.c_void_p * 1)(part.blocks.ctypes.data),
+                                         (ctypes.c_int64 * 1)(part.rows), (ctypes.c_void_p * 1)(part.packed.ctypes.data),
                                          None, None, y.data_ptr(), 0, None, 0.0, None, M, N, K, 1)
             results.append(y)
         assert torch.equal(*results), M

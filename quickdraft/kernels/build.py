@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("fused_matmul.c", "quant_matmul.c", "attention.c", "pool.c", "layer.c")
-HEADERS = ("kernels.h",)
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "repack.c", "attention.c", "pool.c", "layer.c")
+HEADERS = ("kernels.h", "repack.h")
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
@@ -63,6 +63,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 8 + [f32, p, i32]
     lib.qd_layer.restype = i32
     lib.qd_layer.argtypes = [p] * 7 + [i64] * 2 + [p] + [i64] * 3 + [i32]
+    lib.qd_repack.restype = i32
+    lib.qd_repack.argtypes = [i32, p, i64, i64, p, i32]
+    lib.qd_packed_row_bytes.restype = i64
+    lib.qd_packed_row_bytes.argtypes = [i32, i64]
     lib.qd_isa.restype = ctypes.c_char_p
     lib.qd_cpu_has_vnni.restype = i32
     return lib

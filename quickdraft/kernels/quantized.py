@@ -1,7 +1,8 @@
 """`QuantizedWeight`: a weight matrix kept in GGUF block formats, exactly as the file stores it.
 
 Rows stay as the file's blocks (a memory map, no copy), so a pass reads 4.5-8.5 bits per weight
-instead of 16 or 32. Fused matrices (q|k|v, gate|up) are lists of parts, because a GGUF file may
+instead of 16 or 32; when the C kernel runs, each part is also repacked once, at construction
+(the load), into the kernel's layout: the same numbers and bytes, rearranged (kernels/repack.h). Fused matrices (q|k|v, gate|up) are lists of parts, because a GGUF file may
 store their pieces in different types (Q4_K_M keeps attn_v in Q6_K). Dequantization, where
 anything needs float values (embedding rows, a draft head's vocabulary, the torch path), is
 gguf's own.
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize
+
+from quickdraft.kernels.build import active_library
 
 # The block types the kernel multiplies as stored (quant_matmul.c); others are dequantized at load.
 KERNEL_TYPES = frozenset({
@@ -29,10 +32,24 @@ KERNEL_TYPES = frozenset({
 class Part:
     qtype: GGMLQuantizationType
     blocks: np.ndarray  # [rows, row_bytes] uint8: the file's blocks for these rows
+    packed: np.ndarray | None = None  # [rows, packed row bytes] uint8: the kernel's layout, once repacked
 
     @property
     def rows(self) -> int:
         return self.blocks.shape[0]
+
+
+def _repacked(part: Part, in_features: int) -> Part:
+    """The part with its kernel layout, when the kernel runs and takes the type (else as it is)."""
+    lib = active_library()
+    if part.packed is not None or lib is None or part.qtype not in KERNEL_TYPES:
+        return part
+    packed = np.empty((part.rows, lib.qd_packed_row_bytes(int(part.qtype), in_features)), dtype=np.uint8)
+    blocks = np.ascontiguousarray(part.blocks)
+    status = lib.qd_repack(int(part.qtype), blocks.ctypes.data, part.rows, in_features, packed.ctypes.data,
+                           torch.get_num_threads())
+    assert status == 0, f"the kernel refused to repack {part.qtype.name} rows of {in_features}"
+    return replace(part, packed=packed)
 
 
 class QuantizedWeight:
@@ -44,7 +61,7 @@ class QuantizedWeight:
             if in_features % block or p.blocks.shape[1] != in_features // block * size or p.blocks.dtype != np.uint8:
                 raise ValueError(f"{p.qtype.name} blocks of shape {p.blocks.shape} do not hold rows of "
                                  f"{in_features} weights")
-        self.parts = parts
+        self.parts = [_repacked(p, in_features) for p in parts]
         self.in_features = in_features
 
     @classmethod
@@ -56,12 +73,13 @@ class QuantizedWeight:
 
     @functools.cached_property
     def c_parts(self) -> tuple[int, ctypes.Array, ctypes.Array, ctypes.Array]:
-        """(parts, types, rows, block pointers) as the C kernel takes them, built once: a decode
-        step calls the kernel ~100 times and building these per call cost ~10% of it on SmolLM2."""
+        """(parts, types, rows, repacked block pointers) as the C kernel takes them, built once: a
+        decode step calls the kernel ~100 times and building these per call cost ~10% of it on SmolLM2."""
+        assert all(p.packed is not None for p in self.parts), "the kernel runs weights it has repacked"
         n = len(self.parts)
         return (n, (ctypes.c_int * n)(*(int(p.qtype) for p in self.parts)),
                 (ctypes.c_int64 * n)(*(p.rows for p in self.parts)),
-                (ctypes.c_void_p * n)(*(p.blocks.ctypes.data for p in self.parts)))
+                (ctypes.c_void_p * n)(*(p.packed.ctypes.data for p in self.parts)))
 
     @property
     def shape(self) -> torch.Size:
