@@ -151,23 +151,35 @@ typedef struct { int16_t *x; float *dx, *xs; int64_t nxb; } QRows;
 static void quantize_row(const float *h, int64_t i, int64_t K, QRows *q) {
     const int64_t Kp = q->nxb * GROUP;
     for (int64_t xb = 0; xb < q->nxb; xb++) {
-        const int64_t k0 = xb * GROUP, n = K - k0 < GROUP ? K - k0 : GROUP;
+        /* vectorized: a value at a time took ~3 ns, a fifth of a 5-row pass in cache */
+        const int64_t k0 = xb * GROUP, n = K - k0 < GROUP ? K - k0 : GROUP;  /* n: whole units of 32 */
         const float *src = h + k0;
-        int16_t *dst = q->x + i * Kp + k0;
-        float amax = 0.0f;
-        for (int64_t k = 0; k < n; k++) amax = amax > fabsf(src[k]) ? amax : fabsf(src[k]);
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(src + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         const float iscale = amax > 0.0f ? (float)X_MAX / amax : 0.0f, dx = amax / (float)X_MAX;
         q->dx[i * q->nxb + xb] = dx;
+        int32_t v[GROUP] __attribute__((aligned(32))) = {0};
+        for (int64_t k = 0; k < n; k += 8)  /* round to nearest even; |v| <= X_MAX by construction */
+            _mm256_store_si256((__m256i *)(v + k), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k),
+                                                                                    _mm256_set1_ps(iscale))));
+        int16_t *dst = q->x + i * Kp + k0;
         float *xs = q->xs + (i * q->nxb + xb) * UNITS;
-        int sums[UNITS] = {0};
-        if (n < GROUP) memset(dst, 0, sizeof(int16_t) * GROUP);
-        for (int64_t k = 0; k < n; k++) {
-            const int v = _mm_cvtss_si32(_mm_set_ss(src[k] * iscale));  /* |v| <= X_MAX by construction */
-            const int64_t l = k / 32, b = k % 32;
-            dst[(2 * (b / 4) + b % 2) * 16 + 2 * l + b % 4 / 2] = (int16_t)v;
-            sums[l] += v;
+        for (int l = 0; l < UNITS; l++) {
+            const int32_t *u = v + 32 * l;
+            __m256i sum = _mm256_add_epi32(_mm256_add_epi32(_mm256_load_si256((const __m256i *)u),
+                                                            _mm256_load_si256((const __m256i *)(u + 8))),
+                                           _mm256_add_epi32(_mm256_load_si256((const __m256i *)(u + 16)),
+                                                            _mm256_load_si256((const __m256i *)(u + 24))));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            xs[l] = (float)_mm_cvtsi128_si32(s4) * dx;  /* an exact sum: below 2^24 */
+            for (int b = 0; b < 32; b++) dst[(2 * (b / 4) + b % 2) * 16 + 2 * l + b % 4 / 2] = (int16_t)u[b];
         }
-        for (int l = 0; l < UNITS; l++) xs[l] = (float)sums[l] * dx;  /* exact sums: below 2^24 */
     }
 }
 
