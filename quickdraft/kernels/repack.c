@@ -27,8 +27,12 @@ int64_t qd_packed_row_bytes(int type, int64_t K) {
     return GROUP_BYTES(type) * ((K + GROUP - 1) / GROUP);
 }
 
-/* Where byte b of byte vector U[i] comes from in the group: weight 32l + 4i + t for b = 4l + t. */
-static int at(int i, int b) { return 32 * (b / 4) + 4 * i + b % 4; }
+/* The group's byte vectors from its weights in natural order: byte 4l + t of U[i] is weight
+ * 32l + 4i + t, so as 4-byte words U is the transpose of the 8 x 8 words of the group. */
+static void byte_vectors(const uint8_t w[GROUP], uint8_t u[UNITS][32]) {
+    for (int l = 0; l < UNITS; l++)
+        for (int i = 0; i < UNITS; i++) memcpy(&u[i][4 * l], w + 32 * l + 4 * i, 4);
+}
 
 /* The group's weights in natural order: q their low bits (Q8_0: the signed byte), hi the bits above
  * (Q5: the fifth as 0/1; Q6_K: the top two); weights of missing blocks stay 0. */
@@ -78,8 +82,10 @@ static void natural(int type, const uint8_t *b, int nb, uint8_t q[GROUP], uint8_
 
 /* One group from nb file blocks (K-quants: one superblock) into out (GROUP_BYTES). */
 static void repack_group(int type, const uint8_t *b, int nb, uint8_t *out) {
-    uint8_t q[GROUP], hi[GROUP];
+    uint8_t q[GROUP], hi[GROUP], u[UNITS][32], h[UNITS][32];
     natural(type, b, nb, q, hi);
+    byte_vectors(q, u);
+    byte_vectors(hi, h);
     if (K_QUANT(type)) {
         if (type == Q6_K) {
             memcpy(out, b + 208, 2);
@@ -91,7 +97,7 @@ static void repack_group(int type, const uint8_t *b, int nb, uint8_t *out) {
             for (int w = 0; w < 2; w++)
                 for (int c = 0; c < 32; c++) {
                     uint8_t v = 0;
-                    for (int k = 0; k < 4; k++) v |= (uint8_t)(hi[at(4 * w + k, c)] << (2 * k));
+                    for (int k = 0; k < 4; k++) v |= (uint8_t)(h[4 * w + k][c] << (2 * k));
                     out[32 * w + c] = v;
                 }
             out += 64;
@@ -112,18 +118,17 @@ static void repack_group(int type, const uint8_t *b, int nb, uint8_t *out) {
     if (type == Q5_0 || type == Q5_1 || type == Q5_K) {
         for (int i = 0; i < 8; i++) {
             uint32_t mask = 0;
-            for (int c = 0; c < 32; c++) mask |= (uint32_t)hi[at(i, c)] << c;
+            for (int c = 0; c < 32; c++) mask |= (uint32_t)h[i][c] << c;
             memcpy(out + 4 * i, &mask, 4);
         }
         out += 32;
     }
     if (type == Q8_0) {
-        for (int i = 0; i < 8; i++)
-            for (int c = 0; c < 32; c++) out[32 * i + c] = q[at(i, c)];
+        memcpy(out, u, sizeof u);
         return;
     }
     for (int v = 0; v < 4; v++)
-        for (int c = 0; c < 32; c++) out[32 * v + c] = (uint8_t)(q[at(2 * v, c)] | q[at(2 * v + 1, c)] << 4);
+        for (int c = 0; c < 32; c++) out[32 * v + c] = (uint8_t)(u[2 * v][c] | u[2 * v + 1][c] << 4);
 }
 
 typedef struct { int type; const uint8_t *src; int64_t K; uint8_t *dst; } RepackJob;
