@@ -35,6 +35,13 @@
 #endif
 #define PREFETCH_AHEAD 2048
 #define CHAINS_MAX 4 /* int32 accumulators per row when it is alone */
+/* Independent int32 sums per row: a row's 16 multiply-adds per group in one chain waited on their
+ * latency (~5 cycles each) whenever fewer than ~10 chains ran in all. How many registers allow. */
+#ifdef QD_VNNI
+#define CHAINS(mb) ((mb) <= 3 ? CHAINS_MAX : (mb) <= 6 ? 2 : 1)
+#else
+#define CHAINS(mb) ((mb) == 1 ? CHAINS_MAX : (mb) == 2 ? 2 : 1)
+#endif
 #define INLINE static inline __attribute__((always_inline))
 
 #define SIGNED(type) ((type) == Q8_0 || (type) == Q6_K)
@@ -209,7 +216,7 @@ static void row_prep_task(void *ctx, int64_t i) {
 INLINE void group_dot(const uint8_t *row, const QRows *q, int64_t xb, const int type, const int mb,
                       __m256 tot[2 * MB_MAX]) {
     const int sets = type == Q6_K ? 2 : 1;  /* Q6_K: sums of the first and the last 16 weights of units */
-    const int chains = mb == 1 ? CHAINS_MAX : mb == 2 ? CHAINS_MAX / 2 : 1;
+    const int chains = CHAINS(mb);
     const int per_set = chains / sets > 0 ? chains / sets : 1;
     Prep p;
     prepare(row + xb * GROUP_BYTES(type), type, &p);
@@ -224,10 +231,12 @@ INLINE void group_dot(const uint8_t *row, const QRows *q, int64_t xb, const int 
     for (int i = 0; i < UNITS; i++) {
         __m256i w[2];
         widen(byte_vector(&p, i, type), SIGNED(type), w);
-        const int c = (sets == 2 && i >= UNITS / 2 ? per_set : 0) + i % per_set;
+        const int set = sets == 2 && i >= UNITS / 2 ? per_set : 0;  /* the even and odd bytes: two chains */
+        const int ce = set + 2 * i % per_set, co = set + (2 * i + 1) % per_set;
         for (int j = 0; j < mb; j++) {
             const int16_t *x = q->x + j * Kp + xb * GROUP + 32 * i;
-            acc[j][c] = dot2(dot2(acc[j][c], w[0], x), w[1], x + 16);
+            acc[j][ce] = dot2(acc[j][ce], w[0], x);
+            acc[j][co] = dot2(acc[j][co], w[1], x + 16);
         }
     }
     for (int j = 0; j < mb; j++) {
