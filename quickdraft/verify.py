@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.sampling import SamplingParams, probabilities, sample
 from quickdraft.spec.base import Draft
 
 
@@ -67,20 +67,21 @@ def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams,
     for group in sibling_ranks(parents):
         nodes = torch.tensor(group, device=device)
         at = torch.tensor([parents[i] + 1 for i in group], device=device)
-        r, xs = residual[at], x[nodes][:, None]  # [m, V] unnormalized p at each parent, [m, 1]
-        mass = r.sum(-1, keepdim=True)           # p = r / mass: compare and subtract at r's scale
-        if draft.q is None:                      # q = one-hot(x)
-            q_x = torch.ones_like(mass)
-            left = r.scatter(1, xs, (r.gather(1, xs) - mass).clamp_(min=0))
-        else:
-            q = draft.q[nodes].float()
-            q_x = q.gather(1, xs)
-            left = (r - q * mass).clamp_(min=0)
-        ok[nodes] = (u[nodes, None] * q_x * mass < r.gather(1, xs))[:, 0]  # u < p/q without dividing by q = 0
+        xs = x[nodes]
+        mass = residual.sum(-1)[at]  # [m] p = residual / mass at each parent: compare and subtract at
+        r_x = residual[at, xs]       # [m] the residual's own scale
         # An all-zero residual means p == q up to rounding, where rejection cannot happen in exact
         # arithmetic; p is then the right distribution to draw from.
-        residual[at] = torch.where(left.sum(-1, keepdim=True) > 0, left, r)
-    return ok, torch.multinomial(residual, 1, generator=generator)[:, 0]
+        if draft.q is None:  # q = one-hot(x): max(0, p - q) is p without x
+            ok[nodes] = u[nodes] * mass < r_x
+            residual[at, xs] = torch.where(mass > r_x, 0.0, r_x)
+        else:
+            q = draft.q[nodes].float()  # [m, V]
+            ok[nodes] = u[nodes] * q[torch.arange(len(group), device=device), xs] * mass < r_x  # u < p/q without
+            r = residual[at]                                                                    # dividing by q = 0
+            left = (r - q * mass[:, None]).clamp_(min=0)
+            residual[at] = torch.where(left.sum(-1, keepdim=True) > 0, left, r)
+    return ok, sample(residual, generator)
 
 
 def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -107,6 +108,9 @@ def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequenc
         while (nxt := next((c for c in children.get(node, ()) if ok[c]), None)) is not None:
             kept.append(nxt)
             node = nxt
+        if final[node + 1] < 0:
+            raise ValueError(f"the target's distribution for row {len(kept_rows)} is not one (NaN or all "
+                             f"zero): expected finite probabilities summing to 1")
         kept_rows.append(kept)
         token_rows.append([draft.tokens[i] for i in kept] + [final[node + 1]])
     return Verdict(kept_rows, token_rows)

@@ -288,3 +288,10 @@ def test_top_p_candidates_give_the_full_sort_result(scale: float) -> None:
     expected = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
     expected = expected / expected.sum(-1, keepdim=True)
     assert torch.allclose(sampling._top_p(probs, 0.9), expected, atol=1e-7, rtol=0)
+
+
+def test_sample_never_draws_a_zero_weight_and_flags_a_non_distribution() -> None:
+    weights = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 0.0, 1e-30], [float("nan")] * 4, [0.0] * 4])
+    draws = torch.stack([sample(weights, torch.Generator().manual_seed(s)) for s in range(300)])  # [300, 4]
+    assert set(draws[:, 0].tolist()) == {1, 3} and (draws[:, 1] == 3).all()
+    assert (draws[:, 2:] == -1).all()  # NaN or all zero: no token
