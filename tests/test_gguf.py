@@ -15,6 +15,7 @@ from quickdraft.kernels import KERNEL_TYPES, QuantizedWeight
 from quickdraft.model.llama import build_transformer
 from quickdraft.weights import hf_dir
 from quickdraft.weights.gguf_file import read_gguf
+from quickdraft.weights.gguf_reader import GGUFFile
 from gguf_writer import gguf_name, llama_cpp_permute, write_gguf
 from tiny_models import BASE, hf_model, save_hf_dir
 
@@ -143,3 +144,30 @@ def test_k_quant_tensors_dequantize_to_ggufs_values(qtype, tmp_path):
     assert values.shape == (rows, cols) and values.dtype == np.float32
     assert np.isfinite(values).all() and np.abs(values).max() > 0
     assert np.array_equal(values, dequantize(raw.reshape(rows, -1), qtype))
+
+
+def test_header_reader_agrees_with_ggufs_and_refuses_a_cut_vocabulary(tmp_path):
+    """Our header reader (string arrays in one loop) reads what gguf's GGUFReader reads, and a file
+    cut inside its vocabulary is an error naming where, not a list of garbage tokens."""
+    path = tmp_path / "vocab.gguf"
+    tokens = ["a", "bc", "Ġd", "ü€", "", "<|endoftext|>"] * 50
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(["a b", "Ġ d"])
+    writer.add_uint32("test.count", 7)
+    writer.add_tensor("t", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = GGUFFile(path)
+    theirs = gguf.GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        field = theirs.fields[key]
+        assert ours.fields[key] == [bytes(field.parts[i]).decode() for i in field.data]
+    assert ours.fields["tokenizer.ggml.tokens"] == tokens and ours.fields["test.count"] == 7
+    data = path.read_bytes()
+    cut = data.index(b"<|endoftext|>") + 5  # inside the first long token's bytes
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    with pytest.raises(ValueError, match="the file ends inside its header .* in an array of strings"):
+        GGUFFile(tmp_path / "cut.gguf")
