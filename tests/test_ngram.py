@@ -13,7 +13,7 @@ import torch
 
 from quickdraft.spec import ngram as ngram_module
 from quickdraft.spec.base import Committed
-from quickdraft.spec.ngram import NgramProposer
+from quickdraft.spec.ngram import NgramProposer, merge
 
 
 def committed(tokens: list[int], drafted: int) -> Committed:
@@ -140,3 +140,40 @@ def test_a_miss_and_a_hit_cost_no_torch() -> None:
     assert torch_calls(lambda: prop.propose(4)) == []               # a hit ([5 6 7] seen before)
     assert prop.propose(4).tokens == [8, 9, 10, 11]
     assert "torch" not in vars(ngram_module)  # the module does not import torch itself
+
+
+# -- ngram-tree: several earlier continuations merged into a trie ----------------------------------------
+
+def test_merge_of_one_continuation_is_the_chain() -> None:
+    draft = merge([(0.5, [4, 5, 6])], 8)
+    assert (draft.tokens, draft.tree, draft.accept_probs, draft.is_chain) == ([4, 5, 6], [-1, 0, 1], [0.5] * 3, True)
+    assert merge([(0.5, [4, 5, 6])], 2).tokens == [4, 5]
+    assert merge([], 4).tokens == [] and merge([(0.5, [])], 4).tokens == []
+
+
+def test_merge_shares_prefixes_and_grows_where_reaching_is_likeliest() -> None:
+    # Two continuations share [1, 2] then part; a third starts elsewhere.
+    draft = merge([(0.9, [1, 2, 3, 4]), (0.5, [1, 2, 7]), (0.5, [8, 9])], 6)
+    nodes = list(zip(draft.tokens, draft.tree))
+    assert sorted(nodes) == sorted([(1, -1), (2, 0), (3, 1), (4, 2), (8, -1), (7, 1)])
+    assert all(p < i for i, p in enumerate(draft.tree))   # parents first: every prefix is a tree
+    children_of_2 = [t for t, p in nodes if p == 1]
+    assert children_of_2 == [3, 7]                       # the better continuation's child first
+    estimates = dict(zip(draft.tokens, draft.accept_probs))
+    assert estimates[3] == pytest.approx(0.9) and estimates[7] == pytest.approx(0.5 * 0.1)  # after 3 missed
+    assert estimates[8] == pytest.approx(0.5 * 0.1)  # the root's second child: after 1 missed
+    assert len(merge([(0.9, [1, 2, 3, 4]), (0.5, [1, 2, 7]), (0.5, [8, 9])], 3).tokens) == 3
+
+
+def test_continuations_are_the_longest_matches_first_and_the_latest_first() -> None:
+    #         0  1  2  3  4  5  6  7  8  9 10 11
+    tokens = [1, 2, 3, 9, 2, 3, 8, 5, 3, 7, 2, 3]
+    prop = NgramProposer(tokens, max_n=2, min_n=1, branches=4)
+    found = prop.continuations(2)
+    # [2 3] ended at 5 and 2 (latest first); then [3] alone ended at 8
+    assert found == [((2, 0), [8, 5]), ((2, 1), [9, 2]), ((1, 2), [7, 2])]
+    assert NgramProposer(tokens, 2, 1, branches=1).propose(2).tokens == [8, 5]
+    tree = prop.propose(2)  # every rate 1/3 before any evidence: the root's first two children
+    assert (tree.tokens, tree.tree) == ([8, 9], [-1, -1])
+    assert tree.accept_probs == pytest.approx([1 / 3, 1 / 3 * 2 / 3])
+

@@ -175,6 +175,8 @@ SCENARIOS = {
     # (random K-quant blocks at 0.02 repeat one token: they keep 0.2).
     "ngram": (lambda m: tiny(m, init=0.02 if m.startswith("llama") and "_K" not in m else 0.2),
               lambda m, pr, pa, k: Checked(NgramProposer(pr, 4, 1), pr), PROMPT_REPEAT),
+    "ngram-tree": (lambda m: tiny(m, init=0.02 if m.startswith("llama") and "_K" not in m else 0.2),
+                   lambda m, pr, pa, k: Checked(NgramProposer(pr, 4, 1, branches=4), pr), PROMPT_REPEAT),
 }
 
 

@@ -20,6 +20,7 @@ from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import RowDraft
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.spec.base import Committed, Draft
+from quickdraft.spec.ngram import NgramProposer
 from quickdraft.verify import sibling_ranks, verify
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, V16, assert_plain_sampling_law, plain_law, tiny16
@@ -299,3 +300,49 @@ def test_sampled_trees_through_the_engine_follow_plain_sampling() -> None:
     # negative control: the same draws against plain sampling at another temperature must fail
     other = plain_law(tiny16(), PROMPT16, SamplingParams(temperature=0.75), N_TOKENS)
     assert chi_square_p_value(counts, other) < ALPHA
+
+
+# -- ngram-tree ------------------------------------------------------------------------------------------
+
+class Shapes:
+    """Wraps a proposer and counts the trees (drafts that are not chains) it offers."""
+
+    def __init__(self, inner: NgramProposer) -> None:
+        self.inner, self.trees = inner, 0
+
+    def propose(self, k: int) -> Draft:
+        draft = self.inner.propose(k)
+        self.trees += not draft.is_chain
+        return draft
+
+    def commit(self, step: Committed) -> None:
+        self.inner.commit(step)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_greedy_ngram_trees_equal_plain_decoding(policy: str, max_batch: int) -> None:
+    model = target()
+    wrappers: list[Shapes] = []
+
+    def make(prompt: Sequence[int], params: SamplingParams) -> Shapes:
+        wrappers.append(Shapes(NgramProposer(prompt, 4, 1, branches=4)))
+        return wrappers[-1]
+
+    jobs = [replace(job, make=make if job.k else None) for job in tree_jobs(model, "chain")]
+    plain = [replace(job, make=None, k=0).alone(model) for job in jobs]
+    out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=max_batch, policy=policy))
+    assert violations == []
+    assert [out[str(i)] for i in range(len(jobs))] == plain
+    assert sum(w.trees for w in wrappers) > 0  # the premise: trees were offered
+    if policy == "fixed":
+        assert sum(last[str(i)].stats.accepted_tokens for i in range(len(jobs))) > 0
+
+
+def test_sampled_ngram_trees_through_the_engine_follow_plain_sampling() -> None:
+    params = [SamplingParams(temperature=1.0, seed=seed, max_new_tokens=N_TOKENS + 1, ignore_eos=True)
+              for seed in range(50_000, 50_000 + N_SAMPLES)]
+    counts, drafted, accepted = first_tokens_in_batches(tiny16(), [
+        Request(PROMPT16, p, frozenset(), NgramProposer(PROMPT16, 4, 1, branches=4), 4, adaptive=False,
+                id=str(p.seed)) for p in params])
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
