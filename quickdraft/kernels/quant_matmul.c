@@ -310,8 +310,21 @@ INLINE void task_dot(const PartJob *job, int64_t n0, int64_t n1, const int type,
     }
 }
 
+/* The parts of one matrix as one parallel job (q|k|v is three parts, gate|up two): one wake-up of
+ * the workers per matmul, and a part of 4 tasks no longer waits alone for its slowest one. */
+#define PARTS_MAX 8
+typedef struct {
+    PartJob part[PARTS_MAX];
+    int64_t first[PARTS_MAX + 1];  /* the job's task index of each part's first task */
+    int nparts;
+} MatJob;
+
 static void part_task(void *ctx, int64_t task) {
-    const PartJob *j = ctx;
+    const MatJob *m = ctx;
+    int p = 0;
+    while (task >= m->first[p + 1]) p++;
+    const PartJob *j = &m->part[p];
+    task -= m->first[p];
     const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < j->rows ? n0 + ROWS_PER_TASK : j->rows;
     switch (j->type) {
         case Q4_0: task_dot(j, n0, n1, Q4_0, j->y); break;
@@ -352,11 +365,16 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
         const int64_t mc = M - m0 < M_CHUNK ? M - m0 : M_CHUNK;
         QRows qc = {q.x + m0 * Kp, q.dx + m0 * q.nxb, q.xs + m0 * q.nxb * UNITS, q.nxb};
         int64_t n0 = 0;
-        for (int p = 0; p < nparts; p++) {
-            const int64_t row_bytes = qd_packed_row_bytes(types[p], K);
-            PartJob job = {&qc, data[p], types[p], row_bytes, mc, n0, rows[p], N, K, b, r ? r + m0 * N : 0, y + m0 * N};
-            qd_parallel(part_task, &job, (rows[p] + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
-            n0 += rows[p];
+        for (int p0 = 0; p0 < nparts; p0 += PARTS_MAX) {
+            MatJob job = {.nparts = nparts - p0 < PARTS_MAX ? nparts - p0 : PARTS_MAX};
+            for (int p = 0; p < job.nparts; p++) {
+                const int64_t at = p0 + p;
+                job.part[p] = (PartJob){&qc, data[at], types[at], qd_packed_row_bytes(types[at], K), mc, n0, rows[at], N,
+                                        K, b, r ? r + m0 * N : 0, y + m0 * N};
+                job.first[p + 1] = job.first[p] + (rows[at] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+                n0 += rows[at];
+            }
+            qd_parallel(part_task, &job, job.first[job.nparts], threads);
         }
     }
     free(q.x); free(q.dx); free(q.xs); free(own);
