@@ -148,6 +148,11 @@ def test_the_kernel_can_be_chosen_explicitly():
     assert wrong.returncode != 0 and "QUICKDRAFT_KERNEL='sse9': expected one of avx2, avx512vnni" in wrong.stderr
 
 
+# head widths: 64 and 128 keep the output in registers, others take the general loop; contexts: a
+# partial block of 8 keys only, and whole blocks plus a partial one (the softmax goes 8 keys at a time)
+ATTENTION_SHAPES = [(24, 7), (64, 7), (64, 40), (128, 40)]
+
+
 def attention_case(B=2, Hq=4, Hkv=2, T=5, ctx=7, D=24, seed=7):
     """A pass of T new tokens after ctx cached ones, per batch row: qkv, rotary tables, positions,
     cache buffers (longer than needed, as the model's) holding random K/V for the context."""
@@ -156,7 +161,7 @@ def attention_case(B=2, Hq=4, Hkv=2, T=5, ctx=7, D=24, seed=7):
     positions = torch.arange(ctx, ctx + T).expand(B, T).contiguous()
     angles = positions[..., None].float() * torch.rand(D // 2, generator=g)
     emb = torch.cat((angles, angles), -1)[:, None]  # [B, 1, T, D]
-    k_cache, v_cache = torch.randn(B, Hkv, 32, D, generator=g), torch.randn(B, Hkv, 32, D, generator=g)
+    k_cache, v_cache = torch.randn(B, Hkv, 64, D, generator=g), torch.randn(B, Hkv, 64, D, generator=g)
     return qkv, emb.cos(), emb.sin(), positions, k_cache, v_cache
 
 
@@ -178,8 +183,9 @@ def torch_reference(qkv, cos, sin, positions, k_cache, v_cache, Hq=4, Hkv=2):
     return out.transpose(1, 2).reshape(B, T, Hq * D), k_cache, v_cache
 
 
-def test_rope_attention_equals_torch():
-    qkv, cos, sin, positions, k_cache, v_cache = attention_case()
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+def test_rope_attention_equals_torch(D, ctx):
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(D=D, ctx=ctx)
     ref, ref_k, ref_v = torch_reference(qkv, cos, sin, positions, k_cache, v_cache)
     kv_len = int(positions.max()) + 1
     mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
@@ -188,8 +194,9 @@ def test_rope_attention_equals_torch():
     assert torch.allclose(k_cache, ref_k, atol=1e-6) and torch.equal(v_cache, ref_v)
 
 
-def test_attention_of_a_query_does_not_depend_on_the_others():
-    qkv, cos, sin, positions, k_cache, v_cache = attention_case()
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+def test_attention_of_a_query_does_not_depend_on_the_others(D, ctx):
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(D=D, ctx=ctx)
     kv_len = int(positions.max()) + 1
     mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
     full = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2)
