@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 
 from quickdraft.engine import GenerationStats, generate_tokens
-from quickdraft.engine.events import FinishReason, TokenEvent
+from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
@@ -32,6 +32,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
+    origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
+    pieces: list[str] | None = None  # [len(token_ids)] the text each released (TextAssembler(pieces=True))
 
 
 @dataclass
@@ -69,12 +71,17 @@ class TextAssembler:
     (the chunk that finds it says finish_reason "stop"; the consumer then stops the request).
 
     The ids end with the token that completes the stop string, and the stats count them: a step
-    commits several tokens, and those after the stop string's are neither text nor usage."""
+    commits several tokens, and those after the stop string's are neither text nor usage.
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    pieces: also say which text each token released (they join to the chunk's text; the text the
+    detokenizer still held at the end goes to the chunk's last token, or to none if it has none)."""
+
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, pieces: bool = False) -> None:
         self.detok = StreamDetokenizer(tokenizer)
         self.stops = StopStringFilter(params.stop)
-        self.by_token = bool(params.stop)  # with stop strings, token by token: where one ends is a token
+        # with stop strings, token by token: where one ends is a token; so too for each token's text
+        self.by_token = bool(params.stop) or pieces
+        self.pieces = pieces
 
     def feed(self, event: TokenEvent) -> Chunk:
         ids = list(event.token_ids)
@@ -91,7 +98,13 @@ class TextAssembler:
         stats = event.stats
         if kept < len(ids):
             stats = replace(stats, new_tokens=stats.new_tokens - (len(ids) - kept))
-        return Chunk("".join(parts), ids[:kept], "stop" if stopped else event.finish_reason, stats)
+        pieces = None
+        if self.pieces:
+            pieces = parts[:kept]
+            if kept and len(parts) > kept:
+                pieces[-1] += parts[kept]
+        return Chunk("".join(parts), ids[:kept], "stop" if stopped else event.finish_reason, stats,
+                     event.origins[:kept], pieces)
 
 
 class LLM:

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
+from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
@@ -206,14 +206,15 @@ class Engine:
             return self._decode(lo, mid) + self._decode(mid, hi)
         step_s = time.perf_counter() - t0
         self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
-        steps = []
+        steps, origins = [], []
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
             row.stats.record_draft(draft.depths(), len(kept))
             steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]]))
-        return self._emit(rows, steps, step_s)
+            origins.append(token_origins(draft.tree, kept))
+        return self._emit(rows, steps, step_s, origins)
 
     def _choose_drafts(self, rows: list[_Row]) -> list[Draft]:
         """The part of each row's offered draft to verify (engine/policy.py)."""
@@ -245,7 +246,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fail(row, e)
         row.length = n
-        return self._emit([row], [Committed(verdict.tokens[0], 0, 0, out.hidden[0])], time.perf_counter() - t0)
+        return self._emit([row], [Committed(verdict.tokens[0], 0, 0, out.hidden[0])], time.perf_counter() - t0,
+                          [[TokenOrigin("target", 0)]])
 
     def _fail(self, row: _Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""
@@ -253,11 +255,13 @@ class Engine:
         self.finished.append(row)
         return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
-    def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float) -> Events:
+    def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float,
+              origins: Sequence[list[TokenOrigin]]) -> Events:
         """Cut each row's new tokens at a stop token or its budget, tell its proposer and ask it for
-        the next draft (a failing proposer ends its own request, never the batch), emit events."""
+        the next draft (a failing proposer ends its own request, never the batch), emit events
+        (origins: per row, where each of its step's tokens came from)."""
         events, finished = [], []
-        for row, step in zip(rows, steps):
+        for row, step, origin in zip(rows, steps, origins):
             stats = row.stats
             stats.target_passes += 1
             stats.verify_s += step_s
@@ -272,7 +276,8 @@ class Engine:
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
-            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), error)))
+            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), error,
+                                                      origin[:len(emitted)])))
             if finish:
                 finished.append(row)
         self.finished += finished  # freed at the next step: until then the cache shows their tokens

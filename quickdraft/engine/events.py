@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer or pass failed
+# Where a committed token came from: a draft token the target accepted (branch: a draft tree's
+# node that is not its parent's first child), the target's token after a rejection (recovered),
+# after a draft accepted to its end (bonus), or in a pass that verified no draft (target).
+OriginKind = Literal["accepted", "branch", "recovered", "bonus", "target"]
 
 
 @dataclass
@@ -69,9 +73,29 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenOrigin:
+    kind: OriginKind
+    depth: int  # the token's position in the draft: 1 = a child of the root; for a recovered or
+                # bonus token one past the accepted path; 0 when no draft was verified
+
+
+def token_origins(parents: Sequence[int], kept: Sequence[int]) -> list[TokenOrigin]:
+    """Per token one pass commits: the kept nodes (root to leaf) of the verified draft tree with
+    these parents, then the target's token (recovered if the last kept node, or the root, has
+    children the target rejected; bonus if it is a leaf)."""
+    origins = [TokenOrigin("accepted" if parents.index(parents[node]) == node else "branch", depth)
+               for depth, node in enumerate(kept, 1)]
+    if not parents:
+        return [*origins, TokenOrigin("target", 0)]
+    end = kept[-1] if kept else -1
+    return [*origins, TokenOrigin("recovered" if end in parents else "bonus", len(kept) + 1)]
+
+
 @dataclass
 class TokenEvent:
     token_ids: list[int]                     # newly committed tokens (may be empty at the end)
     finish_reason: FinishReason | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: Exception | None = None           # why, when finish_reason is "error"
+    origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
