@@ -28,9 +28,10 @@ from quickdraft.server import openapi, responses as out
 from quickdraft.server.errors import BadRequest, install_error_handlers
 from quickdraft.server.guards import Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
 from quickdraft.server.metrics import Metrics
+from quickdraft.server.playground import install_playground
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
-from quickdraft.spec import PROPOSERS, Proposer, SpecConfig, SpecConfigError
+from quickdraft.spec import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
@@ -205,7 +206,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)
-        text = _Timed(TextAssembler(llm.tokenizer, params), metrics, arrived)
+        text = _Timed(TextAssembler(llm.tokenizer, params, pieces=body.stream), metrics, arrived)
         if body.stream:
             return StreamingResponse(_stream(kind, request, text, events, body.include_usage),
                                      media_type="text/event-stream")
@@ -247,9 +248,9 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                                         else f"generation failed: {event.error}")
                     break
                 chunk = text.feed(event)
-                if chunk.text or chunk.finish_reason is not None:
+                if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
                     yield out.sse_chunk(kind, request.id, config.model_name, chunk.text, chunk.finish_reason,
-                                        chunk.stats, first)
+                                        chunk.stats, first, out.token_origins(chunk))
                     first = False
                 if chunk.finish_reason is not None:
                     if include_usage:
@@ -262,6 +263,9 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
 
     openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods,
                     bearer=config.api_key is not None)
+    default = {"method": config.spec.method if config.spec.enabled else "none", "k": config.spec.k}
+    install_playground(app, lambda: {"model": config.model_name, "speculative": default, "methods": _methods(),
+                                     "max_k": MAX_K, "context": engine.max_seq_len})
     return app
 
 

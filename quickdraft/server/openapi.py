@@ -42,8 +42,26 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, "description": STATUSES[status]} for status in statuses}
 
 
+_COUNTS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+# quickdraft's extension of each stream chunk (docs/server.md, "Token origins"); OpenAI clients ignore it
+TOKEN_ORIGINS = {
+    "type": "object", "required": ["pass", "tokens", "new_tokens", "elapsed_s", "ttft_s", "drafted_at", "accepted_at"],
+    "description": "Where each token of this chunk came from, and the request's running statistics",
+    "properties": {
+        "pass": {"type": "integer", "minimum": 1, "description": "target passes so far, the prefill being 1"},
+        "tokens": {"type": "array", "items": {
+            "type": "object", "required": ["id", "text", "origin", "depth"],
+            "properties": {
+                "id": {"type": "integer", "minimum": 0},
+                "text": {"type": "string", "description": "the text this token released"},
+                "origin": {"enum": ["accepted", "branch", "recovered", "bonus", "target"]},
+                "depth": {"type": "integer", "minimum": 0, "description": "position in the draft (0: none)"}}}},
+        "new_tokens": {"type": "integer", "minimum": 0},
+        "elapsed_s": {"type": "number"}, "ttft_s": {"type": "number"},
+        "drafted_at": _COUNTS, "accepted_at": _COUNTS}}
 # each event's data: a chunk, an error, or the closing "[DONE]"
-EVENT = {"anyOf": [{"type": "object", "properties": {"choices": {"type": "array"}, "error": {"type": "object"}}},
+EVENT = {"anyOf": [{"type": "object", "properties": {"choices": {"type": "array"}, "error": {"type": "object"},
+                                                     "quickdraft": TOKEN_ORIGINS}},
                    {"type": "string", "enum": ["[DONE]"]}]}
 GENERATION: dict[int | str, dict[str, Any]] = {
     200: {"description": "The completion as JSON, or with stream: true server-sent events ending with "

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
+from quickdraft.api import Chunk
 from quickdraft.engine.events import GenerationStats
 
 Kind = Literal["completion", "chat"]
@@ -46,9 +47,23 @@ def whole(kind: Kind, request_id: str, model: str, text: str, finish_reason: str
             "usage": usage(stats), "stats": stats.to_dict()}
 
 
+def token_origins(chunk: Chunk) -> dict[str, Any]:
+    """quickdraft's extension of a stream chunk (docs/server.md, "Token origins"): each token's
+    id, text and origin, the target pass that committed them, and the running statistics."""
+    stats = chunk.stats
+    pieces = chunk.pieces if chunk.pieces is not None else [""] * len(chunk.token_ids)
+    return {"pass": stats.target_passes,
+            "tokens": [{"id": t, "text": text, "origin": o.kind, "depth": o.depth}
+                       for t, text, o in zip(chunk.token_ids, pieces, chunk.origins)],
+            "new_tokens": stats.new_tokens, "elapsed_s": stats.total_s, "ttft_s": stats.ttft_s,
+            "drafted_at": stats.drafted_at, "accepted_at": stats.accepted_at}
+
+
 def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason: str | None,
-              stats: GenerationStats | None = None, first: bool = False) -> str:
-    """One server-sent event; the last one (finish_reason set) carries usage and stats."""
+              stats: GenerationStats | None = None, first: bool = False,
+              origins: dict[str, Any] | None = None) -> str:
+    """One server-sent event; the last one (finish_reason set) carries usage and stats; origins:
+    the "quickdraft" extension field (token_origins)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -57,6 +72,8 @@ def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason:
     body = {**_envelope(kind, request_id, model, chunk=True), "choices": [choice]}
     if finish_reason is not None and stats is not None:
         body.update(usage=usage(stats), stats=stats.to_dict())
+    if origins is not None:
+        body["quickdraft"] = origins
     return f"data: {json.dumps(body)}\n\n"
 
 
