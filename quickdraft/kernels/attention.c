@@ -30,6 +30,28 @@ INLINE float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* The dot products of q with keys j0..j0+7 (keys past the last, kv_len - 1, repeat it: their
+ * values are not used), reduced in one fixed order for every key, whichever block of 8 it falls
+ * in: 8 FMA lanes over the head dimension, then pairs of lanes (hadd), then the two halves. A key's
+ * score is then the same whatever kv_len is (a decode step and a verification pass see different
+ * kv_len), and a block costs 9 reduction ops instead of 8 x 5. D a multiple of 8. */
+INLINE __m256 dot8(const float *qv, const float *kb, int64_t D, int64_t j0, int64_t kv_len) {
+    const float *key[8];
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) {
+        key[i] = kb + (j0 + i < kv_len ? j0 + i : kv_len - 1) * D;
+        acc[i] = _mm256_setzero_ps();
+    }
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 q = _mm256_loadu_ps(qv + d);
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key[i] + d), acc[i]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* keys 0-3 | 4-7, per half */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* exp(x) for x <= 0, 8 at a time (the softmax's exponent: expf one key at a time was ~15% of a
  * SmolLM2 verification pass): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by its
  * degree-6 Taylor polynomial (relative error ~2e-7 before rounding), times 2^n built in the
@@ -69,10 +91,14 @@ INLINE void weighted_sum(const float *p, const float *vb, float *o, int64_t D, i
 static void attend(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
                    int64_t D, int64_t kv_len, float scale) {
     float m = -INFINITY;
-    for (int64_t j = 0; j < kv_len; j++) {
-        if (vis && !vis[j]) { s[j] = -INFINITY; continue; }
-        s[j] = dot(qv, kb + j * D, D) * scale;
-        m = s[j] > m ? s[j] : m;
+    for (int64_t j0 = 0; j0 < kv_len; j0 += 8) {
+        float block[8];
+        if (D % 8 == 0) _mm256_storeu_ps(block, dot8(qv, kb, D, j0, kv_len));
+        else for (int i = 0; i < 8 && j0 + i < kv_len; i++) block[i] = dot(qv, kb + (j0 + i) * D, D);
+        for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
+            s[j] = vis && !vis[j] ? -INFINITY : block[j - j0] * scale;
+            m = s[j] > m ? s[j] : m;
+        }
     }
     /* s becomes p = exp(s - m) (0 for hidden keys), summed in 8 lanes in key order */
     __m256 lanes = _mm256_setzero_ps();
