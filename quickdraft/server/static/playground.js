@@ -90,8 +90,8 @@ function tokenSpan(token, pass, method) {
 
 // One streamed answer drawn into `out`; keeps its counts, ids and the last extension for the figures.
 class Run {
-  constructor(out, method) {
-    Object.assign(this, { out, method, text: "", ids: [], last: null, stats: null });
+  constructor(out, method, label) {
+    Object.assign(this, { out, method, label, text: "", ids: [], last: null, stats: null });
     this.counts = Object.fromEntries(ORIGINS.map((o) => [o, 0]));
   }
 
@@ -127,6 +127,7 @@ const fixed = (x, digits = 1) => (Number.isFinite(x) ? x.toFixed(digits) : "–"
 
 function drawFigures(run) {
   const ext = run.last;
+  $("fig-of").textContent = `of ${run.label}`;
   $("fig-tps").textContent = fixed(ext.elapsed_s > 0 ? ext.new_tokens / ext.elapsed_s : NaN);
   $("fig-tpp").textContent = fixed(run.ids.length / ext.pass, 2);
   $("fig-ttft").textContent = `${fixed(ext.ttft_s * 1000, 0)} ms`;
@@ -168,7 +169,7 @@ async function send() {
   message("user").append(prompt);
   const body = { ...settings(), messages: [...history] };
   const answer = message("assistant");
-  const run = new Run(answer, body.speculative.method);
+  const run = new Run(answer, body.speculative.method, `the chat answer (${specLabel(body.speculative)})`);
   try {
     await run.run(body, (r) => { drawFigures(r); $("log").scrollTop = $("log").scrollHeight; });
     history.push({ role: "assistant", content: run.text });
@@ -195,8 +196,9 @@ async function race() {
   try {
     // one after the other, so that neither run's passes slow the other's
     for (const [pane, speculative] of [[panes[0], { method: "none" }], [panes[1], body.speculative]]) {
-      const run = new Run(pane.querySelector(".out"), speculative.method);
-      pane.querySelector("h3").textContent = specLabel({ k: speculative.k, ...speculative });
+      const label = specLabel(speculative);
+      const run = new Run(pane.querySelector(".out"), speculative.method, `the race's ${label} run`);
+      pane.querySelector("h3").textContent = label;
       await run.run({ ...body, speculative }, drawFigures);
       const s = run.stats;
       pane.querySelector(".meta").textContent =
