@@ -1,6 +1,7 @@
 """Per-token origins, as the engine labels them: table-driven over draft trees, then through the
-engine with a draft equal to the target (every draft accepted whole) and a random one (labels
-against the statistics). Their way out to clients: tests/test_stream_origins.py.
+engine with a draft equal to the target (every draft accepted whole), a random one (labels
+against the statistics) and a tree whose second branch is right (branch, accepted, bonus).
+Their way out to clients: tests/test_stream_origins.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import quickdraft
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.events import TokenOrigin, token_origins
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import SpecConfig
+from quickdraft.spec import NO_DRAFT, Committed, Draft, SpecConfig
 from tiny_tokenizer import tiny_llm_dir
 
 At = TokenOrigin  # (kind, depth)
@@ -75,3 +76,33 @@ def test_engine_labels_match_the_statistics_with_a_random_draft(dirs) -> None:
         last = "target" if drafted == 0 else "bonus" if accepted == drafted else "recovered"
         drafts = [At("accepted", d) for d in range(1, accepted + 1)]
         assert e.origins == drafts + [At(last, accepted + 1 if drafted else 0)]
+
+
+class SecondGuessRight:
+    """Offers a tree over the next two tokens of plain greedy decoding: a wrong first candidate, then
+    the right one with the right next token under it (greedy must take the second branch to its leaf)."""
+
+    def __init__(self, continuation: list[int], vocab_size: int) -> None:
+        self.continuation, self.vocab_size, self.n = continuation, vocab_size, 0
+
+    def commit(self, step: Committed) -> None:
+        self.n += len(step.tokens)
+
+    def propose(self, k: int) -> Draft:
+        if k < 3 or self.n + 2 > len(self.continuation):
+            return NO_DRAFT
+        right, after = self.continuation[self.n], self.continuation[self.n + 1]
+        return Draft([(right + 1) % self.vocab_size, right, after], parents=[-1, -1, 1])
+
+
+def test_engine_labels_a_tree_branch_taken_to_its_leaf(dirs) -> None:
+    llm = quickdraft.load(str(dirs[0]))
+    params = SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True)  # 1 + 4 x 3 + 1
+    ids = llm.tokenizer.encode("once upon a time")
+    plain = [t for e in generate_tokens(llm.model, ids, params) for t in e.token_ids]
+    proposer = SecondGuessRight(plain, llm.model.config.vocab_size)
+    steps = list(generate_tokens(llm.model, ids, params, frozenset(), proposer, 3, adaptive=False))
+    assert [t for e in steps for t in e.token_ids] == plain
+    assert steps[0].origins == [At("target", 0)]
+    tree = [At("branch", 1), At("accepted", 2), At("bonus", 3)]
+    assert [e.origins for e in steps[1:]] == [tree] * 4 + [[At("target", 0)]]  # the last: no room for a draft
