@@ -257,22 +257,17 @@ class Engine:
 
     def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float,
               origins: Sequence[list[TokenOrigin]]) -> Events:
-        """Cut each row's new tokens at a stop token or its budget, tell its proposer and ask it for
-        the next draft (a failing proposer ends its own request, never the batch), emit events
+        """The step's last phases over its rows: cut each row's new tokens at a stop token or its
+        budget; the rows that go on tell their proposers and get their next drafts; events
         (origins: per row, where each of its step's tokens came from)."""
+        cuts = [self._cut(row, step, step_s) for row, step in zip(rows, steps)]
+        going = [(row, step) for row, step, (_, finish) in zip(rows, steps, cuts) if finish is None]
+        errors = dict(zip(map(id, (row for row, _ in going)), self._propose(going)))
         events, finished = [], []
-        for row, step, origin in zip(rows, steps, origins):
-            stats = row.stats
-            stats.target_passes += 1
-            stats.verify_s += step_s
-            emitted, finish = cut_at_stop(step.tokens, row.stop_ids, row.budget - stats.new_tokens)
-            if finish == "stop":  # drafts accepted after the stop token leave the cache too
-                row.length -= step.drafted - len(emitted)
-            stats.new_tokens += len(emitted)
-            stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(step.tokens))
-            row.last = step.tokens[-1]
-            error = None if finish else self._propose(row, step)
+        for row, (emitted, finish), origin in zip(rows, cuts, origins):
+            error = errors.get(id(row))
             finish = "error" if error else finish
+            stats = row.stats
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
@@ -284,16 +279,35 @@ class Engine:
         self._sync_cache_lengths()
         return events
 
-    def _propose(self, row: _Row, step: Committed) -> Exception | None:
-        proposer = row.request.proposer
-        if proposer is None or row.request.k == 0:
-            return None
-        t0 = time.perf_counter()
-        try:
-            proposer.commit(step)
-            row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
-        except Exception as e:  # noqa: BLE001 - reported to that request's consumer
-            return e
-        finally:
+    @staticmethod
+    def _cut(row: _Row, step: Committed, step_s: float) -> tuple[list[int], FinishReason | None]:
+        """The tokens of `step` to emit and why the row ends, if it does; counts them."""
+        stats = row.stats
+        stats.target_passes += 1
+        stats.verify_s += step_s
+        emitted, finish = cut_at_stop(step.tokens, row.stop_ids, row.budget - stats.new_tokens)
+        if finish == "stop":  # drafts accepted after the stop token leave the cache too
+            row.length -= step.drafted - len(emitted)
+        stats.new_tokens += len(emitted)
+        stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(step.tokens))
+        row.last = step.tokens[-1]
+        return emitted, finish
+
+    @staticmethod
+    def _propose(going: Sequence[tuple[_Row, Committed]]) -> list[Exception | None]:
+        """Each row's proposer is told its step and asked for the next draft; a failing proposer
+        ends its own request, never the batch. Rows are proposed for together here, where a
+        draft model's forwards for several rows can become one."""
+        errors: list[Exception | None] = [None] * len(going)
+        for i, (row, step) in enumerate(going):
+            proposer = row.request.proposer
+            if proposer is None or row.request.k == 0:
+                continue
+            t0 = time.perf_counter()
+            try:
+                proposer.commit(step)
+                row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
+            except Exception as e:  # noqa: BLE001 - reported to that request's consumer
+                errors[i] = e
             row.stats.propose_s += time.perf_counter() - t0
-        return None
+        return errors
