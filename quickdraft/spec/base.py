@@ -11,6 +11,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.spec.registry import PROPOSERS, option_names, register, registration
 
@@ -155,13 +156,25 @@ class SpecConfig:
         return entry.loads == "head" and (entry.needs_file or bool(self.head))
 
 
+class Target(Protocol):
+    """What a proposer factory may draw on (quickdraft.api.LLM is one): the target model, and the
+    files proposers draft with, each loaded once and checked against the target."""
+    model: Transformer
+
+    def draft_model(self, name_or_path: str | None = None) -> Any:
+        """A draft model sharing the target's vocabulary (its `.model`); None: the packaged one."""
+
+    def draft_head(self, path: str | None = None) -> Any:
+        """A DraftHead trained for the target; None: the one that ships for it."""
+
+
 @dataclass
 class ProposerContext:
     """What a proposer factory may use to start on one request."""
     prompt_ids: list[int]
     params: SamplingParams
     config: SpecConfig
-    target: Any                  # quickdraft.api.LLM: .model, .tokenizer, .draft_model(path)
+    target: Target
 
     @property
     def options(self) -> Any:
@@ -170,4 +183,4 @@ class ProposerContext:
 
 
 __all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposer",
-           "ProposerContext", "SpecConfig", "SpecConfigError", "register"]
+           "ProposerContext", "SpecConfig", "SpecConfigError", "Target", "register"]
