@@ -142,7 +142,7 @@ SPEC_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("method", ["ngram", "head", "hybrid"])
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree", "head", "hybrid"])
 def test_speculative_greedy_equals_plain_on_the_default_model(llm: quickdraft.LLM, method: str) -> None:
     """Every proposer, including the draft head that ships for this model, keeps greedy output
     token for token the target's own; the shipped head is accepted often enough to matter."""
@@ -155,7 +155,7 @@ def test_speculative_greedy_equals_plain_on_the_default_model(llm: quickdraft.LL
         committed, passes = committed + spec.stats.committed_tokens, passes + spec.stats.target_passes
         drafted += spec.stats.drafted_tokens
     assert drafted > 0
-    if method != "ngram":  # the shipped head is accepted: an untrained one commits ~1.0 per pass
+    if not method.startswith("ngram"):  # the shipped head is accepted: an untrained one commits ~1.0 per pass
         assert committed / passes > 1.15
 
 
