@@ -3,7 +3,7 @@ from quickdraft.api import LLM, Chunk, Completion, load
 from quickdraft.errors import (ContextTooLong, InvalidSamplingParams, ModelLoadError, QuickdraftError,
                                UnsupportedArchitecture)
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import SpecConfig, SpecConfigError
+from quickdraft.proposers import SpecConfig, SpecConfigError
 
 __all__ = ["LLM", "Chunk", "Completion", "ContextTooLong", "InvalidSamplingParams", "ModelLoadError",
            "QuickdraftError", "SamplingParams", "SpecConfig", "SpecConfigError", "UnsupportedArchitecture", "load"]

@@ -15,9 +15,9 @@ from quickdraft.engine import GenerationStats, generate_tokens
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
-from quickdraft.spec.draft_model import check_compatible
-from quickdraft.spec.head import DraftHead, load_head, packaged_head
+from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
+from quickdraft.proposers.draft_model import check_compatible
+from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft

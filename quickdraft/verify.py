@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.sampling import SamplingParams, probabilities, sample
-from quickdraft.spec.base import Draft
+from quickdraft.proposers.base import Draft
 
 
 @dataclass(frozen=True)

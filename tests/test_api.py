@@ -19,7 +19,7 @@ import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.cli import main
 from quickdraft.sampling import probabilities, sample
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 from tiny_tokenizer import build_tokenizer, render_chatml, tiny_llm_dir, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ from quickdraft.cli import main
 from quickdraft.engine import batch
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec import Committed, Draft
-from quickdraft.spec.registry import PROPOSERS, Registration
+from quickdraft.proposers import Committed, Draft
+from quickdraft.proposers.registry import PROPOSERS, Registration
 from quickdraft.verify import Verdict
 from tiny_tokenizer import tiny_llm_dir
 

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from quickdraft.spec import ngram as ngram_module
-from quickdraft.spec.base import Committed
-from quickdraft.spec.ngram import NgramProposer, merge
+from quickdraft.proposers import ngram as ngram_module
+from quickdraft.proposers.base import Committed
+from quickdraft.proposers.ngram import NgramProposer, merge
 
 
 def committed(tokens: list[int], drafted: int) -> Committed:

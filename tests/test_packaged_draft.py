@@ -18,7 +18,7 @@ import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.api import LLM
 from quickdraft.cli import main
-from quickdraft.spec import SpecConfig, SpecConfigError
+from quickdraft.proposers import SpecConfig, SpecConfigError
 from quickdraft.weights import packaged, resolve
 from tiny_tokenizer import tiny_model, write_llama_gguf
 

@@ -23,7 +23,7 @@ import pytest
 import quickdraft
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.server import BackgroundServer, ServerConfig
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 
 pytestmark = pytest.mark.slow  # ~40 s: the default model, a browser, three answers
 

@@ -14,7 +14,7 @@ import torch
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.cli import main
 
@@ -160,8 +160,8 @@ def test_speculative_greedy_equals_plain_on_the_default_model(llm: quickdraft.LL
 
 
 def test_the_packaged_head_is_found_for_the_default_model(llm: quickdraft.LLM) -> None:
-    from quickdraft.spec.head import PACKAGED_HEADS, packaged_head
-    from quickdraft.spec.hybrid import HybridProposer
+    from quickdraft.proposers.head import PACKAGED_HEADS, packaged_head
+    from quickdraft.proposers.hybrid import HybridProposer
     assert packaged_head(llm.model) == PACKAGED_HEADS / "smollm2-135m"
     ids = llm.prompt_ids(messages=chat(PROMPTS[0]))
     assert isinstance(llm.proposer(ids, SamplingParams(), SpecConfig("auto", k=8)), HybridProposer)

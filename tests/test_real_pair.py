@@ -16,7 +16,7 @@ import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.bench.questions import load_humaneval
 from quickdraft.cli import main
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import pytest
 from quickdraft.bench.specbench import parse_methods
 from quickdraft.cli import build_parser
 from quickdraft.cli.common import spec_from_args
-from quickdraft.spec import DEFAULT_K, PROPOSERS, SpecConfig, SpecConfigError
-from quickdraft.spec.ngram import NgramOptions
-from quickdraft.spec.registry import option_fields
+from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig, SpecConfigError
+from quickdraft.proposers.ngram import NgramOptions
+from quickdraft.proposers.registry import option_fields
 
 COMMANDS = [["generate", "-p", "x"], ["serve"], ["bench", "specbench"], ["bench", "serve"]]
 

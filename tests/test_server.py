@@ -28,8 +28,8 @@ from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import BackgroundServer, ServerConfig
-from quickdraft.spec import Committed, Draft, SpecConfig
-from quickdraft.spec.registry import PROPOSERS, Registration
+from quickdraft.proposers import Committed, Draft, SpecConfig
+from quickdraft.proposers.registry import PROPOSERS, Registration
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"

@@ -26,7 +26,7 @@ import quickdraft
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.app import MAX_BODY_BYTES
 from quickdraft.server.guards import answered_hosts
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 from test_server import (MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, serve_process,  # noqa: F401 (fixtures)
                          stream_text, wait_for)
 

@@ -17,7 +17,7 @@ from tokenizers import AddedToken, Tokenizer
 import quickdraft
 from quickdraft import SamplingParams, SpecConfig, SpecConfigError
 from quickdraft.cli import main
-from quickdraft.spec import MAX_K
+from quickdraft.proposers import MAX_K
 from tiny_tokenizer import tiny_llm_dir
 
 PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat"
@@ -204,7 +204,7 @@ def test_draft_on_another_device_is_refused(llm: quickdraft.LLM) -> None:
     """The draft must run beside the target; a model on another device is named in the error."""
     from types import SimpleNamespace
 
-    from quickdraft.spec.draft_model import check_compatible
+    from quickdraft.proposers.draft_model import check_compatible
 
     elsewhere = SimpleNamespace(model=SimpleNamespace(device=torch.device("meta"), config=llm.model.config),
                                 tokenizer=llm.tokenizer)

@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType
 from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Committed, Draft, Proposer
-from quickdraft.spec.draft_model import DraftModelProposer
-from quickdraft.spec.ngram import NgramProposer
+from quickdraft.proposers.base import Committed, Draft, Proposer
+from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.ngram import NgramProposer
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 

@@ -15,7 +15,7 @@ import pytest
 import quickdraft
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.server import BackgroundServer, ServerConfig
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"

@@ -13,7 +13,7 @@ import torch
 from quickdraft.cli import main
 from quickdraft.engine import generate_tokens
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.head import DraftHead, head_config, load_head
+from quickdraft.proposers.head import DraftHead, head_config, load_head
 from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train import trainer
 from quickdraft.train.responses import Example, generate_examples

@@ -19,8 +19,8 @@ from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import RowDraft
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import Committed, Draft
-from quickdraft.spec.ngram import NgramProposer
+from quickdraft.proposers.base import Committed, Draft
+from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.verify import sibling_ranks, verify
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, V16, assert_plain_sampling_law, plain_law, tiny16

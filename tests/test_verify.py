@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Draft
+from quickdraft.proposers.base import Draft
 from quickdraft.verify import verify
 
 GREEDY = SamplingParams()

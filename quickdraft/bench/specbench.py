@@ -22,7 +22,7 @@ from quickdraft.api import LLM, load, parse_dtype
 from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import PROPOSERS, SpecConfig
+from quickdraft.proposers import PROPOSERS, SpecConfig
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"

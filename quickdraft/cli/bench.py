@@ -8,7 +8,7 @@ import sys
 from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec import DEFAULT_K
+from quickdraft.proposers import DEFAULT_K
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
@@ -263,7 +263,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.server import BackgroundServer, ServerConfig
-    from quickdraft.spec import SpecConfig
+    from quickdraft.proposers import SpecConfig
 
     try:
         levels = [int(c) for c in args.concurrency.split(",")]

@@ -8,8 +8,8 @@ from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec import DEFAULT_K, PROPOSERS, SpecConfig
-from quickdraft.spec.registry import option_fields
+from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig
+from quickdraft.proposers.registry import option_fields
 from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL
 

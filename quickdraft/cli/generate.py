@@ -9,7 +9,7 @@ import sys
 from quickdraft.cli.common import load_llm, sampling_from_args, spec_from_args, stats_line
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
-from quickdraft.spec import SpecConfig
+from quickdraft.proposers import SpecConfig
 
 
 def _run(llm, args, params, spec, echo: bool) -> dict:

@@ -14,7 +14,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     from quickdraft.bench.soak import Soak, own_rss
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.server import BackgroundServer, ServerConfig
-    from quickdraft.spec import SpecConfig
+    from quickdraft.proposers import SpecConfig
 
     if args.duration <= 0 or args.concurrency < 1 or args.max_batch < 1:
         raise QuickdraftError("--duration must be > 0, --concurrency and --max-batch >= 1")

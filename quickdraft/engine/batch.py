@@ -23,7 +23,7 @@ from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, c
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer
+from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]

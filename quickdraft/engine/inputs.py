@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.spec.base import Draft
+from quickdraft.proposers.base import Draft
 
 
 @dataclass(frozen=True)

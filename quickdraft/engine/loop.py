@@ -12,7 +12,7 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.base import Proposer
+from quickdraft.proposers.base import Proposer
 
 
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,

@@ -16,7 +16,7 @@ from itertools import accumulate
 from operator import mul
 from typing import Literal, Sequence
 
-from quickdraft.spec.base import Draft
+from quickdraft.proposers.base import Draft
 
 EMA = 0.2            # weight of a new step-time measurement
 MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not drafting: step times

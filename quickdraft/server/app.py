@@ -31,7 +31,7 @@ from quickdraft.server.metrics import Metrics
 from quickdraft.server.playground import install_playground
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
-from quickdraft.spec import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
+from quickdraft.proposers import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold

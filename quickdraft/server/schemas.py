@@ -16,7 +16,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from quickdraft.spec import MAX_K
+from quickdraft.proposers import MAX_K
 from quickdraft.tokenizer import unicode_error
 
 

@@ -23,7 +23,7 @@ from typing import Callable
 from quickdraft.engine.batch import Engine, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.server.metrics import Metrics
-from quickdraft.spec.base import Proposer
+from quickdraft.proposers.base import Proposer
 
 log = logging.getLogger("quickdraft.server")
 

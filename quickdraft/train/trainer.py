@@ -30,7 +30,7 @@ from quickdraft.engine import generate_tokens
 from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.head import DraftHead, HeadProposer, head_config, save_head
+from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, save_head
 from quickdraft.train.responses import Example
 
 CHECKPOINT = "checkpoint.pt"

@@ -12,9 +12,9 @@ from __future__ import annotations
 from itertools import accumulate
 from operator import mul
 
-from quickdraft.spec.base import Committed, Draft, ProposerContext, SpecConfigError, register
-from quickdraft.spec.head import HeadProposer, make_head
-from quickdraft.spec.ngram import NgramOptions, NgramProposer, make_ngram
+from quickdraft.proposers.base import Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.head import HeadProposer, make_head
+from quickdraft.proposers.ngram import NgramOptions, NgramProposer, make_ngram
 
 NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a head forward not worth running
 

@@ -13,7 +13,7 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.spec.registry import PROPOSERS, option_names, register, registration
+from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
 
 MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
 DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
@@ -178,7 +178,7 @@ class ProposerContext:
 
     @property
     def options(self) -> Any:
-        """The proposer's own options dataclass (spec/registry.py)."""
+        """The proposer's own options dataclass (proposers/registry.py)."""
         return self.config.proposer_options()
 
 

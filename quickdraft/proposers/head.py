@@ -36,7 +36,7 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"

@@ -12,7 +12,7 @@ import torch
 
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.spec.base import NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
 

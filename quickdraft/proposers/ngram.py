@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from quickdraft.spec.base import Agreement, Committed, Draft, ProposerContext, register
+from quickdraft.proposers.base import Agreement, Committed, Draft, ProposerContext, register
 
 
 @dataclass(frozen=True)
