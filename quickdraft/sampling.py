@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quickdraft.errors import InvalidSamplingParams
+from quickdraft.kernels import argmax
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string; matching is incremental (tokenizer.StopStringFilter), this bounds memory
@@ -79,7 +80,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     logits = logits.float()
     if params.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     # Dividing the gaps to the largest logit, not the logits, is the same softmax, but nothing can
     # overflow: (l - max) / T <= 0 for any T (a tiny T sends every other token to -inf, weight 0),
     # where l / T could give +inf and softmax inf - inf = NaN.

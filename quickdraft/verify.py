@@ -22,8 +22,9 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.kernels import argmax
 from quickdraft.proposers.base import Draft
+from quickdraft.sampling import SamplingParams, probabilities, sample
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def sibling_ranks(parents: Sequence[int]) -> list[list[int]]:
 
 def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n+1, V] -> (accepted if reached [n], final token at each of root and nodes [n+1])."""
-    best = logits.argmax(-1)  # [n+1]: the target's token after the root and after each node
+    best = argmax(logits)  # [n+1]: the target's token after the root and after each node
     if not draft.tokens:
         return best[:0], best
     parents = torch.tensor(draft.tree, device=logits.device) + 1

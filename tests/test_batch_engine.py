@@ -6,6 +6,7 @@ first sampled tokens (chi-square) for rows sampled inside full batches.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -21,6 +22,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.head import MAX_REST, Rest
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
@@ -38,12 +40,18 @@ def ngram(prompt: Sequence[int], params: SamplingParams) -> Proposer:
     return NgramProposer(prompt, 4, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def drafter(seed: int) -> Drafter:
+    """One per draft model, as the target's shared state holds it: its requests draft together."""
+    return Drafter(tiny(MODEL, init=0.1) if seed == 0 else tiny(MODEL, seed=seed))
+
+
 def draft_same(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-    return DraftModelProposer(target(), prompt, params, len(prompt) + params.max_new_tokens + 9)
+    return DraftModelProposer(drafter(0), prompt, params, len(prompt) + params.max_new_tokens + 9)
 
 
 def draft_random(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-    return DraftModelProposer(tiny(MODEL, seed=1), prompt, params, len(prompt) + params.max_new_tokens + 9)
+    return DraftModelProposer(drafter(1), prompt, params, len(prompt) + params.max_new_tokens + 9)
 
 
 ProposerFactory = Callable[[Sequence[int], SamplingParams], Proposer] | None
@@ -181,6 +189,8 @@ def test_seeded_sampling_reproduces_whatever_shares_the_batch() -> None:
 
 def test_failing_proposer_ends_only_its_request() -> None:
     class Broken:
+        group = None
+
         def propose(self, k: int) -> Draft:
             raise RuntimeError("proposer exploded")
 
@@ -208,6 +218,7 @@ BAD_SEED = 666
 class PoisonedLookup:
     """Prompt lookup, except that its `at`-th proposal is a token id past the vocabulary: the
     target's pass fails on it, whoever shares the pass."""
+    group = None
 
     def __init__(self, prompt: Sequence[int], at: int) -> None:
         self.inner, self.at, self.asked = NgramProposer(prompt, 4, 1), at, 0
@@ -317,10 +328,10 @@ def test_sampling_law_inside_full_batches(kind: str) -> None:
     """N_SAMPLES sampled requests through one engine, 8 rows at a time with requests joining as
     others leave: the first tokens follow plain sampling's law (chi-square, as for batch 1)."""
     model, draft = tiny16(), tiny16_draft()
-    requests = []
+    requests, shared = [], Drafter(draft)
     for seed in range(30_000, 30_000 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
-        proposer = (DraftModelProposer(draft, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+        proposer = (DraftModelProposer(shared, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
                     if kind == "draft" else NgramProposer(PROMPT16, 4, 1))
         requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
     counts, drafted, accepted = first_tokens_in_batches(model, requests)
@@ -431,6 +442,7 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
 
 class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it drafts and is told."""
+    group = None
 
     def __init__(self) -> None:
         self.asked = self.told = 0

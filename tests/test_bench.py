@@ -61,6 +61,7 @@ def specbench(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[int, dict, 
 
 class Repeat7:
     """Proposes token 7 k times; harmless with a correct verifier, wrong output with a broken one."""
+    group = None
 
     def __init__(self, ctx) -> None:
         pass

@@ -150,6 +150,7 @@ def test_hybrid_takes_the_lookup_where_text_repeats_and_the_head_elsewhere() -> 
 
 class Fixed:
     """A proposer stand-in that offers one fixed draft and records what it was told."""
+    group = None
 
     def __init__(self, draft: Draft) -> None:
         self.draft, self.asked, self.committed = draft, 0, []

@@ -58,3 +58,23 @@ def test_torch_path_matches_plain_torch_ops():
     h = g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     expected = args["residual"] + h @ w.T + args["bias"]
     assert torch.allclose(kernels.linear(x, w, **args), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 151936), (5, 1003), (9, 64), (2, 3, 17), (7,)])
+def test_argmax_equals_torch(shape):
+    assert built
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g)
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+
+
+def test_argmax_first_of_ties_nan_and_minus_inf():
+    x = torch.zeros(6, 20)
+    x[0, [3, 11, 19]] = 5.0          # ties: the first
+    x[1, 17] = float("nan")          # a NaN wins, as in torch
+    x[1, 2] = 9.0
+    x[2] = float("-inf")             # nothing but -inf: index 0
+    x[3, [9, 18]] = float("nan")     # the first NaN, past the 8-wide body, in the tail
+    x[4, 19] = 1.0                   # the maximum in the tail
+    x[5, 0] = 1.0
+    assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [3, 17, 0, 9, 19, 0]

@@ -247,6 +247,8 @@ def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monke
     """A request whose proposer raises, or whose draft makes the batch's target pass raise (a token
     id past the vocabulary), gets a 500; concurrent requests get what they get alone."""
     class Exploding:
+        group = None
+
         def __init__(self, ctx) -> None:
             pass
 

@@ -22,6 +22,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.proposers.base import Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
@@ -73,6 +74,7 @@ KV_TOL = 1e-4
 class Checked:
     """Wraps a proposer: records every proposal, and for a DraftModelProposer checks its own cache
     after each commit (violations are collected, so a test first reports what the user sees)."""
+    group = None
 
     def __init__(self, inner: Proposer, prompt: Sequence[int]) -> None:
         self.inner = inner
@@ -164,7 +166,7 @@ def check_common(r: Run, n_prompt: int, params: SamplingParams) -> None:
 
 def draft_proposer(draft: Transformer, prompt: Sequence[int], params: SamplingParams, k: int) -> Checked:
     capacity = len(prompt) + params.max_new_tokens + k + 1  # as the registry's factory sizes it
-    return Checked(DraftModelProposer(draft, prompt, params, capacity), prompt)
+    return Checked(DraftModelProposer(Drafter(draft), prompt, params, capacity), prompt)
 
 
 SCENARIOS = {
@@ -251,6 +253,7 @@ def test_ngram_acceptance_is_mixed() -> None:
 class Replay:
     """A proposer that drafts the plain greedy continuation: every draft is accepted, whatever
     the draft-model proposer does (isolates the engine's handling of long accepted runs)."""
+    group = None
 
     def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self.n_prompt, self.seq, self.continuation = len(prompt), list(prompt), list(continuation)
@@ -424,12 +427,13 @@ def sampled_counts(proposer_kind: str | None, params: SamplingParams, seed0: int
     target, draft = tiny16(), tiny16_draft()
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
+    drafter = Drafter(draft)  # one cache: each request takes a row, freed when it is done
     for seed in range(seed0, seed0 + N_SAMPLES):
         p = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                            seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         proposer = None
         if proposer_kind == "draft":
-            proposer = DraftModelProposer(draft, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+            proposer = DraftModelProposer(drafter, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
         elif proposer_kind == "ngram":
             proposer = NgramProposer(PROMPT16, 4, 1)
         ids, stats = [], None

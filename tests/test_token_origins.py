@@ -81,6 +81,7 @@ def test_engine_labels_match_the_statistics_with_a_random_draft(dirs) -> None:
 class SecondGuessRight:
     """Offers a tree over the next two tokens of plain greedy decoding: a wrong first candidate, then
     the right one with the right next token under it (greedy must take the second branch to its leaf)."""
+    group = None
 
     def __init__(self, continuation: list[int], vocab_size: int) -> None:
         self.continuation, self.vocab_size, self.n = continuation, vocab_size, 0

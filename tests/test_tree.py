@@ -226,6 +226,7 @@ def test_compact_moves_the_kept_path_into_place() -> None:
 class TreeOracle:
     """Drafts trees of one shape that hold the plain greedy continuation along one path (cut at a
     random depth, so acceptance is mixed) and wrong tokens elsewhere."""
+    group = None
 
     def __init__(self, shape: str, continuation: Sequence[int], seed: int) -> None:
         self.shape, self.future, self.done = shape, list(continuation), 0
@@ -272,6 +273,7 @@ def test_greedy_trees_equal_plain_decoding(shape: str, max_batch: int) -> None:
 
 class RandomTree:
     """Sampled trees over V16: a star of two children iid from a fixed q, each with one child from q."""
+    group = None
 
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -306,6 +308,7 @@ def test_sampled_trees_through_the_engine_follow_plain_sampling() -> None:
 
 class Shapes:
     """Wraps a proposer and counts the trees (drafts that are not chains) it offers."""
+    group = None
 
     def __init__(self, inner: NgramProposer) -> None:
         self.inner, self.trees = inner, 0

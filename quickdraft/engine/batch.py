@@ -23,7 +23,7 @@ from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, c
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer
+from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer, propose_together
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]
@@ -295,10 +295,11 @@ class Engine:
 
     @staticmethod
     def _propose(going: Sequence[tuple[_Row, Committed]]) -> list[Exception | None]:
-        """Each row's proposer is told its step and asked for the next draft; a failing proposer
-        ends its own request, never the batch. Rows are proposed for together here, where a
-        draft model's forwards for several rows can become one."""
+        """Each row's proposer is told its step, then asked for the next draft: the rows whose
+        proposers share a group in one call (a draft model's forwards for all of them at once,
+        proposers/base.py). A failing proposer ends its own request, never the batch."""
         errors: list[Exception | None] = [None] * len(going)
+        asking: list[int] = []
         for i, (row, step) in enumerate(going):
             proposer = row.request.proposer
             if proposer is None or row.request.k == 0:
@@ -306,8 +307,14 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 proposer.commit(step)
-                row.draft = proposer.propose(min(row.request.k, row.budget - row.stats.new_tokens - 1))
+                asking.append(i)
             except Exception as e:  # noqa: BLE001 - reported to that request's consumer
                 errors[i] = e
             row.stats.propose_s += time.perf_counter() - t0
+        rows = [going[i][0] for i in asking]
+        proposals = propose_together([row.request.proposer for row in rows],
+                                     [min(row.request.k, row.budget - row.stats.new_tokens - 1) for row in rows])
+        for i, row, proposal in zip(asking, rows, proposals):
+            row.stats.propose_s += proposal.seconds
+            row.draft, errors[i] = proposal.draft, proposal.error
         return errors

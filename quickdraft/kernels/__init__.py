@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from quickdraft.kernels.build import KernelInfo, active_library, prepare
 from quickdraft.kernels.quantized import KERNEL_TYPES, QuantizedWeight
 
-__all__ = ["KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "kernel_info", "kernel_status", "linear",
+__all__ = ["KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
            "prepare", "rope_attention", "rope_attention_usable", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -141,6 +141,18 @@ def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] -> [...] int64: the index of the largest value along the last dimension, the first
+    of equal ones (the first NaN where there is one), exactly as torch.argmax. On CPU float32 the C
+    kernel runs it: torch's reduction over a few rows of a large vocabulary costs milliseconds."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or active_library() is None or x.shape[-1] == 0:
+        return x.argmax(-1)
+    x = x.detach().contiguous()
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    active_library().qd_argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def rope_attention_usable(qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:

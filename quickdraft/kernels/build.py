@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("fused_matmul.c", "quant_matmul.c", "repack.c", "attention.c", "pool.c", "layer.c")
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "repack.c", "attention.c", "pool.c", "layer.c", "argmax.c")
 HEADERS = ("kernels.h", "repack.h")
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -67,6 +67,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.qd_packed_row_bytes.restype = i64
     lib.qd_packed_row_bytes.argtypes = [i32, i64]
+    lib.qd_argmax_rows.restype = None
+    lib.qd_argmax_rows.argtypes = [p, i64, i64, p, i32]
     lib.qd_isa.restype = ctypes.c_char_p
     lib.qd_cpu_has_vnni.restype = i32
     return lib

@@ -5,6 +5,7 @@ It must not know the engine's loop: it is told what was committed and nothing el
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
@@ -104,11 +105,62 @@ class Agreement:
 
 
 class Proposer(Protocol):
+    group: ProposerGroup | None  # proposers of one group are asked for their drafts in one call (a
+                                 # draft model runs one forward per draft step for all of them);
+                                 # None: this proposer drafts alone
+
     def propose(self, k: int) -> Draft:
         """A tree of at most k nodes that may follow the committed sequence."""
 
     def commit(self, step: Committed) -> None:
         """The engine appended step.tokens to the sequence (after the prefill: the first token)."""
+
+
+class ProposerGroup(Protocol):
+    def propose(self, members: Sequence[Any], ks: Sequence[int]) -> list[Draft]:
+        """What members[i].propose(ks[i]) gives, for every member at once (members are proposers
+        whose `group` is this one, each committed its step already)."""
+
+
+@dataclass(frozen=True)
+class Proposal:
+    draft: Draft = NO_DRAFT
+    error: Exception | None = None  # the proposer failed: its request ends, no other
+    seconds: float = 0.0            # this proposer's share of the time spent
+
+
+def _alone(proposer: Proposer, k: int) -> Proposal:
+    t0 = time.perf_counter()
+    try:
+        return Proposal(proposer.propose(k), None, time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported to that request's consumer
+        return Proposal(NO_DRAFT, e, time.perf_counter() - t0)
+
+
+def propose_together(proposers: Sequence[Proposer], ks: Sequence[int]) -> list[Proposal]:
+    """The next drafts of several requests: the members of a group in one call of the group, the
+    others one by one. A failure stays its own proposer's: after a group's call fails, each of
+    its members is asked alone."""
+    out: list[Proposal | None] = [None] * len(proposers)
+    groups: dict[int, list[int]] = {}
+    for i, proposer in enumerate(proposers):
+        groups.setdefault(id(proposer) if proposer.group is None else id(proposer.group), []).append(i)
+    for members in groups.values():
+        if len(members) > 1:
+            t0 = time.perf_counter()
+            try:
+                drafts = proposers[members[0]].group.propose([proposers[i] for i in members],
+                                                             [ks[i] for i in members])
+            except Exception:  # noqa: BLE001 - whose failure it is shows below, each member alone
+                drafts = None
+            share = (time.perf_counter() - t0) / len(members)
+            if drafts is not None:
+                for i, draft in zip(members, drafts, strict=True):
+                    out[i] = Proposal(draft, None, share)
+                continue
+        for i in members:
+            out[i] = _alone(proposers[i], ks[i])
+    return out  # type: ignore[return-value] - every index is set above
 
 
 @dataclass(frozen=True)
@@ -182,5 +234,6 @@ class ProposerContext:
         return self.config.proposer_options()
 
 
-__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposer",
-           "ProposerContext", "SpecConfig", "SpecConfigError", "Target", "register"]
+__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposal", "Proposer",
+           "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "propose_together",
+           "register"]

@@ -177,6 +177,7 @@ class Rest:
 class HeadProposer:
     """Drafts k tokens with a DraftHead over its own one-layer cache, from the target's features
     that each commit brings."""
+    group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int) -> None:

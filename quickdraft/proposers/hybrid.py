@@ -27,6 +27,7 @@ def expected_accepted(draft: Draft) -> float:
 class HybridProposer:
     """While the head rests after declined drafts (head.Rest) it offers nothing, and prompt lookup
     drafts alone."""
+    group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
     def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
         self.ngram, self.head = ngram, head

@@ -81,6 +81,7 @@ def merge(continuations: Sequence[Continuation], k: int) -> Draft:
 
 
 class NgramProposer:
+    group = None  # drafts alone (proposers/base.py: ProposerGroup)
     def __init__(self, prompt_ids: Sequence[int], max_n: int = 4, min_n: int = 1, branches: int = 1) -> None:
         self.max_n, self.min_n, self.branches = max_n, min_n, branches
         self.tokens: list[int] = []

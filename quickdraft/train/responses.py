@@ -34,6 +34,7 @@ class Example:
 
 class FeatureRecorder:
     """A proposer that proposes nothing and records the tokens and features the engine commits."""
+    group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         self.tokens = list(prompt_ids)

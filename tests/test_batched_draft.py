@@ -1,0 +1,211 @@
+"""Batched drafting: the requests drafting with one draft model share its Drafter, whose every
+draft step is one forward for all their rows, and each still decodes exactly as plain decoding.
+
+Oracles: plain greedy decoding of each prompt alone (token for token); seeded sampled requests
+alone (the same tokens inside any batch); each member's draft-cache row against a fresh forward
+over the tokens it claims; the exact law of the first sampled tokens (chi-square, false failure
+1e-6) with a negative control the same test must reject; the forwards' row counts as premises.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+import torch
+
+import quickdraft.proposers.drafter as drafter_module
+from quickdraft.engine import generate_tokens
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.proposers.base import Committed, Proposer
+from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.drafter import Drafter
+from quickdraft.proposers.ngram import NgramProposer
+from quickdraft.sampling import SamplingParams
+from test_batch_engine import Job, greedy, run_batched, target
+from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
+                                 assert_plain_sampling_law, kv_mismatch, plain_law, tiny16, tiny16_draft)
+from test_verify import ALPHA, chi_square_p_value
+from tiny_models import hf_model, ours_from_hf
+
+
+def noisy_draft(seed: int = 3, noise: float = 0.15):
+    """The engine tests' target with noise on its weights: acceptance is mixed."""
+    hf = hf_model("llama-gqa-untied", initializer_range=0.1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.add_(torch.randn(param.shape, generator=g) * noise * param.std())
+    return ours_from_hf(hf)
+
+
+class Counted(Drafter):
+    """A Drafter that records how many rows drafted in each of its forwards."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.rows_per_forward: list[int] = []
+
+    def _forward(self, members, feeds, starts):
+        self.rows_per_forward.append(len(members))
+        return super()._forward(members, feeds, starts)
+
+
+def member(drafter: Drafter, violations: list[str]):
+    def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+        proposer = DraftModelProposer(drafter, prompt, params, len(prompt) + params.max_new_tokens + 9)
+        commit = proposer.commit
+
+        def checked_commit(step: Committed) -> None:
+            commit(step)
+            seq = proposer.tokens[:proposer.cached]
+            if proposer.cache.lengths[0] != proposer.cached:
+                violations.append(f"row {proposer.row}: length {proposer.cache.lengths[0]} != {proposer.cached}")
+            if (diff := kv_mismatch(proposer.model, proposer.cache, seq)) > KV_TOL:
+                violations.append(f"row {proposer.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
+        proposer.commit = checked_commit  # the instance's: the group still calls the real propose
+        return proposer
+    return make
+
+
+def jobs(make) -> list[Job]:
+    """Ragged prompts and ks, rows joining (one waits for a free row of 3) and leaving early."""
+    return [
+        Job([1, 17, 42, 8, 77, 23], greedy(30), make, 4),
+        Job([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], greedy(12), make, 8, join_at=1),
+        Job([44, 12, 19], greedy(25), make, 2, join_at=1),
+        Job([9, 2, 9, 2, 9, 2, 9, 3, 30, 31, 32], greedy(28), make, 6, join_at=2),   # waits
+        Job([7, 1, 7], greedy(20, stop_token_ids=(29,)), make, 3, join_at=4),
+        Job([8, 8, 8, 8, 60, 61], greedy(18), lambda p, s: NgramProposer(p, 4, 1), 4, join_at=5),
+        Job([3, 4], greedy(22), make, 5, join_at=6),
+    ]
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_batched_draft_greedy_equals_plain(policy: str) -> None:
+    model = target()
+    violations: list[str] = []
+    drafter = Counted(noisy_draft())
+    batch = jobs(member(drafter, violations))
+    out, last, engine_violations = run_batched(model, batch, EngineConfig(max_batch=3, policy=policy))
+    assert engine_violations == [] and violations == []
+    for i, job in enumerate(batch):
+        plain = Job(job.prompt, job.params, None, 0).alone(model)
+        assert out[str(i)] == plain, f"request {i} differs from plain greedy"
+    # the premises: several rows drafted in one forward, drafts both accepted and rejected, rows reused
+    assert max(drafter.rows_per_forward) == 3
+    stats = [last[str(i)].stats for i, job in enumerate(batch) if i != 5]  # 5: prompt lookup
+    assert 0 < sum(s.accepted_tokens for s in stats) < sum(s.drafted_tokens for s in stats)
+
+
+def test_batched_draft_seeded_sampling_reproduces_alone() -> None:
+    """A seeded request drafts with its own generator: batched, it emits what it emits alone."""
+    model = target()
+    drafter = Counted(noisy_draft())
+    make = member(drafter, [])
+    sampled = [Job([5, 6, 7, 8, 5, 6, 7], greedy(24, temperature=1.0, seed=s), make, k, join_at=j)
+               for s, k, j in [(11, 4, 0), (12, 3, 1), (13, 6, 2)]]
+    others = [Job([1, 2, 3], greedy(20, temperature=0.8, top_p=0.9), make, 4),
+              Job([4, 4, 9, 4, 4, 9], greedy(20), make, 8, join_at=1)]
+    alone = [job.alone(model) for job in sampled]
+    for mix in (sampled + others, others + sampled):
+        out, _, violations = run_batched(model, mix, EngineConfig(max_batch=3), check_kv=False)
+        assert violations == []
+        for i, job in enumerate(mix):
+            if job in sampled:
+                assert out[str(i)] == alone[sampled.index(job)]
+    assert max(drafter.rows_per_forward) > 1
+    assert len({tuple(a) for a in alone}) == 3  # the seeds matter
+
+
+def first_tokens(drafter: Drafter, seed0: int) -> tuple[torch.Tensor, int, int]:
+    """N_SAMPLES sampled requests (temperature 1) through one engine of 8 rows, every draft
+    proposer a member of `drafter`, requests joining as others leave: counts [V16]*N_TOKENS of
+    the first tokens; drafted and accepted tokens in all."""
+    engine = Engine(tiny16(), EngineConfig(max_batch=8))
+    for seed in range(seed0, seed0 + N_SAMPLES):
+        p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
+        proposer = DraftModelProposer(drafter, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+        engine.add(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
+    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
+    ids: dict[str, list[int]] = {}
+    drafted = accepted = 0
+    while engine.has_work():
+        for rid, event in engine.step():
+            ids.setdefault(rid, []).extend(event.token_ids)
+            if event.finish_reason:
+                counts[tuple(ids[rid][:N_TOKENS])] += 1
+                drafted += event.stats.drafted_tokens
+                accepted += event.stats.accepted_tokens
+    return counts, drafted, accepted
+
+
+def test_sampling_law_through_the_batched_draft() -> None:
+    drafter = Counted(tiny16_draft())
+    counts, drafted, accepted = first_tokens(drafter, 40_000)
+    assert int(counts.sum()) == N_SAMPLES
+    assert max(drafter.rows_per_forward) >= 4  # the premise: draft steps ran for several rows at once
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
+
+
+def test_sampling_law_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter whose draws do not follow the q it reports (it draws from q^3, renormalized: a
+    sharper draft) must fail the same test with the same number of requests."""
+    real = drafter_module.sample
+    monkeypatch.setattr(drafter_module, "sample", lambda q, generator: real(q ** 3, generator))
+    counts, drafted, accepted = first_tokens(Drafter(tiny16_draft()), 40_000)
+    assert 0 < accepted < drafted
+    law = plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), N_TOKENS)
+    assert chi_square_p_value(counts, law) < ALPHA
+
+
+def test_a_failing_member_ends_only_its_request() -> None:
+    """A member whose tokens the draft model cannot run (an id past its vocabulary, from its second
+    step on) makes the group's forward fail: that request ends with the error, the others draft
+    on (alone, then together again) and emit plain greedy's tokens."""
+    model = target()
+    drafter = Counted(noisy_draft())
+    engine = Engine(model, EngineConfig(max_batch=3))
+    make = member(drafter, [])
+    good = [Job([1, 17, 42, 8], greedy(15), make, 4), Job([44, 12, 19], greedy(15), make, 3)]
+    for i, job in enumerate(good):
+        engine.add(job.request(str(i)))
+    bad = make([5, 6, 7], greedy(15))
+    commit, seen = bad.commit, []
+
+    def poisoned(step: Committed) -> None:
+        seen.append(step)
+        commit(Committed(step.tokens[:-1] + [model.config.vocab_size + 5], step.drafted, step.verified,
+                         step.features) if len(seen) == 2 else step)
+    bad.commit = poisoned
+    engine.add(Request([5, 6, 7], greedy(15), frozenset(), bad, 4, id="bad"))
+    events: dict[str, list] = {}
+    while engine.has_work():
+        for rid, event in engine.step():
+            events.setdefault(rid, []).append(event)
+    assert events["bad"][-1].finish_reason == "error"
+    assert len([t for e in events["bad"] for t in e.token_ids]) < 15
+    for i, job in enumerate(good):
+        assert [t for e in events[str(i)] for t in e.token_ids] == Job(job.prompt, job.params, None, 0).alone(model)
+        assert events[str(i)][-1].finish_reason == "length"
+    rows = drafter.rows_per_forward
+    last_three = len(rows) - 1 - rows[::-1].index(3)  # the three drafted together, then two did
+    assert 2 in rows[last_three:]
+
+
+def test_rows_return_to_the_pool() -> None:
+    drafter = Drafter(noisy_draft())
+    params = greedy(5)
+    first = DraftModelProposer(drafter, [1, 2, 3], params, 20)
+    second = DraftModelProposer(drafter, [1, 2, 3, 4], params, 20)
+    assert first.row is None  # a row from the first proposal on
+    drafter.propose([first, second], [2, 2])
+    assert (first.row, second.row) == (0, 1) and second.cached == 4
+    del first
+    third = DraftModelProposer(drafter, [4, 5], params, 40)  # longer: the cache grows, rows keep
+    third.propose(1)
+    assert third.row == 0 and drafter.cache.batch_size == 2 and drafter.cache.max_len >= 40
+    assert kv_mismatch(second.model, second.cache, [1, 2, 3, 4]) <= KV_TOL
+    fourth = DraftModelProposer(drafter, [1, 2, 3], greedy(12), 30)
+    ids = [t for e in generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), fourth, 3) for t in e.token_ids]
+    assert ids == [t for e in generate_tokens(target(), [1, 2, 3], greedy(12)) for t in e.token_ids]
+    assert fourth.row == 2
