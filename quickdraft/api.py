@@ -120,6 +120,11 @@ class LLM:
         if self.spec.needs_head:
             self.draft_head(self.spec.head)
 
+    @property
+    def name(self) -> str | None:
+        """The packaged name this model was loaded by (None when loaded from a path)."""
+        return self.loaded.source.name
+
     def draft_name(self, name_or_path: str | None = None) -> str:
         """The draft model to use: the one named, else the packaged draft of this target's family
         (a target loaded by its packaged name); neither is a clear error. Loads nothing."""

@@ -213,7 +213,7 @@ class Engine:
             row.length += 1 + len(kept)
             row.stats.record_draft(draft.depths(), len(kept))
             steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]]))
-            origins.append(token_origins(draft.tree, kept))
+            origins.append(token_origins(draft.tree, kept, draft.source))
         return self._emit(rows, steps, step_s, origins)
 
     def _choose_drafts(self, rows: list[_Row]) -> list[Draft]:

@@ -78,13 +78,15 @@ class TokenOrigin:
     kind: OriginKind
     depth: int  # the token's position in the draft: 1 = a child of the root; for a recovered or
                 # bonus token one past the accepted path; 0 when no draft was verified
+    source: str | None = None  # for a draft token, the part of its proposer that drafted it where
+                               # the proposer names one (Draft.source: "ngram", "head", "draft")
 
 
-def token_origins(parents: Sequence[int], kept: Sequence[int]) -> list[TokenOrigin]:
+def token_origins(parents: Sequence[int], kept: Sequence[int], source: str | None = None) -> list[TokenOrigin]:
     """Per token one pass commits: the kept nodes (root to leaf) of the verified draft tree with
-    these parents, then the target's token (recovered if the last kept node, or the root, has
-    children the target rejected; bonus if it is a leaf)."""
-    origins = [TokenOrigin("accepted" if parents.index(parents[node]) == node else "branch", depth)
+    these parents (drafted by `source`), then the target's token (recovered if the last kept node,
+    or the root, has children the target rejected; bonus if it is a leaf)."""
+    origins = [TokenOrigin("accepted" if parents.index(parents[node]) == node else "branch", depth, source)
                for depth, node in enumerate(kept, 1)]
     if not parents:
         return [*origins, TokenOrigin("target", 0)]

@@ -37,6 +37,8 @@ class Draft:
                                                  # accepted if its parent is; when given, the engine
                                                  # may verify only a prefix (policy.py)
     parents: list[int] | None = None  # [n] parent node per node, -1 = the root; None = a chain
+    source: str | None = None  # which part drafted it, where a proposer has several (the hybrid's
+                               # "ngram", "head", "draft"); token origins carry it
 
     def __post_init__(self) -> None:
         assert self.parents is None or (len(self.parents) == len(self.tokens) and
@@ -64,7 +66,7 @@ class Draft:
             return self
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
                      None if self.accept_probs is None else self.accept_probs[:n],
-                     None if self.parents is None else self.parents[:n])
+                     None if self.parents is None else self.parents[:n], self.source)
 
 
 NO_DRAFT = Draft([])
@@ -212,6 +214,7 @@ class Target(Protocol):
     """What a proposer factory may draw on (quickdraft.api.LLM is one): the target model, and the
     files proposers draft with, each loaded once and checked against the target."""
     model: Transformer
+    name: str | None  # the packaged name it was loaded by (None: a path)
 
     def draft_model(self, name_or_path: str | None = None) -> Any:
         """A draft model sharing the target's vocabulary (its `.model`); None: the packaged one."""

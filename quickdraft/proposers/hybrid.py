@@ -1,60 +1,132 @@
-"""Prompt lookup where the text repeats, the draft head everywhere else.
+"""Prompt lookup where the text repeats, a drafter (the draft head or a draft model) elsewhere; and
+`auto`, which picks a proposer for the target from what was measured for it.
 
-The two are strong in different places: the n-gram proposer is near free and long-reaching when
-the answer copies its input or itself (summaries, edits, loops), the head predicts fresh text.
-Each step the n-gram proposer offers its draft first; if it expects at least `NGRAM_ENOUGH` tokens
-accepted the head does not run, otherwise the draft expected to get further is taken. Both see
-every committed token, so either can take the next step (the head catches up on skipped steps in
-its next forward). Exactness needs nothing more: the chosen draft carries its own q.
+The two parts are strong in different places: the n-gram proposer is near free and long-reaching
+when the answer copies its input or itself (summaries, edits, code completions, loops), a drafter
+predicts fresh text. Each step the n-gram proposer offers its draft first; if it expects at least
+`NGRAM_ENOUGH` tokens accepted the drafter does not run, otherwise the draft expected to get
+further is taken. Both see every committed token, so either can take the next step. Exactness
+needs nothing more: the chosen draft carries its own q, and the choice never depends on a sampled
+draft token (a draft without estimates is valued by its length and its part's measured agreement).
+
+`hybrid` drafts with the head, `lookup-draft` with a draft model (two names, as each loads a
+different file: the registry, the CLI's --head / --draft-model and the benchmark's NAME:FILE read
+that from the registration). Each draft names its part in `Draft.source`, for token origins.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import mul
 
-from quickdraft.proposers.base import Committed, Draft, ProposerContext, SpecConfigError, register
-from quickdraft.proposers.head import HeadProposer, make_head
-from quickdraft.proposers.ngram import NgramOptions, NgramProposer, make_ngram
+from quickdraft.proposers.base import (
+    PROPOSERS,
+    Agreement,
+    Committed,
+    Draft,
+    Proposer,
+    ProposerContext,
+    SpecConfigError,
+    register,
+)
+from quickdraft.proposers.draft_model import make_draft
+from quickdraft.proposers.head import make_head
+from quickdraft.proposers.ngram import NgramOptions, make_ngram
 
-NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a head forward not worth running
+NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a drafter's forwards not worth running
+LOOKUP = "ngram"    # Draft.source of the lookup's drafts
 
 
-def expected_accepted(draft: Draft) -> float:
-    """Expected number of the draft's tokens accepted, from its per-token estimates."""
-    return sum(accumulate(draft.accept_probs or [], mul))
+def expected_accepted(draft: Draft, rate: float = 0.0) -> float:
+    """Expected number of the draft's tokens accepted, from its per-token estimates (a chain
+    without estimates: each token accepted with probability `rate` if its parent is)."""
+    estimates = draft.accept_probs if draft.accept_probs is not None else [rate] * len(draft.tokens)
+    return sum(accumulate(estimates, mul))
+
+
+def agreed(proposal: Sequence[int], committed: Sequence[int]) -> int:
+    """How many of a proposal's first tokens are the committed ones."""
+    n = 0
+    for a, b in zip(proposal, committed):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 class HybridProposer:
-    """While the head rests after declined drafts (head.Rest) it offers nothing, and prompt lookup
-    drafts alone."""
+    """While the drafter offers nothing (a head resting after declined drafts, head.Rest) prompt
+    lookup drafts alone."""
     group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
-    def __init__(self, ngram: NgramProposer, head: HeadProposer) -> None:
-        self.ngram, self.head = ngram, head
+    def __init__(self, ngram: Proposer, drafter: Proposer, source: str = "head") -> None:
+        self.ngram, self.drafter, self.source = ngram, drafter, source
+        self.agreement = Agreement()  # how often the drafter's tokens agree with the committed ones
+        self.offered: dict[str, list[int]] = {}  # per part asked this step, its draft's tokens
+        self.chosen: str | None = None
 
     def commit(self, step: Committed) -> None:
-        self.ngram.commit(step)
-        self.head.commit(step)
+        if self.source in self.offered:
+            self.agreement.record(self.offered[self.source], step.tokens)
+        for source, part in ((LOOKUP, self.ngram), (self.source, self.drafter)):
+            # `drafted` counts a part's own drafts among the step's tokens, the last one (the target's)
+            # aside: for the part not chosen, those it offered that the step committed all the same
+            # (a draft model keeps their K/V)
+            drafted = step.drafted if source == self.chosen else \
+                agreed(self.offered.get(source, []), step.tokens[:-1])
+            part.commit(step if drafted == step.drafted else replace(step, drafted=drafted))
+        self.offered, self.chosen = {}, None
 
     def propose(self, k: int) -> Draft:
         lookup = self.ngram.propose(k)
+        self.offered = {LOOKUP: lookup.tokens}
         lookup_gain = expected_accepted(lookup)
         if lookup_gain >= NGRAM_ENOUGH:
-            return lookup
-        drafted = self.head.propose(k)
-        return lookup if lookup_gain >= expected_accepted(drafted) else drafted
+            return self._choose(lookup, LOOKUP)
+        drafted = self.drafter.propose(k)
+        self.offered[self.source] = drafted.tokens
+        if lookup_gain >= expected_accepted(drafted, self.agreement.rate):
+            return self._choose(lookup, LOOKUP)
+        return self._choose(drafted, self.source)
+
+    def _choose(self, draft: Draft, source: str) -> Draft:
+        self.chosen = source if draft.tokens else None
+        return replace(draft, source=source) if draft.tokens else draft
 
 
 @register("hybrid", NgramOptions, loads="head", needs_file=True,
           about="prompt lookup where the text repeats, the draft head elsewhere")
 def make_hybrid(ctx: ProposerContext) -> HybridProposer:
-    return HybridProposer(make_ngram(ctx), make_head(ctx))
+    return HybridProposer(make_ngram(ctx), make_head(ctx), "head")
+
+
+@register("lookup-draft", NgramOptions, loads="draft_model", needs_file=True,
+          about="prompt lookup where the text repeats, a draft model elsewhere")
+def make_lookup_draft(ctx: ProposerContext) -> HybridProposer:
+    return HybridProposer(make_ngram(ctx), make_draft(ctx), "draft")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The proposer that won the benchmark for one packaged target, and where that is recorded."""
+    method: str    # a registered proposer name
+    evidence: str  # the table and command in docs/benchmarks.md
+
+
+# What `auto` runs for a packaged target: measured, never guessed (each entry names its benchmark).
+# Targets not listed get the hybrid where a head ships for them, else prompt lookup.
+AUTO_MEASURED: dict[str, Measured] = {}
 
 
 @register("auto", NgramOptions, loads="head",
-          about="the hybrid where a draft head ships for the model (or one is named), else prompt lookup")
-def make_auto(ctx: ProposerContext) -> HybridProposer | NgramProposer:
-    """The hybrid where a head ships for the target (or one is named), else prompt lookup alone."""
+          about="the proposer measured best for the model (docs/benchmarks.md); else the hybrid where a "
+                "draft head ships for it (or one is named), else prompt lookup")
+def make_auto(ctx: ProposerContext) -> Proposer:
+    measured = AUTO_MEASURED.get(ctx.target.name or "")
+    if measured is not None and not ctx.config.head:
+        config = replace(ctx.config, method=measured.method)
+        return PROPOSERS[measured.method].factory(replace(ctx, config=config))
     if not ctx.config.head:
         try:
             ctx.target.draft_head()
