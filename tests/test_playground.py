@@ -110,12 +110,19 @@ def test_chat_marks_each_token_by_origin_and_a_race_is_identical(server: Backgro
     page.hover(f"#log .msg.assistant .tok >> nth={accepted}")
     info = page.text_content("#hover-info")
     assert f"target pass {drawn[accepted]['pass']}" in info and \
-        f"position {drawn[accepted]['depth']} in the draft" in info and "proposed by ngram" in info, info
+        f"position {drawn[accepted]['depth']} in the draft" in info and "proposed by prompt lookup (ngram)" in info, info
+    # a one-part proposer's tokens carry no source on the wire: the page names the request's method
+    assert {t["source"] for t in tokens} == {None}
+    sources = page.eval_on_selector_all("#log .msg.assistant .tok", "spans => spans.map(s => s.dataset.source)")
+    assert {s for s, m in zip(sources, drawn) if m["origin"] in DRAFT_ORIGINS} == {"ngram"}
+    assert {s for s, m in zip(sources, drawn) if m["origin"] not in DRAFT_ORIGINS} == {""}
 
     # the live figures are the stream's
     assert page.text_content("#fig-of") == "of the chat answer (ngram, k = 8)"
     for origin in ("accepted", "branch", "recovered", "bonus", "target"):
         assert page.get_attribute(f"#fig-origins li[data-origin='{origin}']", "data-count") == str(counts[origin])
+    assert page.get_attribute("#fig-sources li[data-source='ngram']", "data-count") == \
+        str(counts["accepted"] + counts["branch"])
     assert page.text_content("#fig-tpp") == f"{stats['new_tokens'] / stats['target_passes']:.2f}"
     assert page.text_content("#fig-passes") == str(stats["target_passes"])
     bars = page.eval_on_selector_all("#fig-bars .bar span", "spans => spans.map(s => s.textContent)")

@@ -71,11 +71,33 @@ def test_each_stream_chunk_says_where_its_tokens_came_from(server: BackgroundSer
     assert whole["choices"][0]["text"] == text and "quickdraft" not in whole  # streams only
 
 
+def test_accepted_tokens_name_the_part_that_drafted_them(server: BackgroundServer) -> None:
+    """lookup-draft (prompt lookup, else the draft model, here the target itself): each accepted
+    token names its part (tests/test_lookup_draft.py has both parts' tokens in one answer), and
+    their counts are the accepted tokens; a one-part proposer names none
+    (its tokens are the request's method's). The text is plain greedy decoding's either way."""
+    plain = stream(server, speculative={"method": "none"})
+    text = "".join(c["choices"][0]["text"] for c in plain)
+    by: dict[str, Counter] = {}
+    for method in ("lookup-draft", "draft"):
+        chunks = stream(server, speculative={"method": method, "adaptive": False})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+        check_origins(chunks)
+        tokens = [t for c in chunks for t in c["quickdraft"]["tokens"]]
+        assert all(t["source"] is None for t in tokens if t["origin"] not in ("accepted", "branch"))
+        by[method] = Counter(t["source"] for t in tokens if t["origin"] in ("accepted", "branch"))
+        assert sum(by[method].values()) == chunks[-1]["stats"]["accepted_tokens"] > 0
+    # the draft model is the target: it wins the hybrid's choice as soon as its agreement is known
+    assert "draft" in by["lookup-draft"] and set(by["lookup-draft"]) <= {"ngram", "draft"}
+    assert set(by["draft"]) == {None}
+
+
 def test_the_schema_documents_the_field_and_the_playground_is_served(server: BackgroundServer) -> None:
     schema = httpx.get(f"{server.url}/openapi.json").json()
     event = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]["text/event-stream"]
     origin = event["schema"]["anyOf"][0]["properties"]["quickdraft"]["properties"]["tokens"]["items"]
     assert origin["properties"]["origin"]["enum"] == ["accepted", "branch", "recovered", "bonus", "target"]
+    assert "source" in origin["properties"]
     assert "/" not in schema["paths"] and "/playground/config" not in schema["paths"]
     page = httpx.get(f"{server.url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")

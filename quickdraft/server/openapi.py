@@ -55,7 +55,10 @@ TOKEN_ORIGINS = {
                 "id": {"type": "integer", "minimum": 0},
                 "text": {"type": "string", "description": "the text this token released"},
                 "origin": {"enum": ["accepted", "branch", "recovered", "bonus", "target"]},
-                "depth": {"type": "integer", "minimum": 0, "description": "position in the draft (0: none)"}}}},
+                "depth": {"type": "integer", "minimum": 0, "description": "position in the draft (0: none)"},
+                "source": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                           "description": "for a draft token, the part of the proposer that drafted it "
+                                          "(ngram, head, draft) where the proposer has several; else null"}}}},
         "new_tokens": {"type": "integer", "minimum": 0},
         "elapsed_s": {"type": "number"}, "ttft_s": {"type": "number"},
         "drafted_at": _COUNTS, "accepted_at": _COUNTS}}

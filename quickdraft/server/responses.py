@@ -53,7 +53,7 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
     stats = chunk.stats
     pieces = chunk.pieces if chunk.pieces is not None else [""] * len(chunk.token_ids)
     return {"pass": stats.target_passes,
-            "tokens": [{"id": t, "text": text, "origin": o.kind, "depth": o.depth}
+            "tokens": [{"id": t, "text": text, "origin": o.kind, "depth": o.depth, "source": o.source}
                        for t, text, o in zip(chunk.token_ids, pieces, chunk.origins)],
             "new_tokens": stats.new_tokens, "elapsed_s": stats.total_s, "ttft_s": stats.ttft_s,
             "drafted_at": stats.drafted_at, "accepted_at": stats.accepted_at}

@@ -8,6 +8,11 @@ const NAMES = {
   recovered: "recovered: the target's token after a rejection",
   bonus: "bonus: the target's token after a fully accepted draft", target: "target: no draft verified in this pass",
 };
+// Who drafted an accepted token: the part the stream names (a hybrid's "ngram", "head" or "draft"),
+// else the request's proposer. Prompt lookup's tokens get their own mark: copied, not predicted.
+const LOOKUP = new Set(["ngram", "ngram-tree"]);
+const PARTS = { ngram: "prompt lookup", "ngram-tree": "prompt lookup (tree)", head: "draft head", draft: "draft model" };
+const drafted = (token) => token.origin === "accepted" || token.origin === "branch";
 let config = null;
 const history = [];
 
@@ -79,10 +84,11 @@ async function* stream(body) {
 
 function tokenSpan(token, pass, method) {
   const span = document.createElement("span");
-  span.className = `tok o-${token.origin}`;
+  const source = drafted(token) ? token.source ?? method : "";
+  span.className = `tok o-${token.origin}${LOOKUP.has(source) ? " s-lookup" : ""}`;
   span.textContent = token.text;
-  Object.assign(span.dataset, { origin: token.origin, pass, depth: token.depth, id: token.id });
-  const by = token.origin === "accepted" || token.origin === "branch" ? `, proposed by ${method}` : "";
+  Object.assign(span.dataset, { origin: token.origin, pass, depth: token.depth, id: token.id, source });
+  const by = source ? `, proposed by ${PARTS[source] ? `${PARTS[source]} (${source})` : source}` : "";
   const where = token.depth ? ` · position ${token.depth} in the draft` : "";
   span.title = `${NAMES[token.origin]}${by} · target pass ${pass}${where} · token id ${token.id}`;
   return span;
@@ -93,6 +99,7 @@ class Run {
   constructor(out, method, label) {
     Object.assign(this, { out, method, label, text: "", ids: [], last: null, stats: null });
     this.counts = Object.fromEntries(ORIGINS.map((o) => [o, 0]));
+    this.sources = {}; // accepted draft tokens by the part that drafted them
   }
 
   add(chunk) {
@@ -104,6 +111,10 @@ class Run {
       this.out.append(tokenSpan(token, ext.pass, this.method));
       covered += token.text;
       this.counts[token.origin] += 1;
+      if (drafted(token)) {
+        const source = token.source ?? this.method;
+        this.sources[source] = (this.sources[source] ?? 0) + 1;
+      }
       this.ids.push(token.id);
     }
     if (covered !== text) this.out.append(text.slice(covered.length)); // text no token of this chunk released
@@ -139,6 +150,14 @@ function drawFigures(run) {
     li.innerHTML = `<span class="tok o-${o}"></span><span></span><b></b>`;
     li.children[1].textContent = NAMES[o].split(":")[0];
     li.children[2].textContent = run.counts[o];
+    return li;
+  }));
+  $("fig-sources").replaceChildren(...Object.entries(run.sources).map(([source, count]) => {
+    const li = document.createElement("li");
+    Object.assign(li.dataset, { source, count });
+    li.innerHTML = `<span class="tok o-accepted${LOOKUP.has(source) ? " s-lookup" : ""}"></span><span></span><b></b>`;
+    li.children[1].textContent = PARTS[source] ?? source;
+    li.children[2].textContent = count;
     return li;
   }));
   $("fig-bars").replaceChildren(...ext.drafted_at.map((drafted, i) => {
