@@ -78,3 +78,16 @@ def test_argmax_first_of_ties_nan_and_minus_inf():
     x[4, 19] = 1.0                   # the maximum in the tail
     x[5, 0] = 1.0
     assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [3, 17, 0, 9, 19, 0]
+
+
+@pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("active", "active")])
+def test_openmp_waits_passively_unless_told(given, expected):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    out = subprocess.run([sys.executable, "-c", "import quickdraft, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == expected
