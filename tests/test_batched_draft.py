@@ -21,8 +21,8 @@ from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
-from test_batch_engine import Job, greedy, run_batched, target
-from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
+from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
+from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW,
                                  assert_plain_sampling_law, kv_mismatch, plain_law, tiny16, tiny16_draft)
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
@@ -121,22 +121,12 @@ def first_tokens(drafter: Drafter, seed0: int) -> tuple[torch.Tensor, int, int]:
     """N_SAMPLES sampled requests (temperature 1) through one engine of 8 rows, every draft
     proposer a member of `drafter`, requests joining as others leave: counts [V16]*N_TOKENS of
     the first tokens; drafted and accepted tokens in all."""
-    engine = Engine(tiny16(), EngineConfig(max_batch=8))
+    requests = []
     for seed in range(seed0, seed0 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         proposer = DraftModelProposer(drafter, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
-        engine.add(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
-    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
-    ids: dict[str, list[int]] = {}
-    drafted = accepted = 0
-    while engine.has_work():
-        for rid, event in engine.step():
-            ids.setdefault(rid, []).extend(event.token_ids)
-            if event.finish_reason:
-                counts[tuple(ids[rid][:N_TOKENS])] += 1
-                drafted += event.stats.drafted_tokens
-                accepted += event.stats.accepted_tokens
-    return counts, drafted, accepted
+        requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
+    return first_tokens_in_batches(tiny16(), requests)
 
 
 def test_sampling_law_through_the_batched_draft() -> None:
