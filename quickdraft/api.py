@@ -5,9 +5,10 @@ deltas, stop strings are applied to that text. The CLI and (later) the server co
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -21,6 +22,8 @@ from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
+
+T = TypeVar("T")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,6 +118,8 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
+        self._shared: dict[Hashable, Any] = {}
+        self._shared_lock = threading.Lock()  # proposers are made on engine threads and callers' threads
         if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
@@ -162,6 +167,13 @@ class LLM:
         if isinstance(self._heads[key], SpecConfigError):
             raise SpecConfigError(str(self._heads[key]))
         return self._heads[key]
+
+    def shared(self, key: Hashable, make: Callable[[], T]) -> T:
+        """State proposers share across this model's requests, made once per key (proposers/base.py Target)."""
+        with self._shared_lock:
+            if key not in self._shared:
+                self._shared[key] = make()
+            return self._shared[key]
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:

@@ -13,10 +13,11 @@ from typing import Sequence
 import pytest
 import torch
 
+import quickdraft
 import quickdraft.proposers.drafter as drafter_module
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.proposers.base import Committed, Proposer
+from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
@@ -26,6 +27,7 @@ from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K
                                  assert_plain_sampling_law, kv_mismatch, plain_law, tiny16, tiny16_draft)
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
+from tiny_tokenizer import tiny_llm_dir
 
 
 def noisy_draft(seed: int = 3, noise: float = 0.15):
@@ -199,3 +201,30 @@ def test_rows_return_to_the_pool() -> None:
     ids = [t for e in generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), fourth, 3) for t in e.token_ids]
     assert ids == [t for e in generate_tokens(target(), [1, 2, 3], greedy(12)) for t in e.token_ids]
     assert fourth.row == 2
+
+
+def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the API (as the server makes proposers): every request of one target drafting
+    with one draft model is a member of the same Drafter, so their draft steps batch."""
+    target_dir = tiny_llm_dir(tmp_path / "target")
+    draft_dir = tiny_llm_dir(tmp_path / "draft", seed=3)
+    llm = quickdraft.load(str(target_dir), spec=SpecConfig("draft", k=4, draft_model=str(draft_dir)))
+    rows_per_forward: list[int] = []
+    forward = Drafter._forward
+
+    def counted(self, members, feeds, starts):
+        rows_per_forward.append(len(members))
+        return forward(self, members, feeds, starts)
+    monkeypatch.setattr(Drafter, "_forward", counted)
+
+    def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+        return llm.proposer(list(prompt), params, llm.spec)
+    first, second = make([1, 2], greedy(4)), make([3, 4], greedy(4))
+    assert first.group is second.group and first.group.model is llm.draft_model(str(draft_dir)).model
+    batch = [Job([1, 17, 42, 8, 77, 23], greedy(20), make, 4),
+             Job([44, 12, 19], greedy(16), make, 3, join_at=1),
+             Job([9, 2, 9, 2, 9, 2, 9], greedy(18), make, 4, join_at=2)]
+    out, _, violations = run_batched(llm.model, batch, EngineConfig(max_batch=3))
+    assert violations == [] and max(rows_per_forward) == 3
+    for i, job in enumerate(batch):
+        assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(llm.model), f"request {i} differs"

@@ -223,6 +223,9 @@ class FakeTarget:
     def draft_head(self, path: str | None = None):
         raise SpecConfigError("no draft head ships for this model")
 
+    def shared(self, key, make):
+        return make()  # nothing shared: each request alone
+
 
 def test_auto_runs_the_measured_proposer_of_a_packaged_target() -> None:
     target, draft = tiny("llama-gqa-untied", init=0.1), noisy("llama-gqa-untied", 0.3)

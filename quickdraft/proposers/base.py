@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -15,6 +15,8 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
+
+T = TypeVar("T")
 
 MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
 DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
@@ -221,6 +223,11 @@ class Target(Protocol):
 
     def draft_head(self, path: str | None = None) -> Any:
         """A DraftHead trained for the target; None: the one that ships for it."""
+
+    def shared(self, key: Hashable, make: Callable[[], T]) -> T:
+        """State that proposers share across the requests of this target (a draft model's batched
+        cache, tables learned from earlier passes): `make()` on the key's first use, then the same
+        object for as long as the target lives."""
 
 
 @dataclass

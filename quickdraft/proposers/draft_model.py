@@ -75,4 +75,6 @@ def make_draft(ctx: ProposerContext) -> DraftModelProposer:
     draft = ctx.target.draft_model(ctx.config.draft_model)
     capacity = min(draft.model.config.max_position_embeddings,
                    len(ctx.prompt_ids) + ctx.params.max_new_tokens + ctx.config.k + 1)
-    return DraftModelProposer(Drafter(draft.model), ctx.prompt_ids, ctx.params, capacity)  # TODO shared
+    # one Drafter per draft model for all of the target's requests: their draft steps batch
+    drafter = ctx.target.shared((Drafter, draft.model), lambda: Drafter(draft.model))
+    return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity)
