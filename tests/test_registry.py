@@ -33,6 +33,8 @@ def test_option_flags_come_from_the_registry_and_keep_their_defaults() -> None:
 def test_options_are_validated_by_their_dataclass() -> None:
     with pytest.raises(SpecConfigError, match="ngram_min <= ngram_max"):
         SpecConfig("ngram", options={"ngram_min": 5, "ngram_max": 3})
+    with pytest.raises(SpecConfigError, match="ngram_branches must be in 1..64, found 0"):  # registry.option's range
+        SpecConfig("ngram-tree", options={"ngram_branches": 0})
     with pytest.raises(SpecConfigError, match="unknown proposer option.*ngram_max"):
         SpecConfig("ngram", options={"ngram_size": 3})
     # an option of another proposer is kept for a method switch (the server's per-request method)

@@ -149,6 +149,10 @@ def test_per_request_speculation(server: Server) -> None:
     assert off["choices"][0]["text"] == on["choices"][0]["text"] == fixed["choices"][0]["text"]
     assert off["stats"]["drafted_tokens"] == 0 and on["stats"]["drafted_tokens"] > 0
     assert len(fixed["stats"]["acceptance_by_position"]) == 5  # all 5 offered tokens verified
+    # a proposer's own options, as the registry names them: a 16-token suffix never recurs here
+    long_only = stats({"method": "ngram", "ngram_min": 16, "ngram_max": 16})
+    assert long_only["choices"][0]["text"] == off["choices"][0]["text"]
+    assert long_only["stats"]["drafted_tokens"] == 0
 
 
 def test_eight_concurrent_streams_equal_each_alone(server: Server, llm) -> None:
@@ -216,6 +220,12 @@ BAD = {
     "no head for this model": ({"model": NAME, "prompt": "hi", "speculative": {"method": "head"}}, 400,
                                "no draft head ships"),
     "unknown speculative field": ({"model": NAME, "prompt": "hi", "speculative": {"kk": 2}}, 400, "kk"),
+    "option out of range": ({"model": NAME, "prompt": "hi", "speculative": {"ngram_max": 17}}, 400,
+                            "speculative.ngram_max: Input should be less than or equal to 16"),
+    "options at odds": ({"model": NAME, "prompt": "hi", "speculative": {"ngram_min": 5}}, 400,
+                        "ngram_min <= ngram_max, found 5, 4"),
+    "option of wrong type": ({"model": NAME, "prompt": "hi", "speculative": {"ngram_min": "2"}}, 400,
+                             "speculative.ngram_min"),
     "stop wrong type": ({"model": NAME, "prompt": "hi", "stop": 5}, 400, "stop"),
     "penalty": ({"model": NAME, "prompt": "hi", "presence_penalty": 1.0}, 400, "not supported"),
 }

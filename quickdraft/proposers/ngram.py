@@ -20,32 +20,28 @@ they would have been accepted) and reports that as the draft's `accept_probs`.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from quickdraft.proposers.base import Agreement, Committed, Draft, ProposerContext, register
+from quickdraft.proposers.registry import check_ranges, option
 
 
 @dataclass(frozen=True)
 class NgramOptions:
-    ngram_max: int = field(default=4, metadata={"help": "n-gram proposer: longest suffix matched"})
-    ngram_min: int = field(default=1, metadata={"help": "n-gram proposer: shortest suffix matched"})
+    ngram_max: int = option(4, "n-gram proposer: longest suffix matched", 1, 16)
+    ngram_min: int = option(1, "n-gram proposer: shortest suffix matched", 1, 16)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.ngram_min <= self.ngram_max <= 16:
-            raise ValueError(f"n-gram sizes need 1 <= ngram_min <= ngram_max <= 16, "
-                             f"found {self.ngram_min}, {self.ngram_max}")
+        check_ranges(self)
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"n-gram sizes need ngram_min <= ngram_max, found {self.ngram_min}, {self.ngram_max}")
 
 
 @dataclass(frozen=True)
 class NgramTreeOptions(NgramOptions):
-    ngram_branches: int = field(default=4, metadata={"help": "ngram-tree: earlier occurrences whose "
-                                                              "continuations are merged into the tree"})
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 1 <= self.ngram_branches <= 64:
-            raise ValueError(f"ngram_branches must be in 1..64, found {self.ngram_branches}")
+    ngram_branches: int = option(4, "ngram-tree: earlier occurrences whose continuations are merged into the tree",
+                                 1, 64)
 
 
 Continuation = tuple[float, list[int]]  # (estimated chance each token is accepted, the tokens)

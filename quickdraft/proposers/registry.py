@@ -11,6 +11,21 @@ from typing import Any, Callable, Literal
 FileKind = Literal["draft_model", "head"]  # the SpecConfig field naming a file a proposer drafts with
 
 
+def option(default: Any, help: str, lo: float | None = None, hi: float | None = None) -> Any:
+    """A proposer option's field: its default, one line of help, and for a number the range it
+    must lie in (checked by `check_ranges`, shown by --help and the server's published schema)."""
+    return dataclasses.field(default=default, metadata={"help": help, "range": (lo, hi)})
+
+
+def check_ranges(options: Any) -> None:
+    """Raise ValueError naming the first option of an options dataclass outside its range."""
+    for f in dataclasses.fields(options):
+        lo, hi = f.metadata.get("range", (None, None))
+        value = getattr(options, f.name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise ValueError(f"{f.name} must be in {lo}..{hi}, found {value!r}")
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """The options of a proposer without settings of its own."""
@@ -51,6 +66,9 @@ def option_fields() -> dict[str, dataclasses.Field]:
         for f in dataclasses.fields(entry.options):
             assert f.name not in fields or fields[f.name].default == f.default, \
                 f"proposer option {f.name!r} has two defaults: {fields[f.name].default!r}, {f.default!r}"
+            assert isinstance(f.default, bool) or not isinstance(f.default, (int, float)) or \
+                None not in f.metadata.get("range", (None, None)), \
+                f"proposer option {f.name!r} is a number without a range (registry.option(..., lo, hi))"
             fields.setdefault(f.name, f)
     return fields
 

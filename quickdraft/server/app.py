@@ -29,7 +29,7 @@ from quickdraft.server.errors import BadRequest, install_error_handlers
 from quickdraft.server.guards import Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.playground import install_playground
-from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
 from quickdraft.proposers import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
@@ -190,8 +190,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         spec = config.spec
         if body.speculative is not None:
             chosen = body.speculative.model_dump(exclude_none=True)
-            try:
-                spec = replace(spec, **chosen)  # SpecConfig validates (unknown method, k range, no draft)
+            own = {name: value for name, value in chosen.items() if name in SPEC_FIELDS}
+            options = {name: value for name, value in chosen.items() if name not in SPEC_FIELDS}
+            try:  # SpecConfig validates (unknown method, k range, no draft, the proposer's option values)
+                spec = replace(spec, **own, options={**spec.options, **options})
             except SpecConfigError as e:
                 raise BadRequest(400, str(e), "speculative", "invalid_speculation") from None
         if problem := _unusable(spec):

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler,
-                      GetJsonSchemaHandler, StringConstraints, ValidationInfo, field_validator)
+                      GetJsonSchemaHandler, StringConstraints, ValidationInfo, create_model, field_validator)
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from quickdraft.proposers import MAX_K
+from quickdraft.proposers.registry import option_fields
 from quickdraft.tokenizer import unicode_error
 
 
@@ -75,12 +76,24 @@ class only:
 ModelName = Annotated[str, StringConstraints(max_length=256)]
 
 
-class Speculative(BaseModel):
-    """quickdraft's extra field: this request's speculation; unset parts take the server's flags."""
+class _SpeculativeBase(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     method: Annotated[str, StringConstraints(max_length=64)] | None = None  # a proposer, or "none"
     k: DraftLength | None = None
     adaptive: bool | None = None
+
+
+# quickdraft's extra field: this request's speculation; unset parts take the server's flags. The
+# proposers' own options (ngram_max, ...) are fields too, named and described as the registry has
+# them (their defaults live there; the chosen proposer's options dataclass checks the values).
+Speculative = create_model(
+    "Speculative", __base__=_SpeculativeBase,
+    __doc__="quickdraft's extra field: this request's speculation; unset parts take the server's flags.",
+    **{name: (type(f.default) | None, Field(default=None, description=f.metadata.get("help"),
+                                            ge=f.metadata.get("range", (None, None))[0],
+                                            le=f.metadata.get("range", (None, None))[1]))
+       for name, f in option_fields().items()})
+SPEC_FIELDS = frozenset(_SpeculativeBase.model_fields)  # SpecConfig's own; the rest are proposer options
 
 
 class StreamOptions(BaseModel):
