@@ -6,6 +6,8 @@ import os
 # then waited on them: a softmax over [5, 151936] logits took 4-25 ms instead of 0.7, sampled
 # speculation on the Qwen pair ran 10-14% slower. Waiting passively frees the core. It must be set
 # before torch loads OpenMP (so before any `import torch`); a policy the user set wins.
+# llama.cpp, which the benchmarks run in a process of their own, gets the user's (bench/llamacpp_engine.py).
+USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from quickdraft.api import LLM, Chunk, Completion, load

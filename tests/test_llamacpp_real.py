@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from quickdraft.bench.llamacpp_engine import LlamaCppEngine
+from quickdraft.bench.llamacpp_worker import LlamaCppEngine  # in this process: the test reads its internals
 from quickdraft.cli import main
 from quickdraft.weights.resolve import resolve_model
 

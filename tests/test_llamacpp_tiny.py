@@ -9,6 +9,9 @@ and the prompt ids quickdraft's rows decode from.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,7 +52,7 @@ def test_plain_engine_stops_at_eos_and_prefills_in_pieces(gguf: Path, reference:
         stop = reference[5]
         first = reference.index(stop)
         assert whole.generate(PROMPT, N, frozenset({stop})) == reference[:first + 1]  # through the EOS
-        room = whole.llm.n_ctx()  # llama.cpp may round the context up
+        room = whole.n_ctx()  # llama.cpp may round the context up
         message = f"context holds {room} tokens, but a turn needs 18 prompt \\+ {room - 17}"
         with pytest.raises(QuickdraftError, match=message):
             whole.generate(PROMPT, room - 17, frozenset())
@@ -86,3 +89,27 @@ def test_specbench_rows_with_the_real_binding(gguf: Path, tmp_path: Path, capsys
         assert runs[label]["identical_to_plain"] is not None  # reported, not required
     assert runs["llama.cpp-plain"]["tokens_per_pass"] == 1.0
     assert runs["llama.cpp-prompt-lookup"]["tokens_per_pass"] >= 1.0
+
+
+@pytest.mark.parametrize("given", [None, "active"])
+def test_llamacpp_runs_with_the_users_openmp_wait_policy(gguf: Path, given: str | None) -> None:
+    """quickdraft waits passively (torch's pool); llama.cpp, in its own process, as the user said.
+    The worker's environment is read from /proc, as the OpenMP runtime there read it."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": given} if given else {})
+    script = ("import os, quickdraft; from quickdraft.bench.llamacpp_engine import LlamaCppEngine; "
+              f"e = LlamaCppEngine({str(gguf)!r}, 1, 64); "
+              "w = open(f'/proc/{e.worker.process.pid}/environ', 'rb').read().split(b'\\0'); "
+              "print(os.environ['OMP_WAIT_POLICY'], [v.decode() for v in w if v.startswith(b'OMP_WAIT_POLICY=')]); "
+              "e.close()")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parents[1]).stdout.split("\n")[-2]
+    ours, theirs = out.split(" ", 1)
+    assert ours == (given or "PASSIVE")
+    assert theirs == (f"['OMP_WAIT_POLICY={given}']" if given else "[]")
+
+
+def test_a_failing_llamacpp_process_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(QuickdraftError, match="llama.cpp: "):
+        LlamaCppEngine(bad, threads=1, n_ctx=64)

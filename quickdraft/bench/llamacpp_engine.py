@@ -1,26 +1,33 @@
-"""llama.cpp (PyPI `llama-cpp-python`, the optional `bench` extra) as a `BenchEngine`
-(bench/compare.py) and as Spec-Bench rows: the same GGUF file and token ids as quickdraft, the
-same thread count.
+"""llama.cpp as the benchmarks see it: a `BenchEngine` (bench/compare.py) and Spec-Bench rows, on
+the same GGUF file and token ids as quickdraft, with the same thread count, each engine a proxy of
+one in llamacpp_worker.py running in a process of its own.
 
-`Llama(...)` loads; plain decoding goes through llama.cpp's C API directly (one `llama_decode`
-per pass, its own greedy sampler, `llama_memory_seq_rm` to drop fed tokens), so the binding's
-Python bookkeeping (copying logits into numpy per token) is not charged to llama.cpp. Prompt
-lookup is the binding's own (`LlamaPromptLookupDecoding` in its `generate` loop): the only
-speculative decoding it offers, bookkeeping included.
+The worker gets the environment the user started quickdraft with: quickdraft's passive OpenMP wait
+policy (quickdraft/__init__.py) is for torch's pool, and llama.cpp in the same process shares that
+runtime, where the policy cost it a third of its decoding speed. A call costs a pipe round trip
+(tens of microseconds, against passes of milliseconds), charged to llama.cpp's clock.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import AbstractSet, Any, Iterator, Sequence
 
+import quickdraft
 from quickdraft.errors import QuickdraftError
 
+WORKER = Path(__file__).with_name("llamacpp_worker.py")  # run by path: it must not import quickdraft
 INSTALL_HINT = ("llama.cpp comes from the optional `bench` extra: pip install -e '.[bench]' (or "
                 "bash scripts/install.sh --bench); pip builds llama-cpp-python from source with cmake "
                 "(5-10 minutes on 2 cores)")
 
 
 def import_llama_cpp() -> Any:
+    """The binding, imported here only to say it is there and which version it is."""
     try:
         import llama_cpp
     except ImportError as e:
@@ -29,142 +36,106 @@ def import_llama_cpp() -> Any:
     return llama_cpp
 
 
+def worker_environment() -> dict[str, str]:
+    """This process's environment with OMP_WAIT_POLICY as the user had it (unset if they had none)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if quickdraft.USER_OMP_WAIT_POLICY is not None:
+        env["OMP_WAIT_POLICY"] = quickdraft.USER_OMP_WAIT_POLICY
+    return env
+
+
+class _Worker:
+    """One llamacpp_worker.py process serving one engine."""
+
+    def __init__(self, kind: str, args: Sequence[Any]) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            import_llama_cpp()  # raises, saying what to install
+        self.process = subprocess.Popen([sys.executable, str(WORKER), kind, json.dumps(list(args))],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env=worker_environment())
+        info = self._answer()
+        self.version, self.system_info = info["version"], info["system_info"]
+
+    def _answer(self) -> Any:
+        line = self.process.stdout.readline()
+        if not line:
+            raise QuickdraftError(f"llama.cpp's process ended (exit code {self.process.wait()}); its output is above")
+        message = json.loads(line)
+        if "error" in message:
+            raise QuickdraftError(f"llama.cpp: {message['error']}")
+        return None if message.get("done") else message["ok"]
+
+    def call(self, name: str, *args: Any) -> Any:
+        self.process.stdin.write(json.dumps({"call": name, "args": list(args)}) + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def stream(self, name: str, *args: Any) -> Iterator[Any]:
+        self.call(name, *args)
+        while True:
+            self.process.stdin.write('{"call": "next"}\n')
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+            message = json.loads(line) if line else {"error": "its process ended"}
+            if message.get("done"):
+                return
+            if "error" in message:
+                raise QuickdraftError(f"llama.cpp: {message['error']}")
+            yield message["ok"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.call("close")
+            self.process.wait(timeout=60)
+
+
 class LlamaCppEngine:
+    """llama.cpp's plain greedy decoding, its prefill and its passes over fed tokens (llamacpp_worker.py)."""
     name = "llama.cpp"
 
     def __init__(self, path: Path, threads: int, n_ctx: int, n_batch: int = 512) -> None:
-        lc = import_llama_cpp()
-        self.lc = lc
-        # flash attention on: what llama.cpp's own tools choose on a CPU ("auto"), which the
-        # binding's flag cannot express
-        self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                            n_threads=threads, n_threads_batch=threads, flash_attn=True, verbose=False)
-        self.ctx = self.llm.ctx
-        self.memory = lc.llama_get_memory(self.ctx)
-        self.n_batch = n_batch
-        self.batch = lc.llama_batch_init(n_batch, 0, 1)
-        self.sampler = lc.llama_sampler_init_greedy()
-        self.n = 0  # tokens in the KV cache
-
-    @property
-    def version(self) -> str:
-        return self.lc.__version__
+        self.worker = _Worker("plain", [str(path), threads, n_ctx, n_batch])
+        self.version = self.worker.version
 
     def system_info(self) -> str:
-        return self.lc.llama_print_system_info().decode(errors="replace").strip()
+        return self.worker.system_info
+
+    def n_ctx(self) -> int:
+        return self.worker.call("n_ctx")
 
     def close(self) -> None:
-        self.lc.llama_sampler_free(self.sampler)
-        self.lc.llama_batch_free(self.batch)
-        self.llm.close()
-
-    def _decode(self, tokens: Sequence[int], all_logits: bool) -> None:
-        if len(tokens) > self.n_batch:
-            raise ValueError(f"{len(tokens)} tokens in one pass, expected at most n_batch = {self.n_batch}")
-        b = self.batch
-        b.n_tokens = len(tokens)
-        for i, token in enumerate(tokens):
-            b.token[i] = token
-            b.pos[i] = self.n + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = all_logits or i == len(tokens) - 1
-        rc = self.lc.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc} for {len(tokens)} tokens at position {self.n}")
-        self.lc.llama_synchronize(self.ctx)  # the caller's clock must see the pass finished
-        self.n += len(tokens)
-
-    def truncate(self, n: int) -> None:
-        self.lc.llama_memory_seq_rm(self.memory, 0, n, -1)
-        self.n = n
+        self.worker.close()
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        self.truncate(0)
-        for start in range(0, len(tokens), self.n_batch):  # one pass per n_batch tokens, as llama.cpp's tools
-            self._decode(tokens[start:start + self.n_batch], all_logits=False)
+        self.worker.call("prefill", list(tokens))
 
     def feed(self, tokens: Sequence[int]) -> None:
-        self._decode(tokens, all_logits=True)
+        self.worker.call("feed", list(tokens))
+
+    def truncate(self, n: int) -> None:
+        self.worker.call("truncate", n)
 
     def stream_greedy(self, prompt: Sequence[int], n: int) -> Iterator[int]:
-        self.prefill(prompt)
-        for i in range(n):
-            token = self.lc.llama_sampler_sample(self.sampler, self.ctx, -1)  # argmax of the last logits
-            yield token
-            if i < n - 1:
-                self._decode([token], all_logits=False)
-
+        return self.worker.stream("stream_greedy", list(prompt), n)
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: AbstractSet[int]) -> list[int]:
         """Greedy tokens after `prompt`, up to max_new_tokens or through the first EOS (included)."""
-        check_room(len(prompt), max_new_tokens, self.llm.n_ctx())
-        out = []
-        for token in self.stream_greedy(prompt, max_new_tokens):
-            out.append(token)
-            if token in eos:
-                break
-        return out
-
-
-def check_room(prompt_tokens: int, max_new_tokens: int, n_ctx: int) -> None:
-    if prompt_tokens + max_new_tokens > n_ctx:
-        raise QuickdraftError(f"llama.cpp's context holds {n_ctx} tokens, but a turn needs {prompt_tokens} "
-                              f"prompt + {max_new_tokens} new tokens")
-
-
-CTX_PAD = 256
+        return self.worker.call("generate", list(prompt), max_new_tokens, sorted(eos))
 
 
 class LlamaCppPromptLookup:
-    """The binding's prompt-lookup decoding, greedy: `Llama(draft_model=LlamaPromptLookupDecoding(
-    max_ngram_size, num_pred_tokens))` and its `generate` loop, which verifies each draft in one
-    llama_decode and keeps the tokens up to the first mismatch. Counts its passes and drafts."""
+    """The binding's prompt-lookup decoding, greedy (llamacpp_worker.py), with its passes and drafts."""
     name = "llama.cpp prompt lookup"
 
     def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 10,
                  max_ngram_size: int = 2) -> None:
-        lc = import_llama_cpp()
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        lookup = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
-        self.passes = self.drafted = 0
-
-        def draft(input_ids, **kwargs):  # noqa: ANN001, ANN003 (the binding's draft-model call)
-            tokens = lookup(input_ids, **kwargs)
-            self.drafted += len(tokens)
-            return tokens
-
-        # logits_all: the binding's drafting loop reads every fed position's logits, and sizes its
-        # logits array by this flag (not by the draft model); flash attention as LlamaCppEngine's.
-        # n_ctx a multiple of 256: llama.cpp pads the context to one, and the binding's loop bounds
-        # drafts by the padded size but its token array by the size asked for (overflowing it)
-        n_ctx = -(-n_ctx // CTX_PAD) * CTX_PAD
-        self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                            flash_attn=True, logits_all=True, draft_model=draft, verbose=False)
-        if self.llm.n_ctx() != len(self.llm.input_ids):
-            self.llm.close()
-            raise QuickdraftError(f"llama.cpp made a context of {self.llm.n_ctx()} tokens for {n_ctx} asked for; "
-                                  f"the binding's prompt lookup needs them equal")
-        evaluate = self.llm.eval
-
-        def counted_eval(tokens: Sequence[int]) -> None:
-            self.passes += 1  # one llama_decode per call unless the tokens exceed n_batch (the prompt)
-            evaluate(tokens)
-
-        self.llm.eval = counted_eval
+        self.worker = _Worker("prompt-lookup", [str(path), threads, n_ctx, num_pred_tokens, max_ngram_size])
 
     def close(self) -> None:
-        self.llm.close()
+        self.worker.close()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: AbstractSet[int]) -> tuple[list[int], int, int]:
         """Greedy tokens after `prompt` (up to max_new_tokens or through the first EOS), with the
         target passes and drafted tokens it took."""
-        check_room(len(prompt), max_new_tokens, self.llm.n_ctx())
-        self.llm.reset()  # no prefix reuse from an earlier call: every turn starts from an empty cache
-        self.passes = self.drafted = 0
-        out: list[int] = []
-        for token in self.llm.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-            out.append(token)
-            if token in eos or len(out) == max_new_tokens:
-                break
-        return out, self.passes, self.drafted
+        out, passes, drafted = self.worker.call("generate", list(prompt), max_new_tokens, sorted(eos))
+        return out, passes, drafted

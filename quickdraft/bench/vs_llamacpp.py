@@ -15,7 +15,7 @@ import torch
 
 from quickdraft.api import parse_dtype
 from quickdraft.bench.compare import CompareConfig, Comparison, load_engines, run_comparison
-from quickdraft.bench.llamacpp_engine import LlamaCppEngine, import_llama_cpp
+from quickdraft.bench.llamacpp_engine import LlamaCppEngine, import_llama_cpp, worker_environment
 from quickdraft.bench.plain import PROMPTS
 from quickdraft.bench.qd_engine import QuickdraftEngine
 from quickdraft.errors import QuickdraftError
@@ -80,8 +80,9 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
               "max_new_tokens": max_new_tokens, "repeats": repeats, "context": context,
               "torch": torch.__version__, "quickdraft_kernel": kernel_info().as_dict(), "llama_cpp_python": lc.__version__,
               "llama_cpp_system_info": theirs.system_info(), "llama_cpp_flash_attn": True,
-              # both engines' threads wait in one OpenMP runtime; its policy decides the numbers on a busy machine
+              # how each engine's OpenMP threads wait (llama.cpp runs in a process of its own)
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+              "llama_cpp_omp_wait_policy": worker_environment().get("OMP_WAIT_POLICY"),
               "machine": platform.machine(), "processor": platform.processor(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
