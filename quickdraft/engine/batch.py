@@ -23,7 +23,7 @@ from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, c
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer, propose_together
+from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer, TopTokens, propose_together
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]
@@ -207,12 +207,14 @@ class Engine:
         step_s = time.perf_counter() - t0
         self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
         steps, origins = [], []
+        top = TopTokens(out.logits, [1 + len(d.tokens) for d in drafts])  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
             row.stats.record_draft(draft.depths(), len(kept))
-            steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]]))
+            steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]],
+                                   top.row(b)))
             origins.append(token_origins(draft.tree, kept, draft.source))
         return self._emit(rows, steps, step_s, origins)
 
@@ -246,8 +248,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fail(row, e)
         row.length = n
-        return self._emit([row], [Committed(verdict.tokens[0], 0, 0, out.hidden[0])], time.perf_counter() - t0,
-                          [[TokenOrigin("target", 0)]])
+        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0))
+        return self._emit([row], [step], time.perf_counter() - t0, [[TokenOrigin("target", 0)]])
 
     def _fail(self, row: _Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

@@ -1,5 +1,6 @@
 """Proposers behind one protocol, found by name in a registry."""
-from quickdraft.proposers import draft_model, head, hybrid, ngram  # noqa: F401  (importing registers them)
+# importing registers them
+from quickdraft.proposers import draft_model, head, hybrid, ngram, recycle, suffix  # noqa: F401
 from quickdraft.proposers.base import (DEFAULT_K, MAX_K, NO_DRAFT, PROPOSERS, Committed, Draft, Proposer,
                                   ProposerContext, SpecConfig, SpecConfigError)
 

@@ -83,6 +83,28 @@ class Committed:
     features: torch.Tensor  # [n, D] the target's last-layer features at the positions the step ran and
                             # kept: the whole prompt after the prefill, then the fed token and the
                             # accepted drafts (draft heads read them; others ignore them)
+    top: Callable[[int], list[list[int]]] | None = None  # top(n): [m][n] the target's n likeliest next
+                            # tokens (likeliest first) at each of the m positions the step scored: the
+                            # fed token, then every verified draft node in node order, rejected ones
+                            # included (after the prefill: the prompt's last token); None: not kept
+
+
+class TopTokens:
+    """The target's likeliest next tokens at the positions one pass scored, for each of its rows:
+    made on the first ask (`Committed.top`) for every row at once, so a step costs one top-k and one
+    host sync when some proposer asks, nothing when none does."""
+
+    def __init__(self, logits: torch.Tensor, scored: Sequence[int]) -> None:  # logits [B, W, V]
+        self.logits, self.scored = logits, scored  # scored[b]: row b's positions (1 + verified nodes)
+        self.ids: dict[int, list[list[list[int]]]] = {}  # n -> [B][W][n]
+
+    def row(self, b: int) -> Callable[[int], list[list[int]]]:
+        return lambda n: self._top(n)[b][:self.scored[b]]
+
+    def _top(self, n: int) -> list[list[list[int]]]:
+        if n not in self.ids:
+            self.ids[n] = self.logits.topk(n, dim=-1).indices.tolist()  # the one host sync for it this step
+        return self.ids[n]
 
 
 class Agreement:
@@ -245,5 +267,5 @@ class ProposerContext:
 
 
 __all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposal", "Proposer",
-           "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "propose_together",
+           "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "TopTokens", "propose_together",
            "register"]

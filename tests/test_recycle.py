@@ -1,0 +1,154 @@
+"""Token Recycling (proposers/recycle.py): greedy output equals plain greedy decoding (batch 1 and a
+batch with rows joining and leaving, several k, the K/V of every row checked after every step);
+sampled output follows plain sampling's law (chi-square, test_spec_exactness); the table is one
+object per target, shared by its requests, of fixed size; the commit record's top candidates.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
+from test_spec_exactness import (
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    V16,
+    assert_plain_sampling_law,
+    tiny16,
+)
+
+import quickdraft
+from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.model.llama import Transformer
+from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
+from quickdraft.proposers.recycle import EMPTY, RecycleProposer, make_recycle, new_table
+from quickdraft.sampling import SamplingParams
+
+VOCAB = 96  # the tiny target's
+
+
+class Home:
+    """A Target around a tiny model: its shared state, as quickdraft.LLM keeps it (LLM.shared)."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model, self.name, self.state = model, None, {}
+
+    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        if key not in self.state:
+            self.state[key] = make()
+        return self.state[key]
+
+
+def recycling(table: torch.Tensor):
+    def make(prompt: Sequence[int], params: SamplingParams) -> RecycleProposer:
+        return RecycleProposer(prompt, table)
+    return make
+
+
+def assert_alone_greedy_equals_plain(make: Callable, k: int) -> None:
+    """Each of JOBS alone, twice through one shared state (cold, then warm), the K/V checked every
+    step: its tokens are plain greedy's; drafts were accepted."""
+    model = target()
+    accepted = 0
+    for _ in range(2):
+        for job in JOBS:
+            out, last, violations = run_batched(model, [replace(job, make=make, k=k, join_at=0)],
+                                                EngineConfig(max_batch=1, policy="fixed"))
+            assert violations == []
+            assert out["0"] == replace(job, make=None, k=0).alone(model)
+            accepted += last["0"].stats.accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("k", [1, 4, 8, 16])
+def test_greedy_equals_plain_alone(k: int) -> None:
+    assert_alone_greedy_equals_plain(recycling(new_table(VOCAB, 8)), k)
+
+
+def assert_batched_greedy_equals_plain(make: Callable, k: int, policy: str) -> None:
+    """JOBS in a batch of 3 (rows join, finish, wait, stop), twice through one shared state (cold,
+    then warm): every request's tokens are plain greedy's; drafts were accepted."""
+    model = target()
+    jobs = [replace(job, make=make, k=k) for job in JOBS]
+    plain = [replace(job, make=None, k=0).alone(model) for job in JOBS]
+    for _ in range(2):
+        out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=3, policy=policy))
+        assert violations == []
+        assert [out[str(i)] for i in range(len(jobs))] == plain
+    assert sum(ev.stats.accepted_tokens for ev in last.values()) > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+@pytest.mark.parametrize("k", [3, 8])
+def test_batched_greedy_equals_plain_with_rows_joining_and_leaving(k: int, policy: str) -> None:
+    assert_batched_greedy_equals_plain(recycling(new_table(VOCAB, 4)), k, policy)
+
+
+def test_sampled_recycle_trees_through_the_engine_follow_plain_sampling() -> None:
+    """Chi-square on the joint law of the first tokens: false failure probability ALPHA (see
+    test_spec_exactness.assert_plain_sampling_law); the table is shared by all requests."""
+    table = new_table(V16, 4)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_new_tokens=N_TOKENS + 1, ignore_eos=True)
+              for seed in range(60_000, 60_000 + N_SAMPLES)]
+    counts, drafted, accepted = first_tokens_in_batches(tiny16(), [
+        Request(PROMPT16, p, frozenset(), RecycleProposer(PROMPT16, table), 4, adaptive=False, id=str(p.seed))
+        for p in params])
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
+
+
+def test_a_second_request_drafts_from_the_first_requests_table() -> None:
+    """One LLM's requests share one table (Target.shared): the second run of a prompt accepts
+    more than the first, and the table keeps its shape [V, K] whatever ran."""
+    model = target()
+    llm = Home(model)
+    spec = SpecConfig("recycle", k=8, adaptive=False, options={"recycle_top": 4})
+    job = Job(JOBS[1].prompt, JOBS[1].params, None, 8)
+    make = lambda prompt, params: make_recycle(ProposerContext(list(prompt), params, spec, llm))
+    first = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
+    table = llm.state[("recycle", VOCAB, 4)]
+    second = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
+    assert llm.state[("recycle", VOCAB, 4)] is table and table.shape == (VOCAB, 4)
+    assert second.accepted_tokens > first.accepted_tokens
+    assert second.target_passes < first.target_passes
+    for _ in range(3):
+        run_batched(model, [replace(j, make=make, k=8) for j in JOBS], EngineConfig(max_batch=4))
+    assert list(llm.state) == [("recycle", VOCAB, 4)] and table.shape == (VOCAB, 4)
+
+
+def test_commit_records_every_scored_position_rejected_nodes_included() -> None:
+    table = new_table(10, 2)
+    table[5] = torch.tensor([6, 7])
+    table[6] = torch.tensor([8, 9])
+    proposer = RecycleProposer([1, 5], table)
+    draft = proposer.propose(3)  # best-first on the priors 1/3 (rank 0), 1/6 (rank 1): 6, 7, then 6's 8
+    assert (draft.tokens, draft.parents) == ([6, 7, 8], [-1, -1, 0])
+    tops = {5: [6, 2], 6: [3, 4], 8: [0, 1], 7: [9, 9]}
+    # the target kept 6, rejected 8, said 3: positions scored are the root (5), then nodes 6, 7, 8
+    proposer.commit(Committed([6, 3], 1, 3, torch.empty(2, 0), lambda n: [tops[t][:n] for t in (5, 6, 7, 8)]))
+    assert table[5].tolist() == [6, 2] and table[6].tolist() == [3, 4]
+    assert table[8].tolist() == [0, 1] and table[7].tolist() == [9, 9]  # recycled
+    assert proposer.last == 3 and table[0].tolist() == [EMPTY, EMPTY]
+    assert proposer.propose(2).tokens == []  # row 3 was never filled
+    assert proposer.rate(0) == pytest.approx(2 / 5)  # 6 was rank 0 under 5; 3 was not in 6's row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["recycle", "suffix"])
+def test_greedy_equals_plain_on_the_default_model(method: str) -> None:
+    """SmolLM2: each prompt twice, the second time with the shared table / corpus the first left."""
+    from test_real_model import SPEC_PROMPTS, chat
+    llm = quickdraft.load()
+    params = SamplingParams(max_new_tokens=64)
+    accepted = []
+    for _ in range(2):
+        accepted.append(0)
+        for prompt in SPEC_PROMPTS:
+            plain = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig())
+            spec = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig(method, k=8, adaptive=False))
+            assert spec.token_ids == plain.token_ids, prompt
+            accepted[-1] += spec.stats.accepted_tokens
+    assert 0 < accepted[0] < accepted[1]
