@@ -17,3 +17,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
+def free_draft_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft-model forwards measured as free, in every test unless it says otherwise.
+
+    A drafter weighs its own forwards before drafting (proposers/draft_cost.py): a draft that costs
+    as much as its target drafts little or nothing. The tiny test drafts cost what their tiny
+    targets do, so without this most tests' drafts would be cut short by timing, and their premises
+    (drafts offered, accepted and rejected) would hang on the machine's speed. Under it a drafter
+    behaves as one far cheaper than its target: a token is drafted when its expected gain pays for
+    its verification. tests/test_draft_cost.py measures real costs instead."""
+    from quickdraft.proposers.draft_cost import ForwardTimes
+    observe = ForwardTimes.observe
+    monkeypatch.setattr(ForwardTimes, "observe", lambda self, first, seconds: observe(self, first, 0.0))

@@ -6,6 +6,7 @@ hybrid tells it a wrong count of its own drafts; the exact law of the first samp
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -110,11 +111,15 @@ def test_lookup_then_draft_model_equals_plain_greedy(model_name: str, scenario: 
     ids, origins, stats = run(target, hybrid, k, greedy(MAX_NEW))
     assert ids == plain
     assert checked.violations == []  # the draft's cache holds K/V of committed tokens only, as computed fresh
-    sources = {o.source for o in origins if o.kind in ("accepted", "branch")}
-    assert stats.drafted_tokens > 0 and None not in sources
-    # the premises: which part's drafts were accepted
-    assert sources == {"draft-same": {"draft"}, "draft-random": {"ngram"},
-                       "draft-noisy": {"ngram", "draft"} if k > 1 else sources}[scenario]
+    by_source = Counter(o.source for o in origins if o.kind in ("accepted", "branch"))
+    assert stats.drafted_tokens > 0 and None not in by_source
+    # the premises: which part's drafts were accepted (a perfect draft wins most steps once its
+    # calibration has learned it is right: lookup may take the first ones)
+    if scenario == "draft-same":
+        assert by_source["draft"] > 2 * by_source["ngram"]
+    else:
+        assert set(by_source) == {"draft-random": {"ngram"},
+                                  "draft-noisy": {"ngram", "draft"} if k > 1 else set(by_source)}[scenario]
 
 
 def test_an_unchosen_draft_keeps_the_kv_of_its_committed_tokens() -> None:

@@ -23,7 +23,8 @@ from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, c
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft, Proposer, TopTokens, propose_together
+from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, TopTokens,
+                                      propose_together)
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]
@@ -208,13 +209,14 @@ class Engine:
         self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
         steps, origins = [], []
         top = TopTokens(out.logits, [1 + len(d.tokens) for d in drafts])  # made only if a proposer asks
+        cost = self._pass_cost(rows)
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
             row.stats.record_draft(draft.depths(), len(kept))
             steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]],
-                                   top.row(b)))
+                                   top.row(b), None if row.pinned else cost))
             origins.append(token_origins(draft.tree, kept, draft.source))
         return self._emit(rows, steps, step_s, origins)
 
@@ -223,6 +225,17 @@ class Engine:
         sizes = choose_draft_lengths([RowDraft.of(r.draft, r.pinned)
                                       for r in rows], self.cost, self.config.policy, self.config.max_step_tokens)
         return [r.draft.prefix(n) for r, n in zip(rows, sizes)]
+
+    def _pass_cost(self, rows: Sequence[_Row]) -> PassCost | None:
+        """What verification will cost these rows' next step, for proposers that pay to draft
+        (None under the fixed policy: every draft is verified whole, so its length must not
+        depend on timing). The marginal cost is t(N)'s slope up to the drafts the rows may offer."""
+        if self.config.policy == "fixed":
+            return None
+        n = len(rows)
+        extra = max(1, min(sum(r.request.k for r in rows), (self.config.max_step_tokens or MAX_K * n) - n))
+        base = self.cost.estimate(n)
+        return PassCost(base, max(self.cost.estimate(n + extra) - base, 0.0) / extra, n)
 
     def _start_row(self, request: Request) -> _Row:
         params = request.params
@@ -248,7 +261,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fail(row, e)
         row.length = n
-        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0))
+        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0),
+                         None if row.pinned else self._pass_cost(self.rows))
         return self._emit([row], [step], time.perf_counter() - t0, [[TokenOrigin("target", 0)]])
 
     def _fail(self, row: _Row, error: Exception) -> Events:

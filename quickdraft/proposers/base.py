@@ -75,6 +75,15 @@ NO_DRAFT = Draft([])
 
 
 @dataclass(frozen=True)
+class PassCost:
+    """What verifying costs in the step a proposer drafts for next, from the engine's measured
+    step times: for proposers whose drafting costs forwards (proposers/draft_cost.py)."""
+    seconds: float    # a target pass of the step's rows without drafts
+    per_token: float  # the pass's seconds per fed draft token more
+    rows: int         # rows in the pass (each commits one token at least)
+
+
+@dataclass(frozen=True)
 class Committed:
     """What one engine step appended to a request's sequence, as its proposer is told."""
     tokens: list[int]     # the accepted drafts (root to leaf), then the target's recovered or bonus token
@@ -87,6 +96,8 @@ class Committed:
                             # tokens (likeliest first) at each of the m positions the step scored: the
                             # fed token, then every verified draft node in node order, rejected ones
                             # included (after the prefill: the prompt's last token); None: not kept
+    cost: PassCost | None = None  # the next step's verification cost; None: the draft's length must
+                            # not depend on timing (the engine verifies whole drafts for this request)
 
 
 class TopTokens:
@@ -266,6 +277,6 @@ class ProposerContext:
         return self.config.proposer_options()
 
 
-__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "Proposal", "Proposer",
+__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "PassCost", "Proposal", "Proposer",
            "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "TopTokens", "propose_together",
            "register"]

@@ -13,7 +13,7 @@ from typing import Sequence
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.drafter import Drafter
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
@@ -31,6 +31,10 @@ class DraftModelProposer:
         seed = None if params.seed is None else (params.seed ^ DRAFT_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(drafter.model.device)
         self.row: int | None = None  # its row of the drafter's cache, from its first proposal on
+        self.cost: PassCost | None = None  # the next step's verification cost (drafter.py)
+        self.idle = 0
+        self.offered: list[int] = []
+        self.confidences: list[float] = []
 
     @property
     def model(self) -> Transformer:
@@ -50,6 +54,8 @@ class DraftModelProposer:
         self.cached += min(step.drafted, self.fed_drafts)
         self.tokens.extend(step.tokens)
         self.fed_drafts = 0
+        self.cost = step.cost
+        self.group.learn(self, step.tokens)
         self.group.settle(self)
 
 

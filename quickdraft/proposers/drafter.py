@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Protocol, Sequence
@@ -23,7 +24,8 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import NO_DRAFT, Draft
+from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
+from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
@@ -38,6 +40,10 @@ class Member(Protocol):
     capacity: int             # slots it may use
     params: SamplingParams
     generator: torch.Generator
+    cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
+    idle: int                 # proposals in a row it drafted nothing for
+    offered: list[int]        # its last draft's tokens
+    confidences: list[float]  # the draft's probability of each of them
 
 
 class Drafter:
@@ -48,6 +54,8 @@ class Drafter:
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         self.lock = threading.Lock()
+        self.calibration = {True: Calibration(), False: Calibration()}  # greedy / sampled rows
+        self.times = ForwardTimes()
 
     # -- members joining and leaving ----------------------------------------------------------------
 
@@ -120,8 +128,16 @@ class Drafter:
 
     def _propose(self, members: Sequence[Member], ks: Sequence[int]) -> list[Draft]:
         ks = [max(0, min(k, m.capacity - len(m.tokens) + 1)) for m, k in zip(members, ks)]
-        going = [b for b, k in enumerate(ks) if k > 0]
+        plan = next((Plan.of(m.cost) for m in members if m.cost is not None), None)
+        per_token = next((m.cost.per_token for m in members if m.cost is not None), 0.0)
+        calibration = [self.calibration[m.params.greedy] for m in members]
+        gains = [1.0] * len(members)  # per member, the chance its next draft token is reached
+        going = self._worth([b for b, k in enumerate(ks) if k > 0], members, gains, calibration, plan,
+                            per_token, self.times.first, first=True)
         drafts = [NO_DRAFT] * len(members)
+        for b, m in enumerate(members):
+            m.idle = 0 if b in going else m.idle + 1
+            m.offered, m.confidences = [], []
         if not going:
             return drafts
         for b in going:  # the prompt: alone, so the others are not padded to its length
@@ -130,41 +146,83 @@ class Drafter:
                 self._forward([m], [m.tokens[m.cached:-1]], [m.cached])
                 m.cached = len(m.tokens) - 1
                 self.settle(m)
+        t0 = time.perf_counter()
         width = max(len(members[b].tokens) - members[b].cached for b in going)
         starts = [max(0, len(members[b].tokens) - width) for b in going]
         logits = self._forward([members[b] for b in going],
                                [members[b].tokens[s:] for b, s in zip(going, starts)], starts)
-        tokens: dict[int, list[int]] = {b: [] for b in going}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in going}
+        estimates: dict[int, list[float]] = {b: [] for b in going}
+        drafting = list(going)
         for i in range(max(ks)):
-            for b, x in zip(going, self._draw(logits, [members[b] for b in going], [qs[b] for b in going])):
-                tokens[b].append(x)
-            going = [b for b in going if ks[b] > i + 1]
-            if not going:
+            for b, (x, confidence) in zip(drafting, self._draw(logits, [members[b] for b in drafting],
+                                                              [qs[b] for b in drafting])):
+                members[b].offered.append(x)
+                members[b].confidences.append(confidence)
+                estimates[b].append(calibration[b].estimate(confidence))
+                gains[b] *= estimates[b][-1]
+            self.times.observe(i == 0, time.perf_counter() - t0)
+            drafting = self._worth([b for b in drafting if ks[b] > i + 1], members, gains, calibration, plan,
+                                   per_token, self.times.later)
+            if not drafting:
                 break
-            logits = self._forward([members[b] for b in going], [[tokens[b][-1]] for b in going],
-                                   [len(members[b].tokens) + i for b in going])
-        for b, drafted in tokens.items():
+            t0 = time.perf_counter()
+            logits = self._forward([members[b] for b in drafting], [[members[b].offered[-1]] for b in drafting],
+                                   [len(members[b].tokens) + i for b in drafting])
+        for b in going:
             m = members[b]
-            m.cached, m.fed_drafts = len(m.tokens), len(drafted) - 1
+            m.cached, m.fed_drafts = len(m.tokens), len(m.offered) - 1
             self.cache.lengths[m.row] = m.cached
             self.free_from[m.row] = m.cached + m.fed_drafts
-            drafts[b] = Draft(drafted, None if m.params.greedy else torch.cat(qs[b]))
+            drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
         return drafts
 
     @staticmethod
-    def _draw(logits: torch.Tensor, members: Sequence[Member], qs: Sequence[list[torch.Tensor]]) -> list[int]:
-        """logits [n, V] -> one token per member: the argmax for greedy members, else a draw from
-        q = probabilities(logits) (the target's processing), appended to its qs."""
-        best = logits.argmax(-1).tolist()  # one host sync for the greedy rows
+    def _worth(rows: list[int], members: Sequence[Member], gains: list[float], calibration: Sequence[Calibration],
+               plan: Plan | None, per_token: float, level_s: float | None, first: bool = False) -> list[int]:
+        """Which of `rows` draft one more token (draft_cost.py): all of them while their lengths
+        must not depend on timing (no plan) or the level's cost is not measured yet; else the rows
+        that cannot choose (a pass cost of None, or a row exploring after EXPLORE idle steps) and
+        those of the others whose expected gains pay for the level."""
+        if plan is None or level_s is None:
+            return rows
+        forced = [b for b in rows if members[b].cost is None or (first and members[b].idle >= EXPLORE)]
+        # the next token's chance: reached (gains) and accepted at a confidence not known before it is drawn
+        chance = {b: gains[b] * calibration[b].mean for b in rows}
+        optional = sorted((b for b in rows if b not in forced), key=lambda b: -chance[b])
+        n = plan.extend([chance[b] for b in forced], [chance[b] for b in optional], level_s, per_token)
+        return sorted(forced + optional[:n])
+
+    def learn(self, member: Member, committed: Sequence[int]) -> None:
+        """Calibrate on the member's last draft: a token counts as accepted where the committed
+        text has it (for a greedy row exactly the verifier's verdict; also judges tokens the
+        engine chose not to verify), the first that differs as rejected."""
+        if not member.offered:
+            return
+        accepted = 0
+        for drafted, token in zip(member.offered, committed):
+            if drafted != token:
+                break
+            accepted += 1
+        self.calibration[member.params.greedy].record(member.confidences, min(len(member.offered), len(committed)),
+                                                      accepted)
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, members: Sequence[Member], qs: Sequence[list[torch.Tensor]]) -> list[tuple[int, float]]:
+        """logits [n, V] -> per member a token and the draft's probability of it: the argmax for
+        greedy members, else a draw from q = probabilities(logits) (the target's processing),
+        appended to its qs."""
+        confidence, best = torch.softmax(logits.float(), -1).max(-1)
+        best, confidence = best.tolist(), confidence.tolist()  # one host sync for the greedy rows
         out = []
         for j, (m, q_list) in enumerate(zip(members, qs)):
             if m.params.greedy:
-                out.append(best[j])
+                out.append((best[j], confidence[j]))
                 continue
             q = probabilities(logits[j:j + 1], m.params)  # [1, V]
             q_list.append(q)
-            out.append(int(sample(q, m.generator)))
+            x = int(sample(q, m.generator))
+            out.append((x, float(q[0, x])))
         return out
 
     def _forward(self, members: Sequence[Member], feeds: Sequence[list[int]], starts: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,101 @@
+"""When a draft model's forwards pay: how many tokens to draft, per row and step, from their cost.
+
+A draft model is not free on a CPU (the Qwen 0.5B's forward costs ~0.46 of its 1.5B target's), and
+its tokens are spent before the engine's policy chooses what to verify. So the drafter weighs each
+draft forward itself, as the policy weighs verification (engine/policy.py): a step with B rows
+commits E tokens in expectation in C seconds; one more draft level for rows S adds
+sum_{b in S} g_b expected tokens (g_b: the chance that row b's next draft token is reached and
+accepted) and costs the level's forward plus |S| verified tokens. The level runs only if it
+raises E / C. A large batch (verification compute-bound) or an unsure draft thus drafts little or
+nothing, and speculation never costs more than it is expected to win.
+
+Acceptance is learned, not assumed: the draft's own probability of its token (the argmax's for
+greedy rows, q(x) for sampled ones) is mapped to the acceptance measured at that confidence
+(`Calibration`, shared by a draft model's requests), like llama.cpp's p_min but calibrated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from quickdraft.proposers.base import PassCost
+
+BINS = 20          # confidence bins of the calibration
+PRIOR_WEIGHT = 2.0  # pseudo-observations per bin at its own confidence (an uncalibrated draft's guess)
+EMA = 0.2          # weight of a new forward-time measurement
+EXPLORE = 16       # steps a row may go without drafting before it drafts once anyway: acceptance
+                   # changes with the text, and a row that never drafts never learns it has
+
+
+class Calibration:
+    """P(a draft token is accepted | its parent was, the draft's confidence in it), per bin."""
+
+    def __init__(self) -> None:
+        self.accepted = [PRIOR_WEIGHT * (i + 0.5) / BINS for i in range(BINS)]
+        self.offered = [PRIOR_WEIGHT] * BINS
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(max(int(confidence * BINS), 0), BINS - 1)
+
+    def estimate(self, confidence: float) -> float:
+        i = self._bin(confidence)
+        return self.accepted[i] / self.offered[i]
+
+    @property
+    def mean(self) -> float:
+        """Acceptance over all confidences: the estimate for a token not drafted yet."""
+        return sum(self.accepted) / sum(self.offered)
+
+    def record(self, confidences: Sequence[float], verified: int, accepted: int) -> None:
+        """A chain's outcome: its first `verified` tokens were verified, the first `accepted` of
+        them accepted; a token after the first rejected one tells nothing."""
+        for i, c in enumerate(confidences[:min(verified, accepted + 1)]):
+            self.accepted[self._bin(c)] += i < accepted
+            self.offered[self._bin(c)] += 1
+
+
+@dataclass
+class Plan:
+    """One step's expected tokens E and seconds C, as draft levels are added to it."""
+    expected: float
+    seconds: float
+
+    @classmethod
+    def of(cls, cost: PassCost) -> Plan:
+        return cls(float(cost.rows), cost.seconds)
+
+    def extend(self, forced: Sequence[float], gains: Sequence[float], level_s: float, per_token: float) -> int:
+        """Add a draft level: the rows of `forced` draft whatever it costs (their lengths must not
+        depend on timing, or they explore), of the others those with the largest `gains` (sorted,
+        largest first) that raise E / C most: -> how many of `gains` go (0: none pays)."""
+        self.expected += sum(forced)
+        self.seconds += (level_s if forced else 0.0) + per_token * len(forced)
+        level_s = 0.0 if forced else level_s  # paid already: the others add only their verification
+        best, best_rate = 0, self.expected / self.seconds
+        expected = self.expected
+        for n, g in enumerate(gains, 1):
+            expected += g
+            rate = expected / (self.seconds + level_s + per_token * n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best:
+            self.expected += sum(gains[:best])
+            self.seconds += level_s + per_token * best
+        return best
+
+
+@dataclass
+class ForwardTimes:
+    """Seconds of the drafter's forwards (smoothed): the first of a proposal (it catches up on the
+    committed tokens) and the later ones (one token per row)."""
+    first: float | None = None
+    later: float | None = None
+
+    def observe(self, first: bool, seconds: float) -> None:
+        old = self.first if first else self.later
+        new = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        if first:
+            self.first = new
+        else:
+            self.later = new
