@@ -113,6 +113,54 @@ def test_greedy_with_a_head_equals_plain(kind: str, k: int) -> None:
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
 
 
+def recorded(proposer: HeadProposer) -> list[Draft]:
+    """The drafts the proposer offers, as it offers them."""
+    drafts: list[Draft] = []
+    propose = proposer.propose
+
+    def record(k: int) -> Draft:
+        drafts.append(propose(k))
+        return drafts[-1]
+    proposer.propose = record
+    return drafts
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("k", [1, 4, 8, 16])
+@pytest.mark.parametrize("kind", ["identity", "random-draft-vocab"])
+def test_greedy_with_a_head_tree_equals_plain(kind: str, k: int, width: int) -> None:
+    """head-tree: the head's likeliest continuations as a tree, every node verified."""
+    model = target()
+    head = identity_head(model) if kind == "identity" else random_head(model, 5, list(range(0, 96, 2)))
+    proposer = CheckedHead(head, model, PROMPT, greedy(), len(PROMPT) + 40 + (width + 1) * k + 1, width)
+    drafts = recorded(proposer)
+    ids, stats = run(model, proposer, k, greedy())
+    assert ids == list(plain())
+    assert proposer.violations == []  # the tree's nodes never leak into the head's committed cache
+    # the premises: trees of up to k nodes with branches, parents before children
+    assert stats.drafted_tokens > 0 and all(len(d.tokens) <= k for d in drafts)
+    if k > 1:
+        assert any(not d.is_chain for d in drafts)
+    if kind == "identity":
+        assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+def test_head_tree_rows_in_a_batch_equal_each_alone() -> None:
+    """Trees and a chain of one head in one batch, rows verified by the adaptive policy."""
+    model = target()
+    prompts = [PROMPT, [1, 17, 42, 8, 77], [9, 2, 9, 2, 9, 2]]
+    widths = [3, 1, 2]
+    engine = Engine(model, EngineConfig(max_batch=3))
+    for i, (p, w) in enumerate(zip(prompts, widths)):
+        proposer = HeadProposer(identity_head(model), model, p, greedy(30), 128, w)
+        engine.add(Request(p, greedy(30), frozenset(), proposer, 6, id=str(i)))
+    out = {str(i): [] for i in range(3)}
+    while engine.has_work():
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+    assert [out[str(i)] for i in range(3)] == [run(model, None, 0, greedy(30), p)[0] for p in prompts]
+
+
 def test_head_rows_in_a_batch_equal_each_alone() -> None:
     model = target()
     prompts = [PROMPT, [1, 17, 42, 8, 77], [9, 2, 9, 2, 9, 2]]
@@ -181,18 +229,20 @@ def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
     assert ngram.committed == heads.committed == [[7, 8]]  # both follow every step
 
 
-@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid"],
-                         ids=["whole-vocab", "draft-vocab", "hybrid"])
+@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid", "tree"],
+                         ids=["whole-vocab", "draft-vocab", "hybrid", "head-tree"])
 def test_sampling_law_with_a_head(vocab) -> None:
     """A draft vocabulary makes q zero on the other tokens: still exact. So is the hybrid, whose
-    drafts come from the head (sampled, with q) or the n-gram proposer (deterministic)."""
+    drafts come from the head (sampled, with q) or the n-gram proposer (deterministic), and the
+    head's trees (deterministic siblings, recursive rejection)."""
     model = tiny16()
-    head = random_head(model, 2, None if vocab == "hybrid" else vocab)
+    head = random_head(model, 2, None if vocab in ("hybrid", "tree") else vocab)
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
     for seed in range(40_000, 40_000 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
-        proposer = HeadProposer(head, model, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
+        proposer = HeadProposer(head, model, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + 4 * SAMPLE_K + 1,
+                                3 if vocab == "tree" else 1)
         if vocab == "hybrid":
             proposer = HybridProposer(NgramProposer(PROMPT16, 3, 1), proposer)
         ids, stats = run(model, proposer, SAMPLE_K, p, PROMPT16)
@@ -236,9 +286,14 @@ def test_head_through_the_api_and_spec_config(tmp_path: Path) -> None:
     ids = llm.prompt_ids("hello there")
     assert isinstance(llm.proposer(ids, params, SpecConfig("auto", k=3)), NgramProposer)
     assert isinstance(llm.proposer(ids, params, SpecConfig("auto", k=3, head=str(head_dir))), HybridProposer)
-    for method in ("auto", "hybrid"):
+    for method in ("auto", "hybrid", "head-tree"):
         out = llm.generate("hello there", params=params, spec=SpecConfig(method, k=3, head=str(head_dir)))
         assert out.token_ids == plain_out.token_ids
+    spec = SpecConfig("head-tree", k=6, head=str(head_dir), adaptive=False, options={"head_width": 3})
+    out = llm.generate("hello there", params=params, spec=spec)
+    assert out.token_ids == plain_out.token_ids and out.stats.drafted_tokens > 0
+    with pytest.raises(SpecConfigError, match="head_width must be in 2..16"):
+        SpecConfig("head-tree", k=6, head=str(head_dir), options={"head_width": 1})
 
 
 def test_a_head_that_is_never_right_costs_little() -> None:

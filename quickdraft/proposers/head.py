@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -37,6 +38,7 @@ from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.proposers.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.registry import check_ranges, option
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
@@ -75,11 +77,13 @@ class DraftHead(nn.Module):
         return KVCache(self.config, batch_size, capacity, device, dtype)
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+                cache: KVCache, attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """features, token_embeds: [B, T, D] pairs (f_t, e(s_{t+1})) at positions t [B, T] ->
-        predicted f_{t+1} [B, T, D]."""
+        predicted f_{t+1} [B, T, D]. K/V go to cache `slots` (default: the positions), narrowed
+        by `attn_mask` [B, T, kv_len] as in the target's forward (a tree's nodes)."""
         x = linear(torch.cat([token_embeds, features], dim=-1), self.fc.weight)
-        return self.block(x, cache, 0, attention_inputs(self.rope, self.inv_freq, positions, cache))
+        return self.block(x, cache, 0, attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots))
 
 
 def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str,
@@ -180,8 +184,9 @@ class HeadProposer:
     group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
-                 params: SamplingParams, capacity: int) -> None:
-        self.head, self.target, self.params = head, target, params
+                 params: SamplingParams, capacity: int, width: int = 1) -> None:
+        """width 1: a chain (sampled rows draw it from q); more: a tree (head_tree)."""
+        self.head, self.target, self.params, self.width = head, target, params, width
         self.cache = head.new_cache(capacity, target.device, target.compute_dtype)
         self.tokens = list(prompt_ids)
         self.features = torch.empty(capacity, target.config.hidden_size, device=target.device,
@@ -206,11 +211,14 @@ class HeadProposer:
         self.features[self.n_features:self.n_features + n] = step.features
         self.n_features += n
 
-    def _step(self, features: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+    def _step(self, features: torch.Tensor, tokens: list[int], start: int, positions: list[int] | None = None,
+              attn_mask: torch.Tensor | None = None, slots: list[int] | None = None) -> torch.Tensor:
+        """Pairs (features [T, D], tokens) at positions start.. (or `positions`) -> predicted [T, D]."""
         device = self.target.device
         embeds = self.target.embed(torch.tensor([tokens], device=device)).to(features.dtype)
-        positions = torch.arange(start, start + len(tokens), device=device)[None]
-        return self.head(features[None], embeds, positions, self.cache)[0]  # [T, D]
+        at = torch.arange(start, start + len(tokens)) if positions is None else torch.tensor(positions)
+        return self.head(features[None], embeds, at.to(device)[None], self.cache, attn_mask,
+                         None if slots is None else torch.tensor([slots], device=device))[0]
 
     @torch.inference_mode()
     def propose(self, k: int) -> Draft:
@@ -223,6 +231,9 @@ class HeadProposer:
         self.cache.truncate([start])
         predicted = self._step(self.features[start:pairs], self.tokens[start + 1:pairs + 1], start)[-1:]
         self.cached = pairs
+        return self._chain(predicted, pairs, k) if self.width == 1 else self._tree(predicted, pairs, k)
+
+    def _chain(self, predicted: torch.Tensor, pairs: int, k: int) -> Draft:
         drafted, qs, estimates, reach = [], [], [], 1.0
         for i in range(k):
             logits = linear(predicted, self.lm_weight, norm=self.target.norm.fused)  # [1, Vd]
@@ -248,6 +259,57 @@ class HeadProposer:
         # the estimates let the engine's policy verify only what pays (engine/policy.py)
         return Draft(drafted, None if self.params.greedy else torch.cat(qs), estimates)
 
+    def _tree(self, predicted: torch.Tensor, pairs: int, k: int) -> Draft:
+        """EAGLE-2's dynamic tree: level by level, the `width` nodes of the newest level likeliest to
+        be reached (the product of the head's probabilities along their paths) run in one head
+        forward, each adding its `width` likeliest tokens as children; then the k likeliest nodes
+        of all are the draft (a child is never likelier than its parent: they form a tree), in
+        descending likelihood, as the policy verifies prefixes. The nodes are the head's choices,
+        not draws: q is None for every row, which the verifier's recursive rejection takes exactly
+        (a rejected sibling's token leaves p before the next is tried)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[float] = []   # per node, the head's probability of it given its parent
+        reach: list[float] = []   # per node, the product along its path
+        depth: list[int] = []
+        slot: dict[int, int] = {}  # the nodes run so far -> their slot in the head's cache
+        expanded, features = [-1], predicted  # the nodes run last (-1: the root) and their predictions
+        for level in range(k):
+            logits = linear(features, self.lm_weight, norm=self.target.norm.fused)  # [len(expanded), Vd]
+            top_p, top_i = torch.softmax(logits.float(), dim=-1).topk(min(self.width, logits.shape[-1]), dim=-1)
+            newest = []
+            for parent, ps, ids in zip(expanded, top_p.tolist(), self.vocab[top_i].tolist()):
+                for p, x in zip(ps, ids):
+                    newest.append(len(tokens))
+                    tokens.append(x)
+                    parents.append(parent)
+                    probs.append(p)
+                    reach.append(p * (reach[parent] if parent >= 0 else 1.0))
+                    depth.append(level + 1)
+            run = sorted(newest, key=lambda n: -reach[n])[:self.width]
+            kth = sorted(reach, reverse=True)[k - 1] if len(reach) >= k else 0.0
+            first = pairs + len(slot)
+            if level == k - 1 or reach[run[0]] <= kth or first + len(run) > self.cache.max_len:
+                break  # no deeper node could make the k likeliest (or the head's cache is full)
+            for j, n in enumerate(run):
+                slot[n] = first + j
+            mask = torch.zeros(1, len(run), first + len(run), dtype=torch.bool)  # [1, T, kv_len]
+            mask[..., :pairs] = True
+            for j, n in enumerate(run):
+                while n >= 0:  # a node sees the committed pairs, its ancestors and itself
+                    mask[0, j, slot[n]] = True
+                    n = parents[n]
+            rows = [expanded.index(parents[n]) for n in run]
+            features = self._step(features[rows], [tokens[n] for n in run], pairs,
+                                  [pairs + depth[n] - 1 for n in run], mask.to(predicted.device),
+                                  [slot[n] for n in run])
+            expanded = run
+        keep = sorted(range(len(tokens)), key=lambda n: (-reach[n], depth[n]))[:k]
+        index = {n: i for i, n in enumerate(keep)}
+        self.pending = []
+        return Draft([tokens[n] for n in keep], None, [probs[n] for n in keep],
+                     [index[parents[n]] if parents[n] >= 0 else -1 for n in keep])
+
 
 @register("head", loads="head", needs_file=True,
           about="a trained draft head (EAGLE-style) over the target's features")
@@ -255,3 +317,21 @@ def make_head(ctx: ProposerContext) -> HeadProposer:
     head = ctx.target.draft_head(ctx.config.head)
     capacity = len(ctx.prompt_ids) + ctx.params.max_new_tokens + ctx.config.k + 1
     return HeadProposer(head, ctx.target.model, ctx.prompt_ids, ctx.params, capacity)
+
+
+@dataclass(frozen=True)
+class HeadTreeOptions:
+    head_width: int = option(4, "head-tree: nodes the head runs per level, and children each adds", 2, 16)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+@register("head-tree", HeadTreeOptions, loads="head", needs_file=True,
+          about="the draft head's likeliest continuations as a tree (EAGLE-2's dynamic tree)")
+def make_head_tree(ctx: ProposerContext) -> HeadProposer:
+    width = ctx.options.head_width
+    # the tree's nodes run in the head's cache past the committed pairs: width per level, k levels
+    capacity = len(ctx.prompt_ids) + ctx.params.max_new_tokens + (width + 1) * ctx.config.k + 1
+    return HeadProposer(ctx.target.draft_head(ctx.config.head), ctx.target.model, ctx.prompt_ids, ctx.params,
+                        capacity, width)
