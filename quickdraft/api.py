@@ -6,6 +6,7 @@ deltas, stop strings are applied to that text. The CLI and (later) the server co
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
@@ -118,7 +119,8 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
-        self._shared: dict[Hashable, Any] = {}
+        self._shared: dict[Hashable, dict[Hashable, Any]] = {}  # scope -> key -> state
+        self._scope: Hashable = None
         self._shared_lock = threading.Lock()  # proposers are made on engine threads and callers' threads
         if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
@@ -169,11 +171,26 @@ class LLM:
         return self._heads[key]
 
     def shared(self, key: Hashable, make: Callable[[], T]) -> T:
-        """State proposers share across this model's requests, made once per key (proposers/base.py Target)."""
+        """State proposers share across this model's requests, made once per key (proposers/base.py
+        Target), in the current scope (`shared_scope`)."""
         with self._shared_lock:
-            if key not in self._shared:
-                self._shared[key] = make()
-            return self._shared[key]
+            state = self._shared.setdefault(self._scope, {})
+            if key not in state:
+                state[key] = make()
+            return state[key]
+
+    @contextmanager
+    def shared_scope(self, name: Hashable) -> Iterator[None]:
+        """Proposers made inside the block share state only with those made in the same scope: a
+        benchmark gives each method its own, so that no method learns from another's answer to
+        the question it is about to answer (suffix decoding would find it whole)."""
+        with self._shared_lock:
+            outer, self._scope = self._scope, name
+        try:
+            yield
+        finally:
+            with self._shared_lock:
+                self._scope = outer
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:

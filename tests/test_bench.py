@@ -195,6 +195,32 @@ def test_turns_ending_on_eos_count_the_stop_token_as_committed(model_dir: Path) 
         assert summary["overall"][label]["committed_tokens"] == summary["overall"]["plain"]["committed_tokens"]
 
 
+def test_each_method_keeps_its_own_shared_state(model_dir: Path) -> None:
+    """Suffix decoding learns from earlier responses: were its two rows ("suffix", "suffix all")
+    one corpus, the second would find the first's answer to the same question whole. Each method
+    has a scope of its own, the warm-up one that is not kept."""
+    llm = quickdraft.load(model_dir)
+    qs = [Question(q["question_id"], q["category"], qmod.GROUP_OF[q["category"]], tuple(q["turns"]))
+          for q in QUESTIONS]
+    made = []
+    shared = llm.shared
+    llm.shared = lambda key, make: made.append((llm._scope, key[0])) or shared(key, make)
+    methods = parse_methods("suffix:4", k=4, verify_all=True)
+    run_questions(llm, qs, methods, max_new_tokens=8, progress=False)
+    scopes = {scope for scope, kind in made if kind == "suffix"}
+    assert scopes == {"suffix k=4", "suffix k=4 all", ("warm-up", "suffix k=4"), ("warm-up", "suffix k=4 all")}
+    assert llm._scope is None  # the default scope again, for whatever runs next
+
+
+def test_shared_scopes_keep_state_apart(model_dir: Path) -> None:
+    llm = quickdraft.load(model_dir)
+    outer = llm.shared("key", object)
+    with llm.shared_scope("a"):
+        inner = llm.shared("key", object)
+        assert llm.shared("key", object) is inner is not outer
+    assert llm.shared("key", object) is outer
+
+
 # -- the identity check --------------------------------------------------------------------------------
 
 def accept_everything(drafts, target_logits, params, generators) -> Verdict:

@@ -292,7 +292,8 @@ def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], run
          max_new_tokens: int, temperature: float, seed: int | None, progress: bool) -> list[dict]:
     warm = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=min(16, max_new_tokens))
     for m in methods:  # kernels built, draft models loaded, caches touched: none of it is timed
-        run_conversation(llm, questions[0].turns[:1], warm, runners[m.label], questions[0].chat)
+        with llm.shared_scope(("warm-up", m.label)):  # what a proposer learns here is not kept
+            run_conversation(llm, questions[0].turns[:1], warm, runners[m.label], questions[0].chat)
     greedy = temperature == 0
     results = []
     bar = tqdm(total=len(questions) * len(methods), unit="run", file=sys.stderr, disable=not progress,
@@ -305,7 +306,8 @@ def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], run
         turns: dict[str, list[dict]] = {}
         for m in order:
             bar.set_postfix_str(f"{q.group} #{q.question_id} {m.label}", refresh=False)
-            turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label], q.chat)
+            with llm.shared_scope(m.label):  # state shared across requests: each method its own
+                turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label], q.chat)
             bar.update()
         plain_ids = [t for r in turns[PLAIN] for t in r["token_ids"]] if greedy else None
         runs = {m.label: question_record(turns[m.label], plain_ids) for m in methods}
