@@ -8,6 +8,7 @@ over the tokens it claims; the exact law of the first sampled tokens (chi-square
 """
 from __future__ import annotations
 
+from gc import collect as gc_collect
 from typing import Sequence
 
 import pytest
@@ -201,6 +202,27 @@ def test_rows_return_to_the_pool() -> None:
     ids = [t for e in generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), fourth, 3) for t in e.token_ids]
     assert ids == [t for e in generate_tokens(target(), [1, 2, 3], greedy(12)) for t in e.token_ids]
     assert fourth.row == 2
+
+
+def test_full_collections_run_once_per_doubling_of_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members kept alive (here by the test) fill the pool: a full garbage collection (0.1-1 s in a
+    large process) runs only when the pool would grow past twice its size at the last one, not on
+    every join; a member freed by the collector alone still gives its row back."""
+    collections = []
+    monkeypatch.setattr(drafter_module.gc, "collect", lambda: collections.append(1) or gc_collect())
+    drafter = Drafter(noisy_draft())
+    alive = []
+    for i in range(32):
+        alive.append(DraftModelProposer(drafter, [1, 2, 3], greedy(4), 12))
+        alive[-1].propose(2)
+    assert len(drafter.taken) == 32 and len(collections) == 5  # joining a full pool of 1, 2, 4, 8 and 16 rows
+    cyclic = alive.pop()
+    cyclic.me = cyclic  # a reference cycle: only the collector frees it
+    del cyclic
+    for _ in range(32):  # the pool is full at 32, its threshold: the first join collects and reuses the row
+        alive.append(DraftModelProposer(drafter, [1, 2, 3], greedy(4), 12))
+        alive[-1].propose(2)
+    assert len(collections) == 6 and len(drafter.taken) == 63  # the next only at 64 rows
 
 
 def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

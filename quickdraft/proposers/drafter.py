@@ -54,6 +54,7 @@ class Drafter:
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         self.lock = threading.Lock()
+        self.collect_at = 1  # pool size from which a full garbage collection may run again
         self.calibration = {True: Calibration(), False: Calibration()}  # greedy / sampled rows
         self.times = ForwardTimes()
 
@@ -62,9 +63,13 @@ class Drafter:
     def _join(self, member: Member) -> None:
         """A cache row for a member drafting for the first time (not before: a waiting request
         holds none); it returns to the pool when the member is garbage."""
-        if all(self.taken):  # a member in a reference cycle is freed only by the collector:
-            gc.collect()     # cheaper than a cache row more, and every forward's span
+        if all(self.taken) and len(self.taken) >= self.collect_at:
+            # a member in a reference cycle is freed only by the collector; a full collection costs
+            # 0.1-1 s in a large process (it was 98% of a test suite's time, run on every join), so
+            # it runs once per doubling of the pool: unreachable members hold at most half of it
+            gc.collect()
             self._reclaim()
+            self.collect_at = 2 * len(self.taken)
         row = self.taken.index(False) if False in self.taken else len(self.taken)
         rows = max(row + 1, len(self.taken))
         max_len = max(member.capacity + CATCH_UP, 0 if self.cache is None else self.cache.max_len)
