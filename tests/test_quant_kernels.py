@@ -208,6 +208,35 @@ def test_attention_of_a_query_does_not_depend_on_the_others(D, ctx):
         assert torch.equal(alone[:, 0], full[:, t]), t
 
 
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+def test_a_tree_nodes_attention_equals_its_paths_decode(D, ctx):
+    """A tree's node sees the cache and its ancestors, which sit among masked siblings (slots with
+    gaps); decoding the same path puts them in consecutive slots. The node's output must be
+    bitwise the same, or greedy tree speculation could flip a near-tie plain decoding does not."""
+    parents = [-1, -1, 1, -1, 2, 2, 4]  # node 6's path: 1, 2, 4, 6 at slots ctx + 1, 2, 4, 6
+    T = len(parents)
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    qkv, cos, sin, _, k_cache, v_cache = attention_case(B=1, T=T, ctx=ctx, D=D)
+    slots = torch.arange(ctx, ctx + T)[None]
+    visible = torch.zeros(1, T, ctx + T, dtype=torch.bool)
+    visible[..., :ctx] = True
+    for i in range(T):
+        n = i
+        while n >= 0:
+            visible[0, i, ctx + n] = True
+            n = parents[n]
+    tree = kernels.rope_attention(qkv, cos, sin, slots, k_cache.clone(), v_cache.clone(), visible, ctx + T, 4, 2)
+    path = [1, 2, 4, 6]
+    assert [depth[n] for n in path] == [1, 2, 3, 4]  # the premise: a chain once its siblings are gone
+    k_step, v_step = k_cache.clone(), v_cache.clone()
+    for j, n in enumerate(path):  # decoding the path: one token a step, consecutive slots, no mask
+        alone = kernels.rope_attention(qkv[:, n:n + 1], cos[:, :, n:n + 1], sin[:, :, n:n + 1],
+                                       torch.tensor([[ctx + j]]), k_step, v_step, None, ctx + j + 1, 4, 2)
+        assert torch.equal(alone[:, 0], tree[:, n]), (n, float((alone[:, 0] - tree[:, n]).abs().max()))
+
+
 def test_threads_share_the_work_without_changing_a_bit():
     """The pool (pool.c) splits rows and queries among threads; each is computed alone either way."""
     w, dense = weight(Q.Q5_K, N=200), torch.randn(200, 512, generator=torch.Generator().manual_seed(8))

@@ -116,6 +116,27 @@ static void attend(const float *qv, const float *kb, const float *vb, const uint
         for (int i = 0; j + i < kv_len; i++) s[j + i] = tail[i];
         lanes = _mm256_add_ps(lanes, p);
     }
+    if (vis) {
+        /* A tree's query sees its ancestors among masked siblings: its visible keys have gaps, and
+         * summing by key index would put them in other lanes than a decode step of the same path
+         * does (there they are contiguous), so the sum would round differently. The n-th visible
+         * key goes to lane n % 8, as in that decode step (a hidden key's p is 0 and adds nothing). */
+        float packed[8];
+        int n = 0;
+        lanes = _mm256_setzero_ps();
+        for (int64_t k = 0; k < kv_len; k++) {
+            if (!vis[k]) continue;
+            packed[n++] = s[k];
+            if (n == 8) {
+                lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(packed));
+                n = 0;
+            }
+        }
+        if (n) {
+            for (int i = n; i < 8; i++) packed[i] = 0.0f;
+            lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(packed));
+        }
+    }
     const float sum = hsum8(lanes);
     if (D == 64) weighted_sum(s, vb, o, D, kv_len, 8);
     else if (D == 128) weighted_sum(s, vb, o, D, kv_len, 16);
