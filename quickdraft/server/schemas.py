@@ -89,7 +89,8 @@ class _SpeculativeBase(BaseModel):
 Speculative = create_model(
     "Speculative", __base__=_SpeculativeBase,
     __doc__="quickdraft's extra field: this request's speculation; unset parts take the server's flags.",
-    **{name: (type(f.default) | None, Field(default=None, description=f.metadata.get("help"),
+    # a whole-number option takes 3.0 as the schema's "integer" does (Int); type() is exact: bools stay bools
+    **{name: ((Int if type(f.default) is int else type(f.default)) | None, Field(default=None, description=f.metadata.get("help"),
                                             ge=f.metadata.get("range", (None, None))[0],
                                             le=f.metadata.get("range", (None, None))[1]))
        for name, f in option_fields().items()})
