@@ -442,6 +442,24 @@ def test_integral_numbers_are_integers_as_the_schema_says(server: Server, llm) -
         assert error_of(r, 400)["param"] == param, fields
 
 
+def test_proposer_options_publish_their_ranges_and_take_whole_floats(server: Server) -> None:
+    """Each proposer option's range as JSON Schema's minimum / maximum (pydantic's own "ge" / "le"
+    keys, which schemathesis does not read, leaked once), and 3.0 taken as an integer."""
+    from quickdraft.proposers.registry import option_fields
+    props = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]["Speculative"]["properties"]
+    for name, f in option_fields().items():
+        if type(f.default) is int:
+            form = props[name]["anyOf"][0]
+            assert (form["type"], form["minimum"], form["maximum"]) == ("integer", *f.metadata["range"]), name
+            assert not {"ge", "le"} & set(form), name
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "hi", "max_tokens": 2, "speculative": {"method": "ngram", "ngram_max": 3.0}})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": NAME, "prompt": "hi", "max_tokens": 2, "speculative": {"suffix_responses": 0}})
+    assert error_of(r, 400)["param"] == "speculative.suffix_responses"
+
+
 def test_schema_statuses_media_types_and_allow(server: Server) -> None:
     schema = httpx.get(f"{server.url}/openapi.json").json()
     for path, operations in schema["paths"].items():

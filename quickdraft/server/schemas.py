@@ -7,6 +7,7 @@ never silently gets something other than what it asked for. Unknown fields are r
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -86,13 +87,21 @@ class _SpeculativeBase(BaseModel):
 # quickdraft's extra field: this request's speculation; unset parts take the server's flags. The
 # proposers' own options (ngram_max, ...) are fields too, named and described as the registry has
 # them (their defaults live there; the chosen proposer's options dataclass checks the values).
+def _option_type(f: dataclasses.Field) -> Any:
+    """A proposer option's request type: its default's, bounded by its range; a whole-number
+    option takes 3.0 as the schema's "integer" does (Int), and type() is exact: bools stay bools.
+    The bounds sit inside the Annotated, where the schema shows them as minimum / maximum."""
+    lo, hi = f.metadata.get("range", (None, None))
+    kind = type(f.default)
+    if kind is int:
+        return Annotated[int, Field(ge=lo, le=hi), BeforeValidator(_integral)] | None
+    return Annotated[kind, Field(ge=lo, le=hi)] | None
+
+
 Speculative = create_model(
     "Speculative", __base__=_SpeculativeBase,
     __doc__="quickdraft's extra field: this request's speculation; unset parts take the server's flags.",
-    # a whole-number option takes 3.0 as the schema's "integer" does (Int); type() is exact: bools stay bools
-    **{name: ((Int if type(f.default) is int else type(f.default)) | None, Field(default=None, description=f.metadata.get("help"),
-                                            ge=f.metadata.get("range", (None, None))[0],
-                                            le=f.metadata.get("range", (None, None))[1]))
+    **{name: (_option_type(f), Field(default=None, description=f.metadata.get("help")))
        for name, f in option_fields().items()})
 SPEC_FIELDS = frozenset(_SpeculativeBase.model_fields)  # SpecConfig's own; the rest are proposer options
 
