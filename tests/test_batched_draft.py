@@ -17,6 +17,7 @@ import torch
 import quickdraft
 import quickdraft.proposers.drafter as drafter_module
 from quickdraft.engine import generate_tokens
+import quickdraft.engine.batch as engine_batch
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
@@ -137,6 +138,29 @@ def test_sampling_law_through_the_batched_draft() -> None:
     counts, drafted, accepted = first_tokens(drafter, 40_000)
     assert int(counts.sum()) == N_SAMPLES
     assert max(drafter.rows_per_forward) >= 4  # the premise: draft steps ran for several rows at once
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
+
+
+def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unseeded sampled rows are not pinned: the policy verifies the prefix of each draft that pays,
+    judged by the draft's estimates, and those must not depend on the drawn tokens (a token kept
+    only when its own q(x) is high would bias the law). The rows here are seeded, for a
+    reproducible test, and unpinned by hand; the drafter drafts whole ks, and every fed token costs
+    a fiftieth of a pass, so the policy verifies some tokens and cuts others (counted as a premise)."""
+    monkeypatch.setattr(engine_batch._Row, "pinned", property(lambda self: False))
+    monkeypatch.setattr(Drafter, "_worth", staticmethod(lambda rows, *args, **kw: rows))
+    cut = []
+    choose = engine_batch.choose_draft_lengths
+
+    def steep(rows, cost, *args, **kw):
+        for n in range(1, 80):
+            cost.observe(n, 1.0 + 0.02 * (n - 1))
+        lengths = choose(rows, cost, *args, **kw)
+        cut.extend(r.available - n for r, n in zip(rows, lengths))
+        return lengths
+    monkeypatch.setattr(engine_batch, "choose_draft_lengths", steep)
+    counts, drafted, accepted = first_tokens(Counted(tiny16_draft()), 50_000)
+    assert sum(c > 0 for c in cut) > N_SAMPLES // 4 and drafted > 0
     assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
 
 

@@ -179,7 +179,11 @@ class Drafter:
             m.cached, m.fed_drafts = len(m.tokens), len(m.offered) - 1
             self.cache.lengths[m.row] = m.cached
             self.free_from[m.row] = m.cached + m.fed_drafts
-            drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
+            # a sampled row's estimates must not depend on its drawn tokens: the policy verifies a
+            # prefix chosen by them, and keeping a token for its own q(x) would bias the law (when to
+            # stop drafting may depend on them: the tokens drafted are all offered)
+            drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]),
+                              estimates[b] if m.params.greedy else [calibration[b].mean] * len(m.offered))
         return drafts
 
     @staticmethod
@@ -211,6 +215,7 @@ class Drafter:
             accepted += 1
         self.calibration[member.params.greedy].record(member.confidences, min(len(member.offered), len(committed)),
                                                       accepted)
+        member.offered, member.confidences = [], []  # judged once: a step it did not draft for must not judge it again
 
     @staticmethod
     def _draw(logits: torch.Tensor, members: Sequence[Member], qs: Sequence[list[torch.Tensor]]) -> list[tuple[int, float]]:
