@@ -9,9 +9,11 @@ accepted) and costs the level's forward plus |S| verified tokens. The level runs
 raises E / C. A large batch (verification compute-bound) or an unsure draft thus drafts little or
 nothing, and speculation never costs more than it is expected to win.
 
-Acceptance is learned, not assumed: the draft's own probability of its token (the argmax's for
-greedy rows, q(x) for sampled ones) is mapped to the acceptance measured at that confidence
-(`Calibration`, shared by a draft model's requests), like llama.cpp's p_min but calibrated.
+Acceptance is learned, not assumed: for greedy rows the draft's own probability of its token is
+mapped to the acceptance measured at that confidence (`Calibration`, shared by a draft model's
+requests), like llama.cpp's p_min but calibrated. Sampled rows use the measured mean: an estimate
+read from a drawn token (its q(x)) would decide whether that token is verified, which biases the
+law; one that depends on the past only does not.
 """
 from __future__ import annotations
 

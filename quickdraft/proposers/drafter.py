@@ -164,7 +164,11 @@ class Drafter:
                                                               [qs[b] for b in drafting])):
                 members[b].offered.append(x)
                 members[b].confidences.append(confidence)
-                estimates[b].append(calibration[b].estimate(confidence))
+                # a sampled row's estimate must not depend on its drawn token: a prefix verified, a
+                # chain cut short or a hybrid's choice made by it would keep a token for its own
+                # q(x) and bias the law; greedy rows are exact whatever is verified
+                estimates[b].append(calibration[b].estimate(confidence) if members[b].params.greedy
+                                    else calibration[b].mean)
                 gains[b] *= estimates[b][-1]
             self.times.observe(i == 0, time.perf_counter() - t0)
             drafting = self._worth([b for b in drafting if ks[b] > i + 1], members, gains, calibration, plan,
@@ -179,11 +183,7 @@ class Drafter:
             m.cached, m.fed_drafts = len(m.tokens), len(m.offered) - 1
             self.cache.lengths[m.row] = m.cached
             self.free_from[m.row] = m.cached + m.fed_drafts
-            # a sampled row's estimates must not depend on its drawn tokens: the policy verifies a
-            # prefix chosen by them, and keeping a token for its own q(x) would bias the law (when to
-            # stop drafting may depend on them: the tokens drafted are all offered)
-            drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]),
-                              estimates[b] if m.params.greedy else [calibration[b].mean] * len(m.offered))
+            drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
         return drafts
 
     @staticmethod
