@@ -100,13 +100,14 @@ static void attend(const float *qv, const float *kb, const float *vb, const uint
             m = s[j] > m ? s[j] : m;
         }
     }
-    /* s becomes p = exp(s - m) (0 for hidden keys), summed in 8 lanes in key order */
+    /* s becomes p = exp(s - m) (0 for hidden keys), summed in 8 lanes in key order (with a mask:
+     * below, in the order of the visible keys) */
     __m256 lanes = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= kv_len; j += 8) {
         const __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
         _mm256_storeu_ps(s + j, p);
-        lanes = _mm256_add_ps(lanes, p);
+        if (!vis) lanes = _mm256_add_ps(lanes, p);
     }
     if (j < kv_len) {
         float tail[8];
@@ -114,7 +115,7 @@ static void attend(const float *qv, const float *kb, const float *vb, const uint
         const __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(tail), _mm256_set1_ps(m)));
         _mm256_storeu_ps(tail, p);
         for (int i = 0; j + i < kv_len; i++) s[j + i] = tail[i];
-        lanes = _mm256_add_ps(lanes, p);
+        if (!vis) lanes = _mm256_add_ps(lanes, p);
     }
     if (vis) {
         /* A tree's query sees its ancestors among masked siblings: its visible keys have gaps, and
@@ -123,7 +124,6 @@ static void attend(const float *qv, const float *kb, const float *vb, const uint
          * key goes to lane n % 8, as in that decode step (a hidden key's p is 0 and adds nothing). */
         float packed[8];
         int n = 0;
-        lanes = _mm256_setzero_ps();
         for (int64_t k = 0; k < kv_len; k++) {
             if (!vis[k]) continue;
             packed[n++] = s[k];

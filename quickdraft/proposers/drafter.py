@@ -133,8 +133,8 @@ class Drafter:
 
     def _propose(self, members: Sequence[Member], ks: Sequence[int]) -> list[Draft]:
         ks = [max(0, min(k, m.capacity - len(m.tokens) + 1)) for m, k in zip(members, ks)]
-        plan = next((Plan.of(m.cost) for m in members if m.cost is not None), None)
-        per_token = next((m.cost.per_token for m in members if m.cost is not None), 0.0)
+        cost = next((m.cost for m in members if m.cost is not None), None)  # the same for every row
+        plan, per_token = (None, 0.0) if cost is None else (Plan.of(cost), cost.per_token)
         calibration = [self.calibration[m.params.greedy] for m in members]
         gains = [1.0] * len(members)  # per member, the chance its next draft token is reached
         going = self._worth([b for b, k in enumerate(ks) if k > 0], members, gains, calibration, plan,
