@@ -49,6 +49,17 @@ def test_a_level_runs_only_where_it_raises_tokens_per_second() -> None:
     assert plan.extend([], [0.9, 0.01], 0.1, 0.1) == 1
 
 
+def test_a_level_pays_when_its_gain_beats_the_rate() -> None:
+    plan = Plan(expected=2.0, seconds=1.0)  # 2 tokens per second
+    assert plan.pays(0.5, level_s=0.1, per_token=0.1)       # 2.5 / 1.2 > 2
+    assert not plan.pays(0.3, level_s=0.1, per_token=0.1)   # 2.3 / 1.2 < 2
+    assert not plan.pays(1.0, level_s=0.5, per_token=0.1)   # even a sure token: 3 / 1.6 < 2
+    calibration = Calibration()
+    calibration.record([0.99] * 3, verified=3, accepted=1)
+    assert calibration.best == pytest.approx(max(a / o for a, o in zip(calibration.accepted, calibration.offered)))
+    assert calibration.best > calibration.mean
+
+
 def test_rows_that_must_draft_pay_the_level_for_the_others() -> None:
     # the level (5 ms) alone would not pay for 0.5 more tokens: with a forced row running it anyway,
     # the other row adds only its verification (0.1 ms)
@@ -90,18 +101,38 @@ def run_pair(monkeypatch: pytest.MonkeyPatch, policy: str, **sampling) -> tuple[
     return drafter, out, last, jobs
 
 
-def test_a_draft_too_costly_to_pay_drafts_only_to_explore(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Draft forwards of 10 s against a target pass of milliseconds: no level pays, so a row drafts
-    only once every EXPLORE steps (to learn whether acceptance changed); outputs stay plain's."""
+def test_a_draft_that_cannot_pay_even_at_its_best_acceptance_stops_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft forwards of 10 s against a target pass of seconds: no level pays even if every token
+    were accepted, so after the first proposal (which measures the forward) no row drafts again,
+    not even to explore (its catch-up forwards would be a loss); outputs stay plain's."""
     costly_drafts(monkeypatch, 10.0)
     drafter, out, last, jobs = run_pair(monkeypatch, "goodput")
     for i, job in enumerate(jobs):
         assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(target())
     steps = max(last[str(i)].stats.target_passes for i in range(len(jobs)))
-    drafted = sum(last[str(i)].stats.drafted_tokens for i in range(len(jobs)))
-    # the first measurement costs one full draft per row; then one exploring level per EXPLORE steps
-    assert drafted <= len(jobs) * 4 * (2 + steps // EXPLORE)
-    assert steps > 20  # the premise: with whole drafts accepted, 40 tokens would take ~8 passes
+    assert len(drafter.rows_per_forward) <= 4  # the first proposal's k levels, before any forward was measured
+    assert steps > 2 * EXPLORE + 1  # the premise: rows idle long enough to have explored twice
+
+
+def test_a_draft_that_could_pay_at_its_best_acceptance_explores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draft forwards of 0.3 s against a target pass of ~1 s: a level pays only for a token accepted
+    with probability > ~0.73. With acceptance measured low at every confidence but the highest,
+    no row drafts by the mean, but rows explore once every EXPLORE idle steps."""
+    costly_drafts(monkeypatch, 0.3)
+    monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
+    low = Calibration()
+    low.accepted = [0.0] * (BINS - 1) + low.accepted[-1:]
+    low.offered = [1000.0] * (BINS - 1) + low.offered[-1:]
+    monkeypatch.setattr("quickdraft.proposers.drafter.Calibration", lambda: low)
+    assert low.mean < 0.2 and low.best > 0.9
+    drafter, out, last, jobs = run_pair(monkeypatch, "goodput")
+    for i, job in enumerate(jobs):
+        assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(target())
+    steps = max(last[str(i)].stats.target_passes for i in range(len(jobs)))
+    first = 4  # the first proposal's k levels (its prompt is short enough to run in the first)
+    assert steps > 2 * EXPLORE + 1
+    # each row explored twice in its 40 steps: one or two more forwards per exploration round
+    assert first + 2 <= len(drafter.rows_per_forward) <= first + 2 * len(jobs) * (steps // EXPLORE)
 
 
 def test_a_cheap_draft_drafts_and_pays(monkeypatch: pytest.MonkeyPatch) -> None:

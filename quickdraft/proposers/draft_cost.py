@@ -25,8 +25,9 @@ from quickdraft.proposers.base import PassCost
 BINS = 20          # confidence bins of the calibration
 PRIOR_WEIGHT = 2.0  # pseudo-observations per bin at its own confidence (an uncalibrated draft's guess)
 EMA = 0.2          # weight of a new forward-time measurement
-EXPLORE = 16       # steps a row may go without drafting before it drafts once anyway: acceptance
-                   # changes with the text, and a row that never drafts never learns it has
+EXPLORE = 16       # steps a row may go without drafting before it drafts once anyway (if a level
+                   # could pay at the best acceptance measured): acceptance changes with the text,
+                   # and a row that never drafts never learns it has
 
 
 class Calibration:
@@ -43,6 +44,12 @@ class Calibration:
     def estimate(self, confidence: float) -> float:
         i = self._bin(confidence)
         return self.accepted[i] / self.offered[i]
+
+    @property
+    def best(self) -> float:
+        """The acceptance of the most accepted confidence bin: the most a draft token can be
+        expected to win, whatever the text."""
+        return max(a / o for a, o in zip(self.accepted, self.offered))
 
     @property
     def mean(self) -> float:
@@ -66,6 +73,12 @@ class Plan:
     @classmethod
     def of(cls, cost: PassCost) -> Plan:
         return cls(float(cost.rows), cost.seconds)
+
+    def pays(self, gain: float, level_s: float, per_token: float) -> bool:
+        """Whether one row's draft level winning `gain` tokens would raise E / C. Later levels win
+        less (a token is reached only if its parent is accepted) at about the same cost, so when
+        the first level cannot pay at the best acceptance, no draft can."""
+        return (self.expected + gain) / (self.seconds + level_s + per_token) > self.expected / self.seconds
 
     def extend(self, forced: Sequence[float], gains: Sequence[float], level_s: float, per_token: float) -> int:
         """Add a draft level: the rows of `forced` draft whatever it costs (their lengths must not

@@ -191,11 +191,15 @@ class Drafter:
                plan: Plan | None, per_token: float, level_s: float | None, first: bool = False) -> list[int]:
         """Which of `rows` draft one more token (draft_cost.py): all of them while their lengths
         must not depend on timing (no plan) or the level's cost is not measured yet; else the rows
-        that cannot choose (a pass cost of None, or a row exploring after EXPLORE idle steps) and
-        those of the others whose expected gains pay for the level."""
+        that cannot choose (a pass cost of None), rows exploring after EXPLORE idle steps where a
+        level could pay at the best acceptance measured (where none could, as on a CPU whose
+        verification of k tokens costs k passes, exploring is a loss: its catch-up forward and the
+        prompt's prefill are not repaid), and those of the others whose expected gains pay for the
+        level."""
         if plan is None or level_s is None:
             return rows
-        forced = [b for b in rows if members[b].cost is None or (first and members[b].idle >= EXPLORE)]
+        forced = [b for b in rows if members[b].cost is None
+                  or (first and members[b].idle >= EXPLORE and plan.pays(calibration[b].best, level_s, per_token))]
         # the next token's chance: reached (gains) and accepted at a confidence not known before it is drawn
         chance = {b: gains[b] * calibration[b].mean for b in rows}
         optional = sorted((b for b in rows if b not in forced), key=lambda b: -chance[b])
