@@ -49,9 +49,9 @@ class Counted(Drafter):
         super().__init__(model)
         self.rows_per_forward: list[int] = []
 
-    def _forward(self, members, feeds, starts):
+    def _forward(self, members, feeds, starts, *tree):
         self.rows_per_forward.append(len(members))
-        return super()._forward(members, feeds, starts)
+        return super()._forward(members, feeds, starts, *tree)
 
 
 def member(drafter: Drafter, violations: list[str]):

@@ -3,10 +3,12 @@
 Its K/V live in a row of its Drafter's batched cache (drafter.py), shared by every request that
 drafts with the same model: catch-up on tokens it has not seen (the prompt, then the target's
 recovered or bonus token), k draft steps (each one forward for all the drafter's rows that draft),
-and rollback of rejected positions.
+and rollback of rejected positions. `draft-tree` drafts the draft model's likeliest continuations
+as a tree instead, a level of nodes per forward (drafter.py).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Sequence
 
@@ -14,6 +16,7 @@ from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.proposers.drafter import Drafter
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
@@ -21,13 +24,16 @@ DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's
 
 class DraftModelProposer:
     def __init__(self, drafter: Drafter, prompt_ids: Sequence[int], params: SamplingParams,
-                 capacity: int) -> None:
+                 capacity: int, width: int = 1) -> None:
+        """width 1: chains (sampled rows draw them from q); more: trees of the draft's likeliest
+        continuations, `width` nodes run per level (draft-tree)."""
         self.group = drafter
         self.params = params
         self.capacity = capacity
+        self.width = width
         self.tokens = list(prompt_ids)
-        self.cached = 0      # tokens[:cached] have K/V in the drafter's row
-        self.fed_drafts = 0  # draft tokens of the last proposal whose K/V were written
+        self.cached = 0  # tokens[:cached] have K/V in the drafter's row
+        self.nodes: list[tuple[int, int, int | None]] = []  # the last draft's nodes (drafter.Member)
         seed = None if params.seed is None else (params.seed ^ DRAFT_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(drafter.model.device)
         self.row: int | None = None  # its row of the drafter's cache, from its first proposal on
@@ -49,14 +55,8 @@ class DraftModelProposer:
         return self.group.propose([self], [k])[0]
 
     def commit(self, step: Committed) -> None:
-        # After a proposal `cached` == len(tokens) (before the first it is 0: nothing was run yet).
-        # Accepted drafts that were fed keep their K/V; everything after is evicted.
-        self.cached += min(step.drafted, self.fed_drafts)
-        self.tokens.extend(step.tokens)
-        self.fed_drafts = 0
         self.cost = step.cost
-        self.group.learn(self, step.tokens)
-        self.group.settle(self)
+        self.group.keep(self, step.tokens, step.drafted)
 
 
 def check_compatible(target, draft) -> None:
@@ -75,12 +75,31 @@ def check_compatible(target, draft) -> None:
                                   f"draft but {a!r} in the target")
 
 
+def _drafting(ctx: ProposerContext, width: int) -> DraftModelProposer:
+    draft = ctx.target.draft_model(ctx.config.draft_model)
+    # a tree's nodes run in the drafter's row past the committed tokens: width per level, k levels
+    room = ctx.config.k + 1 if width == 1 else (width + 1) * ctx.config.k + 1
+    capacity = min(draft.model.config.max_position_embeddings, len(ctx.prompt_ids) + ctx.params.max_new_tokens + room)
+    # one Drafter per draft model for all of the target's requests: their draft steps batch
+    drafter = ctx.target.shared((Drafter, draft.model), lambda: Drafter(draft.model))
+    return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width)
+
+
 @register("draft", loads="draft_model", needs_file=True,
           about="a smaller model of the same vocabulary drafts token by token")
 def make_draft(ctx: ProposerContext) -> DraftModelProposer:
-    draft = ctx.target.draft_model(ctx.config.draft_model)
-    capacity = min(draft.model.config.max_position_embeddings,
-                   len(ctx.prompt_ids) + ctx.params.max_new_tokens + ctx.config.k + 1)
-    # one Drafter per draft model for all of the target's requests: their draft steps batch
-    drafter = ctx.target.shared((Drafter, draft.model), lambda: Drafter(draft.model))
-    return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity)
+    return _drafting(ctx, 1)
+
+
+@dataclass(frozen=True)
+class DraftTreeOptions:
+    draft_width: int = option(4, "draft-tree: nodes the draft model runs per level, and children each adds", 2, 16)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
+@register("draft-tree", DraftTreeOptions, loads="draft_model", needs_file=True,
+          about="a draft model's likeliest continuations as a tree (EAGLE-2's dynamic tree)")
+def make_draft_tree(ctx: ProposerContext) -> DraftModelProposer:
+    return _drafting(ctx, ctx.options.draft_width)

@@ -10,6 +10,11 @@ last accepted draft and the target's token), right-aligned, so every row's newes
 the forward's last column: a row with less to catch up runs a cached token again (at the cost of
 the padding it replaces). A longer catch-up (the prompt) runs alone first. Rows of the cache span
 that do not draft run a throwaway token past everything their owner still needs.
+
+A member of width > 1 drafts a tree (EAGLE-2's dynamic tree, `_trees`): each level runs its
+`width` likeliest newest nodes in the same batched forward as every other tree row, each node at
+its depth's position, in a slot of its own, seeing the committed tokens and its ancestors. When a
+step is committed, the accepted nodes that were run keep their K/V, moved into place (`keep`).
 """
 from __future__ import annotations
 
@@ -36,14 +41,16 @@ class Member(Protocol):
     row: int | None           # its row of the drafter's cache (None: not drafted yet)
     tokens: list[int]         # the committed sequence
     cached: int               # tokens[:cached] have K/V in its row
-    fed_drafts: int           # drafts of its last proposal whose K/V follow the cached ones
+    width: int                # 1: it drafts chains; more: trees, running this many nodes per level
     capacity: int             # slots it may use
     params: SamplingParams
     generator: torch.Generator
     cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
     idle: int                 # proposals in a row it drafted nothing for
-    offered: list[int]        # its last draft's tokens
+    offered: list[int]        # its last draft's tokens (a tree's: its likeliest path)
     confidences: list[float]  # the draft's probability of each of them
+    nodes: list[tuple[int, int, int | None]]  # its last draft's nodes: token, parent (-1: the root),
+                                              # the cache slot of its K/V (None: it was not run)
 
 
 class Drafter:
@@ -98,12 +105,25 @@ class Drafter:
             new.lengths[:old.batch_size] = old.lengths
         self.cache = new
 
-    def settle(self, member: Member) -> None:
-        """The member committed a step: its row keeps K/V of tokens[:cached] and nothing more."""
-        if member.row is None:
-            return
-        self.cache.lengths[member.row] = member.cached
-        self.free_from[member.row] = member.cached
+    def keep(self, member: Member, tokens: Sequence[int], drafted: int) -> None:
+        """The member committed `tokens`, the first `drafted` of them its last draft's nodes: the
+        accepted nodes that were run keep their K/V, moved to the slots after the committed ones (a
+        tree's path; a chain's is in place already); everything after is evicted."""
+        run, parent = [], -1
+        for token in tokens[:drafted]:
+            parent = next((n for n, (t, p, _) in enumerate(member.nodes) if p == parent and t == token), None)
+            if parent is None or member.nodes[parent][2] is None:
+                break
+            run.append(member.nodes[parent][2])
+        if run:
+            self.cache.compact(member.row, member.cached, run)
+        member.cached += len(run)
+        member.tokens.extend(tokens)
+        member.nodes = []
+        self.learn(member, tokens)
+        if member.row is not None:
+            self.cache.lengths[member.row] = member.cached
+            self.free_from[member.row] = member.cached
 
     def row_cache(self, member: Member) -> KVCache:
         """The member's row as a cache of its own (a view: tests read it); empty before its first draft."""
@@ -142,7 +162,7 @@ class Drafter:
         drafts = [NO_DRAFT] * len(members)
         for b, m in enumerate(members):
             m.idle = 0 if b in going else m.idle + 1
-            m.offered, m.confidences = [], []
+            m.offered, m.confidences, m.nodes = [], [], []
         if not going:
             return drafts
         for b in going:  # the prompt: alone, so the others are not padded to its length
@@ -150,12 +170,31 @@ class Drafter:
             if len(m.tokens) - m.cached > CATCH_UP:
                 self._forward([m], [m.tokens[m.cached:-1]], [m.cached])
                 m.cached = len(m.tokens) - 1
-                self.settle(m)
+                self.cache.lengths[m.row] = self.free_from[m.row] = m.cached
         t0 = time.perf_counter()
         width = max(len(members[b].tokens) - members[b].cached for b in going)
         starts = [max(0, len(members[b].tokens) - width) for b in going]
         logits = self._forward([members[b] for b in going],
-                               [members[b].tokens[s:] for b, s in zip(going, starts)], starts)
+                               [members[b].tokens[s:] for b, s in zip(going, starts)], starts)  # [len(going), V]
+        for b in going:
+            m = members[b]
+            m.cached = self.cache.lengths[m.row] = len(m.tokens)
+        chains = [i for i, b in enumerate(going) if members[b].width == 1]
+        trees = [i for i, b in enumerate(going) if members[b].width > 1]
+        if chains:
+            self._chains(members, [going[i] for i in chains], ks, logits[chains], t0, drafts, gains, calibration,
+                         plan, per_token)
+        if trees:
+            if not chains:
+                self.times.observe(True, time.perf_counter() - t0)
+            self._trees(members, [going[i] for i in trees], ks, logits[trees], drafts, calibration)
+        return drafts
+
+    def _chains(self, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor, t0: float,
+                drafts: list[Draft], gains: list[float], calibration: Sequence[Calibration], plan: Plan | None,
+                per_token: float) -> None:
+        """A chain for each member of `going` (logits [len(going), V] after its newest token), drawn
+        from its q, one level per forward while a level pays (_worth), into drafts[b]."""
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in going}
         estimates: dict[int, list[float]] = {b: [] for b in going}
         drafting = list(going)
@@ -180,11 +219,62 @@ class Drafter:
                                    [len(members[b].tokens) + i for b in drafting])
         for b in going:
             m = members[b]
-            m.cached, m.fed_drafts = len(m.tokens), len(m.offered) - 1
-            self.cache.lengths[m.row] = m.cached
-            self.free_from[m.row] = m.cached + m.fed_drafts
+            n = len(m.offered)  # every token but the last was fed, each in the slot after its parent's
+            m.nodes = [(x, i - 1, m.cached + i if i < n - 1 else None) for i, x in enumerate(m.offered)]
             drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
-        return drafts
+
+    def _trees(self, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor,
+               drafts: list[Draft], calibration: Sequence[Calibration]) -> None:
+        """EAGLE-2's dynamic tree for each member of `going` (logits [len(going), V] after its
+        newest token), into drafts[b]: level by level, the `width` nodes of the newest level likeliest
+        to be reached (the product of the draft's probabilities along their paths) run in one forward
+        for every tree row, each adding its `width` likeliest tokens as children; a row stops when
+        its newest level cannot hold one of its k likeliest nodes. Its draft is those k nodes,
+        likeliest first (a child is never likelier than its parent: every prefix is a tree, as the
+        policy verifies prefixes). The nodes are the draft's choices, not draws: q is None, which
+        the verifier's recursive rejection takes exactly for sampled rows too (a rejected sibling's
+        token leaves p before the next is tried), and no drawn token decides what is verified, so
+        every row's estimates may read the draft's probabilities."""
+        grown = {b: _Tree() for b in going}
+        expanded = {b: [-1] for b in going}  # per row, the nodes whose children the logits give
+        level_logits = {b: logits[i:i + 1] for i, b in enumerate(going)}  # [len(expanded), V]
+        growing = list(going)
+        for level in range(max(ks[b] for b in going)):
+            run: dict[int, list[int]] = {}
+            for b in growing:
+                m, tree = members[b], grown[b]
+                top_p, top_i = torch.softmax(level_logits[b].float(), -1).topk(m.width, -1)
+                newest = tree.grow(expanded[b], top_p.tolist(), top_i.tolist())
+                likeliest = sorted(newest, key=lambda n: -tree.reach[n])[:m.width]
+                kth = sorted(tree.reach, reverse=True)[ks[b] - 1] if len(tree.reach) >= ks[b] else 0.0
+                room = m.cached + len(tree.slot) + len(likeliest) <= m.capacity
+                if level + 1 < ks[b] and tree.reach[likeliest[0]] > kth and room:
+                    run[b] = likeliest
+            growing = list(run)
+            if not growing:
+                break
+            feeds, starts, positions, visible = [], [], [], []
+            for b in growing:
+                m, tree = members[b], grown[b]
+                start = m.cached + len(tree.slot)
+                tree.slot.update({n: start + j for j, n in enumerate(run[b])})
+                feeds.append([tree.tokens[n] for n in run[b]])
+                starts.append(start)
+                positions.append([m.cached - 1 + tree.depth[n] for n in run[b]])  # the root is the newest token
+                visible.append(tree.visible(run[b], m.cached))
+            out = self._forward([members[b] for b in growing], feeds, starts, positions, visible)  # [n, W, V]
+            for i, b in enumerate(growing):
+                level_logits[b], expanded[b] = out[i, :len(run[b])], run[b]
+        for b in going:
+            m, tree = members[b], grown[b]
+            keep = sorted(range(len(tree.tokens)), key=lambda n: (-tree.reach[n], tree.depth[n]))[:ks[b]]
+            index = {n: i for i, n in enumerate(keep)}
+            parents = [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in keep]
+            m.nodes = [(tree.tokens[n], p, tree.slot.get(n)) for n, p in zip(keep, parents)]
+            spine = tree.spine(keep)  # calibrated as a chain is: its likeliest path
+            m.offered, m.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
+            drafts[b] = Draft([tree.tokens[n] for n in keep], None,
+                              [calibration[b].estimate(tree.probs[n]) for n in keep], parents)
 
     @staticmethod
     def _worth(rows: list[int], members: Sequence[Member], gains: list[float], calibration: Sequence[Calibration],
@@ -239,10 +329,13 @@ class Drafter:
             out.append((x, float(q[0, x])))
         return out
 
-    def _forward(self, members: Sequence[Member], feeds: Sequence[list[int]], starts: Sequence[int]) -> torch.Tensor:
-        """Run each member's `feeds` tokens from slot `starts` on, all in one forward over the
-        cache rows from the lowest member's to the highest's; -> logits [n, V] after each
-        member's last fed token."""
+    def _forward(self, members: Sequence[Member], feeds: Sequence[list[int]], starts: Sequence[int],
+                 positions: Sequence[list[int]] | None = None,
+                 visible: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Run each member's `feeds` tokens in its slots from `starts` on, all in one forward over
+        the cache rows from the lowest member's to the highest's; -> logits [n, V] after each
+        member's last fed token. Trees give each token's `positions` and `visible` [T, start + T]
+        (the slots it sees); -> logits [n, width, V] after each fed token."""
         lo, hi = min(m.row for m in members), max(m.row for m in members) + 1
         span_feeds: list[list[int]] = [[0] for _ in range(lo, hi)]  # rows that do not draft: a throwaway
         span_starts = self.free_from[lo:hi]                           # token where nothing is kept
@@ -251,11 +344,67 @@ class Drafter:
         width = max(map(len, feeds))
         device = self.model.device
         ids = torch.tensor([f + f[-1:] * (width - len(f)) for f in span_feeds], device=device)  # [S, width]
-        positions = torch.tensor(span_starts, device=device)[:, None] + torch.arange(width, device=device)
+        slots = torch.tensor(span_starts, device=device)[:, None] + torch.arange(width, device=device)
+        at, mask = slots, None
+        if positions is not None:  # a tree: siblings share a position, not a slot, nor see each other
+            at = slots.clone()
+            mask = torch.ones(hi - lo, width, int(slots.max()) + 1, dtype=torch.bool)  # [S, width, kv_len]
+            for m, pos, seen in zip(members, positions, visible):
+                at[m.row - lo, :len(pos)] = torch.tensor(pos, device=device)
+                mask[m.row - lo, :seen.shape[0], :seen.shape[1]] = seen
+            mask = mask.to(device)
         aligned = all(len(f) == width for f in feeds)
-        out = self.model(ids, positions, self.cache.rows(lo, hi), last_n=1 if aligned else None)
+        out = self.model(ids, at, self.cache.rows(lo, hi), attn_mask=mask,
+                         last_n=1 if aligned and positions is None else None, slots=slots)
         for m, feed, start in zip(members, feeds, starts):  # later forwards of this proposal keep off
             self.free_from[m.row] = max(self.free_from[m.row], start + len(feed))
         index = torch.tensor([m.row - lo for m in members], device=device)
+        if positions is not None:
+            return out.logits[index]
         last = torch.tensor([-1 if aligned else len(f) - 1 for f in feeds], device=device)
         return out.logits[index, last]  # [n, V]
+
+
+class _Tree:
+    """A tree draft while it grows: per node its token, parent (-1: the root), the draft's
+    probability of it given its parent, the product of those along its path, its depth (1: a child
+    of the root), and the cache slot of each node run so far."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.probs: list[float] = []
+        self.reach: list[float] = []
+        self.depth: list[int] = []
+        self.slot: dict[int, int] = {}
+
+    def grow(self, parents: Sequence[int], probs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]]) -> list[int]:
+        """Children for each of `parents` (their tokens `ids`, probabilities `probs`) -> the new nodes."""
+        new = []
+        for parent, ps, xs in zip(parents, probs, ids):
+            for p, x in zip(ps, xs):
+                new.append(len(self.tokens))
+                self.tokens.append(x)
+                self.parents.append(parent)
+                self.probs.append(p)
+                self.reach.append(p * (self.reach[parent] if parent >= 0 else 1.0))
+                self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        return new
+
+    def visible(self, nodes: Sequence[int], committed: int) -> torch.Tensor:
+        """[len(nodes), slot of the last + 1]: each node sees the committed slots, its ancestors and itself."""
+        seen = torch.zeros(len(nodes), self.slot[nodes[-1]] + 1, dtype=torch.bool)
+        seen[:, :committed] = True
+        for j, n in enumerate(nodes):
+            while n >= 0:
+                seen[j, self.slot[n]] = True
+                n = self.parents[n]
+        return seen
+
+    def spine(self, nodes: Sequence[int]) -> list[int]:
+        """Of `nodes` (a tree), the path that takes the likeliest child at every level."""
+        path, parent = [], -1
+        while children := [n for n in nodes if self.parents[n] == parent]:
+            parent = max(children, key=lambda n: self.probs[n])
+            path.append(parent)
+        return path
