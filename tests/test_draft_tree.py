@@ -126,3 +126,52 @@ def test_draft_tree_is_a_proposer_with_its_width_in_range() -> None:
     assert SpecConfig(method="draft-tree", options={"draft_width": 2}).proposer_options().draft_width == 2
     with pytest.raises(SpecConfigError, match="draft_width must be in 2..16"):
         SpecConfig(method="draft-tree", options={"draft_width": 1})
+
+
+def test_a_group_call_failing_in_its_tree_levels_leaves_its_members_as_they_were(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree levels that fail in a group call, after its catch-up forward and its chain rows' levels
+    ran: each member is asked again alone, from where it was (tree levels asked for one member
+    work here), and every request emits plain greedy's tokens."""
+    model = target()
+    drafter = Counted(noisy_draft())
+    calls = []
+    grow = Drafter._trees
+
+    def broken_in_groups(self, members, *args):
+        calls.append([m.width for m in members])
+        if len(members) > 1:
+            raise RuntimeError("tree level failed")
+        return grow(self, members, *args)
+    monkeypatch.setattr(Drafter, "_trees", broken_in_groups)
+    make = members(drafter, (1, 1, 3), [], {"trees": 0, "kept": 0})
+    batch = [Job([1, 17, 42, 8], greedy(15), make, 4), Job([44, 12, 19], greedy(15), make, 3),
+             Job([5, 6, 7], greedy(15), make, 4, join_at=2)]
+    out, last, _ = run_batched(model, batch, EngineConfig(max_batch=3, policy="fixed"), check_kv=False)
+    for i, job in enumerate(batch):
+        assert last[str(i)].finish_reason == "length" and last[str(i)].stats.drafted_tokens > 0
+        assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(model)
+    assert [1, 1, 3] in calls  # the premise: group calls failed with chain rows drafted in them
+
+
+def test_wide_tree_levels_fit_beside_a_long_chain_row() -> None:
+    """Every row of a level's span runs as many tokens as the widest tree row: a chain row whose
+    capacity sets the cache's length runs its throwaway tokens past its drafts, within the cache."""
+    model = target()
+    drafter = Counted(noisy_draft())
+    violations: list[str] = []
+
+    def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
+        width = 1 if len(prompt) > 20 else 16
+        proposer = Watched(drafter, prompt, params, len(prompt) + params.max_new_tokens + (1 if width == 1 else 137),
+                           width)
+        proposer.log, proposer.violations = {"trees": 0, "kept": 0}, violations
+        return proposer
+    long_prompt = [(7 * i) % 50 + 1 for i in range(200)]  # its capacity (221) sets the cache length
+    batch = [Job([1, 17, 42], greedy(20), make, 8), Job(long_prompt, greedy(20), make, 8),
+             Job([44, 12, 19], greedy(20), make, 8)]
+    out, last, engine_violations = run_batched(model, batch, EngineConfig(max_batch=3, policy="fixed"))
+    assert engine_violations == [] and violations == []
+    for i, job in enumerate(batch):
+        assert last[str(i)].finish_reason == "length"
+        assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(model)

@@ -62,6 +62,7 @@ class Drafter:
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         self.lock = threading.Lock()
         self.collect_at = 1  # pool size from which a full garbage collection may run again
+        self.longest, self.slack = 0, CATCH_UP  # the cache's length: the largest capacity + the widest forward
         self.calibration = {True: Calibration(), False: Calibration()}  # greedy / sampled rows
         self.times = ForwardTimes()
 
@@ -79,7 +80,11 @@ class Drafter:
             self.collect_at = 2 * len(self.taken)
         row = self.taken.index(False) if False in self.taken else len(self.taken)
         rows = max(row + 1, len(self.taken))
-        max_len = max(member.capacity + CATCH_UP, 0 if self.cache is None else self.cache.max_len)
+        # past every member's capacity, room for the throwaway tokens a row runs while others draft:
+        # as wide as the widest forward (a catch-up, or a tree level)
+        self.slack = max(self.slack, member.width)
+        self.longest = max(self.longest, member.capacity)
+        max_len = max(self.longest + self.slack, 0 if self.cache is None else self.cache.max_len)
         if self.cache is None or rows > self.cache.batch_size or max_len > self.cache.max_len:
             self._grow(rows, max_len)
         self.taken += [False] * (rows - len(self.taken))
@@ -176,9 +181,6 @@ class Drafter:
         starts = [max(0, len(members[b].tokens) - width) for b in going]
         logits = self._forward([members[b] for b in going],
                                [members[b].tokens[s:] for b, s in zip(going, starts)], starts)  # [len(going), V]
-        for b in going:
-            m = members[b]
-            m.cached = self.cache.lengths[m.row] = len(m.tokens)
         chains = [i for i, b in enumerate(going) if members[b].width == 1]
         trees = [i for i, b in enumerate(going) if members[b].width > 1]
         if chains:
@@ -188,6 +190,9 @@ class Drafter:
             if not chains:
                 self.times.observe(True, time.perf_counter() - t0)
             self._trees(members, [going[i] for i in trees], ks, logits[trees], drafts, calibration)
+        for b in going:  # only now: a failure above leaves each member as it was, to be asked alone
+            m = members[b]
+            m.cached = self.cache.lengths[m.row] = len(m.tokens)
         return drafts
 
     def _chains(self, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor, t0: float,
@@ -220,7 +225,7 @@ class Drafter:
         for b in going:
             m = members[b]
             n = len(m.offered)  # every token but the last was fed, each in the slot after its parent's
-            m.nodes = [(x, i - 1, m.cached + i if i < n - 1 else None) for i, x in enumerate(m.offered)]
+            m.nodes = [(x, i - 1, len(m.tokens) + i if i < n - 1 else None) for i, x in enumerate(m.offered)]
             drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
 
     def _trees(self, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor,
@@ -247,7 +252,7 @@ class Drafter:
                 newest = tree.grow(expanded[b], top_p.tolist(), top_i.tolist())
                 likeliest = sorted(newest, key=lambda n: -tree.reach[n])[:m.width]
                 kth = sorted(tree.reach, reverse=True)[ks[b] - 1] if len(tree.reach) >= ks[b] else 0.0
-                room = m.cached + len(tree.slot) + len(likeliest) <= m.capacity
+                room = len(m.tokens) + len(tree.slot) + len(likeliest) <= m.capacity
                 if level + 1 < ks[b] and tree.reach[likeliest[0]] > kth and room:
                     run[b] = likeliest
             growing = list(run)
@@ -256,12 +261,12 @@ class Drafter:
             feeds, starts, positions, visible = [], [], [], []
             for b in growing:
                 m, tree = members[b], grown[b]
-                start = m.cached + len(tree.slot)
+                start = len(m.tokens) + len(tree.slot)
                 tree.slot.update({n: start + j for j, n in enumerate(run[b])})
                 feeds.append([tree.tokens[n] for n in run[b]])
                 starts.append(start)
-                positions.append([m.cached - 1 + tree.depth[n] for n in run[b]])  # the root is the newest token
-                visible.append(tree.visible(run[b], m.cached))
+                positions.append([len(m.tokens) - 1 + tree.depth[n] for n in run[b]])  # the root: the newest token
+                visible.append(tree.visible(run[b], len(m.tokens)))
             out = self._forward([members[b] for b in growing], feeds, starts, positions, visible)  # [n, W, V]
             for i, b in enumerate(growing):
                 level_logits[b], expanded[b] = out[i, :len(run[b])], run[b]
