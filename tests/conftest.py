@@ -31,4 +31,4 @@ def free_draft_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
     its verification. tests/test_draft_cost.py measures real costs instead."""
     from quickdraft.proposers.draft_cost import ForwardTimes
     observe = ForwardTimes.observe
-    monkeypatch.setattr(ForwardTimes, "observe", lambda self, first, seconds: observe(self, first, 0.0))
+    monkeypatch.setattr(ForwardTimes, "observe", lambda self, kind, seconds: observe(self, kind, 0.0))

@@ -73,17 +73,18 @@ def test_rows_that_must_draft_pay_the_level_for_the_others() -> None:
 def test_forward_times_are_smoothed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()  # the suite's fixture records draft forwards as free
     t = ForwardTimes()
-    t.observe(True, 1.0)
-    t.observe(True, 2.0)
-    t.observe(False, 0.5)
-    assert t.first == pytest.approx(1.2) and t.later == 0.5
+    t.observe("first", 1.0)
+    t.observe("first", 2.0)
+    t.observe("later", 0.5)
+    t.observe("tree", 0.7)
+    assert t.first == pytest.approx(1.2) and t.later == 0.5 and t.tree == 0.7
 
 
 def costly_drafts(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every draft forward measured as `seconds`, whatever it took."""
     monkeypatch.undo()
     observe = ForwardTimes.observe
-    monkeypatch.setattr(ForwardTimes, "observe", lambda self, first, _: observe(self, first, seconds))
+    monkeypatch.setattr(ForwardTimes, "observe", lambda self, kind, _: observe(self, kind, seconds))
 
 
 def run_pair(monkeypatch: pytest.MonkeyPatch, policy: str, **sampling) -> tuple[Counted, dict, dict, list[Job]]:

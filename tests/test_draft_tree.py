@@ -15,8 +15,10 @@ from typing import Sequence
 import pytest
 
 from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
@@ -175,3 +177,28 @@ def test_wide_tree_levels_fit_beside_a_long_chain_row() -> None:
     for i, job in enumerate(batch):
         assert last[str(i)].finish_reason == "length"
         assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(model)
+
+
+def test_tree_levels_run_only_where_they_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tree levels measured at 10 s against a target pass of ~1 s (the engine's prior line) and
+    free catch-up forwards: after the first tree level is measured, a row's trees stop at the
+    root's children (depth 1); with the fixed policy (lengths that must not depend on timing) the
+    same trees grow deep. Outputs are plain's either way."""
+    monkeypatch.undo()  # the suite's fixture records draft forwards as free
+    observe = ForwardTimes.observe
+    monkeypatch.setattr(ForwardTimes, "observe",
+                        lambda self, kind, _: observe(self, kind, 10.0 if kind == "tree" else 0.0))
+    monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
+    depths = {}
+    propose = Watched.propose
+    for policy in ("goodput", "fixed"):
+        model = target()
+        log = {"trees": 0, "kept": 0}
+        job = Job([1, 17, 42, 8, 77, 23], greedy(30), members(Drafter(model), (3,), [], log), 6)
+        drafts: list[Draft] = []
+        monkeypatch.setattr(Watched, "propose", lambda self, k: drafts.append(propose(self, k)) or drafts[-1])
+        out, _, _ = run_batched(model, [job], EngineConfig(max_batch=1, policy=policy), check_kv=False)
+        assert out["0"] == Job(job.prompt, job.params, None, 0).alone(model)
+        depths[policy] = [max(d.depths(), default=0) for d in drafts[2:]]  # after the first measurement
+    assert depths["goodput"] and max(depths["goodput"]) == 1
+    assert max(depths["fixed"]) >= 2

@@ -102,15 +102,13 @@ class Plan:
 
 @dataclass
 class ForwardTimes:
-    """Seconds of the drafter's forwards (smoothed): the first of a proposal (it catches up on the
-    committed tokens) and the later ones (one token per row)."""
+    """Seconds of the drafter's forwards (smoothed), by kind: the first of a proposal (it catches
+    up on the committed tokens), the later ones of chains (one token per row), and tree levels (a
+    level's nodes per row)."""
     first: float | None = None
     later: float | None = None
+    tree: float | None = None
 
-    def observe(self, first: bool, seconds: float) -> None:
-        old = self.first if first else self.later
-        new = seconds if old is None else (1 - EMA) * old + EMA * seconds
-        if first:
-            self.first = new
-        else:
-            self.later = new
+    def observe(self, kind: str, seconds: float) -> None:
+        old = getattr(self, kind)
+        setattr(self, kind, seconds if old is None else (1 - EMA) * old + EMA * seconds)

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -188,8 +188,8 @@ class Drafter:
                          plan, per_token)
         if trees:
             if not chains:
-                self.times.observe(True, time.perf_counter() - t0)
-            self._trees(members, [going[i] for i in trees], ks, logits[trees], drafts, calibration)
+                self.times.observe("first", time.perf_counter() - t0)
+            self._trees(members, [going[i] for i in trees], ks, logits[trees], drafts, calibration, plan, per_token)
         for b in going:  # only now: a failure above leaves each member as it was, to be asked alone
             m = members[b]
             m.cached = self.cache.lengths[m.row] = len(m.tokens)
@@ -214,7 +214,7 @@ class Drafter:
                 estimates[b].append(calibration[b].estimate(confidence) if members[b].params.greedy
                                     else calibration[b].mean)
                 gains[b] *= estimates[b][-1]
-            self.times.observe(i == 0, time.perf_counter() - t0)
+            self.times.observe("first" if i == 0 else "later", time.perf_counter() - t0)
             drafting = self._worth([b for b in drafting if ks[b] > i + 1], members, gains, calibration, plan,
                                    per_token, self.times.later)
             if not drafting:
@@ -229,12 +229,14 @@ class Drafter:
             drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
 
     def _trees(self, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor,
-               drafts: list[Draft], calibration: Sequence[Calibration]) -> None:
+               drafts: list[Draft], calibration: Sequence[Calibration], plan: Plan | None, per_token: float) -> None:
         """EAGLE-2's dynamic tree for each member of `going` (logits [len(going), V] after its
         newest token), into drafts[b]: level by level, the `width` nodes of the newest level likeliest
         to be reached (the product of the draft's probabilities along their paths) run in one forward
         for every tree row, each adding its `width` likeliest tokens as children; a row stops when
-        its newest level cannot hold one of its k likeliest nodes. Its draft is those k nodes,
+        its newest level cannot hold one of its k likeliest nodes, or when the level's forward
+        does not pay for what it is expected to add (`_worth`, the chance that a node of the level
+        is reached and accepted: a tree's one path commits at most one token per level). Its draft is those k nodes,
         likeliest first (a child is never likelier than its parent: every prefix is a tree, as the
         policy verifies prefixes). The nodes are the draft's choices, not draws: q is None, which
         the verifier's recursive rejection takes exactly for sampled rows too (a rejected sibling's
@@ -249,15 +251,19 @@ class Drafter:
             for b in growing:
                 m, tree = members[b], grown[b]
                 top_p, top_i = torch.softmax(level_logits[b].float(), -1).topk(m.width, -1)
-                newest = tree.grow(expanded[b], top_p.tolist(), top_i.tolist())
+                newest = tree.grow(expanded[b], top_p.tolist(), top_i.tolist(), calibration[b].estimate)
                 likeliest = sorted(newest, key=lambda n: -tree.reach[n])[:m.width]
                 kth = sorted(tree.reach, reverse=True)[ks[b] - 1] if len(tree.reach) >= ks[b] else 0.0
                 room = len(m.tokens) + len(tree.slot) + len(likeliest) <= m.capacity
                 if level + 1 < ks[b] and tree.reach[likeliest[0]] > kth and room:
                     run[b] = likeliest
-            growing = list(run)
+            # a node's chance to be reached and accepted: its path's calibrated estimates (siblings
+            # exclude each other, so a level's chances sum to at most one token)
+            gains = [sum(grown[b].chance[n] for n in run[b]) if b in run else 0.0 for b in range(len(members))]
+            growing = self._worth(list(run), members, gains, calibration, plan, per_token, self.times.tree)
             if not growing:
                 break
+            t0 = time.perf_counter()
             feeds, starts, positions, visible = [], [], [], []
             for b in growing:
                 m, tree = members[b], grown[b]
@@ -268,6 +274,7 @@ class Drafter:
                 positions.append([len(m.tokens) - 1 + tree.depth[n] for n in run[b]])  # the root: the newest token
                 visible.append(tree.visible(run[b], len(m.tokens)))
             out = self._forward([members[b] for b in growing], feeds, starts, positions, visible)  # [n, W, V]
+            self.times.observe("tree", time.perf_counter() - t0)
             for i, b in enumerate(growing):
                 level_logits[b], expanded[b] = out[i, :len(run[b])], run[b]
         for b in going:
@@ -372,19 +379,23 @@ class Drafter:
 
 class _Tree:
     """A tree draft while it grows: per node its token, parent (-1: the root), the draft's
-    probability of it given its parent, the product of those along its path, its depth (1: a child
-    of the root), and the cache slot of each node run so far."""
+    probability of it given its parent, the product of those along its path (reach) and of their
+    calibrated acceptance (chance), its depth (1: a child of the root), and the cache slot of each
+    node run so far."""
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.probs: list[float] = []
         self.reach: list[float] = []
+        self.chance: list[float] = []  # per node, the chance its path is accepted (calibrated)
         self.depth: list[int] = []
         self.slot: dict[int, int] = {}
 
-    def grow(self, parents: Sequence[int], probs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]]) -> list[int]:
-        """Children for each of `parents` (their tokens `ids`, probabilities `probs`) -> the new nodes."""
+    def grow(self, parents: Sequence[int], probs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]],
+             estimate: Callable[[float], float]) -> list[int]:
+        """Children for each of `parents` (their tokens `ids`, probabilities `probs`; `estimate`:
+        a probability -> the chance the target accepts the token) -> the new nodes."""
         new = []
         for parent, ps, xs in zip(parents, probs, ids):
             for p, x in zip(ps, xs):
@@ -393,6 +404,7 @@ class _Tree:
                 self.parents.append(parent)
                 self.probs.append(p)
                 self.reach.append(p * (self.reach[parent] if parent >= 0 else 1.0))
+                self.chance.append(estimate(p) * (self.chance[parent] if parent >= 0 else 1.0))
                 self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
         return new
 
