@@ -158,3 +158,13 @@ def test_bfloat16_agrees_with_float32(pair):
     assert 0 < diff < 0.05 * ref.abs().max().item()  # rounded, but only a little
     agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9, f"bf16 argmax agrees with float32 on {agree:.0%} of positions"
+
+
+def test_rotary_frequencies_are_computed_on_the_cpu_under_the_meta_device() -> None:
+    """The loader builds the model on "meta": the frequencies must still be real numbers (and
+    computed without torch's meta decompositions, which cost ~1.5 s of a load), equal to the CPU's."""
+    from quickdraft.model.rope import inverse_frequencies
+    config = ours_from_hf(hf_model("llama3-rope-scaling")).config
+    with torch.device("meta"):
+        on_meta = inverse_frequencies(config)
+    assert on_meta.device.type == "cpu" and torch.equal(on_meta, inverse_frequencies(config))

@@ -15,7 +15,9 @@ from quickdraft.model.config import ModelConfig
 def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """[head_dim/2] float32. `freq_factors` are GGUF's `rope_freqs` divisors, when a file has them."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU whatever device is the default: a model built on "meta" computed these through
+    # torch's reference decompositions, whose first use imported for ~1.5 s of a load
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if freq_factors is not None:
         return inv_freq / freq_factors.float()
     scaling = config.rope_scaling
