@@ -3,8 +3,8 @@ packaged sibling Qwen2.5-Coder-0.5B-Instruct, both by their packaged names (the 
 that scripts/install.sh installs). Slow: run with `pytest -m slow`.
 
 Oracle: plain greedy decoding of the same target in the same engine; `--spec draft` and
-`--spec draft-tree` must give the same tokens, token for token, on a chat coding prompt, a chat prose prompt and a HumanEval
-development prompt continued as raw text (problems 0-81 only).
+`--spec draft-tree` must give the same tokens, token for token, on a chat coding prompt, a chat
+prose prompt and a HumanEval development prompt continued as raw text (problems 0-81 only).
 """
 from __future__ import annotations
 

@@ -300,7 +300,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                f"--max-new-tokens {args.max_new_tokens} --policy {args.policy}"
                f"{f' --draft-model {args.draft_model}' if args.draft_model else ''}")
     results["config"] = {"command": command, "model": args.model, "dtype": args.dtype, "spec": args.spec,
-                         "draft_model": llm.draft_name(args.draft_model) if PROPOSERS[spec.method].loads == "draft_model" else None,
+                         "draft_model": (llm.draft_name(args.draft_model)
+                                         if PROPOSERS[spec.method].loads == "draft_model" else None),
                          "k": args.k, "policy": args.policy, "requests": len(questions),
                          "questions": [q.question_id for q in questions]}
     print(markdown_table(results), end="")

@@ -236,9 +236,9 @@ class Drafter:
         for every tree row, each adding its `width` likeliest tokens as children; a row stops when
         its newest level cannot hold one of its k likeliest nodes, or when the level's forward
         does not pay for what it is expected to add (`_worth`, the chance that a node of the level
-        is reached and accepted: a tree's one path commits at most one token per level). Its draft is those k nodes,
-        likeliest first (a child is never likelier than its parent: every prefix is a tree, as the
-        policy verifies prefixes). The nodes are the draft's choices, not draws: q is None, which
+        is reached and accepted: a tree's one path commits at most one token per level). Its draft
+        is those k nodes, likeliest first (a child is never likelier than its parent: every prefix
+        is a tree, as the policy verifies prefixes). The nodes are the draft's choices, not draws: q is None, which
         the verifier's recursive rejection takes exactly for sampled rows too (a rejected sibling's
         token leaves p before the next is tried), and no drawn token decides what is verified, so
         every row's estimates may read the draft's probabilities."""
