@@ -73,19 +73,22 @@ typedef struct {
 INLINE void prepare(const uint8_t *g, const int type, Prep *p) {
     p->g = g;
     if (type == Q4_K || type == Q5_K) {
-        /* the 6-bit scales and mins of ggml's 12 packed bytes, as its get_scale_min_k4 reads them:
-         * scales to bytes 0..7, mins to bytes 8..15 */
-        uint32_t u[4];
-        memcpy(u, g + 4, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t mins_lo = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = mins_lo;
-        u[0] &= 0x3f3f3f3f;
-        const __m128i sm = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
-        p->d[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)), _mm256_set1_ps(f16(g)));
+        /* d, dmin and ggml's 12 packed bytes of 6-bit scales and mins (as its get_scale_min_k4 reads
+         * them), decoded in one vector: scales to bytes 0..7, mins to bytes 8..15 */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)g);  /* q[i] is byte 4 + i */
+        /* low bits: q0..q3 & 63 | q8..q11 & 15 (scales); q4..q7 & 63 | q8..q11 >> 4 (mins) */
+        const __m128i lo = _mm_shuffle_epi8(raw, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+        /* high bits of scales and mins 4..7: the top 2 bits of q0..q3 and q4..q7 */
+        const __m128i hi = _mm_shuffle_epi8(raw, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+        const __m128i sm = _mm_or_si128(
+            _mm_or_si128(_mm_and_si128(lo, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                         _mm_and_si128(_mm_srli_epi16(lo, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15))),
+            _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));
+        const __m128 dd = _mm_cvtph_ps(raw);  /* d, dmin */
+        p->d[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)), _mm256_broadcastss_ps(dd));
         /* as ggml: d * sc * q - dmin * m */
-        p->m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))), _mm256_set1_ps(-f16(g + 2)));
+        p->m = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))),
+                             _mm256_broadcastss_ps(_mm_xor_ps(_mm_movehdup_ps(dd), _mm_set1_ps(-0.0f))));
     } else if (type == Q6_K) {
         const __m256 d = _mm256_set1_ps(f16(g));
         const __m128i sc = _mm_loadu_si128((const __m128i *)(g + 2));
@@ -218,40 +221,43 @@ static void row_prep_task(void *ctx, int64_t i) {
  * exact; its float sums run in a fixed order: the same result for any M. */
 INLINE void group_dot(const uint8_t *row, const QRows *q, int64_t xb, const int type, const int mb,
                       __m256 tot[2 * MB_MAX]) {
-    const int sets = type == Q6_K ? 2 : 1;  /* Q6_K: sums of the first and the last 16 weights of units */
+    /* Q6_K: the first and the last 16 weights of each unit have their own scales, so its byte
+     * vectors 0-3 and 4-7 sum apart, each set finished before the next starts (one set's
+     * accumulators live at a time) */
+    const int sets = type == Q6_K ? 2 : 1;
     const int chains = CHAINS(mb);
-    const int per_set = chains / sets > 0 ? chains / sets : 1;
     Prep p;
     prepare(row + xb * GROUP_BYTES(type), type, &p);
     /* the row's bytes 2 KB ahead: with two threads streaming, the hardware prefetcher alone left
      * them waiting on memory (~10% at one row) */
     for (int o = 0; o < GROUP_BYTES(type); o += 64) _mm_prefetch((const char *)p.g + PREFETCH_AHEAD + o, _MM_HINT_T0);
-    __m256i acc[MB_MAX][CHAINS_MAX];
-    for (int j = 0; j < mb; j++)
-        for (int c = 0; c < sets * per_set; c++) acc[j][c] = _mm256_setzero_si256();
     const int64_t Kp = q->nxb * GROUP;
+#pragma GCC unroll 2
+    for (int set = 0; set < sets; set++) {
+        __m256i acc[MB_MAX][CHAINS_MAX];
+        for (int j = 0; j < mb; j++)
+            for (int c = 0; c < chains; c++) acc[j][c] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int i = 0; i < UNITS; i++) {
-        __m256i w[2];
-        widen(byte_vector(&p, i, type), SIGNED(type), w);
-        const int set = sets == 2 && i >= UNITS / 2 ? per_set : 0;  /* the even and odd bytes: two chains */
-        const int ce = set + 2 * i % per_set, co = set + (2 * i + 1) % per_set;
-        for (int j = 0; j < mb; j++) {
-            const int16_t *x = q->x + j * Kp + xb * GROUP + 32 * i;
-            acc[j][ce] = dot2(acc[j][ce], w[0], x);
-            acc[j][co] = dot2(acc[j][co], w[1], x + 16);
+        for (int i = set * UNITS / sets; i < (set + 1) * UNITS / sets; i++) {
+            __m256i w[2];
+            widen(byte_vector(&p, i, type), SIGNED(type), w);
+            const int ce = 2 * i % chains, co = (2 * i + 1) % chains;  /* the even and odd bytes: two chains */
+            for (int j = 0; j < mb; j++) {
+                const int16_t *x = q->x + j * Kp + xb * GROUP + 32 * i;
+                acc[j][ce] = dot2(acc[j][ce], w[0], x);
+                acc[j][co] = dot2(acc[j][co], w[1], x + 16);
+            }
         }
-    }
-    for (int j = 0; j < mb; j++) {
-        const __m256 dx = _mm256_set1_ps(q->dx[j * q->nxb + xb]);
-        for (int set = 0; set < sets; set++) {
-            __m256i sum = acc[j][set * per_set];
-            for (int c = 1; c < per_set; c++) sum = _mm256_add_epi32(sum, acc[j][set * per_set + c]);
+        for (int j = 0; j < mb; j++) {
+            __m256i sum = acc[j][0];
+            for (int c = 1; c < chains; c++) sum = _mm256_add_epi32(sum, acc[j][c]);
+            const __m256 dx = _mm256_set1_ps(q->dx[j * q->nxb + xb]);
             tot[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(p.d[set], dx), tot[j]);
         }
-        if (HAS_OFFSET(type))
-            tot[MB_MAX + j] = _mm256_fmadd_ps(p.m, _mm256_loadu_ps(q->xs + (j * q->nxb + xb) * UNITS), tot[MB_MAX + j]);
     }
+    if (HAS_OFFSET(type))
+        for (int j = 0; j < mb; j++)
+            tot[MB_MAX + j] = _mm256_fmadd_ps(p.m, _mm256_loadu_ps(q->xs + (j * q->nxb + xb) * UNITS), tot[MB_MAX + j]);
 }
 
 /* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
