@@ -13,6 +13,7 @@ from typing import Sequence
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 import quickdraft
 import quickdraft.proposers.drafter as drafter_module
@@ -32,14 +33,15 @@ from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import tiny_llm_dir
 
 
-def noisy_draft(seed: int = 3, noise: float = 0.15):
-    """The engine tests' target with noise on its weights: acceptance is mixed."""
+def noisy_draft(seed: int = 3, noise: float = 0.15, qtype: GGMLQuantizationType | None = None):
+    """The engine tests' target with noise on its weights: acceptance is mixed (with `qtype`, its
+    matrices, the LM head included, as those GGUF blocks)."""
     hf = hf_model("llama-gqa-untied", initializer_range=0.1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in hf.parameters():
             param.add_(torch.randn(param.shape, generator=g) * noise * param.std())
-    return ours_from_hf(hf)
+    return ours_from_hf(hf, qtype=qtype)
 
 
 class Counted(Drafter):

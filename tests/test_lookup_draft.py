@@ -31,6 +31,7 @@ from test_spec_exactness import (
 )
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
+from tiny_tokenizer import save_tokenizer
 
 from quickdraft.engine import generate_tokens
 from quickdraft.model.llama import Transformer
@@ -48,6 +49,7 @@ from quickdraft.proposers.hybrid import (
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import PROPOSERS
 from quickdraft.sampling import SamplingParams
+from quickdraft.tokenizer import Tokenizer, load_hf_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeats: the lookup finds matches
 MAX_NEW = 40
@@ -219,11 +221,11 @@ def test_sampling_law_through_lookup_then_draft_model() -> None:
 class FakeTarget:
     """A Target (proposers/base.py) by packaged name, with a draft model and no head."""
 
-    def __init__(self, name: str | None, model: Transformer, draft: Transformer) -> None:
-        self.name, self.model, self._draft = name, model, draft
+    def __init__(self, name: str | None, model: Transformer, draft: Transformer, tokenizer: Tokenizer) -> None:
+        self.name, self.model, self._draft, self._tokenizer = name, model, draft, tokenizer
 
     def draft_model(self, name_or_path: str | None = None):
-        return type("Loaded", (), {"model": self._draft})()
+        return type("Loaded", (), {"model": self._draft, "tokenizer": self._tokenizer})()
 
     def draft_head(self, path: str | None = None):
         raise SpecConfigError("no draft head ships for this model")
@@ -232,10 +234,11 @@ class FakeTarget:
         return make()  # nothing shared: each request alone
 
 
-def test_auto_runs_the_measured_proposer_of_a_packaged_target() -> None:
+def test_auto_runs_the_measured_proposer_of_a_packaged_target(tmp_path) -> None:
     target, draft = tiny("llama-gqa-untied", init=0.1), noisy("llama-gqa-untied", 0.3)
+    tokenizer = load_hf_tokenizer(save_tokenizer(tmp_path))
     ctx = lambda name: ProposerContext(PROMPT, greedy(MAX_NEW), SpecConfig("auto", k=4),
-                                       FakeTarget(name, target, draft))
+                                       FakeTarget(name, target, draft, tokenizer))
     for name, measured in AUTO_MEASURED.items():
         assert measured.method in PROPOSERS and "docs/benchmarks.md" in measured.evidence
         proposer = make_auto(ctx(name))

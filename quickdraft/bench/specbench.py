@@ -23,6 +23,7 @@ from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, SpecConfig
+from quickdraft.proposers.registry import option_names
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"
@@ -49,8 +50,9 @@ class Method:
 def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, compare_hf: bool = False,
                   verify_all: bool = False, compare_llamacpp: bool = False,
                   default_draft: str | None = None) -> list[Method]:
-    """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR`
-    -> methods, plain first (always run: it is the baseline). NAME:K sets k for one method; the file
+    """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR,
+    draft:4@draft-vocab=32768` -> methods, plain first (always run: it is the baseline). NAME:K sets
+    k for one method, @OPTION=VALUE one of its proposer options (repeatable); the file
     a proposer drafts with (registry `loads`: a draft model, a head's folder) may follow NAME: (a
     draft model's default: `default_draft`, the target's packaged draft; a head's: the packaged
     one), then :K. `options` are proposer options (SpecConfig.options); unset ones keep their
@@ -62,6 +64,8 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
     for item in (t.strip() for t in text.split(",")):
         if not item or item == PLAIN:
             continue
+        item, *settings = item.split("@")
+        own = _method_options(item, settings)
         name, _, arg = item.partition(":")
         if name not in PROPOSERS:
             raise QuickdraftError(f"unknown method {name!r} in --methods; valid names: "
@@ -79,10 +83,10 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
                                       f"target; name one: {name}:NAME|PATH[:K]")
         if k_text and not k_text.isdigit():
             raise QuickdraftError(f"method {item!r}: expected NAME:K with an integer K, found {k_text!r}")
-        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, options=dict(options or {}),
+        spec = SpecConfig(method=name, k=int(k_text) if k_text else k, options={**(options or {}), **own},
                           **({loads: path} if loads else {}))
         source = f"{name}:{Path(path).name}" if path else name
-        label = f"{source} k={spec.k}"
+        label = f"{source} k={spec.k}" + "".join(f" {key}={value}" for key, value in own.items())
         methods.append(Method(label, spec))
         if verify_all:
             methods.append(Method(f"{label} all", replace(spec, adaptive=False)))
@@ -92,6 +96,23 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
     if len(set(labels)) != len(labels):
         raise QuickdraftError(f"--methods names the same method twice: {', '.join(labels)}")
     return methods
+
+
+def _method_options(item: str, settings: list[str]) -> dict[str, int | float]:
+    """A method's own proposer options, `@NAME=VALUE` each (NAME as the flag, dashes or
+    underscores): two rows of one proposer with different settings in the same run."""
+    own: dict[str, int | float] = {}
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in option_names():
+            raise QuickdraftError(f"method {item!r}: expected @OPTION=VALUE with one of {', '.join(option_names())}, "
+                                  f"found {setting!r}")
+        try:
+            own[key] = int(value) if value.strip().lstrip("-").isdigit() else float(value)
+        except ValueError:
+            raise QuickdraftError(f"method {item!r}: option {key} needs a number, found {value!r}") from None
+    return own
 
 
 def _prompt_kwargs(prompt: Prompt) -> dict[str, Any]:

@@ -116,6 +116,20 @@ class QuantizedWeight:
             raise IndexError(f"row index out of range for a weight of {start} rows")
         return torch.from_numpy(out)
 
+    def take(self, index: torch.Tensor | list[int] | np.ndarray) -> QuantizedWeight:
+        """The rows asked for, in that order, still as stored (a copy of their blocks)."""
+        idx = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
+            raise IndexError(f"row index out of range for a weight of {self.shape[0]} rows")
+        parts, start = [], 0
+        for p in self.parts:
+            # a run of the index inside one part stays one part (the usual case: sorted rows)
+            hit = np.flatnonzero((idx >= start) & (idx < start + p.rows))
+            for run in np.split(hit, np.flatnonzero(np.diff(hit) != 1) + 1) if hit.size else []:
+                parts.append((run[0], Part(p.qtype, np.ascontiguousarray(p.blocks[idx[run] - start]))))
+            start += p.rows
+        return QuantizedWeight([part for _, part in sorted(parts, key=lambda e: e[0])], self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as float32 [N, K]."""
         return torch.cat([torch.from_numpy(dequantize(p.blocks, p.qtype).reshape(p.rows, self.in_features))

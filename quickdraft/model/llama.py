@@ -174,11 +174,14 @@ class Transformer(nn.Module):
         """tokens, positions (rotary): [B, T]. K/V go to cache `slots` [B, T] (default: the
         positions); a query at slot s sees the cached keys at slots 0..s of its row; `attn_mask`
         [B, T, kv_len] (True = may attend) narrows that further (trees).
-        `last_n` limits the LM head to the last n positions (prefill needs only the last)."""
+        `last_n` limits the LM head to the last n positions (prefill needs only the last; 0: none,
+        for a caller that applies its own head to `hidden`)."""
         x = self.embed(tokens).to(self.compute_dtype)
         at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, at)
+        if last_n == 0:
+            return ForwardOutput(logits=x.new_empty(x.shape[0], 0, self.config.vocab_size), hidden=x)
         return ForwardOutput(logits=self.logits(x if last_n is None else x[:, -last_n:]), hidden=x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -252,7 +252,8 @@ class Target(Protocol):
     name: str | None  # the packaged name it was loaded by (None: a path)
 
     def draft_model(self, name_or_path: str | None = None) -> Any:
-        """A draft model sharing the target's vocabulary (its `.model`); None: the packaged one."""
+        """A draft model sharing the target's vocabulary (its `.model` and `.tokenizer`); None: the
+        packaged one."""
 
     def draft_head(self, path: str | None = None) -> Any:
         """A DraftHead trained for the target; None: the one that ships for it."""

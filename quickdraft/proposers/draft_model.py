@@ -18,6 +18,7 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.proposers.drafter import Drafter
+from quickdraft.proposers.draft_vocab import draft_vocabulary
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
 
@@ -75,28 +76,36 @@ def check_compatible(target, draft) -> None:
                                   f"draft but {a!r} in the target")
 
 
+@dataclass(frozen=True)
+class DraftOptions:
+    draft_vocab: int = option(65536, "draft, draft-tree, lookup-draft: the tokens the draft model may propose: "
+                                 "its N lowest ids and the special tokens (0: all; draft_vocab.py)", 0, 1 << 24)
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
+
+
 def _drafting(ctx: ProposerContext, width: int) -> DraftModelProposer:
     draft = ctx.target.draft_model(ctx.config.draft_model)
     # a tree's nodes run in the drafter's row past the committed tokens: width per level, k levels
     room = ctx.config.k + 1 if width == 1 else (width + 1) * ctx.config.k + 1
     capacity = min(draft.model.config.max_position_embeddings, len(ctx.prompt_ids) + ctx.params.max_new_tokens + room)
-    # one Drafter per draft model for all of the target's requests: their draft steps batch
-    drafter = ctx.target.shared((Drafter, draft.model), lambda: Drafter(draft.model))
+    # one Drafter per draft model (and vocabulary) for all of the target's requests: their draft steps batch
+    size = ctx.options.draft_vocab
+    drafter = ctx.target.shared((Drafter, draft.model, size), lambda: Drafter(
+        draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size)))
     return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width)
 
 
-@register("draft", loads="draft_model", needs_file=True,
+@register("draft", DraftOptions, loads="draft_model", needs_file=True,
           about="a smaller model of the same vocabulary drafts token by token")
 def make_draft(ctx: ProposerContext) -> DraftModelProposer:
     return _drafting(ctx, 1)
 
 
 @dataclass(frozen=True)
-class DraftTreeOptions:
+class DraftTreeOptions(DraftOptions):
     draft_width: int = option(4, "draft-tree: nodes the draft model runs per level, and children each adds", 2, 16)
-
-    def __post_init__(self) -> None:
-        check_ranges(self)
 
 
 @register("draft-tree", DraftTreeOptions, loads="draft_model", needs_file=True,

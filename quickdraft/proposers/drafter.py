@@ -31,6 +31,7 @@ from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan
+from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
@@ -54,8 +55,10 @@ class Member(Protocol):
 
 
 class Drafter:
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
+        """vocab: the token ids the draft may propose (draft_vocab.py; None: every token)."""
         self.model = model
+        self.head = VocabHead(model, vocab)
         self.cache: KVCache | None = None
         self.taken: list[bool] = []          # per cache row: a live member owns it
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
@@ -365,16 +368,14 @@ class Drafter:
                 at[m.row - lo, :len(pos)] = torch.tensor(pos, device=device)
                 mask[m.row - lo, :seen.shape[0], :seen.shape[1]] = seen
             mask = mask.to(device)
-        aligned = all(len(f) == width for f in feeds)
-        out = self.model(ids, at, self.cache.rows(lo, hi), attn_mask=mask,
-                         last_n=1 if aligned and positions is None else None, slots=slots)
+        hidden = self.model(ids, at, self.cache.rows(lo, hi), attn_mask=mask, last_n=0, slots=slots).hidden
         for m, feed, start in zip(members, feeds, starts):  # later forwards of this proposal keep off
             self.free_from[m.row] = max(self.free_from[m.row], start + len(feed))
         index = torch.tensor([m.row - lo for m in members], device=device)
         if positions is not None:
-            return out.logits[index]
-        last = torch.tensor([-1 if aligned else len(f) - 1 for f in feeds], device=device)
-        return out.logits[index, last]  # [n, V]
+            return self.head(hidden[index])  # [n, width, V]
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+        return self.head(hidden[index, last])  # [n, V]: the head only where a draft reads it
 
 
 class _Tree:

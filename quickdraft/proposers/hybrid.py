@@ -30,7 +30,7 @@ from quickdraft.proposers.base import (
     SpecConfigError,
     register,
 )
-from quickdraft.proposers.draft_model import make_draft
+from quickdraft.proposers.draft_model import DraftOptions, make_draft
 from quickdraft.proposers.head import make_head
 from quickdraft.proposers.ngram import NgramOptions, make_ngram
 
@@ -101,7 +101,12 @@ def make_hybrid(ctx: ProposerContext) -> HybridProposer:
     return HybridProposer(make_ngram(ctx), make_head(ctx), "head")
 
 
-@register("lookup-draft", NgramOptions, loads="draft_model", needs_file=True,
+@dataclass(frozen=True)
+class LookupDraftOptions(NgramOptions, DraftOptions):
+    """Prompt lookup's n-gram sizes and the draft model's vocabulary."""
+
+
+@register("lookup-draft", LookupDraftOptions, loads="draft_model", needs_file=True,
           about="prompt lookup where the text repeats, a draft model elsewhere")
 def make_lookup_draft(ctx: ProposerContext) -> HybridProposer:
     return HybridProposer(make_ngram(ctx), make_draft(ctx), "draft")
