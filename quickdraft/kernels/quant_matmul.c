@@ -114,8 +114,11 @@ INLINE __m256i byte_vector(const Prep *p, int i, const int type) {
     }
     if (type == Q6_K) {
         const __m256i top = _mm256_loadu_si256((const __m256i *)(p->g + 18 + 32 * (i / 4)));
-        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2 * (i % 4)),
-                                                                  _mm256_set1_epi8(3)), 4));
+        /* bits 2(i % 4) and 2(i % 4) + 1 of each top byte, as bits 4 and 5: one shift within the
+         * byte (none for i % 4 == 2) and a mask */
+        const int up = 4 - 2 * (i % 4);
+        const __m256i moved = up > 0 ? _mm256_slli_epi16(top, up) : up < 0 ? _mm256_srli_epi16(top, -up) : top;
+        u = _mm256_or_si256(u, _mm256_and_si256(moved, _mm256_set1_epi8(0x30)));
         u = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
     }
     return u;
