@@ -187,6 +187,28 @@ def test_seeded_sampling_reproduces_whatever_shares_the_batch() -> None:
     assert alone[0] != alone[2]  # the seeds matter
 
 
+def test_a_steps_tokens_go_out_before_the_next_draft_is_asked_for() -> None:
+    """A step returns its tokens before any proposer drafts for the next step (a draft model's
+    forwards, or its prompt's prefill, would otherwise delay every emitted token and the first
+    one), and the proposals are made at the start of the next step, before its pass."""
+    log: list[str] = []
+
+    class Logged(NgramProposer):
+        def propose(self, k: int) -> Draft:
+            log.append("propose")
+            return super().propose(k)
+
+    engine = Engine(target(), EngineConfig(max_batch=2))
+    engine.add(Request([1, 2, 3, 1, 2], greedy(6), frozenset(), Logged([1, 2, 3, 1, 2], 4, 1), 4, id="a"))
+    first = engine.step()  # the prompt's pass
+    assert [e.token_ids for _, e in first] != [[]] and log == []
+    engine.add(Request([7, 8, 7], greedy(6), frozenset(), Logged([7, 8, 7], 4, 1), 4, id="b"))
+    second = engine.step()  # a's draft, its pass; then b's prompt pass
+    assert log == ["propose"] and {rid for rid, _ in second} == {"a", "b"}
+    engine.step()
+    assert log == ["propose"] * 3  # a's and b's drafts for this step, asked together
+
+
 def test_failing_proposer_ends_only_its_request() -> None:
     class Broken:
         group = None

@@ -116,6 +116,10 @@ class Engine:
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.waiting: list[Request] = []
         self.finished: list[_Row] = []       # rows that ended in the last step, freed at the next
+        # rows that go on after the last step, with what it committed: their proposers are told
+        # and asked for the next draft at the start of the next step, after the step's tokens
+        # went out (a draft model's forwards, or its prompt's prefill, delay no emitted token)
+        self.to_propose: list[tuple[_Row, Committed]] = []
 
     # -- requests joining and leaving ---------------------------------------------------------------
 
@@ -167,13 +171,21 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> Events:
-        """Decode every running row once (one target pass), then admit and prefill waiting
-        requests into free rows. Returns (request id, event) pairs; finished rows are gone.
-        A request whose pass fails ends with finish reason "error"; the others go on (_decode)."""
+        """Give the running rows their drafts (the proposers told what the last step committed),
+        decode every running row once (one target pass), then admit and prefill waiting requests
+        into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
+        proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
         events: Events = []
+        going = [(row, step) for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
+        self.to_propose = []
+        for (row, _), error in zip(going, self._propose(going)):
+            if error is not None:  # a failing proposer ends its own request, before the pass
+                events += self._fail(row, error)
+                self.finished.remove(row)
+                self._free(self.rows.index(row))
         if self.rows:
             events += self._decode(0, len(self.rows))
         while self.waiting and len(self.rows) < self.config.max_batch:
@@ -274,20 +286,17 @@ class Engine:
     def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float,
               origins: Sequence[list[TokenOrigin]]) -> Events:
         """The step's last phases over its rows: cut each row's new tokens at a stop token or its
-        budget; the rows that go on tell their proposers and get their next drafts; events
-        (origins: per row, where each of its step's tokens came from)."""
+        budget; events (origins: per row, where each of its step's tokens came from). The rows
+        that go on tell their proposers and get their next drafts when the next step starts."""
         cuts = [self._cut(row, step, step_s) for row, step in zip(rows, steps)]
-        going = [(row, step) for row, step, (_, finish) in zip(rows, steps, cuts) if finish is None]
-        errors = dict(zip(map(id, (row for row, _ in going)), self._propose(going)))
+        self.to_propose += [(row, step) for row, step, (_, finish) in zip(rows, steps, cuts) if finish is None]
         events, finished = [], []
         for row, (emitted, finish), origin in zip(rows, cuts, origins):
-            error = errors.get(id(row))
-            finish = "error" if error else finish
             stats = row.stats
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
-            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), error,
+            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), None,
                                                       origin[:len(emitted)])))
             if finish:
                 finished.append(row)
