@@ -175,17 +175,15 @@ class Engine:
         decode every running row once (one target pass), then admit and prefill waiting requests
         into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
         proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
-        for row in self.finished:
-            self._free(self.rows.index(row))
-        self.finished = []
         events: Events = []
         going = [(row, step) for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
         self.to_propose = []
         for (row, _), error in zip(going, self._propose(going)):
-            if error is not None:  # a failing proposer ends its own request, before the pass
+            if error is not None:  # a failing proposer ends its own request, freed below, before the pass
                 events += self._fail(row, error)
-                self.finished.remove(row)
-                self._free(self.rows.index(row))
+        for row in self.finished:
+            self._free(self.rows.index(row))
+        self.finished = []
         if self.rows:
             events += self._decode(0, len(self.rows))
         while self.waiting and len(self.rows) < self.config.max_batch:
