@@ -230,9 +230,11 @@ class LLM:
 
 def load(model: str | Path | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", progress: bool = False, spec: SpecConfig | None = None,
-         dequantize: bool = False, quantize: str | None = None) -> LLM:
+         dequantize: bool = False, quantize: str | None = None, activations: str | None = None) -> LLM:
     """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file;
     `spec` sets its default speculative decoding (plain decoding when absent). A quantized GGUF
-    runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices."""
+    runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices;
+    `activations` ('int16', 'int8') is the precision the integer kernel rounds activations to
+    (default: the model's measured choice, weights/activations.py)."""
     return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
-                          dequantize=dequantize, quantize=quantize), spec)
+                          dequantize=dequantize, quantize=quantize, activations=activations), spec)

@@ -1,8 +1,9 @@
 """The integer kernel over GGUF blocks (quant_matmul.c) and the per-query attention (attention.c).
 
-Oracles: gguf's own dequantization of the same blocks times the activations quantized to int16 as
-the kernel documents (blocks of 256, scale max|x| / 8191, round to nearest even), in float64: equal
-within float32 rounding; the unquantized activations: within the int16 step (documented below);
+Oracles: gguf's own dequantization of the same blocks times the activations quantized as the kernel
+documents (int16: blocks of 256, scale max|x| / 8191; int8: blocks of 32, scale max|x| / 127; round
+to nearest even), in float64: equal within float32 rounding; the unquantized activations: within
+the rounding step (documented below);
 and the kernel itself at other row counts: bitwise equal (what makes verification match decoding).
 The kernel must be built: these tests fail, not skip, where it is not.
 """
@@ -28,31 +29,35 @@ from tiny_models import K_QUANTS, random_k_blocks
 
 TYPES = sorted(kernels.KERNEL_TYPES, key=lambda t: t.value)
 ROWS = [1, 2, 7, 16, 64]
-X_MAX = 8191
+BITS = [16, 8]
+# activation bits -> (values per scale, largest quantized value)
+ROUNDING = {16: (256, 8191), 8: (32, 127)}
 # int16 activations in blocks of 256 cost at most half a step (max|x| / 16382) per value: ~1e-4 of
-# max |y| over random rows. The bound leaves room, and a wrong block layout errs by ~100%.
-UNQUANTIZED_TOL = 1e-3
+# max |y| over random rows; int8 in blocks of 32 (max|x| / 254 per value): ~6e-3 measured. The
+# bounds leave room, and a wrong block layout errs by ~100%.
+UNQUANTIZED_TOL = {16: 1e-3, 8: 2e-2}
 
 
-def weight(qtype: Q, N: int = 48, K: int | None = None, seed: int = 0) -> QuantizedWeight:
+def weight(qtype: Q, N: int = 48, K: int | None = None, seed: int = 0, bits: int = 16) -> QuantizedWeight:
     K = K or (512 if qtype in K_QUANTS else 576)  # 576: a last activation block of 64 values
     if qtype in K_QUANTS:
         blocks = random_k_blocks(N, K, qtype, std=0.05, seed=seed)
     else:
         blocks = quantize(np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05, qtype)
-    return QuantizedWeight([Part(qtype, blocks)], K)
+    return QuantizedWeight([Part(qtype, blocks)], K, bits)
 
 
-def quantized_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the kernel sees it: dx * xq per block of 256 (float64)."""
+def quantized_rows(x: torch.Tensor, bits: int = 16) -> torch.Tensor:
+    """x [M, K] as the kernel sees it: dx * xq per block (float64)."""
+    block, x_max = ROUNDING[bits]
     x = x.float().numpy()
     out = np.zeros(x.shape, dtype=np.float64)
-    for k0 in range(0, x.shape[1], 256):
-        blk = x[:, k0:k0 + 256]
+    for k0 in range(0, x.shape[1], block):
+        blk = x[:, k0:k0 + block]
         amax = np.abs(blk).max(axis=1, keepdims=True).astype(np.float32)
-        iscale = np.where(amax > 0, np.float32(X_MAX) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+        iscale = np.where(amax > 0, np.float32(x_max) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
         xq = np.rint(blk * iscale.astype(np.float32))
-        out[:, k0:k0 + 256] = xq * (amax / np.float32(X_MAX)).astype(np.float64)
+        out[:, k0:k0 + block] = xq * (amax / np.float32(x_max)).astype(np.float64)
     return torch.from_numpy(out)
 
 
@@ -61,21 +66,27 @@ def test_kernel_is_built_and_active():
     assert info.isa in ("avx2", "avx512vnni"), info.status
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_matmul_equals_dequantized_reference(qtype):
-    w = weight(qtype)
+def test_matmul_equals_dequantized_reference(qtype, bits):
+    w = weight(qtype, bits=bits)
     W = w.dequantize().double()  # gguf's dequantization
     x = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(1))
+    x[3, :40] = 0.0  # a unit of zeros (int8: a zero scale) and a unit partly zero
     y = kernels.linear(x, w).double()
-    exact = quantized_rows(x) @ W.T
+    exact = quantized_rows(x, bits) @ W.T
     scale = exact.abs().max()
     assert (y - exact).abs().max() <= 1e-5 * scale, (y - exact).abs().max() / scale
-    assert (y - x.double() @ W.T).abs().max() <= UNQUANTIZED_TOL * scale
+    assert (y - x.double() @ W.T).abs().max() <= UNQUANTIZED_TOL[bits] * scale
+    # the premise of the oracle: the two roundings differ by more than the tolerance allows
+    other = quantized_rows(x, 24 - bits) @ W.T
+    assert (other - exact).abs().max() > 1e-4 * scale
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_each_row_is_bitwise_the_same_for_any_row_count(qtype):
-    w = weight(qtype)
+def test_each_row_is_bitwise_the_same_for_any_row_count(qtype, bits):
+    w = weight(qtype, bits=bits)
     x = torch.randn(max(ROWS) + 36, w.shape[1], generator=torch.Generator().manual_seed(2))  # 100: 2 chunks
     full = kernels.linear(x, w)
     for m in ROWS:
@@ -92,13 +103,15 @@ def test_fused_prologue_bias_and_residual(prologue):
     bias, residual = torch.randn(N, generator=g), torch.randn(7, N, generator=g)
     norm = (torch.rand(K, generator=g) + 0.5, 1e-5) if prologue == "rmsnorm" else None
     y = kernels.linear(x, w, bias, norm=norm, swiglu=prologue == "swiglu", residual=residual)
+    y8 = kernels.linear(x, w.with_activations(8), bias, norm=norm, swiglu=prologue == "swiglu", residual=residual)
     h = x
     if norm is not None:
         h = norm[0] * F.rms_norm(x, (K,), eps=norm[1])
     elif prologue == "swiglu":
         h = F.silu(x[:, :K]) * x[:, K:]
     ref = residual + h @ w.dequantize().T + bias
-    assert (y - ref).abs().max() <= UNQUANTIZED_TOL * (ref - residual).abs().max()
+    assert (y - ref).abs().max() <= UNQUANTIZED_TOL[16] * (ref - residual).abs().max()
+    assert (y8 - ref).abs().max() <= UNQUANTIZED_TOL[8] * (ref - residual).abs().max()
 
 
 def test_parts_of_several_types_are_one_matrix():
@@ -111,11 +124,13 @@ def test_parts_of_several_types_are_one_matrix():
     assert torch.equal(fused[[0, 40]], torch.stack([parts[0].dequantize()[0], parts[1].dequantize()[8]]))
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_both_instruction_sets_agree_bitwise(qtype):
+def test_both_instruction_sets_agree_bitwise(qtype, bits):
     """VNNI's vpdpwssd and AVX2's vpmaddwd + vpaddd sum the same integers, in register layouts
-    that differ with the row count (more accumulator chains for fewer rows): one result. The
-    repacked layout (repack.c) is the same for both builds."""
+    that differ with the row count (more accumulator chains for fewer rows): one result; and so
+    do VNNI's vpdpbusd and AVX2's vpmaddubsw sums for int8 activations. The repacked layout
+    (repack.c) is the same for both builds."""
     vnni = library("avx512vnni")
     if not library("avx2").qd_cpu_has_vnni():
         pytest.skip("this CPU lacks AVX512-VNNI: only the AVX2 build can run here")
@@ -129,7 +144,7 @@ def test_both_instruction_sets_agree_bitwise(qtype):
             y = torch.empty(M, N)
             library(isa).qd_quant_matmul(x.data_ptr(), 1, (ctypes.c_int * 1)(int(part.qtype)),
                                          (ctypes.c_int64 * 1)(part.rows), (ctypes.c_void_p * 1)(part.packed.ctypes.data),
-                                         None, None, y.data_ptr(), 0, None, 0.0, None, M, N, K, 1)
+                                         int(bits == 8), None, None, y.data_ptr(), 0, None, 0.0, None, M, N, K, 1)
             results.append(y)
         assert torch.equal(*results), M
 

@@ -29,9 +29,10 @@ from tiny_models import hf_model, ours_from_hf
 
 MAX_NEW = 40
 KS = [1, 2, 4, 8]
-# name[@GGUF block type]: quantized models must be as exact (hidden 256 for the K-quants' superblocks)
+# name[@GGUF block type[+int8]]: quantized models must be as exact (hidden 256 for the K-quants'
+# superblocks), with int16 activations or int8 ones
 MODELS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-gqa-untied@Q4_1", "qwen2-qkv-bias@Q8_0",
-          "llama-gqa-untied@Q4_K", "qwen2-qkv-bias@Q6_K"]
+          "llama-gqa-untied@Q4_K", "qwen2-qkv-bias@Q6_K", "llama-gqa-untied@Q4_K+int8", "qwen2-qkv-bias@Q6_K+int8"]
 K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)
 PROMPT = [1, 17, 42, 8, 77, 23, 5, 61, 30, 12]          # varied: little for n-grams to find
 PROMPT_REPEAT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeated phrases
@@ -43,10 +44,12 @@ def tiny(name: str, seed: int = 0, init: float = 0.2, **overrides) -> Transforme
     logits so greedy output varies; at transformers' 0.02 tiny models fall into loops (useful for
     n-gram acceptance)."""
     name, _, qtype = name.partition("@")
+    qtype, _, activations = qtype.partition("+")
     if qtype.endswith("_K"):
         overrides = {**K_QUANT_SHAPE, **overrides}
     hf = hf_model(name, seed=seed, initializer_range=init, **overrides)
-    return ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None)
+    return ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None,
+                        activation_bits=8 if activations == "int8" else 16)
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:

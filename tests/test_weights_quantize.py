@@ -15,6 +15,7 @@ from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import build_transformer
 from quickdraft.weights import load_model
+from quickdraft.weights.activations import activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from tiny_models import hf_model, save_hf_dir
 from tiny_tokenizer import save_tokenizer
@@ -45,7 +46,7 @@ def test_quantize_at_load_and_its_errors(tmp_path):
     path = save_hf_dir(hf_model("qwen2-qkv-bias"), tmp_path / "hf")
     save_tokenizer(path)
     loaded = load_model(path, quantize="int4")
-    assert loaded.model.weight_format == "Q4_1"
+    assert loaded.model.weight_format == "Q4_1, int16 activations"
     assert load_model(path).model.weight_format == "float32"
     with pytest.raises(ModelLoadError, match="must be one of int8, int4"):
         load_model(path, quantize="int3")
@@ -53,6 +54,25 @@ def test_quantize_at_load_and_its_errors(tmp_path):
         load_model(path, quantize="int8", dequantize=True)
     with pytest.raises(ModelLoadError, match="whole groups of 32"):
         quantize_tensors({"lm_head.weight": torch.zeros(4, 40)}, "int8")
+
+
+def test_activation_precision_is_chosen_at_load(tmp_path):
+    """int8 activations where asked (or measured as the model's default), int16 otherwise; the
+    choice reaches every quantized matrix and changes what the model computes."""
+    path = save_hf_dir(hf_model("qwen2-qkv-bias"), tmp_path / "hf")
+    save_tokenizer(path)
+    int16, int8 = (load_model(path, quantize="int4", activations=a).model for a in ("int16", "int8"))
+    assert load_model(path, quantize="int4").model.weight_format == "Q4_1, int16 activations"
+    assert int8.weight_format == "Q4_1, int8 activations"
+    assert all(w.activation_bits == 8 for m in int8.modules() for w in vars(m).values()
+               if isinstance(w, QuantizedWeight))
+    tokens = torch.arange(3, 15)[None]
+    logits = [m(tokens, torch.arange(12)[None], m.new_cache(1, 12)).logits for m in (int16, int8)]
+    assert 0 < (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()
+    with pytest.raises(ModelLoadError, match="activations must be one of int16, int8, not 'int4'"):
+        load_model(path, activations="int4")
+    assert activation_bits("qwen2.5-coder-1.5b", None) == 8 and activation_bits("smollm2-135m", None) == 16
+    assert activation_bits(None, None) == 16 and activation_bits("smollm2-135m", "int8") == 8
 
 
 def test_info_reports_the_active_kernel(capsys):

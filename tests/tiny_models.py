@@ -15,6 +15,7 @@ from quickdraft.kernels import QuantizedWeight
 from quickdraft.kernels.quantized import Part
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer, build_transformer
+from quickdraft.weights.activations import with_activation_bits
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -97,10 +98,11 @@ def quantized_tensors(tensors: dict[str, torch.Tensor], qtype: GGMLQuantizationT
 
 
 def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32,
-                 qtype: GGMLQuantizationType | None = None) -> Transformer:
-    """Our model of the same weights; with `qtype`, its matrices held as those GGUF blocks."""
+                 qtype: GGMLQuantizationType | None = None, activation_bits: int = 16) -> Transformer:
+    """Our model of the same weights; with `qtype`, its matrices held as those GGUF blocks,
+    multiplying activations rounded to `activation_bits`."""
     config = ModelConfig.from_hf(model.config.to_dict())
     tensors = dict(model.state_dict())
     if qtype is not None:
-        tensors = quantized_tensors(tensors, qtype)
+        tensors = with_activation_bits(quantized_tensors(tensors, qtype), activation_bits)
     return build_transformer(config, tensors, dtype=dtype)

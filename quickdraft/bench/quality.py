@@ -1,7 +1,7 @@
 """`quickdraft bench quality`: a GGUF model run as stored against its float32 dequantization.
 
-What the integer kernel changes is only the activations' rounding to int8 (the weights are the
-file's own), and this measures it the way llama.cpp's perplexity tool does: teacher-forced over
+What the integer kernel changes is only the activations' rounding to int16 or int8 (the weights
+are the file's own), and this measures it the way llama.cpp's perplexity tool does: teacher-forced over
 real text (ShareGPT answers: training data, never benchmark questions), in windows, the mean
 KL(p_float32 || p_as_stored) and the top-1 agreement per position; then greedy 64-token
 continuations of HumanEval development prompts (problems 0-81 only), token for token.
@@ -23,6 +23,7 @@ from quickdraft.weights import LoadedModel, load_model
 
 @dataclass(frozen=True)
 class Quality:
+    weights: str             # the model's weight format as run (block types, activation precision)
     tokens: int              # teacher-forced positions compared
     top1_agreement: float
     mean_kl: float           # KL(p_float32 || p_as_stored), nats
@@ -73,8 +74,8 @@ def greedy_ids(model: Transformer, prompt: list[int], n: int) -> list[int]:
 
 
 def run_quality(model: str, n_tokens: int = 2048, window: int = 512, prompts: int = 10,
-                new_tokens: int = 64) -> Quality:
-    stored = load_model(model)
+                new_tokens: int = 64, activations: str | None = None) -> Quality:
+    stored = load_model(model, activations=activations)
     if "Q" not in stored.model.weight_format:
         raise QuickdraftError(f"{model} holds no quantized GGUF matrices ({stored.model.weight_format}): "
                               f"nothing to compare")
@@ -86,4 +87,4 @@ def run_quality(model: str, n_tokens: int = 2048, window: int = 512, prompts: in
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         identical += same == len(a)
         prefix.append(same / len(a))
-    return Quality(n, top1, mean_kl, max_kl, prompts, identical, sum(prefix) / len(prefix))
+    return Quality(stored.model.weight_format, n, top1, mean_kl, max_kl, prompts, identical, sum(prefix) / len(prefix))

@@ -9,6 +9,7 @@ from quickdraft.cli.common import add_model_args, add_option_args, load_llm, opt
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_K
+from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
@@ -231,11 +232,11 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.window < 2 or not 0 <= args.prompts <= 82 or args.new_tokens < 1:
         raise QuickdraftError("--tokens and --window must be >= 2, --prompts in 0..82, --new-tokens >= 1")
     set_threads(args.threads)
-    q = run_quality(args.model, args.tokens, args.window, args.prompts, args.new_tokens)
+    q = run_quality(args.model, args.tokens, args.window, args.prompts, args.new_tokens, args.activations)
     if args.json:
         print(json.dumps({"model": args.model, **q.as_dict()}))
         return 0
-    print(f"{args.model}: as stored vs float32 dequantized, {q.tokens} teacher-forced tokens of ShareGPT answers\n"
+    print(f"{args.model} ({q.weights}): as stored vs float32 dequantized, {q.tokens} teacher-forced tokens of ShareGPT answers\n"
           f"  top-1 agreement {q.top1_agreement:.4f} | mean KL {q.mean_kl:.5f} nats (max {q.max_kl:.3f})\n"
           f"  greedy {args.new_tokens} tokens on {q.greedy_prompts} HumanEval dev prompts: {q.greedy_identical} "
           f"identical, mean matching prefix {q.greedy_matching_prefix:.2f}")
@@ -250,6 +251,8 @@ def add_bench_quality(bsub) -> None:
     qb.add_argument("--window", type=int, default=512, help="tokens per forward (default 512)")
     qb.add_argument("--prompts", type=int, default=10, help="HumanEval dev prompts (problems 0-81; default 10)")
     qb.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    qb.add_argument("--activations", choices=list(ACTIVATIONS),
+                    help="what the integer kernel rounds activations to (default: the model's measured default)")
     qb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     qb.add_argument("--json", action="store_true", help="one JSON object")
     qb.set_defaults(func=cmd_bench_quality)

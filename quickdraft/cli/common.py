@@ -10,12 +10,13 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_fields
+from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
 
 def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> None:
-    """`weight_formats`: also --dequantize / --quantize, for commands that load through load_llm."""
+    """`weight_formats`: also --dequantize / --quantize / --activations, for commands that load through load_llm."""
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"packaged name, HF model directory or .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
@@ -28,12 +29,16 @@ def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> N
                          help="dequantize a quantized GGUF to --dtype at load (default: run it as stored)")
     weights.add_argument("--quantize", choices=sorted(SCHEMES),
                          help="quantize float weights at load, group-wise (int8: Q8_0, int4: Q4_1)")
+    p.add_argument("--activations", choices=list(ACTIVATIONS),
+                   help="what the integer kernel rounds activations to for quantized weights: int8 halves "
+                        "the multiplies of verification and prefill, int16 tracks float32 more closely "
+                        "(default: int8 where measured within the quality bar, see docs/benchmarks.md)")
 
 
 def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress: bool = False) -> LLM:
     """The model the flags of add_model_args name, loaded as they ask."""
     return load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec,
-                dequantize=args.dequantize, quantize=args.quantize)
+                dequantize=args.dequantize, quantize=args.quantize, activations=args.activations)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.build import KernelInfo, active_library, prepare
-from quickdraft.kernels.quantized import KERNEL_TYPES, QuantizedWeight
+from quickdraft.kernels.quantized import ACTIVATION_BITS, KERNEL_TYPES, QuantizedWeight
 
-__all__ = ["KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
+__all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
            "prepare", "rope_attention", "rope_attention_usable", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

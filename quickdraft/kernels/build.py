@@ -58,7 +58,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_fused_matmul.restype = None
     lib.qd_fused_matmul.argtypes = [p] * 5 + [i32, p, f32, p] + [i64] * 3 + [i32] * 2
     lib.qd_quant_matmul.restype = i32
-    lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
+    lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, i32, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
     lib.qd_rope_attention.restype = None
     lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 8 + [f32, p, i32]
     lib.qd_layer.restype = i32

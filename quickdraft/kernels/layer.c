@@ -12,6 +12,7 @@ typedef struct {
     const int *types;
     const int64_t *rows;
     const void *const *data;
+    int act8;  /* int8 activations (else int16): the weight's, quant_matmul.c */
     int64_t N, K;
     const float *bias;
 } QDLinear;
@@ -24,7 +25,7 @@ typedef struct {
 } QDLayer;
 
 int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows, const void *const *data,
-                    const float *b, const float *r, float *y, int prologue, const float *g, float eps,
+                    int act8, const float *b, const float *r, float *y, int prologue, const float *g, float eps,
                     float *scratch, int64_t M, int64_t N, int64_t K, int threads);
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
                        float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
@@ -33,7 +34,7 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
 
 static int linear(const QDLinear *w, const float *x, const float *r, float *y, int prologue, const float *g,
                   float eps, int64_t M, int threads) {
-    return qd_quant_matmul(x, w->nparts, w->types, w->rows, w->data, w->bias, r, y, prologue, g, eps, 0, M, w->N,
+    return qd_quant_matmul(x, w->nparts, w->types, w->rows, w->data, w->act8, w->bias, r, y, prologue, g, eps, 0, M, w->N,
                            w->K, threads);
 }
 

@@ -15,7 +15,7 @@ from quickdraft.kernels.quantized import QuantizedWeight
 
 class _Linear(ctypes.Structure):
     _fields_ = [("nparts", ctypes.c_int), ("types", ctypes.c_void_p), ("rows", ctypes.c_void_p),
-                ("data", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+                ("data", ctypes.c_void_p), ("act8", ctypes.c_int), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -40,8 +40,8 @@ class FusedLayer:
         keep.append(bias)
 
         def linear(w: QuantizedWeight, b: torch.Tensor | None = None) -> _Linear:
-            n, types, rows, data = w.c_parts
-            return _Linear(n, ctypes.addressof(types), ctypes.addressof(rows), ctypes.addressof(data), w.shape[0],
+            n, types, rows, data, act8 = w.c_parts
+            return _Linear(n, ctypes.addressof(types), ctypes.addressof(rows), ctypes.addressof(data), act8, w.shape[0],
                            w.shape[1], None if b is None else b.data_ptr())
 
         layer = _Layer(linear(qkv, bias), linear(wo), linear(gate_up), linear(down), keep[0].data_ptr(),

@@ -20,6 +20,7 @@ from gguf.quants import dequantize
 
 from quickdraft.kernels.build import active_library
 
+ACTIVATION_BITS = (16, 8)
 # The block types the kernel multiplies as stored (quant_matmul.c); others are dequantized at load.
 KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
@@ -53,9 +54,14 @@ def _repacked(part: Part, in_features: int) -> Part:
 
 
 class QuantizedWeight:
-    """An [N, K] weight as GGUF blocks, in one or more row ranges (parts)."""
+    """An [N, K] weight as GGUF blocks, in one or more row ranges (parts). `activation_bits` (16 or
+    8) is the precision the kernel rounds its input rows to (quant_matmul.c): int8 halves the
+    multiplies per row of a multi-row pass, at a cost in agreement with float32 that depends on the
+    model (`bench quality` measures it)."""
 
-    def __init__(self, parts: list[Part], in_features: int) -> None:
+    def __init__(self, parts: list[Part], in_features: int, activation_bits: int = 16) -> None:
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation_bits must be one of {ACTIVATION_BITS}, not {activation_bits}")
         for p in parts:
             block, size = GGML_QUANT_SIZES[p.qtype]
             if in_features % block or p.blocks.shape[1] != in_features // block * size or p.blocks.dtype != np.uint8:
@@ -63,23 +69,30 @@ class QuantizedWeight:
                                  f"{in_features} weights")
         self.parts = [_repacked(p, in_features) for p in parts]
         self.in_features = in_features
+        self.activation_bits = activation_bits
 
     @classmethod
     def cat(cls, weights: list[QuantizedWeight]) -> QuantizedWeight:
         """Rows of several weights with the same K, one after another (no copy)."""
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("cannot stack quantized weights with different input sizes")
-        return cls([p for w in weights for p in w.parts], weights[0].in_features)
+        if len({w.activation_bits for w in weights}) != 1:
+            raise ValueError("cannot stack quantized weights whose activations differ in precision")
+        return cls([p for w in weights for p in w.parts], weights[0].in_features, weights[0].activation_bits)
+
+    def with_activations(self, bits: int) -> QuantizedWeight:
+        """The same blocks (no copy, no repack) with activations rounded to `bits`."""
+        return self if bits == self.activation_bits else QuantizedWeight(self.parts, self.in_features, bits)
 
     @functools.cached_property
-    def c_parts(self) -> tuple[int, ctypes.Array, ctypes.Array, ctypes.Array]:
-        """(parts, types, rows, repacked block pointers) as the C kernel takes them, built once: a
+    def c_parts(self) -> tuple[int, ctypes.Array, ctypes.Array, ctypes.Array, int]:
+        """(parts, types, rows, repacked block pointers, int8 activations) as the C kernel takes them, built once: a
         decode step calls the kernel ~100 times and building these per call cost ~10% of it on SmolLM2."""
         assert all(p.packed is not None for p in self.parts), "the kernel runs weights it has repacked"
         n = len(self.parts)
         return (n, (ctypes.c_int * n)(*(int(p.qtype) for p in self.parts)),
                 (ctypes.c_int64 * n)(*(p.rows for p in self.parts)),
-                (ctypes.c_void_p * n)(*(p.packed.ctypes.data for p in self.parts)))
+                (ctypes.c_void_p * n)(*(p.packed.ctypes.data for p in self.parts)), int(self.activation_bits == 8))
 
     @property
     def shape(self) -> torch.Size:
@@ -128,7 +141,8 @@ class QuantizedWeight:
             for run in np.split(hit, np.flatnonzero(np.diff(hit) != 1) + 1) if hit.size else []:
                 parts.append((run[0], Part(p.qtype, np.ascontiguousarray(p.blocks[idx[run] - start]))))
             start += p.rows
-        return QuantizedWeight([part for _, part in sorted(parts, key=lambda e: e[0])], self.in_features)
+        return QuantizedWeight([part for _, part in sorted(parts, key=lambda e: e[0])], self.in_features,
+                               self.activation_bits)
 
     def dequantize(self) -> torch.Tensor:
         """The whole matrix as float32 [N, K]."""
@@ -146,4 +160,4 @@ class QuantizedWeight:
         return values[(slice(None), *rest)] if rest else values
 
     def __repr__(self) -> str:
-        return f"QuantizedWeight({self.types}, shape={tuple(self.shape)})"
+        return f"QuantizedWeight({self.types}, shape={tuple(self.shape)}, activations=int{self.activation_bits})"

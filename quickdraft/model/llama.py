@@ -154,10 +154,13 @@ class Transformer(nn.Module):
 
     @property
     def weight_format(self) -> str:
-        """How the matrices are held: a dtype name, or the GGUF block types kept as stored."""
-        quantized = sorted({p.qtype.name for m in self.modules() for w in vars(m).values()
-                            if isinstance(w, QuantizedWeight) for p in w.parts})
-        return "+".join(quantized) if quantized else str(self.dtype).removeprefix("torch.")
+        """How the matrices are held: a dtype name, or the GGUF block types kept as stored and the
+        precision of the activations they multiply (e.g. "Q4_K+Q6_K, int8 activations")."""
+        stored = [w for m in self.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight)]
+        if not stored:
+            return str(self.dtype).removeprefix("torch.")
+        bits = "/".join(f"int{b}" for b in sorted({w.activation_bits for w in stored}, reverse=True))
+        return "+".join(sorted({p.qtype.name for w in stored for p in w.parts})) + f", {bits} activations"
 
     @property
     def compute_dtype(self) -> torch.dtype:

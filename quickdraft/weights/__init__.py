@@ -11,6 +11,7 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer, build_transformer
 from quickdraft.tokenizer import Tokenizer, gguf_tokenizer, load_hf_tokenizer
 from quickdraft.weights import gguf_file, hf_dir
+from quickdraft.weights.activations import activation_bits, with_activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from quickdraft.weights.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 
@@ -30,13 +31,17 @@ class LoadedModel:
 
 def load_model(name_or_path: str | Path | None = None, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32, progress: bool = False,
-               dequantize: bool = False, quantize: str | None = None) -> LoadedModel:
+               dequantize: bool = False, quantize: str | None = None,
+               activations: str | None = None) -> LoadedModel:
     """`dtype` is that of activations and of unquantized tensors. A quantized GGUF runs as stored
     on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
-    `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py)."""
+    `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py).
+    `activations` ('int16' or 'int8') is what the integer kernel rounds activations to for
+    matrices kept quantized; None: the model's measured default (weights/activations.py)."""
     if quantize is not None and (dequantize or torch.device(device).type != "cpu"):
         raise ModelLoadError("--quantize runs on CPU and cannot be combined with --dequantize")
     source = resolve_model(name_or_path)
+    bits = activation_bits(source.name, activations)
     if source.kind == "gguf":
         as_stored = not dequantize and torch.device(device).type == "cpu"
         ckpt = gguf_file.read_gguf(source.path, progress=progress, quantized=as_stored)
@@ -48,5 +53,6 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
         tokenizer = load_hf_tokenizer(source.path, config.eos_token_ids)
     if quantize is not None:
         tensors = quantize_tensors(tensors, quantize, progress=progress)
+    tensors = with_activation_bits(tensors, bits)
     model = build_transformer(config, tensors, device=device, dtype=dtype, rope_freq_factors=freq_factors)
     return LoadedModel(model, tokenizer, source)
