@@ -15,7 +15,7 @@ import torch
 
 from quickdraft.engine import GenerationStats, generate_tokens
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import ModelLoadError, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
@@ -152,7 +152,9 @@ class LLM:
         None: this target's packaged draft (draft_name)."""
         name_or_path = self.draft_name(name_or_path)
         if name_or_path not in self._drafts:
-            draft = LLM(load_model(name_or_path, self.model.device, self.model.dtype))
+            # the precision asked for the target, if any, holds for its draft's quantized matrices too
+            draft = LLM(load_model(name_or_path, self.model.device, self.model.dtype,
+                                   activations=self.loaded.activations))
             check_compatible(self, draft)
             self._drafts[name_or_path] = draft
         return self._drafts[name_or_path]
@@ -236,5 +238,9 @@ def load(model: str | Path | None = None, device: str | torch.device = "cpu",
     runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices;
     `activations` ('int16', 'int8') is the precision the integer kernel rounds activations to
     (default: the model's measured choice, weights/activations.py)."""
-    return LLM(load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
-                          dequantize=dequantize, quantize=quantize, activations=activations), spec)
+    loaded = load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
+                        dequantize=dequantize, quantize=quantize, activations=activations)
+    if activations is not None and not loaded.model.quantized:  # asked for: not a silent no-op
+        raise ModelLoadError(f"--activations {activations} applies to quantized matrices run by the integer kernel "
+                             f"(a quantized GGUF as stored on CPU, or --quantize); {model} keeps none")
+    return LLM(loaded, spec)

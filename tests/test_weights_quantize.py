@@ -15,6 +15,10 @@ from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import build_transformer
 from quickdraft.weights import load_model
+import quickdraft
+import tiny_tokenizer
+from gguf_writer import write_gguf
+from quickdraft.weights import activations, resolve_model
 from quickdraft.weights.activations import activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from tiny_models import hf_model, save_hf_dir
@@ -70,9 +74,29 @@ def test_activation_precision_is_chosen_at_load(tmp_path):
     logits = [m(tokens, torch.arange(12)[None], m.new_cache(1, 12)).logits for m in (int16, int8)]
     assert 0 < (logits[0] - logits[1]).abs().max() <= 0.05 * logits[0].abs().max()
     with pytest.raises(ModelLoadError, match="activations must be one of int16, int8, not 'int4'"):
-        load_model(path, activations="int4")
-    assert activation_bits("qwen2.5-coder-1.5b", None) == 8 and activation_bits("smollm2-135m", None) == 16
-    assert activation_bits(None, None) == 16 and activation_bits("smollm2-135m", "int8") == 8
+        load_model(path, quantize="int4", activations="int4")
+    with pytest.raises(ModelLoadError, match="applies to quantized matrices"):  # float weights: not a no-op
+        quickdraft.load(path, activations="int8")
+
+
+def test_int8_is_the_default_for_measured_files_wherever_they_lie(tmp_path, monkeypatch):
+    """The measured default follows the file (by its size), not the name it was found by; a draft
+    loads with the precision asked for its target."""
+    hf = hf_model("llama-gqa-untied")
+    target = tiny_tokenizer.write_llama_gguf(hf, tmp_path / "target.gguf")
+    quantized, draft = tmp_path / "q.gguf", tmp_path / "draft.gguf"
+    write_gguf(hf, quantized, GGMLQuantizationType.Q4_1,
+               metadata=lambda w: tiny_tokenizer._add_tokenizer(w, hf.config.vocab_size))
+    draft.write_bytes(quantized.read_bytes())
+    source = resolve_model(quantized)
+    assert activation_bits(source, None) == 16 and activation_bits(source, "int8") == 8
+    assert load_model(quantized).model.weight_format == "Q4_1, int16 activations"
+    monkeypatch.setattr(activations, "INT8_MEASURED_SIZES", frozenset({quantized.stat().st_size}))
+    assert activation_bits(source, None) == 8 and activation_bits(source, "int16") == 16
+    assert load_model(quantized).model.weight_format == "Q4_1, int8 activations"
+    llm = quickdraft.load(quantized, activations="int16")
+    assert llm.draft_model(str(draft)).model.weight_format == "Q4_1, int16 activations"  # not its int8 default
+    assert quickdraft.load(target, quantize="int4", activations="int8").draft_model(str(target)).model.quantized is False
 
 
 def test_info_reports_the_active_kernel(capsys):

@@ -74,7 +74,8 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
                               f"lower --prefill-tokens, --context or --max-new-tokens")
     cfg = compare_config(ours.loaded.tokenizer, n_prompts, max_new_tokens, prefill_tokens, context, max_q, repeats)
     assert max(map(len, cfg.prompts)) <= PROMPT_ROOM, "a built-in chat prompt outgrew PROMPT_ROOM"
-    config = {"command": command, "model": model, "model_file": str(source.path), "device": device,
+    config = {"command": command, "model": model, "model_file": str(source.path),
+              "weights": ours.model.weight_format, "device": device,
               "dtype": dtype, "threads": threads, "torch_threads": torch.get_num_threads(),
               "prompts": len(cfg.prompts), "prompt_tokens": [len(p) for p in cfg.prompts],
               "max_new_tokens": max_new_tokens, "repeats": repeats, "context": context,

@@ -153,6 +153,11 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     @property
+    def quantized(self) -> bool:
+        """Whether any matrix is kept in GGUF blocks (run by the integer kernel on CPU)."""
+        return any(isinstance(w, QuantizedWeight) for m in self.modules() for w in vars(m).values())
+
+    @property
     def weight_format(self) -> str:
         """How the matrices are held: a dtype name, or the GGUF block types kept as stored and the
         precision of the activations they multiply (e.g. "Q4_K+Q6_K, int8 activations")."""

@@ -23,6 +23,7 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer
     source: ModelSource
+    activations: str | None = None  # the precision asked for at load (None: the model's default)
 
     @property
     def config(self) -> ModelConfig:
@@ -41,7 +42,7 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
     if quantize is not None and (dequantize or torch.device(device).type != "cpu"):
         raise ModelLoadError("--quantize runs on CPU and cannot be combined with --dequantize")
     source = resolve_model(name_or_path)
-    bits = activation_bits(source.name, activations)
+    bits = activation_bits(source, activations)
     if source.kind == "gguf":
         as_stored = not dequantize and torch.device(device).type == "cpu"
         ckpt = gguf_file.read_gguf(source.path, progress=progress, quantized=as_stored)
@@ -55,4 +56,4 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
         tensors = quantize_tensors(tensors, quantize, progress=progress)
     tensors = with_activation_bits(tensors, bits)
     model = build_transformer(config, tensors, device=device, dtype=dtype, rope_freq_factors=freq_factors)
-    return LoadedModel(model, tokenizer, source)
+    return LoadedModel(model, tokenizer, source, activations)

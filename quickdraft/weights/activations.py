@@ -11,19 +11,23 @@ from __future__ import annotations
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.kernels import QuantizedWeight
+from quickdraft.weights.packaged import CHUNKED_MODELS
+from quickdraft.weights.resolve import ModelSource
 
 ACTIVATIONS = {"int16": 16, "int8": 8}
 
 # Measured with `bench quality --activations int8` (2,048 ShareGPT tokens): Qwen2.5-Coder-1.5B
 # Q4_K_M top-1 0.993, KL 0.0007; its 0.5B draft top-1 0.990, KL 0.0004. Not here: SmolLM2-135M
-# (top-1 0.979 with int8).
-INT8_MEASURED = frozenset({"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"})
+# (top-1 0.979 with int8). Known by the files' sizes, so that the same file loaded by its path
+# (as `bench plain --compare-llamacpp` does, or a user's own copy) gets the same default.
+INT8_MEASURED_SIZES = frozenset(CHUNKED_MODELS[name].size for name in ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"))
 
 
-def activation_bits(model_name: str | None, activations: str | None) -> int:
+def activation_bits(source: ModelSource, activations: str | None) -> int:
     """Bits for a model's activations: `activations` when given, else its measured default."""
     if activations is None:
-        return ACTIVATIONS["int8" if model_name in INT8_MEASURED else "int16"]
+        measured = source.kind == "gguf" and source.path.stat().st_size in INT8_MEASURED_SIZES
+        return ACTIVATIONS["int8" if measured else "int16"]
     if activations not in ACTIVATIONS:
         raise ModelLoadError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")
     return ACTIVATIONS[activations]
