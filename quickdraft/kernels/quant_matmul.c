@@ -198,6 +198,12 @@ INLINE void round_scaled(const float *h, int64_t n, float iscale, int32_t *v) {
                                                                                 _mm256_set1_ps(iscale))));
 }
 
+INLINE int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
 static void quantize_row16(const float *h, int64_t i, int64_t K, QRows *q) {
     const int64_t Kp = q->nxb * GROUP;
     for (int64_t xb = 0; xb < q->nxb; xb++) {
@@ -214,20 +220,11 @@ static void quantize_row16(const float *h, int64_t i, int64_t K, QRows *q) {
                                                             _mm256_load_si256((const __m256i *)(u + 8))),
                                            _mm256_add_epi32(_mm256_load_si256((const __m256i *)(u + 16)),
                                                             _mm256_load_si256((const __m256i *)(u + 24))));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
             q->dx[(i * q->nxb + xb) * UNITS + l] = dx;
-            xs[l] = (float)_mm_cvtsi128_si32(s4) * dx;  /* an exact sum: below 2^24 */
+            xs[l] = (float)hsum_epi32(sum) * dx;  /* an exact sum: below 2^24 */
             for (int b = 0; b < 32; b++) dst[(2 * (b / 4) + b % 2) * 16 + 2 * l + b % 4 / 2] = (int16_t)u[b];
         }
     }
-}
-
-INLINE int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
 static void quantize_row8(const float *h, int64_t i, int64_t K, QRows *q) {

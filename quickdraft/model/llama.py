@@ -152,16 +152,19 @@ class Transformer(nn.Module):
         """The weights' dtype (float32 for GGUF blocks kept as stored: their values' dtype)."""
         return self.embed.weight.dtype
 
+    def _stored(self) -> list[QuantizedWeight]:
+        return [w for m in self.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight)]
+
     @property
     def quantized(self) -> bool:
         """Whether any matrix is kept in GGUF blocks (run by the integer kernel on CPU)."""
-        return any(isinstance(w, QuantizedWeight) for m in self.modules() for w in vars(m).values())
+        return bool(self._stored())
 
     @property
     def weight_format(self) -> str:
         """How the matrices are held: a dtype name, or the GGUF block types kept as stored and the
         precision of the activations they multiply (e.g. "Q4_K+Q6_K, int8 activations")."""
-        stored = [w for m in self.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight)]
+        stored = self._stored()
         if not stored:
             return str(self.dtype).removeprefix("torch.")
         bits = "/".join(f"int{b}" for b in sorted({w.activation_bits for w in stored}, reverse=True))

@@ -10,11 +10,11 @@ docs/benchmarks.md); int16 for every other model.
 from __future__ import annotations
 
 from quickdraft.errors import ModelLoadError
-from quickdraft.kernels import QuantizedWeight
+from quickdraft.kernels import ACTIVATION_BITS, QuantizedWeight
 from quickdraft.weights.packaged import CHUNKED_MODELS
 from quickdraft.weights.resolve import ModelSource
 
-ACTIVATIONS = {"int16": 16, "int8": 8}
+ACTIVATIONS = {f"int{bits}": bits for bits in ACTIVATION_BITS}  # {"int16": 16, "int8": 8}
 
 # Measured with `bench quality --activations int8` (2,048 ShareGPT tokens): Qwen2.5-Coder-1.5B
 # Q4_K_M top-1 0.993, KL 0.0007; its 0.5B draft top-1 0.990, KL 0.0004. Not here: SmolLM2-135M
