@@ -113,3 +113,26 @@ def test_a_failing_llamacpp_process_is_a_clear_error(tmp_path: Path) -> None:
     bad.write_bytes(b"not a gguf")
     with pytest.raises(QuickdraftError, match="llama.cpp: "):
         LlamaCppEngine(bad, threads=1, n_ctx=64)
+
+
+def test_llama_cpp_is_kept_off_amx_where_the_cpu_has_it() -> None:
+    """llama.cpp's AMX kernels crash on the first pass on AMX CPUs (the real-model tests segfaulted
+    there): the worker refuses its process the tile state, and says so in the system info. Where
+    the CPU has no AMX nothing is installed. Run in a child: the filter stays for a process's life."""
+    code = """
+import ctypes, json, sys
+sys.path.insert(0, sys.argv[1])
+from llamacpp_worker import AMX_REFUSED, refuse_amx_tile_state, system_info
+libc = ctypes.CDLL(None, use_errno=True)
+print(json.dumps({"said": refuse_amx_tile_state(), "again": refuse_amx_tile_state(), "info": system_info(),
+                  "request": libc.syscall(158, 0x1023, 18), "errno": ctypes.get_errno(), "refused": AMX_REFUSED}))
+"""
+    worker_dir = Path(__file__).parents[1] / "quickdraft" / "bench"
+    run = subprocess.run([sys.executable, "-c", code, str(worker_dir)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    if " amx_int8" in Path("/proc/cpuinfo").read_text():
+        assert out["said"] == out["again"] == out["refused"] and out["info"].endswith(out["refused"])
+        assert (out["request"], out["errno"]) == (-1, 1)  # EPERM: ggml finds AMX not ready
+    else:
+        assert out["said"] == out["again"] == "" and out["refused"] not in out["info"]
