@@ -39,10 +39,16 @@
 #define X_MAX 8191  /* activations as int16 in [-X_MAX, X_MAX] */
 #define X8_MAX 127  /* as int8 */
 #define M_CHUNK 64  /* rows per call of the row loop (their outputs live on the stack) */
-/* Rows whose int32 accumulators stay in registers (32 of them with AVX512VL; with AVX2's 16, 8
- * rows' accumulators fit and their float totals spill, once per group: 10-15% faster at 5-9 rows
- * than 4 rows at a time, in cache, for Q4_K and Q6_K). */
+/* Rows that share one pass over a weight row, their int32 accumulators in registers and their
+ * float totals spilling once per group where they do not fit: AVX2's 16 registers take 8 (10-15%
+ * faster at 5-9 rows than 4 at a time, in cache, for Q4_K and Q6_K); AVX512VL's 32 take 12 (on the
+ * 1.5B, 2 threads, t(9)/t(1) 2.16 -> 1.82 and t(12)/t(1) 2.57 -> 2.36 against 8, where 9 rows ran
+ * as 5 + 4, two passes; 16 spilled and was no faster). */
+#ifdef QD_VNNI
+#define MB_MAX 12
+#else
 #define MB_MAX 8
+#endif
 #define PREFETCH_AHEAD 2048
 #define CHAINS_MAX 4 /* int32 accumulators per row when it is alone */
 /* Independent int32 sums per row: a row's 16 multiply-adds per group in one chain waited on their
@@ -399,8 +405,8 @@ INLINE void rows_dot(const PartJob *job, const QRows *q, int64_t n0, int64_t n1,
     }
 }
 
-/* rows_dot over the rows of q in groups of at most MB_MAX, as even as can be (9 rows: 5 + 4, not
- * 8 + 1, whose lone row runs at one-row speed); mb and act8 are constants in each copy. */
+/* rows_dot over the rows of q in groups of at most MB_MAX, as even as can be (9 rows with AVX2:
+ * 5 + 4, not 8 + 1, whose lone row runs at one-row speed); mb and act8 are constants in each copy. */
 INLINE void task_dot(const PartJob *job, int64_t n0, int64_t n1, const int type, const int act8, float *y) {
     const int64_t groups = (job->M + MB_MAX - 1) / MB_MAX, nxb = job->q->nxb;
     for (int64_t g = 0, i = 0; g < groups; g++) {
@@ -416,6 +422,12 @@ INLINE void task_dot(const PartJob *job, int64_t n0, int64_t n1, const int type,
             case 5: rows_dot(job, &qi, n0, n1, type, 5, act8, out); break;
             case 6: rows_dot(job, &qi, n0, n1, type, 6, act8, out); break;
             case 7: rows_dot(job, &qi, n0, n1, type, 7, act8, out); break;
+#if MB_MAX > 8
+            case 8: rows_dot(job, &qi, n0, n1, type, 8, act8, out); break;
+            case 9: rows_dot(job, &qi, n0, n1, type, 9, act8, out); break;
+            case 10: rows_dot(job, &qi, n0, n1, type, 10, act8, out); break;
+            case 11: rows_dot(job, &qi, n0, n1, type, 11, act8, out); break;
+#endif
             default: rows_dot(job, &qi, n0, n1, type, MB_MAX, act8, out); break;
         }
         for (int64_t n = n0; n < n1; n++) {
