@@ -546,3 +546,35 @@ def test_rest_doubles_and_only_drafts_the_head_ran_for_end_it() -> None:
     rest.after_step(verified=0)
     rest.after_step(verified=5)  # a lookup draft verified while the head rests: still resting
     assert rest.resting
+
+
+def test_proposers_are_told_what_the_pass_they_draft_for_costs() -> None:
+    """The pass cost a proposer weighs its draft against is that of the pass the draft goes to,
+    with every row it will hold: requests admitted one by one in a step each saw fewer rows (the
+    first alone), and a draft model then prefilled every prompt of a busy server's wave and drafted
+    for verifications its batch could not pay for."""
+    seen: list[tuple[str, int]] = []
+
+    class Told(NgramProposer):
+        def __init__(self, name: str, prompt: list[int]) -> None:
+            super().__init__(prompt, 4, 1)
+            self.name = name
+
+        def commit(self, step: Committed) -> None:
+            seen.append((self.name, step.cost.rows))
+            super().commit(step)
+
+    engine = Engine(target(), EngineConfig(max_batch=4))
+    for name in "abc":
+        engine.add(Request([1, 2, 3, 1, 2], greedy(6), frozenset(), Told(name, [1, 2, 3, 1, 2]), 4, id=name))
+    engine.step()  # the three prompts' passes, one after another
+    assert seen == []
+    engine.step()  # their drafts are asked for: the next pass holds all three
+    assert sorted(seen) == [("a", 3), ("b", 3), ("c", 3)]
+    engine.add(Request([7, 8, 7], greedy(6), frozenset(), Told("d", [7, 8, 7]), 4, id="d"))
+    seen.clear()
+    engine.step()  # a, b, c drafted and verified (d waits: the pass holds three); then d's prompt
+    assert sorted(seen) == [("a", 3), ("b", 3), ("c", 3)]
+    seen.clear()
+    engine.step()
+    assert sorted(seen) == [("a", 4), ("b", 4), ("c", 4), ("d", 4)]

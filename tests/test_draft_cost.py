@@ -12,6 +12,7 @@ import pytest
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan
+from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_model import DraftModelProposer
 from test_batch_engine import Job, greedy, run_batched, target
 from test_batched_draft import Counted
@@ -155,3 +156,23 @@ def test_rows_whose_lengths_must_not_depend_on_timing_draft_whole_ks(monkeypatch
     for i in range(len(jobs)):
         stats = last[str(i)].stats
         assert stats.drafted_tokens >= 4 * (stats.target_passes - 2)  # all but the prefill and a short tail
+
+
+def test_until_a_level_is_timed_one_row_drafts_the_one_with_least_to_catch_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh drafter has not timed a draft forward, so it cannot weigh a level: one row drafts
+    and times it, the one whose catch-up is shortest; the others wait, their prompts not prefilled
+    in the draft (a server's first wave prefilled every prompt for drafts its batch could not pay).
+    Once timed, the rule decides for every row."""
+    monkeypatch.undo()
+    drafter = Counted(target())
+    cost = PassCost(seconds=0.01, per_token=0.001, rows=3)
+    prompts = [[1, 17, 42, 8, 77, 23, 5, 6], [44, 12, 19], [9, 8, 7, 6, 5]]
+    members = [DraftModelProposer(drafter, p, greedy(8), len(p) + 20) for p in prompts]
+    for m in members:
+        m.cost = cost
+    drafts = drafter.propose(members, [3, 3, 3])
+    assert [len(d.tokens) > 0 for d in drafts] == [False, True, False]
+    assert [m.cached for m in members] == [0, 3, 0] and drafter.times.first is not None
+    drafter.times.first = drafter.times.later = 1e-6  # timed, and nearly free: every row drafts
+    drafts = drafter.propose(members, [3, 3, 3])
+    assert all(len(d.tokens) > 0 for d in drafts) and [m.cached for m in members] == [8, 3, 5]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -176,7 +176,11 @@ class Engine:
         into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
         proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
         events: Events = []
-        going = [(row, step) for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
+        # what verifying costs the pass these drafts go to: its rows are every running row that
+        # has not ended (rows admitted one by one in the last step each saw fewer)
+        cost = self._pass_cost([r for r in self.rows if all(r is not f for f in self.finished)])
+        going = [(row, replace(step, cost=None if row.pinned else cost))
+                 for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
         self.to_propose = []
         for (row, _), error in zip(going, self._propose(going)):
             if error is not None:  # a failing proposer ends its own request, freed below, before the pass
@@ -219,14 +223,13 @@ class Engine:
         self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
         steps, origins = [], []
         top = TopTokens(out.logits, [1 + len(d.tokens) for d in drafts])  # made only if a proposer asks
-        cost = self._pass_cost(rows)
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
             row.stats.record_draft(draft.depths(), len(kept))
             steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]],
-                                   top.row(b), None if row.pinned else cost))
+                                   top.row(b)))
             origins.append(token_origins(draft.tree, kept, draft.source))
         return self._emit(rows, steps, step_s, origins)
 
@@ -271,8 +274,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fail(row, e)
         row.length = n
-        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0),
-                         None if row.pinned else self._pass_cost(self.rows))
+        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0))
         return self._emit([row], [step], time.perf_counter() - t0, [[TokenOrigin("target", 0)]])
 
     def _fail(self, row: _Row, error: Exception) -> Events:

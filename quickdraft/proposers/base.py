@@ -96,7 +96,8 @@ class Committed:
                             # tokens (likeliest first) at each of the m positions the step scored: the
                             # fed token, then every verified draft node in node order, rejected ones
                             # included (after the prefill: the prompt's last token); None: not kept
-    cost: PassCost | None = None  # the next step's verification cost; None: the draft's length must
+    cost: PassCost | None = None  # what verifying costs the pass the next draft goes to, for the rows it
+                            # will have (set when the proposer is asked); None: the draft's length must
                             # not depend on timing (the engine verifies whole drafts for this request)
 
 
