@@ -11,7 +11,7 @@ import pytest
 
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import StepCost
-from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan
+from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_model import DraftModelProposer
 from test_batch_engine import Job, greedy, run_batched, target
@@ -176,3 +176,32 @@ def test_until_a_level_is_timed_one_row_drafts_the_one_with_least_to_catch_up(mo
     drafter.times.first = drafter.times.later = 1e-6  # timed, and nearly free: every row drafts
     drafts = drafter.propose(members, [3, 3, 3])
     assert all(len(d.tokens) > 0 for d in drafts) and [m.cached for m in members] == [8, 3, 5]
+
+
+def test_a_catch_up_is_paid_only_where_drafting_can_repay_it() -> None:
+    # a step of 50 ms, 5 ms per verified token; draft forwards of 10 ms; acceptance 0.9, k = 4:
+    # chains of 1..4 cost 65, 80, 95, 110 ms for 1.9, 2.71, 3.439, 4.0951 tokens: best 26.86 ms a
+    # token (4 levels) against 50, saving 23.14 ms per remaining token
+    cost = PassCost(seconds=0.05, per_token=0.005, rows=1)
+    saving = 0.05 - 0.110 / (1 + 0.9 + 0.81 + 0.729 + 0.6561)
+    assert catch_up_pays(cost, 0.9, 4, 0.01, 0.01, remaining=100, catch_up_s=100 * saving - 1e-6)
+    assert not catch_up_pays(cost, 0.9, 4, 0.01, 0.01, remaining=100, catch_up_s=100 * saving + 1e-6)
+    # a draft that never pays repays nothing, however long the request
+    assert not catch_up_pays(cost, 0.1, 4, 0.05, 0.05, remaining=10**6, catch_up_s=1e-9)
+
+
+def test_a_prompt_the_draft_cannot_repay_is_not_prefilled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the drafter has timed its forwards and a prompt's catch-up, a request with little left
+    to generate skips its prefill in the draft (it would cost more than drafting saves) and drafts
+    nothing; one with much left prefills and drafts."""
+    monkeypatch.undo()
+    drafter = Counted(target())
+    drafter.times = ForwardTimes(first=0.01, later=0.01, catch_up=0.01)  # 10 ms a prompt token
+    drafter.calibration[True].accepted = [o * 0.9 for o in drafter.calibration[True].offered]
+    prompt = [1, 17, 42, 8, 77, 23, 5, 6, 44, 12, 19, 9]  # 120 ms to catch up on
+    short, long = (DraftModelProposer(drafter, prompt, greedy(n), len(prompt) + n + 9) for n in (4, 64))
+    for m in (short, long):
+        m.cost = PassCost(seconds=0.05, per_token=0.005, rows=2)
+    drafts = drafter.propose([short, long], [4, 4])
+    assert [len(d.tokens) > 0 for d in drafts] == [False, True]
+    assert (short.cached, long.cached) == (0, len(prompt))  # a saving of ~23 ms a token: 4 do not repay 120 ms

@@ -100,14 +100,33 @@ class Plan:
         return best
 
 
+def catch_up_pays(cost: PassCost, acceptance: float, k: int, first_s: float, later_s: float, remaining: int,
+                  catch_up_s: float) -> bool:
+    """Whether a row should start drafting when the draft must first catch up on many tokens (a
+    request's prompt, once): the catch-up (`catch_up_s`) is paid once, and repaid only by the time
+    drafting saves over the `remaining` tokens of the request. Alone in its step (the other rows
+    as they are), a chain of i <= k tokens accepted at `acceptance` each commits
+    1 + a + ... + a^i tokens a step in cost.seconds + first_s + (i - 1) later_s + i per_token,
+    against 1 token in cost.seconds without: the best i's saving over `remaining` tokens must
+    exceed the catch-up. Short requests, unsure drafts and busy batches then skip the prefill."""
+    best_s_per_token = cost.seconds  # without drafting
+    expected, seconds = 1.0, cost.seconds + first_s - later_s
+    for i in range(1, k + 1):
+        expected += acceptance ** i
+        seconds += later_s + cost.per_token
+        best_s_per_token = min(best_s_per_token, seconds / expected)
+    return remaining * (cost.seconds - best_s_per_token) > catch_up_s
+
+
 @dataclass
 class ForwardTimes:
     """Seconds of the drafter's forwards (smoothed), by kind: the first of a proposal (it catches
-    up on the committed tokens), the later ones of chains (one token per row), and tree levels (a
-    level's nodes per row)."""
+    up on the committed tokens), the later ones of chains (one token per row), tree levels (a
+    level's nodes per row), and a long catch-up (a prompt) per token it feeds."""
     first: float | None = None
     later: float | None = None
     tree: float | None = None
+    catch_up: float | None = None
 
     def observe(self, kind: str, seconds: float) -> None:
         old = getattr(self, kind)

@@ -31,6 +31,7 @@ class DraftModelProposer:
         self.group = drafter
         self.params = params
         self.capacity = capacity
+        self.horizon = len(prompt_ids) + params.max_new_tokens  # drafter.Member
         self.width = width
         self.tokens = list(prompt_ids)
         self.cached = 0  # tokens[:cached] have K/V in the drafter's row

@@ -30,7 +30,7 @@ import torch
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
-from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan
+from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
@@ -44,6 +44,7 @@ class Member(Protocol):
     cached: int               # tokens[:cached] have K/V in its row
     width: int                # 1: it drafts chains; more: trees, running this many nodes per level
     capacity: int             # slots it may use
+    horizon: int              # the sequence length at which its request ends at the latest
     params: SamplingParams
     generator: torch.Generator
     cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
@@ -167,6 +168,7 @@ class Drafter:
         gains = [1.0] * len(members)  # per member, the chance its next draft token is reached
         going = self._worth([b for b, k in enumerate(ks) if k > 0], members, gains, calibration, plan,
                             per_token, self.times.first, first=True)
+        going = [b for b in going if self._catching_up_pays(members[b], ks[b], calibration[b])]
         drafts = [NO_DRAFT] * len(members)
         for b, m in enumerate(members):
             m.idle = 0 if b in going else m.idle + 1
@@ -176,7 +178,9 @@ class Drafter:
         for b in going:  # the prompt: alone, so the others are not padded to its length
             m = members[b]
             if len(m.tokens) - m.cached > CATCH_UP:
+                t0, behind = time.perf_counter(), len(m.tokens) - 1 - m.cached
                 self._forward([m], [m.tokens[m.cached:-1]], [m.cached])
+                self.times.observe("catch_up", (time.perf_counter() - t0) / behind)
                 m.cached = len(m.tokens) - 1
                 self.cache.lengths[m.row] = self.free_from[m.row] = m.cached
         t0 = time.perf_counter()
@@ -290,6 +294,20 @@ class Drafter:
             m.offered, m.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
             drafts[b] = Draft([tree.tokens[n] for n in keep], None,
                               [calibration[b].estimate(tree.probs[n]) for n in keep], parents)
+
+    def _catching_up_pays(self, m: Member, k: int, calibration: Calibration) -> bool:
+        """A row behind by more than CATCH_UP tokens (its prompt, or text committed while it did
+        not draft) drafts only if drafting can repay the catch-up over the rest of its request
+        (catch_up_pays) at the acceptance that let it draft: the mean, or for a row exploring the
+        best measured (_worth). Rows whose lengths must not depend on timing, and rows before
+        anything is timed, always do."""
+        behind = len(m.tokens) - m.cached
+        if behind <= CATCH_UP or m.cost is None or None in (self.times.catch_up, self.times.first):
+            return True
+        later = self.times.later if self.times.later is not None else self.times.first
+        acceptance = calibration.best if m.idle >= EXPLORE else calibration.mean
+        return catch_up_pays(m.cost, acceptance, k, self.times.first, later, m.horizon - len(m.tokens),
+                             self.times.catch_up * behind)
 
     @staticmethod
     def _worth(rows: list[int], members: Sequence[Member], gains: list[float], calibration: Sequence[Calibration],
