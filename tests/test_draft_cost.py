@@ -205,3 +205,16 @@ def test_a_prompt_the_draft_cannot_repay_is_not_prefilled(monkeypatch: pytest.Mo
     drafts = drafter.propose([short, long], [4, 4])
     assert [len(d.tokens) > 0 for d in drafts] == [False, True]
     assert (short.cached, long.cached) == (0, len(prompt))  # a saving of ~23 ms a token: 4 do not repay 120 ms
+
+
+def test_a_row_that_cannot_choose_drafts_while_the_level_is_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded sampled row (no pass cost: its draft lengths must not depend on timing or on other
+    rows) drafts its whole k even before the drafter has timed a level; it times the level, and a
+    row that can choose waits for that, whichever has less to catch up."""
+    monkeypatch.undo()
+    drafter = Counted(target())
+    pinned = DraftModelProposer(drafter, [1, 17, 42, 8, 77, 23, 5, 6], greedy(8, temperature=1.0, seed=3), 40)
+    free = DraftModelProposer(drafter, [44, 12, 19], greedy(8), 40)
+    free.cost = PassCost(seconds=0.01, per_token=0.001, rows=2)
+    drafts = drafter.propose([pinned, free], [3, 3])
+    assert [len(d.tokens) for d in drafts] == [3, 0]

@@ -313,18 +313,19 @@ class Drafter:
     def _worth(rows: list[int], members: Sequence[Member], gains: list[float], calibration: Sequence[Calibration],
                plan: Plan | None, per_token: float, level_s: float | None, first: bool = False) -> list[int]:
         """Which of `rows` draft one more token (draft_cost.py): all of them while their lengths
-        must not depend on timing (no plan), one while the level's cost is not measured yet; else the rows
-        that cannot choose (a pass cost of None), rows exploring after EXPLORE idle steps where a
+        must not depend on timing (no plan); while the level's cost is not measured yet, those that
+        cannot choose, or else one; then the rows that cannot choose (a pass cost of None), rows exploring after EXPLORE idle steps where a
         level could pay at the best acceptance measured (where none could, as on a CPU whose
         verification of k tokens costs k passes, exploring is a loss: its catch-up forward and the
         prompt's prefill are not repaid), and those of the others whose expected gains pay for the
         level."""
         if plan is None:
             return rows
-        if level_s is None:  # one row measures the level first, the one with least to catch up: a
-            # server's first wave would otherwise prefill every prompt in the draft, for drafts
-            # that may not pay at its batch size
-            return sorted(rows, key=lambda b: len(members[b].tokens) - members[b].cached)[:1]
+        if level_s is None:  # rows that cannot choose draft; else one row measures the level first,
+            # the one with least to catch up: a server's first wave would otherwise prefill every
+            # prompt in the draft, for drafts that may not pay at its batch size
+            must = [b for b in rows if members[b].cost is None]
+            return must or sorted(rows, key=lambda b: len(members[b].tokens) - members[b].cached)[:1]
         forced = [b for b in rows if members[b].cost is None
                   or (first and members[b].idle >= EXPLORE and plan.pays(calibration[b].best, level_s, per_token))]
         # the next token's chance: reached (gains) and accepted at a confidence not known before it is drawn
