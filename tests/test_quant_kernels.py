@@ -252,6 +252,27 @@ def test_a_tree_nodes_attention_equals_its_paths_decode(D, ctx):
         assert torch.equal(alone[:, 0], tree[:, n]), (n, float((alone[:, 0] - tree[:, n]).abs().max()))
 
 
+def test_long_tasks_cover_every_row_on_any_thread_count():
+    """A task runs through ~512 KB of weight rows (quant_matmul.c's TASK_BYTES) in blocks of 64:
+    2,577 rows of 144 bytes make tasks of 5-10 blocks, the last one cut short. Every row is the
+    reference's, and the same bits on 1 and 2 threads, for 1 row and for 12 + 1 (two groups)."""
+    w = weight(Q.Q4_K, N=64 * 40 + 17, K=256, bits=8)
+    W = w.dequantize().double()
+    x = torch.randn(13, 256, generator=torch.Generator().manual_seed(10))
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((kernels.linear(x, w), kernels.linear(x[:1], w)))
+    finally:
+        torch.set_num_threads(before)
+    exact = quantized_rows(x, 8) @ W.T
+    assert (results[0][0].double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    for many, one in results:
+        assert torch.equal(many, results[0][0]) and torch.equal(one, many[:1])
+
+
 def test_threads_share_the_work_without_changing_a_bit():
     """The pool (pool.c) splits rows and queries among threads; each is computed alone either way."""
     w, dense = weight(Q.Q5_K, N=200), torch.randn(200, 512, generator=torch.Generator().manual_seed(8))

@@ -379,14 +379,18 @@ INLINE void group_dot(const uint8_t *row, const QRows *q, int64_t xb, const int 
             tot[MB_MAX + j] = _mm256_fmadd_ps(p.m, _mm256_loadu_ps(q->xs + (j * q->nxb + xb) * UNITS), tot[MB_MAX + j]);
 }
 
-/* One part of W against the rows of q: tasks of ROWS_PER_TASK weight rows each. */
-#define ROWS_PER_TASK 64  /* long runs: with 16, two threads' interleaved tasks hopped through the
-                            * rows and read no faster than one thread */
+/* One part of W against the rows of q: tasks of task_rows weight rows, in blocks of BLOCK_ROWS
+ * (their outputs live on the stack). */
+#define BLOCK_ROWS 64
+#define TASK_BYTES (512 << 10)  /* a thread's run through the weights, at least: two threads
+                                 * claiming tasks of 64 rows (55 KB of the 1.5B's gate|up) hopped
+                                 * through memory and read it at 17.5 GB/s at one row; in runs of
+                                 * 512 KB, 23.5 (its LM head: 23.6 -> 29.7) */
 typedef struct {
     const QRows *q;
     const uint8_t *w;
     int type;
-    int64_t row_bytes, M, n0, rows, N, K;
+    int64_t row_bytes, M, n0, rows, N, K, task_rows;
     const float *b, *r;
     float *y;
 } PartJob;
@@ -412,7 +416,7 @@ INLINE void task_dot(const PartJob *job, int64_t n0, int64_t n1, const int type,
     for (int64_t g = 0, i = 0; g < groups; g++) {
         const QRows qi = {(char *)job->q->x + i * nxb * GROUP * (act8 ? 1 : 2), job->q->dx + i * nxb * UNITS,
                           job->q->xs + i * nxb * UNITS, job->q->xh ? job->q->xh + i * nxb * 2 * UNITS : 0, nxb, act8};
-        float out[ROWS_PER_TASK][MB_MAX];
+        float out[BLOCK_ROWS][MB_MAX];
         const int mb = (int)((job->M - i + (groups - g) - 1) / (groups - g));
         switch (mb) {
             case 1: rows_dot(job, &qi, n0, n1, type, 1, act8, out); break;
@@ -469,8 +473,21 @@ static void part_task(void *ctx, int64_t task) {
     while (task >= m->first[p + 1]) p++;
     const PartJob *j = &m->part[p];
     task -= m->first[p];
-    const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < j->rows ? n0 + ROWS_PER_TASK : j->rows;
-    if (j->q->act8) TYPE_CASES(1) else TYPE_CASES(0)
+    const int64_t end = (task + 1) * j->task_rows < j->rows ? (task + 1) * j->task_rows : j->rows;
+    for (int64_t n0 = task * j->task_rows; n0 < end; n0 += BLOCK_ROWS) {
+        const int64_t n1 = n0 + BLOCK_ROWS < end ? n0 + BLOCK_ROWS : end;
+        if (j->q->act8) TYPE_CASES(1) else TYPE_CASES(0)
+    }
+}
+
+/* Rows per task: runs of TASK_BYTES, but at least 4 tasks per thread where the part has the rows
+ * (a thread that finishes early waits for the others' last task). */
+static int64_t task_rows(int64_t rows, int64_t row_bytes, int threads) {
+    const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    int64_t per = (TASK_BYTES + BLOCK_ROWS * row_bytes - 1) / (BLOCK_ROWS * row_bytes);
+    const int64_t most = blocks / (4 * (threads > 1 ? threads : 1));
+    if (per > most) per = most;
+    return (per > 1 ? per : 1) * BLOCK_ROWS;
 }
 
 /* x: [M, K] (or [M, 2K] for SwiGLU); W: nparts row ranges of N in total, part p with rows[p] rows
@@ -509,9 +526,10 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
             MatJob job = {.nparts = nparts - p0 < PARTS_MAX ? nparts - p0 : PARTS_MAX};
             for (int p = 0; p < job.nparts; p++) {
                 const int64_t at = p0 + p;
-                job.part[p] = (PartJob){&qc, data[at], types[at], qd_packed_row_bytes(types[at], K), mc, n0, rows[at], N,
-                                        K, b, r ? r + m0 * N : 0, y + m0 * N};
-                job.first[p + 1] = job.first[p] + (rows[at] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+                const int64_t row_bytes = qd_packed_row_bytes(types[at], K), per = task_rows(rows[at], row_bytes, threads);
+                job.part[p] = (PartJob){&qc, data[at], types[at], row_bytes, mc, n0, rows[at], N, K, per, b,
+                                        r ? r + m0 * N : 0, y + m0 * N};
+                job.first[p + 1] = job.first[p] + (rows[at] + per - 1) / per;
                 n0 += rows[at];
             }
             qd_parallel(part_task, &job, job.first[job.nparts], threads);
