@@ -71,8 +71,8 @@ INLINE void row_block(const float *x, const void *w, const float *b, const float
     }
 }
 
-#define ROWS_PER_TASK 16
-typedef struct { const float *x; const void *w; const float *b, *r; float *y; int64_t M, N, K; int wtype; } MatmulJob;
+#define TASK_BYTES (512 << 10)  /* a thread's run through the weights, at least (quant_matmul.c) */
+typedef struct { const float *x; const void *w; const float *b, *r; float *y; int64_t M, N, K, task_rows; int wtype; } MatmulJob;
 
 INLINE void matmul_rows(const MatmulJob *j, int64_t n0, int64_t n1, const int wtype) {
     for (int64_t n = n0; n < n1; n++) {
@@ -94,7 +94,7 @@ INLINE void matmul_rows(const MatmulJob *j, int64_t n0, int64_t n1, const int wt
 
 static void matmul_task(void *ctx, int64_t task) {
     const MatmulJob *j = ctx;
-    const int64_t n0 = task * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < j->N ? n0 + ROWS_PER_TASK : j->N;
+    const int64_t n0 = task * j->task_rows, n1 = n0 + j->task_rows < j->N ? n0 + j->task_rows : j->N;
     switch (j->wtype) {
         case W_F32: matmul_rows(j, n0, n1, W_F32); break;
         case W_BF16: matmul_rows(j, n0, n1, W_BF16); break;
@@ -163,6 +163,11 @@ void qd_fused_matmul(const float *x, const void *w, const float *b, const float 
                      int prologue, const float *g, float eps, float *scratch,
                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {
     x = qd_prologue(x, prologue, g, eps, scratch, M, K);
-    MatmulJob job = {x, w, b, r, y, M, N, K, wtype};
-    qd_parallel(matmul_task, &job, (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads);
+    /* rows of TASK_BYTES, but at least 4 tasks per thread where there are the rows */
+    const int64_t row_bytes = K * (wtype == W_F32 ? 4 : 2), most = N / (4 * (threads > 1 ? threads : 1));
+    int64_t per = (TASK_BYTES + row_bytes - 1) / row_bytes;
+    per = per < most ? per : most;
+    per = per > 1 ? per : 1;
+    MatmulJob job = {x, w, b, r, y, M, N, K, per, wtype};
+    qd_parallel(matmul_task, &job, (N + per - 1) / per, threads);
 }
