@@ -50,9 +50,11 @@ class Counted(Drafter):
     def __init__(self, model) -> None:
         super().__init__(model)
         self.rows_per_forward: list[int] = []
+        self.fed: list[list[tuple[int, int]]] = []  # per forward: each member's row and sequence length
 
     def _forward(self, members, feeds, starts, *tree):
         self.rows_per_forward.append(len(members))
+        self.fed.append([(m.row, len(m.tokens)) for m in members])
         return super()._forward(members, feeds, starts, *tree)
 
 

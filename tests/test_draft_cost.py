@@ -119,7 +119,9 @@ def test_a_draft_that_cannot_pay_even_at_its_best_acceptance_stops_drafting(monk
 def test_a_draft_that_could_pay_at_its_best_acceptance_explores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Draft forwards of 0.3 s against a target pass of ~1 s: a level pays only for a token accepted
     with probability > ~0.73. With acceptance measured low at every confidence but the highest,
-    no row drafts by the mean, but rows explore once every EXPLORE idle steps."""
+    no row drafts by the mean, but a row whose prompt the draft has explores once every EXPLORE
+    idle steps; one whose prompt it never saw does not (its prefill would be paid on the hope of
+    the best acceptance)."""
     costly_drafts(monkeypatch, 0.3)
     monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
     low = Calibration()
@@ -131,10 +133,12 @@ def test_a_draft_that_could_pay_at_its_best_acceptance_explores(monkeypatch: pyt
     for i, job in enumerate(jobs):
         assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(target())
     steps = max(last[str(i)].stats.target_passes for i in range(len(jobs)))
-    first = 4  # the first proposal's k levels (its prompt is short enough to run in the first)
     assert steps > 2 * EXPLORE + 1
-    # each row explored twice in its 40 steps: one or two more forwards per exploration round
-    assert first + 2 <= len(drafter.rows_per_forward) <= first + 2 * len(jobs) * (steps // EXPLORE)
+    # the first proposal: the first job alone (the second joins a step later), measuring the level
+    first_row = drafter.fed[0][0][0]
+    explored = [fed for fed in drafter.fed if fed[0][1] >= len(jobs[0].prompt) + EXPLORE]
+    assert 2 <= len(explored) <= 2 * (steps // EXPLORE)  # one or two forwards per exploration
+    assert all(row == first_row for fed in drafter.fed for row, _ in fed)  # the second job never drafted
 
 
 def test_a_cheap_draft_drafts_and_pays(monkeypatch: pytest.MonkeyPatch) -> None:
