@@ -55,6 +55,14 @@ class Member(Protocol):
                                               # the cache slot of its K/V (None: it was not run)
 
 
+def _explores(m: Member) -> bool:
+    """Whether the member drafts on the hope of the best acceptance measured: after EXPLORE idle
+    steps, once the draft has its prompt (a prompt is prefilled only where drafting pays by the
+    mean: explorations that prefilled chat prompts cost a server with the Qwen pair 3% at one
+    request at a time, and found nothing to draft)."""
+    return m.idle >= EXPLORE and m.cached > 0
+
+
 class Drafter:
     def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
         """vocab: the token ids the draft may propose (draft_vocab.py; None: every token)."""
@@ -299,15 +307,13 @@ class Drafter:
         """A row behind by more than CATCH_UP tokens (its prompt, or text committed while it did
         not draft) drafts only if drafting can repay the catch-up over the rest of its request
         (catch_up_pays) at the acceptance that let it draft: the mean, or for a row exploring the
-        best measured (_worth), once the draft has its prompt: a prompt is prefilled only where
-        drafting pays by the mean (explorations that prefilled chat prompts at the best acceptance
-        cost a server with the Qwen pair 3% at one request at a time, and found nothing to draft).
-        Rows whose lengths must not depend on timing, and rows before anything is timed, always do."""
+        best measured (_explores). Rows whose lengths must not depend on timing, and rows before
+        anything is timed, always do."""
         behind = len(m.tokens) - m.cached
         if behind <= CATCH_UP or m.cost is None or None in (self.times.catch_up, self.times.first):
             return True
         later = self.times.later if self.times.later is not None else self.times.first
-        acceptance = calibration.best if m.idle >= EXPLORE and m.cached > 0 else calibration.mean
+        acceptance = calibration.best if _explores(m) else calibration.mean
         return catch_up_pays(m.cost, acceptance, k, self.times.first, later, m.horizon - len(m.tokens),
                              self.times.catch_up * behind)
 
@@ -316,10 +322,10 @@ class Drafter:
                plan: Plan | None, per_token: float, level_s: float | None, first: bool = False) -> list[int]:
         """Which of `rows` draft one more token (draft_cost.py): all of them while their lengths
         must not depend on timing (no plan); while the level's cost is not measured yet, those that
-        cannot choose, or else one; then the rows that cannot choose (a pass cost of None), rows exploring after EXPLORE idle steps where a
-        level could pay at the best acceptance measured (where none could, as on a CPU whose
-        verification of k tokens costs k passes, exploring is a loss: its catch-up forward and the
-        prompt's prefill are not repaid), and those of the others whose expected gains pay for the
+        cannot choose, or else one; then the rows that cannot choose (a pass cost of None), rows
+        exploring (_explores) where a level could pay at the best acceptance measured (where none
+        could, as on a CPU whose verification of k tokens costs k passes, exploring is a loss: its
+        catch-up forward is not repaid), and those of the others whose expected gains pay for the
         level."""
         if plan is None:
             return rows
@@ -329,7 +335,7 @@ class Drafter:
             must = [b for b in rows if members[b].cost is None]
             return must or sorted(rows, key=lambda b: len(members[b].tokens) - members[b].cached)[:1]
         forced = [b for b in rows if members[b].cost is None
-                  or (first and members[b].idle >= EXPLORE and plan.pays(calibration[b].best, level_s, per_token))]
+                  or (first and _explores(members[b]) and plan.pays(calibration[b].best, level_s, per_token))]
         # the next token's chance: reached (gains) and accepted at a confidence not known before it is drawn
         chance = {b: gains[b] * calibration[b].mean for b in rows}
         optional = sorted((b for b in rows if b not in forced), key=lambda b: -chance[b])
