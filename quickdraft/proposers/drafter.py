@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -32,6 +32,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
+from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
@@ -257,7 +258,7 @@ class Drafter:
         the verifier's recursive rejection takes exactly for sampled rows too (a rejected sibling's
         token leaves p before the next is tried), and no drawn token decides what is verified, so
         every row's estimates may read the draft's probabilities."""
-        grown = {b: _Tree() for b in going}
+        grown = {b: GrowingTree() for b in going}
         expanded = {b: [-1] for b in going}  # per row, the nodes whose children the logits give
         level_logits = {b: logits[i:i + 1] for i, b in enumerate(going)}  # [len(expanded), V]
         growing = list(going)
@@ -294,9 +295,7 @@ class Drafter:
                 level_logits[b], expanded[b] = out[i, :len(run[b])], run[b]
         for b in going:
             m, tree = members[b], grown[b]
-            keep = sorted(range(len(tree.tokens)), key=lambda n: (-tree.reach[n], tree.depth[n]))[:ks[b]]
-            index = {n: i for i, n in enumerate(keep)}
-            parents = [index[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in keep]
+            keep, parents = tree.likeliest(ks[b])
             m.nodes = [(tree.tokens[n], p, tree.slot.get(n)) for n, p in zip(keep, parents)]
             spine = tree.spine(keep)  # calibrated as a chain is: its likeliest path
             m.offered, m.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
@@ -407,53 +406,3 @@ class Drafter:
             return self.head(hidden[index])  # [n, width, V]
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.head(hidden[index, last])  # [n, V]: the head only where a draft reads it
-
-
-class _Tree:
-    """A tree draft while it grows: per node its token, parent (-1: the root), the draft's
-    probability of it given its parent, the product of those along its path (reach) and of their
-    calibrated acceptance (chance), its depth (1: a child of the root), and the cache slot of each
-    node run so far."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.parents: list[int] = []
-        self.probs: list[float] = []
-        self.reach: list[float] = []
-        self.chance: list[float] = []  # per node, the chance its path is accepted (calibrated)
-        self.depth: list[int] = []
-        self.slot: dict[int, int] = {}
-
-    def grow(self, parents: Sequence[int], probs: Sequence[Sequence[float]], ids: Sequence[Sequence[int]],
-             estimate: Callable[[float], float]) -> list[int]:
-        """Children for each of `parents` (their tokens `ids`, probabilities `probs`; `estimate`:
-        a probability -> the chance the target accepts the token) -> the new nodes."""
-        new = []
-        for parent, ps, xs in zip(parents, probs, ids):
-            for p, x in zip(ps, xs):
-                new.append(len(self.tokens))
-                self.tokens.append(x)
-                self.parents.append(parent)
-                self.probs.append(p)
-                self.reach.append(p * (self.reach[parent] if parent >= 0 else 1.0))
-                self.chance.append(estimate(p) * (self.chance[parent] if parent >= 0 else 1.0))
-                self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
-        return new
-
-    def visible(self, nodes: Sequence[int], committed: int) -> torch.Tensor:
-        """[len(nodes), slot of the last + 1]: each node sees the committed slots, its ancestors and itself."""
-        seen = torch.zeros(len(nodes), self.slot[nodes[-1]] + 1, dtype=torch.bool)
-        seen[:, :committed] = True
-        for j, n in enumerate(nodes):
-            while n >= 0:
-                seen[j, self.slot[n]] = True
-                n = self.parents[n]
-        return seen
-
-    def spine(self, nodes: Sequence[int]) -> list[int]:
-        """Of `nodes` (a tree), the path that takes the likeliest child at every level."""
-        path, parent = [], -1
-        while children := [n for n in nodes if self.parents[n] == parent]:
-            parent = max(children, key=lambda n: self.probs[n])
-            path.append(parent)
-        return path

@@ -38,6 +38,7 @@ from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.proposers.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
 
 HEAD_FORMAT = "quickdraft-head-v1"
@@ -267,48 +268,27 @@ class HeadProposer:
         descending likelihood, as the policy verifies prefixes. The nodes are the head's choices,
         not draws: q is None for every row, which the verifier's recursive rejection takes exactly
         (a rejected sibling's token leaves p before the next is tried)."""
-        tokens: list[int] = []
-        parents: list[int] = []
-        probs: list[float] = []   # per node, the head's probability of it given its parent
-        reach: list[float] = []   # per node, the product along its path
-        depth: list[int] = []
-        slot: dict[int, int] = {}  # the nodes run so far -> their slot in the head's cache
+        tree = GrowingTree()
         expanded, features = [-1], predicted  # the nodes run last (-1: the root) and their predictions
         for level in range(k):
             logits = linear(features, self.lm_weight, norm=self.target.norm.fused)  # [len(expanded), Vd]
             top_p, top_i = torch.softmax(logits.float(), dim=-1).topk(min(self.width, logits.shape[-1]), dim=-1)
-            newest = []
-            for parent, ps, ids in zip(expanded, top_p.tolist(), self.vocab[top_i].tolist()):
-                for p, x in zip(ps, ids):
-                    newest.append(len(tokens))
-                    tokens.append(x)
-                    parents.append(parent)
-                    probs.append(p)
-                    reach.append(p * (reach[parent] if parent >= 0 else 1.0))
-                    depth.append(level + 1)
-            run = sorted(newest, key=lambda n: -reach[n])[:self.width]
-            kth = sorted(reach, reverse=True)[k - 1] if len(reach) >= k else 0.0
-            first = pairs + len(slot)
-            if level == k - 1 or reach[run[0]] <= kth or first + len(run) > self.cache.max_len:
+            newest = tree.grow(expanded, top_p.tolist(), self.vocab[top_i].tolist())
+            run = sorted(newest, key=lambda n: -tree.reach[n])[:self.width]
+            kth = sorted(tree.reach, reverse=True)[k - 1] if len(tree.reach) >= k else 0.0
+            first = pairs + len(tree.slot)
+            if level == k - 1 or tree.reach[run[0]] <= kth or first + len(run) > self.cache.max_len:
                 break  # no deeper node could make the k likeliest (or the head's cache is full)
-            for j, n in enumerate(run):
-                slot[n] = first + j
-            mask = torch.zeros(1, len(run), first + len(run), dtype=torch.bool)  # [1, T, kv_len]
-            mask[..., :pairs] = True
-            for j, n in enumerate(run):
-                while n >= 0:  # a node sees the committed pairs, its ancestors and itself
-                    mask[0, j, slot[n]] = True
-                    n = parents[n]
-            rows = [expanded.index(parents[n]) for n in run]
-            features = self._step(features[rows], [tokens[n] for n in run], pairs,
-                                  [pairs + depth[n] - 1 for n in run], mask.to(predicted.device),
-                                  [slot[n] for n in run])
+            tree.slot.update({n: first + j for j, n in enumerate(run)})
+            mask = tree.visible(run, pairs)[None]  # [1, T, kv_len]
+            rows = [expanded.index(tree.parents[n]) for n in run]
+            features = self._step(features[rows], [tree.tokens[n] for n in run], pairs,
+                                  [pairs + tree.depth[n] - 1 for n in run], mask.to(predicted.device),
+                                  [tree.slot[n] for n in run])
             expanded = run
-        keep = sorted(range(len(tokens)), key=lambda n: (-reach[n], depth[n]))[:k]
-        index = {n: i for i, n in enumerate(keep)}
+        keep, parents = tree.likeliest(k)
         self.pending = []
-        return Draft([tokens[n] for n in keep], None, [probs[n] for n in keep],
-                     [index[parents[n]] if parents[n] >= 0 else -1 for n in keep])
+        return Draft([tree.tokens[n] for n in keep], None, [tree.probs[n] for n in keep], parents)
 
 
 @register("head", loads="head", needs_file=True,
