@@ -80,6 +80,28 @@ def test_argmax_first_of_ties_nan_and_minus_inf():
     assert kernels.argmax(x).tolist() == x.argmax(-1).tolist() == [3, 17, 0, 9, 19, 0]
 
 
+@pytest.mark.parametrize("k", [1, 8, 32])
+@pytest.mark.parametrize("shape", [(1, 151936), (9, 49152), (5, 1003), (2, 3, 40), (33,)])
+def test_topk_equals_torch_on_distinct_values(shape, k):
+    assert built
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    x[..., -1] = 10.0  # the largest in the 8-wide body's tail
+    assert torch.equal(kernels.topk_indices(x, k), x.topk(k, dim=-1).indices)
+
+
+def test_topk_ties_lower_index_first_nan_never_taken():
+    x = torch.zeros(3, 20)
+    x[0, [13, 2, 19]] = 5.0                          # ties above the rest: by index
+    x[0, 7] = 6.0
+    x[1, [4, 9]] = float("nan")                      # NaNs skipped; among the zeros, the first ones
+    x[1, 12] = 1.0
+    x[2] = -torch.arange(20.0)                       # descending from the start: the first k
+    assert kernels.topk_indices(x, 4).tolist() == [[7, 2, 13, 19], [12, 0, 1, 2], [0, 1, 2, 3]]
+    few = torch.full((1, 20), float("nan"))
+    few[0, 5] = 1.0                                  # fewer than k values that are not NaN: torch's answer
+    assert torch.equal(kernels.topk_indices(few, 3), few.topk(3, dim=-1).indices)
+
+
 @pytest.mark.parametrize("given, expected", [(None, "PASSIVE"), ("active", "active")])
 def test_openmp_waits_passively_unless_told(given, expected):
     import os

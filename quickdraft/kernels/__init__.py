@@ -21,7 +21,7 @@ from quickdraft.kernels.build import KernelInfo, active_library, prepare
 from quickdraft.kernels.quantized import ACTIVATION_BITS, KERNEL_TYPES, QuantizedWeight
 
 __all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
-           "prepare", "rope_attention", "rope_attention_usable", "usable"]
+           "prepare", "rope_attention", "rope_attention_usable", "topk_indices", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 64  # above this float weights are compute-bound and MKL's blocked GEMM wins
@@ -152,6 +152,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.detach().contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     active_library().qd_argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+TOPK_MAX = 32  # kernels.h QD_TOPK_MAX
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., n] -> [..., k] int64: the indices of the k largest values along the last dimension,
+    largest first, the lower index first among equal values. On CPU float32 the C kernel runs it
+    (torch.topk over a few rows of a large vocabulary costs a few tenths of a millisecond). It never
+    takes a NaN; where that leaves a row fewer than k values, torch.topk gives them all."""
+    if not 1 <= k <= min(TOPK_MAX, x.shape[-1]) or x.device.type != "cpu" or x.dtype != torch.float32 \
+            or active_library() is None:
+        return x.topk(k, dim=-1).indices
+    x = x.detach().contiguous()
+    out = torch.empty(*x.shape[:-1], k, dtype=torch.int64)
+    active_library().qd_topk_rows(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], k, out.data_ptr(),
+                                  torch.get_num_threads())
+    if (out[..., -1] < 0).any():
+        return x.topk(k, dim=-1).indices
     return out
 
 

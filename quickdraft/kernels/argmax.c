@@ -49,3 +49,43 @@ void qd_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int t
     Rows r = {x, n, out};
     qd_parallel(rows_task, &r, rows, rows >= 4 ? threads : 1);
 }
+
+/* The k largest values' indices of each row, largest first, the lower index first among equals;
+ * NaNs are never taken (a row with fewer than k other values ends in -1s). Token recycling asks it
+ * of [k+1, V] logits every step, where torch.topk took ~0.3 ms for 9 rows of SmolLM2's 49,152: one
+ * pass here compares 8 values at a time against the k-th best so far and inserts the few above it. */
+static void topk_row(const float *x, int64_t n, int k, int64_t *out) {
+    float best[QD_TOPK_MAX];
+    int filled = 0;
+    for (int j = 0; j < k; j++) { best[j] = -INFINITY; out[j] = -1; }
+    int64_t t = 0;
+    for (; t < n && filled < k; t++) {  /* the first k values that are not NaN, sorted */
+        if (isnan(x[t])) continue;
+        int j = filled++;
+        for (; j > 0 && best[j - 1] < x[t]; j--) { best[j] = best[j - 1]; out[j] = out[j - 1]; }
+        best[j] = x[t]; out[j] = t;
+    }
+    for (; t < n; t++) {
+        if (t % 8 == 0 && t + 8 <= n) {  /* skip 8 at a time while none beats the k-th best */
+            const __m256 v = _mm256_loadu_ps(x + t);
+            if (!_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(best[k - 1]), _CMP_GT_OQ))) { t += 7; continue; }
+        }
+        if (!(x[t] > best[k - 1])) continue;  /* false for NaN */
+        int j = k - 1;
+        for (; j > 0 && best[j - 1] < x[t]; j--) { best[j] = best[j - 1]; out[j] = out[j - 1]; }
+        best[j] = x[t]; out[j] = t;
+    }
+}
+
+typedef struct { const float *x; int64_t n; int k; int64_t *out; } TopRows;
+
+static void topk_task(void *ctx, int64_t i) {
+    const TopRows *r = ctx;
+    topk_row(r->x + i * r->n, r->n, r->k, r->out + i * r->k);
+}
+
+/* x [rows, n] float32 -> out [rows, k], 1 <= k <= QD_TOPK_MAX. */
+void qd_topk_rows(const float *x, int64_t rows, int64_t n, int k, int64_t *out, int threads) {
+    TopRows r = {x, n, k, out};
+    qd_parallel(topk_task, &r, rows, rows >= 4 ? threads : 1);
+}

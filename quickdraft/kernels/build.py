@@ -69,6 +69,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_packed_row_bytes.argtypes = [i32, i64]
     lib.qd_argmax_rows.restype = None
     lib.qd_argmax_rows.argtypes = [p, i64, i64, p, i32]
+    lib.qd_topk_rows.restype = None
+    lib.qd_topk_rows.argtypes = [p, i64, i64, i32, p, i32]
     lib.qd_isa.restype = ctypes.c_char_p
     lib.qd_cpu_has_vnni.restype = i32
     return lib

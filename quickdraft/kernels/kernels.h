@@ -14,6 +14,9 @@ void qd_swiglu_rows(const float *x, float *h, int64_t M, int64_t K);
 const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
                          int64_t M, int64_t K);
 
+/* The most indices qd_topk_rows (argmax.c) keeps per row. */
+#define QD_TOPK_MAX 32
+
 /* fn(ctx, t) for t in [0, tasks) on up to `threads` threads, the caller among them (pool.c). */
 void qd_parallel(void (*fn)(void *ctx, int64_t task), void *ctx, int64_t tasks, int threads);
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 import torch
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.kernels import topk_indices
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
@@ -115,7 +116,7 @@ class TopTokens:
 
     def _top(self, n: int) -> list[list[list[int]]]:
         if n not in self.ids:
-            self.ids[n] = self.logits.topk(n, dim=-1).indices.tolist()  # the one host sync for it this step
+            self.ids[n] = topk_indices(self.logits, n).tolist()  # the one host sync for it this step
         return self.ids[n]
 
 
