@@ -44,6 +44,8 @@ class NgramTreeOptions(NgramOptions):
                                  1, 64)
 
 
+SCANNED = 16  # occurrences of one n-gram looked at for distinct followers (a frequent token has hundreds)
+
 Continuation = tuple[float, list[int]]  # (estimated chance each token is accepted, the tokens)
 
 
@@ -86,9 +88,9 @@ class NgramProposer:
         self.ends: dict[tuple[int, ...], list[int]] = {}
         self.agreement: dict[tuple[int, int], Agreement] = {}  # per (match length, occurrence rank)
         self.pending: list[tuple[tuple[int, int], list[int]]] = []  # (its key, tokens) last proposed
-        self._extend(prompt_ids)
+        self.extend(prompt_ids)
 
-    def _extend(self, new: Sequence[int]) -> None:
+    def extend(self, new: Sequence[int]) -> None:
         for t in new:
             end = len(self.tokens) - 1  # index the n-grams ending at the previous last token
             for n in range(self.min_n, self.max_n + 1):
@@ -109,6 +111,20 @@ class NgramProposer:
                         return found
         return found
 
+    def followers(self, text: Sequence[int], limit: int) -> list[tuple[int, int]]:
+        """Up to `limit` distinct (match length, token) that followed earlier occurrences of the end
+        of `text` (the committed sequence, maybe extended by a draft's path): the longest match
+        first, the latest first among equals, at most SCANNED occurrences looked at per length."""
+        found: list[tuple[int, int]] = []
+        for n in range(min(self.max_n, len(text)), self.min_n - 1, -1):
+            for end in self.ends.get(tuple(text[len(text) - n:]), ())[-1:-SCANNED - 1:-1]:
+                token = self.tokens[end + 1]
+                if all(token != t for _, t in found):
+                    found.append((n, token))
+                    if len(found) == limit:
+                        return found
+        return found
+
     def propose(self, k: int) -> Draft:
         self.pending = self.continuations(k)
         return merge([(self.agreement.setdefault(key, Agreement()).rate, cont) for key, cont in self.pending], k)
@@ -117,7 +133,7 @@ class NgramProposer:
         for key, proposal in self.pending:
             self.agreement.setdefault(key, Agreement()).record(proposal, step.tokens)
         self.pending = []
-        self._extend(step.tokens)
+        self.extend(step.tokens)
 
 
 @register("ngram", NgramOptions, about="prompt lookup: what followed the last earlier occurrence of the text's end")

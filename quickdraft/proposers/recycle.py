@@ -8,6 +8,13 @@ token through the table: a node's children are its row's candidates in rank orde
 shape follows each rank's measured chance of being accepted (best-first on the chance of reaching
 a node, at most k nodes), so it branches near the root and narrows deeper, like the paper's static
 template. Deterministic drafts (q one-hot): verification stays exact. Knows no model.
+
+`lookup-recycle` grows the same tree with prompt lookup's candidates first: a node's children are
+the tokens that followed earlier occurrences of its text in the request (the draft's path to it
+included, so the lookup goes on along the table's guesses too), then its row of the table. Each
+kind of candidate (its source, rank and the candidates ahead of it) has a hit rate counted over
+all requests, the prior of each new request's own count: how often the lookup is right depends on
+how much a text repeats.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
+from quickdraft.proposers.ngram import NgramOptions, NgramProposer
 from quickdraft.proposers.registry import check_ranges, option
 
 EMPTY = -1  # a table row not filled yet
@@ -31,78 +39,135 @@ class RecycleOptions:
         check_ranges(self)
 
 
-def new_table(vocab_size: int, top: int) -> torch.Tensor:
-    """[V, K] int32: per token, the target's candidate next tokens, likeliest first."""
-    return torch.full((vocab_size, top), EMPTY, dtype=torch.int32)
+Key = tuple  # a kind of candidate: ("top", rank in the table's row, lookup candidates ahead of it) or
+             # ("lookup", match length, rank among the lookup's)
+
+
+SHARED_WEIGHT = 4.0  # observations a request's own counts need to outweigh the server-wide rate
+
+
+def prior(key: Key) -> list[float]:
+    """Pseudo-counts [right, offered] before any evidence: 1/(3(i+1)) for the i-th candidate of a node."""
+    place = key[1] + key[2] if key[0] == "top" else key[2]
+    return [1.0 / (place + 1), 3.0]
+
+
+class Recycled:
+    """What the target's requests share: the table [V, K] int32 (per token, the target's candidate
+    next tokens the last time it was scored, likeliest first), and per kind of candidate how often
+    it was the target's next token over all requests (the prior of each new request's estimates)."""
+
+    def __init__(self, vocab_size: int, top: int) -> None:
+        self.table = torch.full((vocab_size, top), EMPTY, dtype=torch.int32)
+        self.counts: dict[Key, list[float]] = {}
 
 
 class RecycleProposer:
     group = None  # drafts alone (proposers/base.py: ProposerGroup)
 
-    def __init__(self, prompt_ids: Sequence[int], table: torch.Tensor) -> None:
-        self.table = table                                # [V, K], shared with the target's other requests
-        self.last = prompt_ids[-1]                         # the newest committed token: the root of a draft
-        self.right = [1.0 / (r + 1) for r in range(table.shape[1])]  # per rank: times the target's next
-        self.seen = 3.0                                    # token was it, of `seen` (pseudo-counts: 1/(3(r+1)))
+    def __init__(self, prompt_ids: Sequence[int], recycled: Recycled, lookup: NgramProposer | None = None,
+                 lookup_top: int = 1) -> None:
+        self.recycled, self.table = recycled, recycled.table  # shared with the target's other requests
+        self.lookup, self.lookup_top = lookup, lookup_top  # prompt lookup, its followers offered per node
+        self.keep = 1 if lookup is None else lookup.max_n  # committed tokens a candidate lookup reads
+        self.text = list(prompt_ids[-self.keep:])          # the newest committed ones; the last is a draft's root
+        self.counts: dict[Key, list[float]] = {}           # [right, offered] per kind in this request
         self.pending = Draft([])                           # the last draft
-        self.rows: dict[int, list[int]] = {}               # its nodes' candidate rows (-1: the root's)
+        self.rows: dict[int, list[tuple[int, Key]]] = {}   # its nodes' candidates (-1: the root's)
 
-    def rate(self, rank: int) -> float:
-        """The chance that a node's candidate of this rank is the target's next token."""
-        return self.right[rank] / self.seen
+    def rate(self, key: Key) -> float:
+        """The chance that a node's candidate of this kind is the target's next token: this
+        request's record, starting from the server-wide rate (texts differ: how often the lookup is
+        right depends on how much the text repeats)."""
+        right, offered = self.recycled.counts.get(key) or prior(key)
+        own_right, own_offered = self.counts.get(key, (0.0, 0.0))
+        return (own_right + SHARED_WEIGHT * right / offered) / (own_offered + SHARED_WEIGHT)
+
+    def candidates(self, tail: Sequence[int]) -> list[tuple[int, Key]]:
+        """What may follow a node whose path ends with `tail`: the lookup's followers of the text's
+        end, then the table's row of the last token, without repeats."""
+        found = [] if self.lookup is None else \
+            [(token, ("lookup", n, r)) for r, (n, token) in enumerate(self.lookup.followers(tail, self.lookup_top))]
+        offered = {token for token, _ in found}
+        found += [(token, ("top", r, len(offered))) for r, token in enumerate(self.table[tail[-1]].tolist())
+                  if token != EMPTY and token not in offered]
+        return found
 
     def propose(self, k: int) -> Draft:
-        """Best-first through the table: the next node is the one likeliest to be reached and accepted."""
+        """Best-first through the candidates: the next node is the one likeliest to be reached and accepted."""
         tokens: list[int] = []
         parents: list[int] = []
         estimates: list[float] = []
-        rows = self.rows = {-1: self.table[self.last].tolist()}
-        frontier = [(-self.rate(0), -1, 0, 1.0)]           # (-reach, parent, rank, reach of the parent)
-        while frontier and len(tokens) < k:
-            _, parent, rank, above = heapq.heappop(frontier)
-            token = rows[parent][rank]
-            if token == EMPTY:  # a row never filled: no candidates
-                continue
+        tails = {-1: self.text}
+        rows = self.rows = {-1: self.candidates(self.text)}
+        frontier = [(-self.rate(rows[-1][0][1]), -1, 0, 1.0)] if rows[-1] else []  # (-reach, parent, index
+        while frontier and len(tokens) < k:                                          # in its row, parent's reach)
+            _, parent, i, above = heapq.heappop(frontier)
+            token, key = rows[parent][i]
             node = len(tokens)
             tokens.append(token)
             parents.append(parent)
-            estimates.append(self.rate(rank))
-            reach = above * self.rate(rank)
-            rows[node] = self.table[token].tolist()
-            heapq.heappush(frontier, (-reach * self.rate(0), node, 0, reach))
-            if rank + 1 < len(rows[parent]):
-                heapq.heappush(frontier, (-above * self.rate(rank + 1), parent, rank + 1, above))
+            estimates.append(self.rate(key))
+            reach = above * estimates[-1]
+            tails[node] = [*tails[parent][1 - self.keep:], token] if self.keep > 1 else [token]
+            rows[node] = self.candidates(tails[node])
+            if rows[node]:
+                heapq.heappush(frontier, (-reach * self.rate(rows[node][0][1]), node, 0, reach))
+            if i + 1 < len(rows[parent]):
+                heapq.heappush(frontier, (-above * self.rate(rows[parent][i + 1][1]), parent, i + 1, above))
         self.pending = Draft(tokens, None, estimates, parents)
         return self.pending
 
     def commit(self, step: Committed) -> None:
         verified = self.pending.tokens[:step.verified]
         if step.top is not None:  # recycle: every scored position's candidates, rejected nodes' too
-            latest = dict(zip([self.last, *verified], step.top(self.table.shape[1])))
+            latest = dict(zip([self.text[-1], *verified], step.top(self.table.shape[1])))
             self.table[torch.tensor(list(latest))] = torch.tensor(list(latest.values()), dtype=torch.int32)
         self._learn(step)
         self.pending, self.rows = Draft([]), {}
-        self.last = step.tokens[-1]
+        self.text = [*self.text, *step.tokens][-self.keep:]
+        if self.lookup is not None:
+            self.lookup.extend(step.tokens)
 
     def _learn(self, step: Committed) -> None:
-        """Along the accepted path (root first), the rank the target's next token had in each node's row."""
+        """Along the accepted path (root first), which of each node's candidates the target's next token was."""
         node, parents = -1, self.pending.tree
         for depth, token in enumerate(step.tokens):
             row = self.rows.get(node)
             if row is None:
                 return
-            self.seen += 1
-            if token in row:
-                self.right[row.index(token)] += 1
+            for candidate, key in row:
+                for counts in (self.counts.setdefault(key, [0.0, 0.0]), self.recycled.counts.setdefault(key, prior(key))):
+                    counts[0] += candidate == token
+                    counts[1] += 1
             if depth >= step.drafted:
                 return
             node = next(i for i in range(step.verified) if parents[i] == node and self.pending.tokens[i] == token)
+
+
+def recycled(ctx: ProposerContext) -> Recycled:
+    """The target's shared table for the options' width."""
+    vocab, top = ctx.target.model.config.vocab_size, ctx.options.recycle_top
+    return ctx.target.shared(("recycle", vocab, top), lambda: Recycled(vocab, top))
 
 
 @register("recycle", RecycleOptions,
           about="token recycling: a tree through the target's own top candidates from earlier passes, shared "
                 "by all requests")
 def make_recycle(ctx: ProposerContext) -> RecycleProposer:
-    top = ctx.options.recycle_top
-    vocab = ctx.target.model.config.vocab_size
-    return RecycleProposer(ctx.prompt_ids, ctx.target.shared(("recycle", vocab, top), lambda: new_table(vocab, top)))
+    return RecycleProposer(ctx.prompt_ids, recycled(ctx))
+
+
+@dataclass(frozen=True)
+class LookupRecycleOptions(NgramOptions, RecycleOptions):
+    lookup_followers: int = option(2, "lookup-recycle: distinct tokens that followed earlier occurrences of a "
+                                      "node's text offered before the table's", 1, 16)
+
+
+@register("lookup-recycle", LookupRecycleOptions,
+          about="token recycling with prompt lookup in one tree: each node's children are what followed its "
+                "text earlier in the request, then the target's recycled candidates")
+def make_lookup_recycle(ctx: ProposerContext) -> RecycleProposer:
+    o = ctx.options
+    return RecycleProposer(ctx.prompt_ids, recycled(ctx), NgramProposer(ctx.prompt_ids, o.ngram_max, o.ngram_min),
+                           o.lookup_followers)
