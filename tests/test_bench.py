@@ -212,6 +212,40 @@ def test_each_method_keeps_its_own_shared_state(model_dir: Path) -> None:
     assert llm._scope is None  # the default scope again, for whatever runs next
 
 
+def test_traffic_runs_through_each_speculative_method_before_it_is_measured(model_dir: Path) -> None:
+    """--traffic: each speculative method answers the traffic in its own scope before the questions
+    (and before the warm-up, whose scope is its own); plain answers none of it; no record is made of it."""
+    llm = quickdraft.load(model_dir)
+    qs = [Question(q["question_id"], q["category"], qmod.GROUP_OF[q["category"]], tuple(q["turns"]))
+          for q in QUESTIONS]
+    made = []
+    shared = llm.shared
+    llm.shared = lambda key, make: made.append(llm._scope) or shared(key, make)
+    methods = parse_methods("suffix:4", k=4)
+    traffic = ["Tell me about the cat.", "Write the story again."]
+    records = run_questions(llm, qs, methods, max_new_tokens=8, progress=False, traffic=traffic)
+    turns = sum(len(q.turns) for q in qs)
+    assert made == ["suffix k=4"] * len(traffic) + [("warm-up", "suffix k=4")] + ["suffix k=4"] * turns
+    assert len(records) == len(qs) and all(set(r["runs"]) == {"plain", "suffix k=4"} for r in records)
+    # the corpus holds the traffic's responses and the questions'
+    corpus = next(state for key, state in llm._shared["suffix k=4"].items() if key[0] == "suffix")
+    assert len(corpus.docs) == len(traffic) + turns
+
+
+def test_traffic_comes_from_sharegpt_without_the_benchmark_questions(model_dir: Path, tmp_path: Path,
+                                                                     monkeypatch, capsys) -> None:
+    from quickdraft.train import data
+    conversations = [[{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+                     for text in ("Who wrote  hello hello?", "x" * 2001, "First.", "Second.", "Third.")]
+    monkeypatch.setattr(data, "iter_sharegpt", lambda path: iter(conversations))
+    rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,ngram", "--traffic", "2")
+    assert rc == 0 and res["config"]["traffic"] == 2 and "--traffic 2" in res["config"]["command"]
+    banned = {t for q in QUESTIONS for t in q["turns"]}
+    assert data.first_user_turns(data.without_benchmark(iter(conversations), banned), 2) == ["First.", "Second."]
+    assert main(["bench", "specbench", "--model", str(model_dir), "--traffic", "-1", "--no-progress"]) == 1
+    assert "--traffic must be >= 0, found -1" in capsys.readouterr().err
+
+
 def test_shared_scopes_keep_state_apart(model_dir: Path) -> None:
     llm = quickdraft.load(model_dir)
     outer = llm.shared("key", object)

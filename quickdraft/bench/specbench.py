@@ -296,17 +296,35 @@ def check_llamacpp(model: str | None, methods: Sequence[Method]) -> None:
 
 def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], max_new_tokens: int,
                   temperature: float = 0.0, seed: int | None = None, device: str = "cpu",
-                  others: OtherEngines = OtherEngines(), progress: bool = True) -> list[dict]:
+                  others: OtherEngines = OtherEngines(), progress: bool = True,
+                  traffic: Sequence[str] = ()) -> list[dict]:
     """Per question, every method back to back (the order rotating from question to question), after
-    one warm-up run per method. Returns one record per question with a `runs` entry per method."""
+    one warm-up run per method. Before that, each speculative quickdraft method answers `traffic`
+    (chat turns, untimed) in its own scope: what its proposers share across requests (recycled
+    candidates, earlier responses) is then a server's after that traffic. Returns one record per
+    question with a `runs` entry per method."""
     _check_greedy_comparators(methods, temperature)
     n_ctx = llamacpp_context(llm, questions, max_new_tokens) if any(m.engine == "llama.cpp" for m in methods) else 0
     runners, closers = _runners(llm, methods, device, others, n_ctx)
     try:
+        _serve_traffic(llm, [m for m in methods if m.spec is not None and m.spec.enabled], runners, traffic,
+                       SamplingParams(max_new_tokens=max_new_tokens), progress)
         return _run(llm, questions, methods, runners, max_new_tokens, temperature, seed, progress)
     finally:
         for close in closers:
             close()
+
+
+def _serve_traffic(llm: LLM, methods: Sequence[Method], runners: dict[str, TurnRunner], traffic: Sequence[str],
+                   params: SamplingParams, progress: bool) -> None:
+    bar = tqdm(total=len(traffic) * len(methods), unit="prompt", desc="traffic", file=sys.stderr,
+               disable=not progress or not traffic, dynamic_ncols=True)
+    for m in methods:
+        with llm.shared_scope(m.label):
+            for turn in traffic:
+                run_conversation(llm, [turn], params, runners[m.label])
+                bar.update()
+    bar.close()
 
 
 def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], runners: dict[str, TurnRunner],
@@ -341,7 +359,7 @@ def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], run
 def run_specbench(model: str | None, questions: Sequence[Question], methods: Sequence[Method],
                   max_new_tokens: int = 128, temperature: float = 0.0, seed: int | None = None,
                   device: str = "cpu", dtype: str = "float32", others: OtherEngines = OtherEngines(),
-                  progress: bool = True) -> tuple[LLM, list[dict]]:
+                  progress: bool = True, traffic: Sequence[str] = ()) -> tuple[LLM, list[dict]]:
     SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)  # validate first
     parse_dtype(dtype)
     _check_greedy_comparators(methods, temperature)
@@ -350,4 +368,5 @@ def run_specbench(model: str | None, questions: Sequence[Question], methods: Seq
     for m in methods:  # load drafts and check them before the first question, not during it
         if m.spec is not None and (m.spec.draft_model or m.spec.method == "draft"):
             llm.draft_model(m.spec.draft_model)
-    return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device, others, progress)
+    return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device, others, progress,
+                              traffic)

