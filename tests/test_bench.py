@@ -244,6 +244,9 @@ def test_traffic_comes_from_sharegpt_without_the_benchmark_questions(model_dir: 
     assert data.first_user_turns(data.without_benchmark(iter(conversations), banned), 2) == ["First.", "Second."]
     assert main(["bench", "specbench", "--model", str(model_dir), "--traffic", "-1", "--no-progress"]) == 1
     assert "--traffic must be >= 0, found -1" in capsys.readouterr().err
+    assert main(["bench", "specbench", "--model", str(model_dir), "--questions", str(tmp_path / "q.jsonl"),
+                 "--traffic", "4", "--no-progress"]) == 1
+    assert "--traffic 4: the ShareGPT data has only 3 conversations" in capsys.readouterr().err
 
 
 def test_shared_scopes_keep_state_apart(model_dir: Path) -> None:

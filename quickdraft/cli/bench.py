@@ -181,7 +181,11 @@ def _traffic(n: int, pool: Sequence[Question]) -> list[str]:
         return []
     from quickdraft.train.data import first_user_turns, iter_sharegpt, sharegpt_path, without_benchmark
     banned = {t for q in pool for t in q.turns}
-    return first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path()), banned), n)
+    turns = first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path()), banned), n)
+    if len(turns) < n:
+        raise QuickdraftError(f"--traffic {n}: the ShareGPT data has only {len(turns)} conversations to send "
+                              f"(a first user turn of at most 2,000 characters, no benchmark question)")
+    return turns
 
 
 def _llama_cpp_version() -> str:

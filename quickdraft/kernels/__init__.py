@@ -162,7 +162,8 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """x [..., n] -> [..., k] int64: the indices of the k largest values along the last dimension,
     largest first, the lower index first among equal values. On CPU float32 the C kernel runs it
     (torch.topk over a few rows of a large vocabulary costs a few tenths of a millisecond). It never
-    takes a NaN; where that leaves a row fewer than k values, torch.topk gives them all."""
+    takes a NaN; if that leaves some row fewer than k values, torch.topk answers for the whole
+    tensor (NaNs first)."""
     if not 1 <= k <= min(TOPK_MAX, x.shape[-1]) or x.device.type != "cpu" or x.dtype != torch.float32 \
             or active_library() is None:
         return x.topk(k, dim=-1).indices
