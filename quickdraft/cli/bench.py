@@ -179,12 +179,12 @@ def _traffic(n: int, pool: Sequence[Question]) -> list[str]:
         raise QuickdraftError(f"--traffic must be >= 0, found {n}")
     if n == 0:
         return []
-    from quickdraft.train.data import first_user_turns, iter_sharegpt, sharegpt_path, without_benchmark
+    from quickdraft.train.data import TRAFFIC_CHARS, first_user_turns, iter_sharegpt, sharegpt_path, without_benchmark
     banned = {t for q in pool for t in q.turns}
     turns = first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path()), banned), n)
     if len(turns) < n:
         raise QuickdraftError(f"--traffic {n}: the ShareGPT data has only {len(turns)} conversations to send "
-                              f"(a first user turn of at most 2,000 characters, no benchmark question)")
+                              f"(a first user turn of at most {TRAFFIC_CHARS:,} characters, no benchmark question)")
     return turns
 
 

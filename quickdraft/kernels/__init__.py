@@ -21,7 +21,7 @@ from quickdraft.kernels.build import KernelInfo, active_library, prepare
 from quickdraft.kernels.quantized import ACTIVATION_BITS, KERNEL_TYPES, QuantizedWeight
 
 __all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
-           "prepare", "rope_attention", "rope_attention_usable", "topk_indices", "usable"]
+           "prepare", "rope_attention", "rope_attention_usable", "TOPK_MAX", "topk_indices", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 64  # above this float weights are compute-bound and MKL's blocked GEMM wins

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quickdraft.kernels import TOPK_MAX
 from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
 from quickdraft.proposers.ngram import NgramOptions, NgramProposer
 from quickdraft.proposers.registry import check_ranges, option
@@ -33,7 +34,7 @@ EMPTY = -1  # a table row not filled yet
 
 @dataclass(frozen=True)
 class RecycleOptions:
-    recycle_top: int = option(8, "recycle: the target's candidates kept per token (the table's width)", 1, 32)
+    recycle_top: int = option(8, "recycle: the target's candidates kept per token (the table's width)", 1, TOPK_MAX)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -67,7 +68,7 @@ class RecycleProposer:
 
     def __init__(self, prompt_ids: Sequence[int], recycled: Recycled, lookup: NgramProposer | None = None,
                  lookup_top: int = 1) -> None:
-        self.recycled, self.table = recycled, recycled.table  # shared with the target's other requests
+        self.recycled = recycled                           # shared with the target's other requests
         self.lookup, self.lookup_top = lookup, lookup_top  # prompt lookup, its followers offered per node
         self.keep = 1 if lookup is None else lookup.max_n  # committed tokens a candidate lookup reads
         self.text = list(prompt_ids[-self.keep:])          # the newest committed ones; the last is a draft's root
@@ -89,7 +90,7 @@ class RecycleProposer:
         found = [] if self.lookup is None else \
             [(token, ("lookup", n, r)) for r, (n, token) in enumerate(self.lookup.followers(tail, self.lookup_top))]
         offered = {token for token, _ in found}
-        found += [(token, ("top", r, len(offered))) for r, token in enumerate(self.table[tail[-1]].tolist())
+        found += [(token, ("top", r, len(offered))) for r, token in enumerate(self.recycled.table[tail[-1]].tolist())
                   if token != EMPTY and token not in offered]
         return found
 
@@ -121,8 +122,9 @@ class RecycleProposer:
     def commit(self, step: Committed) -> None:
         verified = self.pending.tokens[:step.verified]
         if step.top is not None:  # recycle: every scored position's candidates, rejected nodes' too
-            latest = dict(zip([self.text[-1], *verified], step.top(self.table.shape[1])))
-            self.table[torch.tensor(list(latest))] = torch.tensor(list(latest.values()), dtype=torch.int32)
+            table = self.recycled.table
+            latest = dict(zip([self.text[-1], *verified], step.top(table.shape[1])))
+            table[torch.tensor(list(latest))] = torch.tensor(list(latest.values()), dtype=torch.int32)
         self._learn(step)
         self.pending, self.rows = Draft([]), {}
         self.text = [*self.text, *step.tokens][-self.keep:]

@@ -74,7 +74,10 @@ def without_benchmark(conversations: Iterable[list[Message]], benchmark_turns: s
             yield messages
 
 
-def first_user_turns(conversations: Iterable[list[Message]], n: int, max_chars: int = 2000) -> list[str]:
+TRAFFIC_CHARS = 2000  # the longest first user turn sent as benchmark traffic
+
+
+def first_user_turns(conversations: Iterable[list[Message]], n: int, max_chars: int = TRAFFIC_CHARS) -> list[str]:
     """The first user message of each conversation, for the first n of them at most max_chars long."""
     turns: list[str] = []
     for messages in conversations:
