@@ -16,6 +16,8 @@ import torch
 from quickdraft.engine import GenerationStats, generate_tokens
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import ModelLoadError, QuickdraftError
+from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
@@ -112,11 +114,16 @@ class TextAssembler:
 
 
 class LLM:
-    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None,
+                 prefix_cache_mb: int | None = None) -> None:
+        """prefix_cache_mb: the budget of the model's prefix cache, which every generation through
+        this LLM (and a server over it) shares: a prompt that starts with tokens an earlier one had
+        prefills only the rest; None: default_budget_mb(); 0: no prefix cache."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.spec = spec or SpecConfig()
+        self.prefix = make_prefix_cache(self.model, prefix_cache_mb)
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
         self._shared: dict[Hashable, dict[Hashable, Any]] = {}  # scope -> key -> state
@@ -154,7 +161,7 @@ class LLM:
         if name_or_path not in self._drafts:
             # the precision asked for the target, if any, holds for its draft's quantized matrices too
             draft = LLM(load_model(name_or_path, self.model.device, self.model.dtype,
-                                   activations=self.loaded.activations))
+                                   activations=self.loaded.activations), prefix_cache_mb=0)  # drafts keep their own
             check_compatible(self, draft)
             self._drafts[name_or_path] = draft
         return self._drafts[name_or_path]
@@ -214,7 +221,7 @@ class LLM:
         proposer = self.proposer(ids, params, spec)
         text = TextAssembler(self.tokenizer, params)
         events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k,
-                                 adaptive=spec.adaptive)
+                                 adaptive=spec.adaptive, prefix=self.prefix)
         for event in events:
             chunk = text.feed(event)
             yield chunk
@@ -230,17 +237,31 @@ class LLM:
         return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats)
 
 
+def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache | None:
+    """The model's prefix cache with a budget of `budget_mb` MiB (None: the default; 0: none)."""
+    if budget_mb == 0:
+        return None
+    if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb < 0):
+        raise QuickdraftError(f"the prefix cache's budget must be a whole number of MiB >= 0, found {budget_mb!r}")
+    try:
+        return PrefixCache((budget_mb or default_budget_mb()) << 20, model.config, model.compute_dtype)
+    except ValueError as e:
+        raise QuickdraftError(f"{e}; give --prefix-cache-mb at least that, or --no-prefix-cache") from None
+
+
 def load(model: str | Path | None = None, device: str | torch.device = "cpu",
          dtype: str | torch.dtype = "float32", progress: bool = False, spec: SpecConfig | None = None,
-         dequantize: bool = False, quantize: str | None = None, activations: str | None = None) -> LLM:
+         dequantize: bool = False, quantize: str | None = None, activations: str | None = None,
+         prefix_cache_mb: int | None = None) -> LLM:
     """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file;
     `spec` sets its default speculative decoding (plain decoding when absent). A quantized GGUF
     runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices;
     `activations` ('int16', 'int8') is the precision the integer kernel rounds activations to
-    (default: the model's measured choice, weights/activations.py)."""
+    (default: the model's measured choice, weights/activations.py); `prefix_cache_mb`: the
+    budget of the prefix cache its generations share (None: default_budget_mb(); 0: none)."""
     loaded = load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
                         dequantize=dequantize, quantize=quantize, activations=activations)
     if activations is not None and not loaded.model.quantized:  # asked for: not a silent no-op
         raise ModelLoadError(f"--activations {activations} applies to quantized matrices run by the integer kernel "
                              f"(a quantized GGUF as stored on CPU, or --quantize); {model} keeps none")
-    return LLM(loaded, spec)
+    return LLM(loaded, spec, prefix_cache_mb)

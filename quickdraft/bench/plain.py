@@ -39,7 +39,7 @@ def run_plain_bench(model: str, dtypes: list[str], n_prompts: int, max_new_token
     rows = []
     for dtype_name in dtypes:
         dtype = parse_dtype(dtype_name)
-        llm = load(model, device=device, dtype=dtype)
+        llm = load(model, device=device, dtype=dtype, prefix_cache_mb=0)  # each prompt timed from scratch
         hf = load_hf_model(llm.loaded.source, dtype, device)
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in PROMPTS[:max(1, min(n_prompts, len(PROMPTS)))]]

@@ -364,7 +364,8 @@ def run_specbench(model: str | None, questions: Sequence[Question], methods: Seq
     parse_dtype(dtype)
     _check_greedy_comparators(methods, temperature)
     check_llamacpp(model, methods)
-    llm = load(model, device=device, dtype=dtype)
+    # every method answers the same questions: a prefix cache would time the later ones' prompts cached
+    llm = load(model, device=device, dtype=dtype, prefix_cache_mb=0)
     for m in methods:  # load drafts and check them before the first question, not during it
         if m.spec is not None and (m.spec.draft_model or m.spec.method == "draft"):
             llm.draft_model(m.spec.draft_model)

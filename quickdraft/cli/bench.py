@@ -313,7 +313,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
     set_threads(args.threads)
-    llm = load_llm(args, spec, progress=not args.no_progress)  # a draft model loads now, not in a timed wave
+    # a draft model loads now, not in a timed wave; every round resends the same requests, so no prefix
+    # cache (it would time later rounds' prompts cached against the first's)
+    llm = load_llm(args, spec, progress=not args.no_progress, prefix_cache=False)
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
     cost = startup_cost(llm, args.policy, measure=True)
     server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)

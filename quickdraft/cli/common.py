@@ -7,6 +7,7 @@ from typing import Any
 from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
+from quickdraft.prefix_cache import DEFAULT_MB
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_fields
@@ -29,16 +30,26 @@ def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> N
                          help="dequantize a quantized GGUF to --dtype at load (default: run it as stored)")
     weights.add_argument("--quantize", choices=sorted(SCHEMES),
                          help="quantize float weights at load, group-wise (int8: Q8_0, int4: Q4_1)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--prefix-cache-mb", type=int, metavar="MIB",
+                       help="memory for the K/V of earlier prompts and answers, which a prompt starting with the "
+                            f"same tokens reuses instead of prefilling them (default: {DEFAULT_MB} MiB, at most an "
+                            "eighth of this machine's memory)")
+    cache.add_argument("--no-prefix-cache", action="store_true",
+                       help="prefill every prompt whole (no K/V kept across requests)")
     p.add_argument("--activations", choices=list(ACTIVATIONS),
                    help="what the integer kernel rounds activations to for quantized weights: int8 halves "
                         "the multiplies of verification and prefill, int16 tracks float32 more closely "
                         "(default: int8 where measured within the quality bar, see docs/benchmarks.md)")
 
 
-def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress: bool = False) -> LLM:
-    """The model the flags of add_model_args name, loaded as they ask."""
+def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress: bool = False,
+             prefix_cache: bool = True) -> LLM:
+    """The model the flags of add_model_args name, loaded as they ask (`prefix_cache`: False for a
+    benchmark that times the same prompts again)."""
     return load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec,
-                dequantize=args.dequantize, quantize=args.quantize, activations=args.activations)
+                dequantize=args.dequantize, quantize=args.quantize, activations=args.activations,
+                prefix_cache_mb=args.prefix_cache_mb if prefix_cache and not args.no_prefix_cache else 0)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -20,8 +20,10 @@ from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.prefill import invariant_rows, step_allowance
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, TopTokens,
                                       propose_together)
@@ -37,6 +39,9 @@ class EngineConfig:
     policy: PolicyName = "goodput"  # how draft lengths are chosen per step (engine/policy.py)
     max_step_tokens: int | None = 64  # goodput policy: tokens fed per step at most (the CPU
                                       # kernel's batch-invariant range, kernels.MAX_ROWS)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most; None: as many as
+                                      # stall running rows little (engine/prefill.py), whole
+                                      # prompts while no row decodes
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
@@ -45,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"max_seq_len must be >= 2, found {self.max_seq_len!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, found {self.policy!r}")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None, found {self.prefill_chunk!r}")
 
 
 @dataclass
@@ -58,7 +66,7 @@ class Request:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
-@dataclass
+@dataclass(eq=False)  # rows are compared by identity: they hold tensors
 class _Row:
     request: Request
     budget: int                 # new tokens this row may still produce in all
@@ -69,6 +77,11 @@ class _Row:
     length: int = 0             # tokens with K/V in the cache
     last: int = -1              # newest committed token: fed first at the next step
     draft: Draft = NO_DRAFT     # the proposer's offer for the next step
+    tokens: list[int] = field(default_factory=list)  # the prompt, then every committed token: the
+                                # K/V in the cache are those of tokens[:length]
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, D] pieces: the last layer's
+                                # outputs at tokens[:length] (kept for the prefix cache only)
+    failed: bool = False        # its pass or proposer raised: its K/V are not offered to the prefix cache
 
     @property
     def pinned(self) -> bool:
@@ -100,7 +113,10 @@ def cut_at_stop(new: list[int], stop_ids: frozenset[int], remaining: int) -> tup
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
-                 cost: StepCost | None = None, cache: KVCache | None = None) -> None:
+                 cost: StepCost | None = None, cache: KVCache | None = None,
+                 prefix: PrefixCache | None = None) -> None:
+        """prefix: K/V of earlier requests' tokens (shared with other engines of the same model on
+        the same thread): a prompt that starts with them prefills only the rest."""
         self.model = model
         self.config = config
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
@@ -113,7 +129,11 @@ class Engine:
         elif cache.batch_size != config.max_batch:
             raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
         self.cache = cache
+        self.prefix = prefix
+        self.chunk_cap = invariant_rows(model)  # None: any prefill chunk is batch-invariant
+        self.prefill_cost = StepCost(shape_of=self.cost)  # t(n) of one row's n-token prefill pass
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
+        self.filling: _Row | None = None    # the row whose prompt is being prefilled: cache row n
         self.waiting: list[Request] = []
         self.finished: list[_Row] = []       # rows that ended in the last step, freed at the next
         # rows that go on after the last step, with what it committed: their proposers are told
@@ -139,13 +159,18 @@ class Engine:
                 return True
         for i, row in enumerate(self.rows):
             if row.request.id == request_id and row not in self.finished:
+                self._offer(row, i)
                 self._free(i)
                 return True
+        if self.filling is not None and self.filling.request.id == request_id:
+            self.filling = None
+            return True
         return False
 
     @property
     def num_running(self) -> int:
-        return len(self.rows) - len(self.finished)
+        """Requests holding a row: decoding, or having their prompt prefilled."""
+        return len(self.rows) - len(self.finished) + (self.filling is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -154,17 +179,25 @@ class Engine:
     def has_work(self) -> bool:
         return self.num_running > 0 or bool(self.waiting)
 
+    def _offer(self, row: _Row, i: int) -> None:
+        """Leave an ending row's K/V (cache row i) to the prefix cache, unless its pass failed."""
+        if self.prefix is not None and not row.failed:
+            self.prefix.store(row.tokens, self.cache, i, torch.cat(row.features)[:row.length])
+
     def _free(self, i: int) -> None:
-        """Keep running rows in cache rows 0..n-1: the last row moves into the freed one."""
+        """Keep running rows in cache rows 0..n-1 (and the filling row in row n): the last row moves
+        into the freed one."""
         last = len(self.rows) - 1
         if i != last:
             self.cache.copy_row(last, i, self.rows[last].length)
             self.rows[i] = self.rows[last]
         self.rows.pop()
+        if self.filling is not None:
+            self.cache.copy_row(last + 1, last, self.filling.length)
         self._sync_cache_lengths()
 
     def _sync_cache_lengths(self) -> None:
-        lengths = [row.length for row in self.rows]
+        lengths = [row.length for row in self.rows] + ([self.filling.length] if self.filling else [])
         self.cache.truncate(lengths + [0] * (self.cache.batch_size - len(lengths)))
 
     # -- one step -------------------------------------------------------------------------------------
@@ -190,9 +223,7 @@ class Engine:
         self.finished = []
         if self.rows:
             events += self._decode(0, len(self.rows))
-        while self.waiting and len(self.rows) < self.config.max_batch:
-            events += self._prefill(self.waiting.pop(0))
-        return events
+        return events + self._fill()
 
     def _decode(self, lo: int, hi: int) -> Events:
         """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe.
@@ -227,9 +258,12 @@ class Engine:
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
+            row.tokens += tokens
             row.stats.record_draft(draft.depths(), len(kept))
             steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]],
                                    top.row(b)))
+            if self.prefix is not None:
+                row.features.append(steps[-1].features)
             origins.append(token_origins(draft.tree, kept, draft.source))
         return self._emit(rows, steps, step_s, origins)
 
@@ -258,28 +292,73 @@ class Engine:
         return _Row(request, budget, stop_ids, params.make_generator(self.model.device),
                     GenerationStats(prompt_tokens=len(request.prompt_ids)), time.perf_counter())
 
-    def _prefill(self, request: Request) -> Events:
-        """The prompt's pass drafts nothing, exactly like plain decoding."""
+    def _fill(self) -> Events:
+        """Admit waiting requests into free rows and prefill their prompts, one row at a time: while
+        rows decode, only as many prompt tokens a step as stall them little (engine/prefill.py);
+        while none does, whole prompts. A prompt's passes draft nothing, exactly like plain decoding."""
+        events: Events = []
+        allowance: int | None = None  # prompt tokens this step may still feed (None: as yet unlimited)
+        while allowance != 0:
+            if self.filling is None:
+                if not self.waiting or len(self.rows) >= self.config.max_batch:
+                    break
+                self.filling = self._admit(self.waiting.pop(0))
+            if allowance is None and (self.rows or self.config.prefill_chunk):
+                allowance = step_allowance(len(self.rows), self.cost, self.prefill_cost, self.config.prefill_chunk)
+            row = self.filling
+            size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.chunk_cap or 1 << 62)
+            events += self._prefill_chunk(row, size)
+            allowance = None if allowance is None else allowance - size
+        return events
+
+    def _admit(self, request: Request) -> _Row:
+        """A row for `request` in cache row n, holding the K/V of the longest prefix of its prompt
+        that the prefix cache has (its last token is always fed: its logits give the first token)."""
         row = self._start_row(request)
-        index = len(self.rows)
-        self.rows.append(row)
+        row.tokens = list(request.prompt_ids)
+        if self.prefix is not None:
+            features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
+            if features is not None:
+                row.features = [features]
+                row.length = row.stats.cached_tokens = features.shape[0]
+        return row
+
+    def _prefill_chunk(self, row: _Row, size: int) -> Events:
+        """Feed the next `size` tokens of the filling row's prompt; after the last, it decodes from
+        the next step on (it joins the running rows, whose cache row it already sits in)."""
+        index, n = len(self.rows), len(row.tokens)
+        end, device = row.length + size, self.model.device
         t0 = time.perf_counter()
-        device = self.model.device
-        n = len(request.prompt_ids)
         try:
-            ids = torch.tensor([request.prompt_ids], device=device)
-            positions = torch.arange(n, device=device)[None]
-            out = self.model(ids, positions, self.cache.rows(index, index + 1), last_n=1)
-            verdict = verify([NO_DRAFT], out.logits, [request.params], [row.generator])
+            out = self.model(torch.tensor([row.tokens[row.length:end]], device=device),
+                             torch.arange(row.length, end, device=device)[None], self.cache.rows(index, index + 1),
+                             last_n=1 if end == n else 0)  # the prompt's last token alone is scored
+            verdict = verify([NO_DRAFT], out.logits, [row.request.params], [row.generator]) if end == n else None
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
-            return self._fail(row, e)
-        row.length = n
-        step = Committed(verdict.tokens[0], 0, 0, out.hidden[0], TopTokens(out.logits, [1]).row(0))
-        return self._emit([row], [step], time.perf_counter() - t0, [[TokenOrigin("target", 0)]])
+            self.filling = None
+            row.stats.total_s = time.perf_counter() - row.start
+            return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), e))]
+        seconds = time.perf_counter() - t0
+        self.prefill_cost.observe(size, seconds)
+        row.length = end
+        row.features.append(out.hidden[0])
+        if verdict is None:
+            row.stats.verify_s += seconds
+            return []
+        self.filling = None
+        self.rows.append(row)
+        features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
+        row.features = [features] if self.prefix is not None else []
+        if self.prefix is not None:  # offered now: sessions that share this prompt need not wait for its end
+            self.prefix.store(row.tokens, self.cache, index, features)
+        row.tokens += verdict.tokens[0]
+        step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(out.logits, [1]).row(0))
+        return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]])
 
     def _fail(self, row: _Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""
         row.stats.total_s = time.perf_counter() - row.start
+        row.failed = True
         self.finished.append(row)
         return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
@@ -300,6 +379,7 @@ class Engine:
                                                       origin[:len(emitted)])))
             if finish:
                 finished.append(row)
+                self._offer(row, self.rows.index(row))
         self.finished += finished  # freed at the next step: until then the cache shows their tokens
         self._sync_cache_lengths()
         return events

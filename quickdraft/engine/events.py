@@ -14,6 +14,7 @@ OriginKind = Literal["accepted", "branch", "recovered", "bonus", "target"]
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
+    cached_tokens: int = 0    # prompt tokens whose K/V came from the prefix cache (not prefilled)
     new_tokens: int = 0
     ttft_s: float = 0.0       # prompt submitted -> first new token known
     total_s: float = 0.0      # prompt submitted -> last new token known

@@ -11,27 +11,33 @@ from quickdraft.cache import KVCache
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import Proposer
 
 
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,
                     eos_token_ids: frozenset[int] = frozenset(), proposer: Proposer | None = None,
-                    k: int = 0, cache: KVCache | None = None, adaptive: bool = True
-                    ) -> Iterator[TokenEvent]:
+                    k: int = 0, cache: KVCache | None = None, adaptive: bool = True,
+                    prefix: PrefixCache | None = None) -> Iterator[TokenEvent]:
     """Tokens of one request. `cache` (batch 1, room for prompt + max_new_tokens) may be passed
     in to be inspected: after each event it holds every committed token but the newest.
     `adaptive` lets the draft-length policy verify only the part of a draft expected to pay off.
+    `prefix`: the model's prefix cache, which the prompt is matched against and its tokens left to.
     The exception that ended the request (its proposer's or its pass's) is raised here."""
     context = model.config.max_position_embeddings
     check_context(len(prompt_ids), context)
     max_seq_len = len(prompt_ids) + min(params.max_new_tokens, context - len(prompt_ids))
     if cache is not None and (cache.batch_size != 1 or cache.max_len < max_seq_len):
         raise ValueError(f"cache needs batch 1 and room for {max_seq_len} tokens")
-    engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=max_seq_len), cache=cache)
-    engine.add(Request(list(prompt_ids), params, eos_token_ids, proposer, k, adaptive))
-    while engine.has_work():
-        for _, event in engine.step():
-            if event.error is not None:
-                raise event.error
-            yield event
+    engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=max_seq_len), cache=cache, prefix=prefix)
+    request = Request(list(prompt_ids), params, eos_token_ids, proposer, k, adaptive)
+    engine.add(request)
+    try:
+        while engine.has_work():
+            for _, event in engine.step():
+                if event.error is not None:
+                    raise event.error
+                yield event
+    finally:  # a consumer that stops early (a stop string) leaves what it has to the prefix cache too
+        engine.cancel(request.id)

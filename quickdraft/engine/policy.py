@@ -36,13 +36,16 @@ class StepCost:
     B rows of attention, so its absolute times would make drafts look cheaper than they are.
     """
 
-    def __init__(self, prior_slope: float = PRIOR_SLOPE) -> None:
+    def __init__(self, prior_slope: float = PRIOR_SLOPE, shape_of: "StepCost | None" = None) -> None:
         self.prior_slope = prior_slope
         self.step_s: dict[int, float] = {}   # N -> smoothed seconds of this engine's steps
         self.curve: dict[int, float] = {}    # N -> seconds of a one-row forward (shape only)
+        self.shape_of = shape_of             # the StepCost whose curve shapes this one's (one per model)
 
     def shape(self, n: int) -> float:
         """The cost curve at n, linear between its points and beyond its ends."""
+        if self.shape_of is not None:
+            return self.shape_of.shape(n)
         if len(self.curve) < 2:
             return 1.0 + self.prior_slope * (n - 1)
         points = sorted(self.curve)

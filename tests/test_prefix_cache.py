@@ -1,0 +1,278 @@
+"""The prefix cache and chunked prefill change what is computed, never what comes out.
+
+Oracles: each request run alone with no prefix cache (token for token, and the K/V and features
+of its prompt bitwise), K/V recomputed from scratch after every step, the exact law of the first
+sampled tokens after a cached prefix (chi-square, with a negative control), and the cache's own
+bookkeeping (what it holds, evicts and counts) against a budget.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import pytest
+import torch
+
+from quickdraft.cache import KVCache
+from quickdraft.engine import batch
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.policy import StepCost
+from quickdraft.engine.prefill import MIN_CHUNK, STALL, invariant_rows, step_allowance
+from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import BLOCK, PrefixCache
+from quickdraft.proposers.base import Committed, Proposer
+from quickdraft.proposers.ngram import NgramProposer
+from quickdraft.sampling import SamplingParams
+from test_batch_engine import Job, draft_random, draft_same, greedy, ngram
+from test_spec_exactness import KV_TOL, N_SAMPLES, SAMPLE_K, kv_mismatch, plain_law, tiny, tiny16
+from test_verify import ALPHA, chi_square_p_value
+
+MODEL = "llama-gqa-untied"
+MB = 1 << 20
+
+
+def prefix_for(model: Transformer, budget: int = 64 * MB) -> PrefixCache:
+    return PrefixCache(budget, model.config, model.compute_dtype)
+
+
+def tokens(seed: int, n: int, vocab: int = 96) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- the trie of blocks ----------------------------------------------------------------------------------
+
+def random_cache(model: Transformer, rows: int, length: int, seed: int) -> KVCache:
+    cache = model.new_cache(rows, length)
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def test_blocks_are_matched_loaded_and_evicted_least_recent_first() -> None:
+    model = tiny(MODEL)
+    cache = random_cache(model, 2, 64, seed=0)
+    D = model.config.hidden_size
+    first, second = tokens(1, 40), tokens(2, 40)
+    prefix = prefix_for(model, budget=3 * prefix_for(model).block_bytes)
+    prefix.store(first, cache, 0, torch.randn(40, D))
+    assert prefix.stats.blocks == 2 and prefix.stats.bytes == 2 * prefix.block_bytes  # 40 tokens: 2 whole blocks
+    assert len(prefix.match(first, 40)) == 2
+    assert len(prefix.match(first, 31)) == 1                      # within the limit only
+    assert len(prefix.match(first[:16] + second[16:], 40)) == 1   # matches up to the first differing block
+    assert prefix.match(second, 40) == []
+    features = prefix.load(prefix.match(first, 40), cache, 1)
+    assert features.shape == (32, D)
+    for t in cache.k + cache.v:
+        assert torch.equal(t[1, :, :32], t[0, :, :32])            # bitwise the stored K/V
+    # the budget holds 3 blocks: storing 2 new ones evicts the least recently used leaf (first's 2nd block)
+    prefix.store(second, cache, 0, torch.randn(40, D))
+    assert prefix.stats.blocks == 3 and prefix.stats.evictions == 1
+    assert len(prefix.match(first, 40)) == 1 and len(prefix.match(second, 40)) == 2
+    # a path being stored is never evicted to make room for itself: with a budget of 3, only 3 of 4 are kept
+    third = tokens(3, 64)
+    prefix.store(third, cache, 0, torch.randn(64, D))
+    assert len(prefix.match(third, 64)) == 3 and prefix.stats.bytes <= prefix.budget_bytes
+
+
+def test_a_budget_below_one_block_is_refused() -> None:
+    model = tiny(MODEL)
+    block = prefix_for(model).block_bytes
+    with pytest.raises(ValueError, match="below one block"):
+        prefix_for(model, budget=block - 1)
+
+
+# -- a hit is a full prefill ----------------------------------------------------------------------------
+
+class Recorder(NgramProposer):
+    """Prompt lookup that keeps what it is told after the prompt's pass."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        super().__init__(prompt, 4, 1)
+        self.told: list[Committed] = []
+
+    def commit(self, step: Committed) -> None:
+        self.told.append(step)
+        super().commit(step)
+
+
+def run_to_end(engine: Engine, request: Request, after_prompt=lambda: None) -> list[int]:
+    """The request's tokens; `after_prompt` is called once its prompt's pass is done."""
+    engine.add(request)
+    out: list[int] = []
+    while engine.has_work():
+        for _, event in engine.step():
+            assert event.error is None, event.error
+            if not out:
+                after_prompt()
+            out += event.token_ids
+    return out
+
+
+@pytest.mark.parametrize("model_name", [MODEL, f"{MODEL}@Q4_1", "qwen2-qkv-bias@Q6_K+int8"])
+def test_a_prefix_hit_gives_bitwise_what_a_full_prefill_gives(model_name: str) -> None:
+    """A second turn (the first turn's prompt and answer, then more) after the first: its prompt's
+    K/V, features, first token's ranking and every token are bitwise those of the same request on
+    an engine that never saw the first. Float matrices keep this only because prefill passes stay
+    within the C kernel's rows (invariant_rows): torch's GEMM, past them, sums in another order."""
+    model = tiny(model_name)
+    first = tokens(4, 70)
+    warm = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
+    second = first + run_to_end(warm, Request(first, greedy(30), id="turn1")) + tokens(5, 9)
+    n = len(second)
+    kv: dict[str, list[torch.Tensor]] = {}
+    told: dict[str, Recorder] = {}
+    outs: dict[str, list[int]] = {}
+    for name, engine in [("warm", warm), ("cold", Engine(model, EngineConfig(max_batch=2)))]:
+        told[name] = Recorder(second)
+        keep = lambda e=engine, name=name: kv.setdefault(name, [t[0, :, :n].clone() for t in e.cache.k + e.cache.v])
+        outs[name] = run_to_end(engine, Request(second, greedy(20), frozenset(), told[name], 4, adaptive=False), keep)
+    assert warm.prefix.stats.hit_tokens == (n - 1) // BLOCK * BLOCK  # the premise: all but the tail was cached
+    assert all(torch.equal(a, b) for a, b in zip(kv["warm"], kv["cold"]))
+    warm_told, cold_told = told["warm"].told, told["cold"].told
+    assert torch.equal(warm_told[0].features, cold_told[0].features)
+    assert warm_told[0].top(4) == cold_told[0].top(4)  # the first token's logits rank alike
+    # whole drafts verified (adaptive=False): every step's commit alike, not only the text
+    assert [c.tokens for c in warm_told] == [c.tokens for c in cold_told] and outs["warm"] == outs["cold"]
+    if "@" not in model_name:
+        assert n > invariant_rows(model)  # the premise: the kernel's row cap was needed
+
+
+# -- every output as without the cache, rows joining and leaving ------------------------------------------
+
+SYSTEM = tokens(6, 37)  # a "system prompt" several sessions share
+CONVERSATION = [
+    # (prompt, proposer, k, join at step): sessions sharing SYSTEM, then their next turns resent whole
+    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8], None, 0, 0),
+    (SYSTEM + [9, 2, 9, 2, 9, 2], "ngram", 4, 0),
+    (SYSTEM + [44, 12, 19, 44, 12], "draft_same", 3, 1),
+    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8] + tokens(7, 20), "draft_random", 2, 6),
+    (SYSTEM + [9, 2, 9, 2, 9, 2] + tokens(8, 30), "ngram", 8, 9),
+    (tokens(9, 50), "ngram", 1, 12),  # shares nothing
+    (SYSTEM + [44, 12, 19, 44, 12] + tokens(10, 17), None, 0, 14),
+]
+PROPOSERS = {None: None, "ngram": ngram, "draft_same": draft_same, "draft_random": draft_random}
+
+
+def conversation_jobs() -> list[Job]:
+    return [Job(prompt, greedy(24), PROPOSERS[make], k, join_at=at) for prompt, make, k, at in CONVERSATION]
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cached_prefixes_and_chunked_prefill_keep_every_output(batch: int, chunk: int | None) -> None:
+    """Sessions sharing a system prompt, joining while others decode and leaving: every request
+    emits what it emits alone on an engine with neither a prefix cache nor chunks, and after every
+    step each row's K/V are what a fresh forward over its tokens computes."""
+    model = tiny(MODEL, init=0.1)
+    jobs = conversation_jobs()
+    engine = Engine(model, EngineConfig(max_batch=batch, prefill_chunk=chunk), prefix=prefix_for(model))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    cached: dict[str, int] = {}
+    step = 0
+    while step <= max(j.join_at for j in jobs) or engine.has_work():
+        for i, job in enumerate(jobs):
+            if job.join_at == step:
+                engine.add(job.request(str(i)))
+        for rid, event in engine.step():
+            assert event.error is None, event.error
+            out[rid] += event.token_ids
+            cached[rid] = event.stats.cached_tokens
+        for index, row in enumerate(engine.rows):
+            if row not in engine.finished:
+                assert kv_mismatch(model, engine.cache.rows(index, index + 1), row.tokens[:row.length]) <= KV_TOL
+        step += 1
+        assert step < 1000
+    for i, job in enumerate(jobs):
+        assert out[str(i)] == job.alone(model), f"request {i} differs from its run alone"
+    assert cached["5"] == 0 and all(cached[str(i)] >= 32 for i in (3, 4, 6))  # the premise: hits happened
+
+
+def test_sampling_law_through_a_cached_prefix() -> None:
+    """N_SAMPLES seeded requests whose prompt's first block comes from the cache (all but the
+    first): their first tokens follow plain sampling's exact law after that prompt (chi-square at
+    ALPHA), and the law at another temperature (negative control) is rejected."""
+    model = tiny16()
+    prompt = [3, 7, 11, 3, 7, 11, 3, 7, 5, 9, 3, 7, 11, 3, 7, 11, 3, 7, 5]  # 19 tokens: one block cached
+    engine = Engine(model, EngineConfig(max_batch=8), prefix=prefix_for(model))
+    n_tokens, V = 3, model.config.vocab_size
+    counts = torch.zeros([V] * n_tokens, dtype=torch.long)
+    ids: dict[str, list[int]] = {}
+    hits = drafted = accepted = 0
+    for seed in range(40_000, 40_000 + N_SAMPLES):
+        p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=4, ignore_eos=True)
+        engine.add(Request(prompt, p, frozenset(), NgramProposer(prompt, 4, 1), SAMPLE_K, id=str(seed)))
+    while engine.has_work():
+        for rid, event in engine.step():
+            ids.setdefault(rid, []).extend(event.token_ids)
+            if event.finish_reason:
+                hits += event.stats.cached_tokens == BLOCK
+                drafted += event.stats.drafted_tokens
+                accepted += event.stats.accepted_tokens
+                counts[tuple(ids[rid][:n_tokens])] += 1
+    assert hits >= N_SAMPLES - 8 and 0 < accepted < drafted  # the premises: cached, drafts both ways
+    law = plain_law(model, prompt, SamplingParams(temperature=1.0), n_tokens)
+    assert (counts[law == 0] == 0).all()
+    assert chi_square_p_value(counts, law) > ALPHA
+    other = plain_law(model, prompt, SamplingParams(temperature=0.75), n_tokens)
+    assert chi_square_p_value(counts, other) < ALPHA
+
+
+# -- chunked prefill --------------------------------------------------------------------------------------
+
+def test_the_step_allowance_follows_measured_costs() -> None:
+    step, prefill = StepCost(), StepCost()
+    assert step_allowance(0, step, prefill, None) is None  # nothing decodes: whole prompts
+    assert step_allowance(2, step, prefill, 7) == 7        # asked for
+    step.observe(1, 0.010)
+    prefill.observe(32, 0.040)  # 1.25 ms a token at 32: 20 ms (STALL decode steps) fit ~16
+    n = step_allowance(1, step, prefill, None)
+    assert prefill.estimate(n) <= STALL * 0.010 < prefill.estimate(n + 1)
+    prefill.observe(32, 10.0)   # prefill slower than any budget: still MIN_CHUNK, so prompts advance
+    prefill.step_s[32] = 10.0
+    assert step_allowance(1, step, prefill, None) == MIN_CHUNK
+
+
+def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a 200-token prompt is prefilled, a running stream still gets a token every step, and
+    the prompt's passes in each such step feed no more than the step's allowance; both outputs
+    are exact."""
+    allowed: list[int | None] = []
+
+    def recorded(*args) -> int | None:
+        allowed.append(step_allowance(*args))
+        return allowed[-1]
+
+    monkeypatch.setattr(batch, "step_allowance", recorded)
+    model = tiny(MODEL, init=0.1)
+    engine = Engine(model, EngineConfig(max_batch=2))
+    stream, long = Job([1, 17, 42, 8], greedy(40), None, 0), Job(tokens(11, 200), greedy(5), None, 0)
+    out: dict[str, list[int]] = {"s": [], "l": []}
+    engine.add(stream.request("s"))
+    out["s"] += engine.step()[0][1].token_ids
+    engine.add(long.request("l"))
+    fed = []  # per step while the prompt is prefilled: (tokens fed, allowance, the stream's tokens)
+    while engine.has_work():
+        before, allowed[:] = (engine.filling.length if engine.filling else 0), []
+        events = dict(engine.step())
+        if engine.filling or "l" in events and not out["l"]:
+            fed.append(((engine.filling.length if engine.filling else 200) - before, list(allowed),
+                        len(events["s"].token_ids)))
+        for rid, event in events.items():
+            out[rid] += event.token_ids
+    assert len(fed) > 3  # the premise: the prompt took several steps
+    assert all(len(a) == 1 and n <= a[0] and got == 1 for n, a, got in fed), fed
+    assert out["s"] == stream.alone(model) and out["l"] == long.alone(model)
+
+
+def test_memory_stays_within_the_budget_under_many_prompts() -> None:
+    model = tiny(MODEL)
+    prefix = prefix_for(model, budget=10 * prefix_for(model).block_bytes)
+    engine = Engine(model, EngineConfig(max_batch=3), prefix=prefix)
+    for i in range(30):
+        engine.add(Request(tokens(100 + i, 40 + i), greedy(8), id=str(i)))
+    while engine.has_work():
+        engine.step()
+        assert prefix.stats.bytes <= prefix.budget_bytes
+        assert prefix.stats.blocks == len([n for n in prefix._nodes()])
+    assert prefix.stats.evictions > 0 and prefix.stats.hit_tokens == 0
