@@ -20,8 +20,9 @@ from gguf_writer import gguf_name, llama_cpp_permute, write_gguf
 from tiny_models import BASE, hf_model, save_hf_dir
 
 VOCAB = BASE["vocab_size"]
-F32_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama3-rope-scaling"]
-QUANT_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias"]
+F32_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama3-rope-scaling", "llama-attention-bias",
+             "llama-mlp-bias", "llama-both-biases"]
+QUANT_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama-both-biases"]
 QTYPES = [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
           GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
@@ -48,7 +49,7 @@ def test_f32_gguf_equals_safetensors_and_transformers(name, tmp_path, tokens):
     c, ref_c = ckpt.config, hf_config
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
-                  "rope_theta", "qkv_bias", "tie_word_embeddings"):
+                  "rope_theta", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings"):
         assert getattr(c, field) == getattr(ref_c, field), field
     assert c.rms_norm_eps == pytest.approx(ref_c.rms_norm_eps, rel=1e-6)  # stored as float32
 

@@ -29,6 +29,9 @@ CONFIGS = {
                                                   high_freq_factor=4.0,
                                                   original_max_position_embeddings=32)),
     "qwen2-qkv-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
+    "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
+    "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),
+    "llama-both-biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
 }
 
 
@@ -44,6 +47,10 @@ def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
                     proj.bias.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**cfg))
+        with torch.no_grad():  # attention_bias / mlp_bias: random, as for Qwen2's
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.5)
     with torch.no_grad():  # norms away from 1 so a wrong norm weight is caught
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -103,6 +110,8 @@ def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32,
     multiplying activations rounded to `activation_bits`."""
     config = ModelConfig.from_hf(model.config.to_dict())
     tensors = dict(model.state_dict())
+    if config.tie_word_embeddings:
+        del tensors["lm_head.weight"]  # the embeddings again, as save_hf_dir leaves it out
     if qtype is not None:
         tensors = with_activation_bits(quantized_tensors(tensors, qtype), activation_bits)
     return build_transformer(config, tensors, dtype=dtype)

@@ -32,20 +32,22 @@ class FusedLayer:
     keep: tuple
 
     @staticmethod
-    def of(qkv: QuantizedWeight, qkv_bias: torch.Tensor | None, wo: QuantizedWeight, gate_up: QuantizedWeight,
-           down: QuantizedWeight, attn_norm: torch.Tensor, mlp_norm: torch.Tensor, eps: float, n_q: int, n_kv: int,
-           head_dim: int) -> "FusedLayer":
+    def of(linears: list[tuple[QuantizedWeight, torch.Tensor | None]], attn_norm: torch.Tensor,
+           mlp_norm: torch.Tensor, eps: float, n_q: int, n_kv: int, head_dim: int) -> "FusedLayer":
+        """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order."""
         keep = [t.float().contiguous() for t in (attn_norm, mlp_norm)]
-        bias = None if qkv_bias is None else qkv_bias.float().contiguous()
-        keep.append(bias)
 
-        def linear(w: QuantizedWeight, b: torch.Tensor | None = None) -> _Linear:
+        def linear(w: QuantizedWeight, b: torch.Tensor | None) -> _Linear:
             n, types, rows, data, act8 = w.c_parts
+            if b is not None:
+                b = b.float().contiguous()
+                keep.append(b)
             return _Linear(n, ctypes.addressof(types), ctypes.addressof(rows), ctypes.addressof(data), act8, w.shape[0],
                            w.shape[1], None if b is None else b.data_ptr())
 
-        layer = _Layer(linear(qkv, bias), linear(wo), linear(gate_up), linear(down), keep[0].data_ptr(),
-                       keep[1].data_ptr(), eps, head_dim ** -0.5, n_q, n_kv, head_dim)
+        qkv, wo, gate_up, down = (linear(w, b) for w, b in linears)
+        layer = _Layer(qkv, wo, gate_up, down, keep[0].data_ptr(), keep[1].data_ptr(), eps, head_dim ** -0.5, n_q,
+                       n_kv, head_dim)
         return FusedLayer(layer, tuple(keep))
 
 

@@ -1,7 +1,7 @@
 """ModelConfig: the shape and numerics of a Llama-family transformer.
 
 Built from a Hugging Face `config.json` dict or from GGUF metadata (by weights/), validated here.
-Architecture differences (qkv bias, tied embeddings, rope scaling) are fields, not subclasses.
+Architecture differences (biases, tied embeddings, rope scaling) are fields, not subclasses.
 """
 from __future__ import annotations
 
@@ -12,6 +12,14 @@ from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 
 # HF `model_type` values whose math is the Llama block with the flags below.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# Which projections carry a bias, per family, as transformers builds them: a config key (read,
+# default false) or a constant (transformers' Mistral and Qwen2 read no bias key at all).
+FAMILY_BIASES: dict[str, dict[str, str | bool]] = {
+    "llama": {"qkv": "attention_bias", "o": "attention_bias", "mlp": "mlp_bias"},
+    "mistral": {"qkv": False, "o": False, "mlp": False},
+    "qwen2": {"qkv": True, "o": False, "mlp": False},
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    qkv_bias: bool = False
+    qkv_bias: bool = False   # q, k and v projections
+    o_bias: bool = False     # the attention output projection
+    mlp_bias: bool = False   # gate, up and down projections
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -70,6 +80,7 @@ class ModelConfig:
             raise UnsupportedArchitecture(
                 f"model_type {model_type!r} is not supported; expected one of "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        biases = {part: _flag(cfg, how) for part, how in FAMILY_BIASES[model_type].items()}
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -89,7 +100,9 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
                 rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope),
-                qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qkv_bias=biases["qkv"],
+                o_bias=biases["o"],
+                mlp_bias=biases["mlp"],
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -98,6 +111,10 @@ class ModelConfig:
             raise ModelLoadError(f"config.json is missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json has a malformed value: {e}") from None
+
+
+def _flag(cfg: dict[str, Any], how: str | bool) -> bool:
+    return how if isinstance(how, bool) else bool(cfg.get(how, False))
 
 
 def _context_length(cfg: dict[str, Any]) -> int:

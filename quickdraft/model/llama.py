@@ -97,17 +97,17 @@ class Block(nn.Module):
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.wqkv = nn.Linear(c.hidden_size, qkv_out, bias=c.qkv_bias)
-        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.fused: FusedLayer | None = None  # the weights packed for layer.c, on first use
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
-        weights = (self.wqkv.weight, self.wo.weight, self.w_gate_up.weight, self.w_down.weight)
-        if fused_layer_usable(x, cache.dtype, *weights):  # GGUF blocks on CPU: the layer in one C call
+        linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
             if self.fused is None:
-                self.fused = FusedLayer.of(weights[0], self.wqkv.bias, *weights[1:], self.attn_norm.weight,
+                self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self.attn_norm.weight,
                                            self.mlp_norm.weight, self.attn_norm.eps, self.n_heads, self.n_kv,
                                            self.head_dim)
             return run_layer(x, self.fused, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
@@ -126,9 +126,10 @@ class Block(nn.Module):
             keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask, enable_gqa=self.n_kv != n_q)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
-        x = linear(attn.to(x.dtype), self.wo.weight, residual=x)
-        h = linear(x, self.w_gate_up.weight, norm=self.mlp_norm.fused)
-        return linear(h, self.w_down.weight, swiglu=True, residual=x)
+        # biases (None where the family has none) are added before the residual and before SwiGLU
+        x = linear(attn.to(x.dtype), self.wo.weight, self.wo.bias, residual=x)
+        h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused)
+        return linear(h, self.w_down.weight, self.w_down.bias, swiglu=True, residual=x)
 
 
 class Transformer(nn.Module):
@@ -223,9 +224,15 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
             fused[f"blocks.{i}.wqkv.bias"] = torch.cat(
                 [_take(tensors, f"{pre}self_attn.{p}_proj.bias") for p in "qkv"])
         fused[f"blocks.{i}.wo.weight"] = _take(tensors, f"{pre}self_attn.o_proj.weight")
+        if config.o_bias:
+            fused[f"blocks.{i}.wo.bias"] = _take(tensors, f"{pre}self_attn.o_proj.bias")
         fused[f"blocks.{i}.w_gate_up.weight"] = _cat(
             [_take(tensors, f"{pre}mlp.gate_proj.weight"), _take(tensors, f"{pre}mlp.up_proj.weight")])
         fused[f"blocks.{i}.w_down.weight"] = _take(tensors, f"{pre}mlp.down_proj.weight")
+        if config.mlp_bias:
+            fused[f"blocks.{i}.w_gate_up.bias"] = torch.cat(
+                [_take(tensors, f"{pre}mlp.{p}_proj.bias") for p in ("gate", "up")])
+            fused[f"blocks.{i}.w_down.bias"] = _take(tensors, f"{pre}mlp.down_proj.bias")
         fused[f"blocks.{i}.attn_norm.weight"] = _take(tensors, f"{pre}input_layernorm.weight")
         fused[f"blocks.{i}.mlp_norm.weight"] = _take(tensors, f"{pre}post_attention_layernorm.weight")
     expected = {name: p.shape for name, p in model.state_dict().items()}

@@ -52,7 +52,9 @@ def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     return {key: value for key, value in reader.fields.items() if not key.startswith("GGUF.")}
 
 
-def config_from_metadata(meta: dict[str, Any], has_output: bool, has_qkv_bias: bool) -> ModelConfig:
+def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
+    """The config from a file's metadata and its tensor names (biases and the output matrix are
+    there or not)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitecture(
@@ -86,8 +88,10 @@ def config_from_metadata(meta: dict[str, Any], has_output: bool, has_qkv_bias: b
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        qkv_bias=has_qkv_bias,
-        tie_word_embeddings=not has_output,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_gate.bias" in names,
+        tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
@@ -116,8 +120,7 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
     everything else (and everything when False) is dequantized to float32."""
     reader = open_reader(path)
     meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = config_from_metadata(meta, "output.weight" in names, "blk.0.attn_q.bias" in names)
+    config = config_from_metadata(meta, {t.name for t in reader.tensors})
     arch = meta["general.architecture"]
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     freq_factors = None

@@ -20,10 +20,14 @@ TENSOR_NAMES: tuple[tuple[str, str], ...] = (
     ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
     ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
     ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias"),
     ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
     ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
     ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
     ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    ("model.layers.{i}.mlp.gate_proj.bias", "blk.{i}.ffn_gate.bias"),
+    ("model.layers.{i}.mlp.up_proj.bias", "blk.{i}.ffn_up.bias"),
+    ("model.layers.{i}.mlp.down_proj.bias", "blk.{i}.ffn_down.bias"),
 )
 
 
