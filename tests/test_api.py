@@ -20,6 +20,7 @@ from quickdraft import SamplingParams
 from quickdraft.cli import main
 from quickdraft.sampling import probabilities, sample
 from quickdraft.proposers import SpecConfig
+from tiny_models import transformers_greedy
 from tiny_tokenizer import build_tokenizer, render_chatml, tiny_llm_dir, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,14 +54,6 @@ def manual_greedy(llm: quickdraft.LLM, prompt_ids: list[int], n: int) -> list[in
     return ids[len(prompt_ids):]
 
 
-@torch.inference_mode()
-def hf_manual_greedy(hf: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
-    ids = list(prompt_ids)
-    for _ in range(n):
-        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
-
-
 def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, **kw)
 
@@ -74,7 +67,7 @@ def test_greedy_equals_manual_full_forward_loop(config: str, tmp_path: Path) -> 
     out = llm.generate(PROMPT, params=greedy(20, ignore_eos=True))
     assert out.token_ids == manual_greedy(llm, prompt_ids, 20)
     # transformers on the same weights is an independent second reference.
-    assert out.token_ids == hf_manual_greedy(tiny_model(config), prompt_ids, 20)
+    assert out.token_ids == transformers_greedy(tiny_model(config), prompt_ids, 20)
     assert out.finish_reason == "length"
     assert len(set(out.token_ids)) > 3  # a degenerate repeat-one-token model would prove little
 

@@ -58,6 +58,15 @@ def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
     return model.eval()
 
 
+@torch.inference_mode()
+def transformers_greedy(hf: torch.nn.Module, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of transformers' model, each from one full forward (no cache of its own)."""
+    ids = list(prompt_ids)
+    for _ in range(n):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
 def save_hf_dir(model: torch.nn.Module, path: Path) -> Path:
     """config.json + model.safetensors, as save_pretrained writes them."""
     path.mkdir(parents=True, exist_ok=True)

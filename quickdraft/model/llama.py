@@ -18,7 +18,7 @@ from quickdraft import kernels
 from quickdraft.kernels import QuantizedWeight, linear
 from quickdraft.kernels.layer import FusedLayer, fused_layer_usable, run_layer
 from quickdraft.cache import KVCache, Slots
-from quickdraft.errors import ModelLoadError
+from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.rope import RotaryTable, apply_rope, inverse_frequencies
 
@@ -209,32 +209,7 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
     kernels.prepare()  # build the CPU kernels now, never inside a forward
     with torch.device("meta"):
         model = Transformer(config, None)
-    fused: dict[str, torch.Tensor | QuantizedWeight] = {
-        "embed.weight": _take(tensors, "model.embed_tokens.weight"),
-        "norm.weight": _take(tensors, "model.norm.weight"),
-    }
-    lm_head = tensors.get("lm_head.weight")
-    fused["lm_head.weight"] = fused["embed.weight"] if lm_head is None or config.tie_word_embeddings else lm_head
-    if lm_head is None and not config.tie_word_embeddings:
-        raise ModelLoadError("weights have no 'lm_head.weight' but the config says embeddings are not tied")
-    for i in range(config.num_layers):
-        pre = f"model.layers.{i}."
-        fused[f"blocks.{i}.wqkv.weight"] = _cat([_take(tensors, f"{pre}self_attn.{p}_proj.weight") for p in "qkv"])
-        if config.qkv_bias:
-            fused[f"blocks.{i}.wqkv.bias"] = torch.cat(
-                [_take(tensors, f"{pre}self_attn.{p}_proj.bias") for p in "qkv"])
-        fused[f"blocks.{i}.wo.weight"] = _take(tensors, f"{pre}self_attn.o_proj.weight")
-        if config.o_bias:
-            fused[f"blocks.{i}.wo.bias"] = _take(tensors, f"{pre}self_attn.o_proj.bias")
-        fused[f"blocks.{i}.w_gate_up.weight"] = _cat(
-            [_take(tensors, f"{pre}mlp.gate_proj.weight"), _take(tensors, f"{pre}mlp.up_proj.weight")])
-        fused[f"blocks.{i}.w_down.weight"] = _take(tensors, f"{pre}mlp.down_proj.weight")
-        if config.mlp_bias:
-            fused[f"blocks.{i}.w_gate_up.bias"] = torch.cat(
-                [_take(tensors, f"{pre}mlp.{p}_proj.bias") for p in ("gate", "up")])
-            fused[f"blocks.{i}.w_down.bias"] = _take(tensors, f"{pre}mlp.down_proj.bias")
-        fused[f"blocks.{i}.attn_norm.weight"] = _take(tensors, f"{pre}input_layernorm.weight")
-        fused[f"blocks.{i}.mlp_norm.weight"] = _take(tensors, f"{pre}post_attention_layernorm.weight")
+    fused = _fuse(config, _Taker(tensors))
     expected = {name: p.shape for name, p in model.state_dict().items()}
     for name, shape in expected.items():
         if fused[name].shape != shape:
@@ -268,8 +243,73 @@ def _cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantize
     return torch.cat([_dense(p) for p in parts])
 
 
-def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    try:
-        return tensors[name]
-    except KeyError:
-        raise ModelLoadError(f"weights are missing tensor {name!r}") from None
+class _Taker:
+    """Hands out a checkpoint's tensors by name and keeps the names it handed out: a tensor the
+    model never took is math it would skip, so what is left over is refused."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+        self.tensors = tensors
+        self.taken: set[str] = set()
+
+    def __call__(self, name: str) -> torch.Tensor | QuantizedWeight:
+        if name not in self.tensors:
+            raise ModelLoadError(f"weights are missing tensor {name!r}")
+        self.taken.add(name)
+        return self.tensors[name]
+
+    def optional(self, name: str) -> torch.Tensor | QuantizedWeight | None:
+        return self(name) if name in self.tensors else None
+
+    def refuse_left_over(self) -> None:
+        left = sorted(set(self.tensors) - self.taken)
+        if left:
+            shown = ", ".join(repr(n) for n in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+            raise UnsupportedArchitecture(
+                f"the checkpoint has {len(left)} tensor(s) this Llama-family model does not use: {shown}; "
+                f"running without them would not be the checkpoint's model")
+
+
+def _fuse(config: ModelConfig, take: _Taker) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """The Transformer's state dict from the checkpoint's tensors: every one taken, or refused."""
+    embed = take("model.embed_tokens.weight")
+    fused = {"embed.weight": embed, "norm.weight": take("model.norm.weight")}
+    head = take.optional("lm_head.weight")
+    if config.tie_word_embeddings:
+        if head is not None and not _same(head, embed):
+            raise ModelLoadError("'lm_head.weight' differs from 'model.embed_tokens.weight', which the config "
+                                 "ties it to (tie_word_embeddings)")
+        head = embed
+    elif head is None:
+        raise ModelLoadError("weights have no 'lm_head.weight' but the config says embeddings are not tied")
+    fused["lm_head.weight"] = head
+    for i in range(config.num_layers):
+        fused |= _fuse_layer(config, take, f"model.layers.{i}.", f"blocks.{i}.")
+    take.refuse_left_over()
+    return fused
+
+
+def _fuse_layer(config: ModelConfig, take: _Taker, hf: str, ours: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """One layer: q|k|v and gate|up as one matrix each, their biases likewise where the family has them."""
+    attn, mlp = f"{hf}self_attn.", f"{hf}mlp."
+    out = {f"{ours}wqkv.weight": _cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]),
+           f"{ours}wo.weight": take(f"{attn}o_proj.weight"),
+           f"{ours}w_gate_up.weight": _cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]),
+           f"{ours}w_down.weight": take(f"{mlp}down_proj.weight"),
+           f"{ours}attn_norm.weight": take(f"{hf}input_layernorm.weight"),
+           f"{ours}mlp_norm.weight": take(f"{hf}post_attention_layernorm.weight")}
+    if config.qkv_bias:
+        out[f"{ours}wqkv.bias"] = torch.cat([_dense(take(f"{attn}{p}_proj.bias")) for p in "qkv"])
+    if config.o_bias:
+        out[f"{ours}wo.bias"] = _dense(take(f"{attn}o_proj.bias"))
+    if config.mlp_bias:
+        out[f"{ours}w_gate_up.bias"] = torch.cat([_dense(take(f"{mlp}{p}_proj.bias")) for p in ("gate", "up")])
+        out[f"{ours}w_down.bias"] = _dense(take(f"{mlp}down_proj.bias"))
+    return out
+
+
+def _same(a: torch.Tensor | QuantizedWeight, b: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether a checkpoint's LM head is its embedding table again (tied checkpoints may carry both)."""
+    if a is b:
+        return True
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.equal(a, b.to(a.dtype)))

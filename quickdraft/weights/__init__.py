@@ -49,8 +49,7 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
         config, tensors, freq_factors = ckpt.config, ckpt.tensors, ckpt.rope_freq_factors
         tokenizer = gguf_tokenizer(ckpt.metadata, config.eos_token_ids)
     else:
-        config = hf_dir.read_config(source.path)
-        tensors, freq_factors = hf_dir.read_tensors(source.path), None
+        (config, tensors), freq_factors = hf_dir.read_checkpoint(source.path), None
         tokenizer = load_hf_tokenizer(source.path, config.eos_token_ids)
     if quantize is not None:
         tensors = quantize_tensors(tensors, quantize, progress=progress)

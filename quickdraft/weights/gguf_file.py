@@ -3,7 +3,9 @@ block formats (`QuantizedWeight`, a view of the memory-mapped file) or dequantiz
 
 llama.cpp stores the q/k projections of `llama`-architecture models permuted for its interleaved
 RoPE; they are permuted back here (whole rows of blocks, so quantized rows move unchanged) so
-the model has one RoPE layout for every format.
+the model has one RoPE layout for every format. Every tensor is handed on (one outside names.py's
+table under its own name, for the model to refuse by name), and metadata that changes the math is
+read or refused, never assumed.
 """
 from __future__ import annotations
 
@@ -52,9 +54,26 @@ def read_metadata(reader: GGUFFile) -> dict[str, Any]:
     return {key: value for key, value in reader.fields.items() if not key.startswith("GGUF.")}
 
 
+# Keys llama.cpp reads (for some architecture) that change the math this decoder does, with the
+# value that leaves it unchanged. A file of ours with another value is another model.
+NEUTRAL_KEYS: dict[str, tuple[Any, str]] = {
+    "expert_count": (0, "a mixture of experts"),
+    "attn_logit_softcapping": (0.0, "soft-capped attention scores"),
+    "final_logit_softcapping": (0.0, "soft-capped logits"),
+    "logit_scale": (1.0, "scaled logits"),
+    "embedding_scale": (1.0, "scaled embeddings"),
+    "residual_scale": (1.0, "scaled residuals"),
+    "attention.scale": (0.0, "an attention scale other than 1/sqrt(head_dim)"),
+    "attention.clamp_kqv": (0.0, "clamped q/k/v"),
+    "attention.max_alibi_bias": (0.0, "ALiBi attention biases"),
+    "attention.causal": (True, "non-causal attention"),
+    "use_parallel_residual": (False, "parallel attention and MLP"),
+}
+
+
 def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     """The config from a file's metadata and its tensor names (biases and the output matrix are
-    there or not)."""
+    there or not); keys that change the math and are not implemented are refused by name."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedArchitecture(
@@ -67,15 +86,14 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
             raise ModelLoadError(f"GGUF metadata lacks required key '{arch}.{key}'")
         return value
 
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedArchitecture(
-            f"GGUF rope scaling type {scaling!r} is not supported; expected none (llama3-style scaling "
-            f"comes as a rope_freqs tensor)")
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    _refuse_unsupported_keys(meta, arch, head_dim)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    context = int(get("context_length"))
+    window = meta.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         model_type=GGUF_ARCHITECTURES[arch],
         vocab_size=int(get("vocab_size", len(tokens) or None)),
@@ -84,9 +102,10 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         num_layers=int(get("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        head_dim=head_dim,
+        # as for config.json: within one window full attention is sliding-window attention
+        max_position_embeddings=min(context, int(window)) if window else context,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
@@ -95,6 +114,34 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int) -> None:
+    """Metadata asking for math this decoder does not do is an UnsupportedArchitecture naming it."""
+    for key, (neutral, what) in NEUTRAL_KEYS.items():
+        value = meta.get(f"{arch}.{key}", neutral)
+        if value != neutral:
+            raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedArchitecture(
+            f"GGUF rope scaling type {scaling!r} is not supported; expected none (llama3-style scaling "
+            f"comes as a rope_freqs tensor)")
+    for key in ("rope.scaling.factor", "rope.scale_linear"):  # llama.cpp scales positions by 1/factor
+        factor = meta.get(f"{arch}.{key}", 0.0)
+        if factor not in (0.0, 1.0):
+            raise UnsupportedArchitecture(
+                f"GGUF key '{arch}.{key}' = {factor!r} (linearly scaled RoPE positions) is not supported")
+    for key, what in (("rope.dimension_count", "partial rotary embeddings"),
+                      ("attention.value_length", "values of another head size than keys")):
+        value = meta.get(f"{arch}.{key}", head_dim)
+        if value != head_dim:
+            raise UnsupportedArchitecture(
+                f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported; expected the head size, {head_dim}")
+    if f"{arch}.attention.layer_norm_rms_epsilon" not in meta and f"{arch}.attention.layer_norm_epsilon" in meta:
+        raise UnsupportedArchitecture(
+            f"GGUF key '{arch}.attention.layer_norm_epsilon' without '{arch}.attention.layer_norm_rms_epsilon' "
+            f"(LayerNorm) is not supported; expected RMSNorm")
 
 
 def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -129,9 +176,7 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
             continue
-        hf = hf_name_for_gguf(t.name)
-        if hf is None:
-            continue
+        hf = hf_name_for_gguf(t.name) or t.name  # a name outside the table stays: the model refuses it by name
         heads = None
         if arch in PERMUTED_QK and hf.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_heads

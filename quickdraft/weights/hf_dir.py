@@ -1,6 +1,11 @@
-"""Loading a Hugging Face model directory: config.json + model.safetensors (or a sharded index)."""
+"""Loading a Hugging Face model directory: config.json + model.safetensors (or a sharded index).
+
+Hands on every tensor of the files but the harmless ones names.IGNORED_TENSORS lists; the model
+refuses any it does not take.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +15,7 @@ from safetensors.torch import load_file
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
+from quickdraft.weights.names import ignored
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -27,8 +33,26 @@ def read_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
+def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json and the tensors, a tied LM head settled as transformers settles it."""
+    return settle_tied_head(read_config(path), read_tensors(path))
+
+
+def settle_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]
+                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A config that ties the LM head to the embeddings over files that also hold `lm_head.weight`:
+    a copy of the embeddings is dropped; a different head is the model's head, untied, as
+    transformers 5 loads it (it warns and keeps both)."""
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None or embed is None:
+        return config, tensors
+    if head.shape == embed.shape and torch.equal(head, embed):
+        return config, {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    return dataclasses.replace(config, tie_word_embeddings=False), tensors
+
+
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, under its Hugging Face name."""
+    """Every tensor of the checkpoint, under its Hugging Face name, but names.IGNORED_TENSORS."""
     single, index = path / "model.safetensors", path / INDEX_FILE
     if single.is_file():
         files = [single]
@@ -49,4 +73,4 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
             tensors.update(load_file(str(file)))
         except (SafetensorError, OSError) as e:
             raise ModelLoadError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from None
-    return tensors
+    return {name: t for name, t in tensors.items() if not ignored(name)}

@@ -1,7 +1,8 @@
-"""The one name-mapping table: Hugging Face tensor names <-> GGUF (llama.cpp) tensor names.
+"""The one name-mapping table: Hugging Face tensor names <-> GGUF (llama.cpp) tensor names, and
+the tensors some checkpoints carry that hold nothing the model needs (each with the reason).
 
-The model is built from Hugging Face names; the GGUF loader renames through this table and the
-safetensors loader uses it to say which tensors a checkpoint must have.
+The model is built from Hugging Face names and refuses a tensor it does not take; the GGUF loader
+renames through this table and keeps a name outside it as it is, so that refusal names it.
 """
 from __future__ import annotations
 
@@ -30,16 +31,30 @@ TENSOR_NAMES: tuple[tuple[str, str], ...] = (
     ("model.layers.{i}.mlp.down_proj.bias", "blk.{i}.ffn_down.bias"),
 )
 
+# Hugging Face tensors that are dropped at load, and why. (GGUF's `rope_freqs.weight` is no such
+# tensor: it divides the RoPE frequencies, weights/gguf_file.py.)
+IGNORED_TENSORS: tuple[tuple[str, str], ...] = (
+    ("model.layers.{i}.self_attn.rotary_emb.inv_freq",
+     "RoPE inverse frequencies older transformers saved as buffers; computed from the config instead"),
+    ("model.rotary_emb.inv_freq", "the same, saved once for the model"),
+)
+
 
 def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
 
 
 _GGUF_TO_HF = [(_pattern(gguf), hf) for hf, gguf in TENSOR_NAMES]
+_IGNORED = [_pattern(hf) for hf, _ in IGNORED_TENSORS]
+
+
+def ignored(name: str) -> bool:
+    """Whether a Hugging Face tensor is one of IGNORED_TENSORS."""
+    return any(pattern.match(name) for pattern in _IGNORED)
 
 
 def hf_name_for_gguf(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for tensors the model does not use."""
+    """The Hugging Face name of a GGUF tensor, or None for a name outside the table."""
     for pattern, hf in _GGUF_TO_HF:
         m = pattern.match(name)
         if m:
