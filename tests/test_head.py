@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
 import pytest
@@ -18,9 +19,10 @@ import quickdraft
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
+from quickdraft.model.rope import inverse_frequencies
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
-from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load_head, save_head
+from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load_head, on_target, save_head
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
@@ -269,6 +271,17 @@ def test_save_load_and_the_wrong_target(tmp_path: Path) -> None:
         load_head(path, model)
     with pytest.raises(SpecConfigError, match="cannot read a draft head"):
         load_head(tmp_path / "nowhere", model)
+
+
+def test_a_head_on_a_bfloat16_target_keeps_float32_rotary_frequencies() -> None:
+    """Off the CPU a target computes in its weights' dtype: the head follows, but its rotary
+    frequencies must stay the float32 ones the target and training use (bfloat16 rounds them by up
+    to 0.4%). A CPU target computes in float32, so a stand-in says what CUDA would."""
+    model = target()
+    bf16_target = SimpleNamespace(device=model.device, compute_dtype=torch.bfloat16)
+    head = on_target(random_head(model), bf16_target)
+    assert head.fc.weight.dtype == torch.bfloat16
+    assert head.inv_freq.dtype == torch.float32 and torch.equal(head.inv_freq, inverse_frequencies(head.config))
 
 
 def test_head_through_the_api_and_spec_config(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from quickdraft.engine import generate_tokens
 from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, save_head
+from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, on_target, save_head
 from quickdraft.train.responses import Example
 
 CHECKPOINT = "checkpoint.pt"
@@ -147,7 +147,7 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
     torch.manual_seed(config.seed)
     head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
                                                                   config.draft_vocab))
-    head = head.to(device=target.device, dtype=target.compute_dtype)
+    head = on_target(head, target)
     head.requires_grad_(True).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     step, history = 0, []
