@@ -349,16 +349,22 @@ def test_too_long_prompt_is_refused_without_touching_the_batch() -> None:
 def test_sampling_law_inside_full_batches(kind: str) -> None:
     """N_SAMPLES sampled requests through one engine, 8 rows at a time with requests joining as
     others leave: the first tokens follow plain sampling's law (chi-square, as for batch 1)."""
-    model, draft = tiny16(), tiny16_draft()
+    counts, drafted, accepted = sampled_in_batches(kind)
+    assert int(counts.sum()) == N_SAMPLES
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted)
+
+
+def sampled_in_batches(kind: str, device: str = "cpu") -> tuple[torch.Tensor, int, int]:
+    """N_SAMPLES seeded requests at temperature 1 drafting with `kind` ("draft" or "ngram")
+    through one engine (first_tokens_in_batches)."""
+    model, draft = tiny16(device), tiny16_draft(device)
     requests, shared = [], Drafter(draft)
     for seed in range(30_000, 30_000 + N_SAMPLES):
         p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         proposer = (DraftModelProposer(shared, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
                     if kind == "draft" else NgramProposer(PROMPT16, 4, 1))
         requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
-    counts, drafted, accepted = first_tokens_in_batches(model, requests)
-    assert int(counts.sum()) == N_SAMPLES
-    assert_plain_sampling_law(model, counts, drafted, accepted)
+    return first_tokens_in_batches(model, requests)
 
 
 def first_tokens_in_batches(model: Transformer, requests: Sequence[Request]) -> tuple[torch.Tensor, int, int]:

@@ -71,7 +71,7 @@ def run(model: Transformer, proposer, k: int, params: SamplingParams, prompt: Se
     return ids, origins, stats
 
 
-def noisy(name: str, noise: float) -> Transformer:
+def noisy(name: str, noise: float, device: str = "cpu") -> Transformer:
     """The target tiny(name, init=0.1) with Gaussian noise on its weights: a draft that is right
     part of the time."""
     base, _, qtype = name.partition("@")
@@ -80,7 +80,8 @@ def noisy(name: str, noise: float) -> Transformer:
     with torch.no_grad():
         for param in hf.parameters():
             param.add_(torch.randn(param.shape, generator=g) * noise * param.std())
-    return ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None)
+    model = ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None)
+    return model if device == "cpu" else model.to(device)
 
 
 class Counting(HybridProposer):

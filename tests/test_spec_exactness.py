@@ -39,17 +39,18 @@ PROMPT_REPEAT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeated phrases
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(name: str, seed: int = 0, init: float = 0.2, **overrides) -> Transformer:
+def tiny(name: str, seed: int = 0, init: float = 0.2, device: str = "cpu", **overrides) -> Transformer:
     """Tiny random model, float32 or (name@Q4_1...) with GGUF-block matrices. init 0.2 spreads the
     logits so greedy output varies; at transformers' 0.02 tiny models fall into loops (useful for
-    n-gram acceptance)."""
+    n-gram acceptance). `device`: float models only (scripts/gpu_check.py runs them on CUDA)."""
     name, _, qtype = name.partition("@")
     qtype, _, activations = qtype.partition("+")
     if qtype.endswith("_K"):
         overrides = {**K_QUANT_SHAPE, **overrides}
     hf = hf_model(name, seed=seed, initializer_range=init, **overrides)
-    return ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None,
-                        activation_bits=8 if activations == "int8" else 16)
+    model = ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None,
+                         activation_bits=8 if activations == "int8" else 16)
+    return model if device == "cpu" else model.to(device)
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
@@ -395,13 +396,13 @@ SAMPLE_NEW = 4        # ... of 4-token generations: the step after prefill draft
 SAMPLE_K = 3
 
 
-def tiny16() -> Transformer:
+def tiny16(device: str = "cpu") -> Transformer:
     # init 0.35: peaky enough that ~20 joint cells carry most of the mass, flat enough to vary.
-    return tiny("llama-gqa-untied", init=0.35, vocab_size=V16)
+    return tiny("llama-gqa-untied", init=0.35, device=device, vocab_size=V16)
 
 
 @functools.lru_cache(maxsize=None)
-def tiny16_draft() -> Transformer:
+def tiny16_draft(device: str = "cpu") -> Transformer:
     """A different model, correlated with the target: its weights plus 10% Gaussian noise, so about
     half the drafts are accepted (with a working draft cache) and recovery and bonus both run."""
     hf = hf_model("llama-gqa-untied", initializer_range=0.35, vocab_size=V16)
@@ -409,7 +410,8 @@ def tiny16_draft() -> Transformer:
     with torch.no_grad():
         for param in hf.parameters():
             param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std())
-    return ours_from_hf(hf)
+    model = ours_from_hf(hf)
+    return model if device == "cpu" else model.to(device)
 
 
 @torch.inference_mode()
@@ -425,9 +427,10 @@ def plain_law(model: Transformer, prompt: Sequence[int], params: SamplingParams,
     return law
 
 
-def sampled_counts(proposer_kind: str | None, params: SamplingParams, seed0: int) -> tuple[torch.Tensor, int, int]:
+def sampled_counts(proposer_kind: str | None, params: SamplingParams, seed0: int,
+                   device: str = "cpu") -> tuple[torch.Tensor, int, int]:
     """Counts [V]*N_TOKENS of the first tokens over N_SAMPLES seeds; total drafted and accepted."""
-    target, draft = tiny16(), tiny16_draft()
+    target, draft = tiny16(device), tiny16_draft(device)
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
     drafter = Drafter(draft)  # one cache: each request takes a row, freed when it is done
