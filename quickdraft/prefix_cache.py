@@ -10,6 +10,8 @@ K/V out when their prompt is in and when they end (`store`), so a row never read
 place: nothing is pinned while a request runs, and no reference counts are needed. A copy costs
 ~0.1 ms per block against ~BLOCK prefill tokens saved (docs/architecture.md).
 
+A draft model's Drafter keeps one of its own, of K/V only (proposers/drafter.py).
+
 Knows nothing of requests or when rows start and end (the engine decides). A lock lets the
 engines of several threads (the server's, `LLM.generate` called beside it) share one cache per
 model; each call holds it for a copy of at most one prompt's K/V.
@@ -43,7 +45,8 @@ def default_budget_mb() -> int:
 @dataclass(eq=False)
 class _Node:
     kv: torch.Tensor | None                       # [L, 2, Hkv, BLOCK, hd]; None at the root
-    features: torch.Tensor | None                 # [BLOCK, D] the last layer's outputs (draft heads read them)
+    features: torch.Tensor | None                 # [BLOCK, D] the last layer's outputs (draft heads read
+                                                  # them); None at the root and in a cache of K/V only
     parent: "_Node | None"
     key: tuple[int, ...]                          # the BLOCK token ids this node holds
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
@@ -60,10 +63,11 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, config: ModelConfig, dtype: torch.dtype) -> None:
-        """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's."""
-        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + config.hidden_size
-        self.block_bytes = BLOCK * per_token * dtype.itemsize
+    def __init__(self, budget_bytes: int, config: ModelConfig, dtype: torch.dtype, features: bool = True) -> None:
+        """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's; features:
+        whether blocks keep features too (a draft model's cache keeps K/V only: `fetch_kv`)."""
+        self.features = features
+        self.block_bytes = self.block_size(config, dtype, features)
         if budget_bytes < self.block_bytes:
             raise ValueError(f"the prefix cache's budget ({budget_bytes:,} bytes) is below one block of "
                              f"{BLOCK} tokens ({self.block_bytes:,} bytes for this model)")
@@ -72,6 +76,12 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._tick = itertools.count(1)
         self._lock = threading.Lock()
+
+    @staticmethod
+    def block_size(config: ModelConfig, dtype: torch.dtype, features: bool = True) -> int:
+        """Bytes one block holds: BLOCK tokens' K/V of every layer, and their features."""
+        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + features * config.hidden_size
+        return BLOCK * per_token * dtype.itemsize
 
     def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> torch.Tensor | None:
         """Copy the K/V of the longest cached prefix of `tokens[:limit]` into slots 0.. of `row`
@@ -83,6 +93,22 @@ class PrefixCache:
             self.stats.hit_tokens += hit
             self.stats.miss_tokens += len(tokens) - hit
             return features
+
+    def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> int:
+        """`fetch` for a cache without features: how many tokens' K/V it copied (a multiple of BLOCK)."""
+        with self._lock:
+            path = self.match(tokens, limit)
+            if path:
+                self.copy(path, cache, row)
+            hit = len(path) * BLOCK
+            self.stats.hit_tokens += hit
+            self.stats.miss_tokens += len(tokens) - hit
+            return hit
+
+    def hit(self, tokens: Sequence[int], limit: int) -> int:
+        """How many tokens of `tokens[:limit]` a fetch would give now (a multiple of BLOCK); copies nothing."""
+        with self._lock:
+            return len(self.match(tokens, limit)) * BLOCK
 
     def match(self, tokens: Sequence[int], limit: int) -> list[_Node]:
         """The longest chain of cached blocks that starts `tokens`, within its first `limit` tokens."""
@@ -98,23 +124,28 @@ class PrefixCache:
 
     def load(self, path: Sequence[_Node], cache: KVCache, row: int) -> torch.Tensor:
         """Copy a matched path's K/V into slots 0.. of `row`; its features [len(path) * BLOCK, D]."""
+        self.copy(path, cache, row)
+        return torch.cat([node.features for node in path])
+
+    def copy(self, path: Sequence[_Node], cache: KVCache, row: int) -> None:
+        """Copy a matched path's K/V into slots 0.. of `row`."""
         assert path, "nothing to load"
         kv = torch.cat([node.kv for node in path], dim=3)  # [L, 2, Hkv, n, hd]
         n = kv.shape[3]
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
             k[row, :, :n] = kv[layer, 0]
             v[row, :, :n] = kv[layer, 1]
-        return torch.cat([node.features for node in path])
 
-    def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor) -> None:
+    def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None) -> None:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
-        features [n, D], in whole blocks; blocks already held are only marked used. Less is kept
-        where the budget cannot make room."""
+        features [n, D], in whole blocks (a cache without features: of all `tokens`); blocks
+        already held are only marked used. Less is kept where the budget cannot make room."""
+        assert (features is not None) == self.features, "features are kept by a cache made to keep them, only"
         with self._lock:
             self._store(tokens, cache, row, features)
 
-    def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor) -> None:
-        length = features.shape[0]
+    def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None) -> None:
+        length = len(tokens) if features is None else features.shape[0]
         node, tick, start = self.root, next(self._tick), 0
         while start + BLOCK <= length and tuple(tokens[start:start + BLOCK]) in node.children:
             node = node.children[tuple(tokens[start:start + BLOCK])]
@@ -123,7 +154,8 @@ class PrefixCache:
             key = tuple(tokens[start:start + BLOCK])
             kv = torch.stack([torch.stack((k[row, :, start:start + BLOCK], v[row, :, start:start + BLOCK]))
                               for k, v in zip(cache.k, cache.v)])  # [L, 2, Hkv, BLOCK, hd], a copy
-            node.children[key] = node = _Node(kv, features[start:start + BLOCK].clone(), node, key, used=tick)
+            kept = None if features is None else features[start:start + BLOCK].clone()
+            node.children[key] = node = _Node(kv, kept, node, key, used=tick)
             self.stats.blocks += 1
             self.stats.bytes += self.block_bytes
 

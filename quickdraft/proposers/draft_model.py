@@ -1,10 +1,11 @@
 """Draft-model proposer: a smaller model of the same vocabulary drafts k tokens autoregressively.
 
 Its K/V live in a row of its Drafter's batched cache (drafter.py), shared by every request that
-drafts with the same model: catch-up on tokens it has not seen (the prompt, then the target's
-recovered or bonus token), k draft steps (each one forward for all the drafter's rows that draft),
-and rollback of rejected positions. `draft-tree` drafts the draft model's likeliest continuations
-as a tree instead, a level of nodes per forward (drafter.py).
+drafts with the same model: catch-up on tokens it has not seen (the prompt, less the prefix the
+drafter's prefix cache holds from earlier requests, then the target's recovered or bonus token),
+k draft steps (each one forward for all the drafter's rows that draft), and rollback of rejected
+positions. `draft-tree` drafts the draft model's likeliest continuations as a tree instead, a
+level of nodes per forward (drafter.py).
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from typing import Sequence
 
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.base import (Committed, Draft, PassCost, ProposerContext, SpecConfigError, Target,
+                                       register)
 from quickdraft.proposers.registry import check_ranges, option
-from quickdraft.proposers.drafter import Drafter
+from quickdraft.proposers.drafter import PREFIX_SHARE, Drafter
 from quickdraft.proposers.draft_vocab import draft_vocabulary
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
@@ -94,8 +97,18 @@ def _drafting(ctx: ProposerContext, width: int) -> DraftModelProposer:
     # one Drafter per draft model (and vocabulary) for all of the target's requests: their draft steps batch
     size = ctx.options.draft_vocab
     drafter = ctx.target.shared((Drafter, draft.model, size), lambda: Drafter(
-        draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size)))
+        draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size),
+        prefix_budget(ctx.target, draft.model)))
     return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width)
+
+
+def prefix_budget(target: Target, draft: Transformer) -> int:
+    """The budget of a draft's prefix cache: a PREFIX_SHARE-th of its target's (quickdraft.LLM's
+    `prefix`); none where the target keeps none (--no-prefix-cache), or where that share is below
+    one of the draft's blocks (a budget of a few MiB, made to test eviction)."""
+    prefix: PrefixCache | None = getattr(target, "prefix", None)  # LLM's, not (yet) in the Target protocol
+    budget = 0 if prefix is None else prefix.budget_bytes // PREFIX_SHARE
+    return budget if budget >= PrefixCache.block_size(draft.config, draft.compute_dtype, features=False) else 0
 
 
 @register("draft", DraftOptions, loads="draft_model", needs_file=True,

@@ -11,6 +11,11 @@ the forward's last column: a row with less to catch up runs a cached token again
 the padding it replaces). A longer catch-up (the prompt) runs alone first. Rows of the cache span
 that do not draft run a throwaway token past everything their owner still needs.
 
+The drafter keeps the draft's K/V of earlier requests' prefixes (a PrefixCache of K/V only): a
+row's catch-up copies the longest cached prefix of its sequence in and runs only the rest (a chat
+client's resent history), which is what the cost rule prices; a prompt's K/V are offered to it once
+caught up, and a row's committed tokens' K/V when its member is gone (before the row is reused).
+
 A member of width > 1 drafts a tree (EAGLE-2's dynamic tree, `_trees`): each level runs its
 `width` likeliest newest nodes in the same batched forward as every other tree row, each node at
 its depth's position, in a slot of its own, seeing the committed tokens and its ancestors. When a
@@ -28,7 +33,9 @@ from typing import Protocol, Sequence
 import torch
 
 from quickdraft.cache import KVCache
+from quickdraft.engine.prefill import invariant_rows
 from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
@@ -36,6 +43,8 @@ from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
+PREFIX_SHARE = 4  # a draft's prefix cache holds at most a quarter of its target's budget (a draft's
+                  # K/V per token are a fraction of its target's: the Qwen 0.5B's 0.43 of the 1.5B's)
 
 
 class Member(Protocol):
@@ -65,12 +74,22 @@ def _explores(m: Member) -> bool:
 
 
 class Drafter:
-    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None) -> None:
-        """vocab: the token ids the draft may propose (draft_vocab.py; None: every token)."""
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None, prefix_bytes: int | None = None) -> None:
+        """vocab: the token ids the draft may propose (draft_vocab.py; None: every token);
+        prefix_bytes: the budget of its cache of earlier requests' prefixes (None: a PREFIX_SHARE-th
+        of a target's default, default_budget_mb(); 0: none)."""
         self.model = model
         self.head = VocabHead(model, vocab)
+        if prefix_bytes is None:
+            prefix_bytes = (default_budget_mb() << 20) // PREFIX_SHARE
+        self.prefix = PrefixCache(prefix_bytes, model.config, model.compute_dtype, features=False) \
+            if prefix_bytes else None
+        self.chunk = invariant_rows(model)   # tokens per catch-up forward (None: any count)
+        self.caught_up = 0                   # tokens the catch-ups have run (not those the prefix cache gave)
         self.cache: KVCache | None = None
         self.taken: list[bool] = []          # per cache row: a live member owns it
+        self.owners: list[list[int]] = []    # per cache row: its member's committed tokens (the member's
+                                             # own list, read for the prefix cache once the member is gone)
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         self.lock = threading.Lock()
@@ -101,16 +120,21 @@ class Drafter:
         if self.cache is None or rows > self.cache.batch_size or max_len > self.cache.max_len:
             self._grow(rows, max_len)
         self.taken += [False] * (rows - len(self.taken))
+        self.owners += [[] for _ in range(rows - len(self.owners))]
         self.free_from += [0] * (rows - len(self.free_from))
-        self.taken[row], self.free_from[row] = True, 0
+        self.taken[row], self.owners[row], self.free_from[row] = True, member.tokens, 0
         self.cache.lengths[row] = 0
         member.row = row
         weakref.finalize(member, self.released.append, row)
 
     def _reclaim(self) -> None:
+        """Free the rows of members gone, first offering the K/V of their committed tokens to the
+        prefix cache (here, on the drafter's thread: a member's finalizer may run on any)."""
         while self.released:
             row = self.released.popleft()
-            self.taken[row], self.free_from[row] = False, 0
+            if self.prefix is not None:
+                self.prefix.store(self.owners[row][:self.cache.lengths[row]], self.cache, row)
+            self.taken[row], self.owners[row], self.free_from[row] = False, [], 0
             self.cache.lengths[row] = 0
 
     def _grow(self, rows: int, max_len: int) -> None:
@@ -185,13 +209,8 @@ class Drafter:
         if not going:
             return drafts
         for b in going:  # the prompt: alone, so the others are not padded to its length
-            m = members[b]
-            if len(m.tokens) - m.cached > CATCH_UP:
-                t0, behind = time.perf_counter(), len(m.tokens) - 1 - m.cached
-                self._forward([m], [m.tokens[m.cached:-1]], [m.cached])
-                self.times.observe("catch_up", (time.perf_counter() - t0) / behind)
-                m.cached = len(m.tokens) - 1
-                self.cache.lengths[m.row] = self.free_from[m.row] = m.cached
+            if len(members[b].tokens) - members[b].cached > CATCH_UP:
+                self._catch_up(members[b])
         t0 = time.perf_counter()
         width = max(len(members[b].tokens) - members[b].cached for b in going)
         starts = [max(0, len(members[b].tokens) - width) for b in going]
@@ -302,15 +321,42 @@ class Drafter:
             drafts[b] = Draft([tree.tokens[n] for n in keep], None,
                               [calibration[b].estimate(tree.probs[n]) for n in keep], parents)
 
+    def _catch_up(self, m: Member) -> None:
+        """Bring m's row up to all but its newest token, alone: the longest prefix the prefix cache
+        holds past what the row has is copied in; the rest, if more than CATCH_UP, runs in forwards
+        of at most `chunk` tokens (every token's K/V then bitwise those of any other split: a fresh
+        catch-up's, or the row's they were stored from), and is offered to the prefix cache."""
+        end = len(m.tokens) - 1
+        if self._reusable(m) > m.cached:
+            m.cached = self.prefix.fetch_kv(m.tokens, end, self.cache, m.row)
+        if len(m.tokens) - m.cached > CATCH_UP:
+            t0, behind = time.perf_counter(), end - m.cached
+            for start in range(m.cached, end, self.chunk or behind):
+                self._forward([m], [m.tokens[start:min(end, start + (self.chunk or behind))]], [start])
+            self.times.observe("catch_up", (time.perf_counter() - t0) / behind)
+            self.caught_up += behind
+            m.cached = end
+            if self.prefix is not None:
+                self.prefix.store(m.tokens[:end], self.cache, m.row)
+        self.cache.lengths[m.row] = self.free_from[m.row] = m.cached
+
+    def _reusable(self, m: Member) -> int:
+        """How many of m's tokens its row can hold the K/V of without running them: those it has,
+        or the prefix cache's longest match (never the newest token: its logits start the draft)."""
+        if self.prefix is None:
+            return m.cached
+        return max(m.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1))
+
     def _catching_up_pays(self, m: Member, k: int, calibration: Calibration) -> bool:
         """A row behind by more than CATCH_UP tokens (its prompt, or text committed while it did
         not draft) drafts only if drafting can repay the catch-up over the rest of its request
         (catch_up_pays) at the acceptance that let it draft: the mean, or for a row exploring the
-        best measured (_explores). Rows whose lengths must not depend on timing, and rows before
+        best measured (_explores). The catch-up is what the prefix cache cannot give (a resent
+        chat history: the new turn). Rows whose lengths must not depend on timing, and rows before
         anything is timed, always do."""
-        behind = len(m.tokens) - m.cached
-        if behind <= CATCH_UP or m.cost is None or None in (self.times.catch_up, self.times.first):
+        if len(m.tokens) - m.cached <= CATCH_UP or m.cost is None or None in (self.times.catch_up, self.times.first):
             return True
+        behind = len(m.tokens) - self._reusable(m)
         later = self.times.later if self.times.later is not None else self.times.first
         acceptance = calibration.best if _explores(m) else calibration.mean
         return catch_up_pays(m.cost, acceptance, k, self.times.first, later, m.horizon - len(m.tokens),
