@@ -87,28 +87,27 @@ class PrefixCache:
         """Copy the K/V of the longest cached prefix of `tokens[:limit]` into slots 0.. of `row`
         and count the hit; its features [n, D] (n a multiple of BLOCK), None if nothing matched."""
         with self._lock:
-            path = self.match(tokens, limit)
-            features = self.load(path, cache, row) if path else None
-            hit = 0 if features is None else features.shape[0]
-            self.stats.hit_tokens += hit
-            self.stats.miss_tokens += len(tokens) - hit
-            return features
+            path = self._copy_in(tokens, limit, cache, row)
+            return torch.cat([node.features for node in path]) if path else None
 
     def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> int:
         """`fetch` for a cache without features: how many tokens' K/V it copied (a multiple of BLOCK)."""
         with self._lock:
-            path = self.match(tokens, limit)
-            if path:
-                self.copy(path, cache, row)
-            hit = len(path) * BLOCK
-            self.stats.hit_tokens += hit
-            self.stats.miss_tokens += len(tokens) - hit
-            return hit
+            return len(self._copy_in(tokens, limit, cache, row)) * BLOCK
 
     def hit(self, tokens: Sequence[int], limit: int) -> int:
         """How many tokens of `tokens[:limit]` a fetch would give now (a multiple of BLOCK); copies nothing."""
         with self._lock:
             return len(self.match(tokens, limit)) * BLOCK
+
+    def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> list[_Node]:
+        """Match, copy the path's K/V into `row`, count the hit (the lock held)."""
+        path = self.match(tokens, limit)
+        if path:
+            self.copy(path, cache, row)
+        self.stats.hit_tokens += len(path) * BLOCK
+        self.stats.miss_tokens += len(tokens) - len(path) * BLOCK
+        return path
 
     def match(self, tokens: Sequence[int], limit: int) -> list[_Node]:
         """The longest chain of cached blocks that starts `tokens`, within its first `limit` tokens."""
@@ -121,11 +120,6 @@ class PrefixCache:
             node.used = tick
             path.append(node)
         return path
-
-    def load(self, path: Sequence[_Node], cache: KVCache, row: int) -> torch.Tensor:
-        """Copy a matched path's K/V into slots 0.. of `row`; its features [len(path) * BLOCK, D]."""
-        self.copy(path, cache, row)
-        return torch.cat([node.features for node in path])
 
     def copy(self, path: Sequence[_Node], cache: KVCache, row: int) -> None:
         """Copy a matched path's K/V into slots 0.. of `row`."""

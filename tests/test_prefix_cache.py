@@ -17,7 +17,7 @@ from quickdraft.cache import KVCache
 from quickdraft.engine import batch
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
-from quickdraft.engine.prefill import MIN_CHUNK, STALL, invariant_rows, step_allowance
+from quickdraft.engine.prefill import MIN_CHUNK, STALL, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import Committed, Proposer
@@ -55,14 +55,15 @@ def test_blocks_are_matched_loaded_and_evicted_least_recent_first() -> None:
     D = model.config.hidden_size
     first, second = tokens(1, 40), tokens(2, 40)
     prefix = prefix_for(model, budget=3 * prefix_for(model).block_bytes)
-    prefix.store(first, cache, 0, torch.randn(40, D))
+    stored = torch.randn(40, D)
+    prefix.store(first, cache, 0, stored)
     assert prefix.stats.blocks == 2 and prefix.stats.bytes == 2 * prefix.block_bytes  # 40 tokens: 2 whole blocks
     assert len(prefix.match(first, 40)) == 2
     assert len(prefix.match(first, 31)) == 1                      # within the limit only
     assert len(prefix.match(first[:16] + second[16:], 40)) == 1   # matches up to the first differing block
     assert prefix.match(second, 40) == []
-    features = prefix.load(prefix.match(first, 40), cache, 1)
-    assert features.shape == (32, D)
+    features = prefix.fetch(first, 40, cache, 1)
+    assert torch.equal(features, stored[:32])
     for t in cache.k + cache.v:
         assert torch.equal(t[1, :, :32], t[0, :, :32])            # bitwise the stored K/V
     # the budget holds 3 blocks: storing 2 new ones evicts the least recently used leaf (first's 2nd block)
@@ -114,7 +115,7 @@ def test_a_prefix_hit_gives_bitwise_what_a_full_prefill_gives(model_name: str) -
     """A second turn (the first turn's prompt and answer, then more) after the first: its prompt's
     K/V, features, first token's ranking and every token are bitwise those of the same request on
     an engine that never saw the first. Float matrices keep this only because prefill passes stay
-    within the C kernel's rows (invariant_rows): torch's GEMM, past them, sums in another order."""
+    within the C kernel's rows (Transformer.invariant_rows): torch's GEMM, past them, sums in another order."""
     model = tiny(model_name)
     first = tokens(4, 70)
     warm = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
@@ -135,7 +136,7 @@ def test_a_prefix_hit_gives_bitwise_what_a_full_prefill_gives(model_name: str) -
     # whole drafts verified (adaptive=False): every step's commit alike, not only the text
     assert [c.tokens for c in warm_told] == [c.tokens for c in cold_told] and outs["warm"] == outs["cold"]
     if "@" not in model_name:
-        assert n > invariant_rows(model)  # the premise: the kernel's row cap was needed
+        assert n > model.invariant_rows  # the premise: the kernel's row cap was needed
 
 
 # -- every output as without the cache, rows joining and leaving ------------------------------------------

@@ -20,7 +20,7 @@ from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
-from quickdraft.engine.prefill import invariant_rows, step_allowance
+from quickdraft.engine.prefill import step_allowance
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
@@ -130,7 +130,7 @@ class Engine:
             raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
         self.cache = cache
         self.prefix = prefix
-        self.chunk_cap = invariant_rows(model)  # None: any prefill chunk is batch-invariant
+        self.chunk_cap = model.invariant_rows  # None: any prefill chunk is batch-invariant
         self.prefill_cost = StepCost(shape_of=self.cost)  # t(n) of one row's n-token prefill pass
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.filling: _Row | None = None    # the row whose prompt is being prefilled: cache row n

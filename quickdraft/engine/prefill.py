@@ -1,17 +1,14 @@
-"""How much of a prompt one prefill pass feeds: whole while no row decodes; while rows decode, the
-largest chunk whose measured cost stalls them at most STALL decode steps more (a stream's gap
-between tokens is then at most 1 + STALL of its usual steps); never more rows than keep every
-row's result bitwise what it is in any other pass (`invariant_rows`), so a prompt prefilled in
-chunks, or after a prefix-cache hit, gives the K/V and logits of a one-pass prefill.
+"""How many prompt tokens one engine step prefills: all while no row decodes; while rows decode,
+as many as the measured costs say stall them at most STALL decode steps more (a stream's gap
+between tokens is then at most 1 + STALL of its usual steps). The engine also keeps each pass
+within `Transformer.invariant_rows`, so a prompt prefilled in chunks, or after a prefix-cache
+hit, gives the K/V and logits of a one-pass prefill bitwise.
 
-Knows step costs and kernels' limits, nothing of requests.
+Knows step costs, nothing of requests or models.
 """
 from __future__ import annotations
 
-from quickdraft import kernels
 from quickdraft.engine.policy import StepCost
-from quickdraft.kernels import QuantizedWeight
-from quickdraft.model.llama import Transformer
 
 STALL = 2.0      # a chunk costs at most this many of the running rows' decode steps
 MIN_CHUNK = 4    # at least this many tokens a pass, however slow, so a prompt always advances
@@ -33,14 +30,3 @@ def step_allowance(decoding: int, step: StepCost, prefill: StepCost, fixed: int 
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if t.estimate(mid) <= budget else (lo, mid - 1)
     return lo
-
-
-def invariant_rows(model: Transformer) -> int | None:
-    """Rows one pass may feed with each row's result independent of the others: the C kernel over
-    float matrices takes up to kernels.MAX_ROWS (torch's GEMM, which takes more, blocks its sums by
-    the row count); over GGUF blocks any count. None: no limit (every matrix is as stored, or the C
-    kernels do not run here, which makes no pass batch-invariant anyway)."""
-    if model.device.type != "cpu" or kernels.active_library() is None:
-        return None
-    blocks = [getattr(block, name).weight for block in model.blocks for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    return None if all(isinstance(w, QuantizedWeight) for w in blocks) else kernels.MAX_ROWS

@@ -177,6 +177,18 @@ class Transformer(nn.Module):
         those dtypes only halve the weight bytes each step reads; the weights' dtype elsewhere."""
         return torch.float32 if self.device.type == "cpu" else self.dtype
 
+    @property
+    def invariant_rows(self) -> int | None:
+        """Rows one pass may feed with each row's result independent of the others: the C kernel
+        over float matrices takes up to kernels.MAX_ROWS (torch's GEMM, which takes more, blocks its
+        sums by the row count); over GGUF blocks any count. None: no limit (every block matrix is
+        as stored, or the C kernels do not run here, which makes no pass batch-invariant anyway)."""
+        if self.device.type != "cpu" or kernels.active_library() is None:
+            return None
+        names = ("wqkv", "wo", "w_gate_up", "w_down")
+        stored = all(isinstance(getattr(block, name).weight, QuantizedWeight) for block in self.blocks for name in names)
+        return None if stored else kernels.MAX_ROWS
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.device, self.compute_dtype)
 

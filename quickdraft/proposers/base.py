@@ -14,6 +14,7 @@ import torch
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import topk_indices
 from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
 
@@ -252,6 +253,7 @@ class Target(Protocol):
     files proposers draft with, each loaded once and checked against the target."""
     model: Transformer
     name: str | None  # the packaged name it was loaded by (None: a path)
+    prefix: PrefixCache | None  # the target's prefix cache (None: off), whose budget sizes a draft's
 
     def draft_model(self, name_or_path: str | None = None) -> Any:
         """A draft model sharing the target's vocabulary (its `.model` and `.tokenizer`); None: the

@@ -106,8 +106,7 @@ def prefix_budget(target: Target, draft: Transformer) -> int:
     """The budget of a draft's prefix cache: a PREFIX_SHARE-th of its target's (quickdraft.LLM's
     `prefix`); none where the target keeps none (--no-prefix-cache), or where that share is below
     one of the draft's blocks (a budget of a few MiB, made to test eviction)."""
-    prefix: PrefixCache | None = getattr(target, "prefix", None)  # LLM's, not (yet) in the Target protocol
-    budget = 0 if prefix is None else prefix.budget_bytes // PREFIX_SHARE
+    budget = 0 if target.prefix is None else target.prefix.budget_bytes // PREFIX_SHARE
     return budget if budget >= PrefixCache.block_size(draft.config, draft.compute_dtype, features=False) else 0
 
 

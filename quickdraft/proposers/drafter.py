@@ -33,7 +33,6 @@ from typing import Protocol, Sequence
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.engine.prefill import invariant_rows
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
@@ -84,7 +83,7 @@ class Drafter:
             prefix_bytes = (default_budget_mb() << 20) // PREFIX_SHARE
         self.prefix = PrefixCache(prefix_bytes, model.config, model.compute_dtype, features=False) \
             if prefix_bytes else None
-        self.chunk = invariant_rows(model)   # tokens per catch-up forward (None: any count)
+        self.chunk = model.invariant_rows   # tokens per catch-up forward (None: any count)
         self.caught_up = 0                   # tokens the catch-ups have run (not those the prefix cache gave)
         self.cache: KVCache | None = None
         self.taken: list[bool] = []          # per cache row: a live member owns it
