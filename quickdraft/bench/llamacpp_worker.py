@@ -14,61 +14,20 @@ speculative decoding it offers, bookkeeping included.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
-import platform
-import struct
 import sys
 import traceback
 from pathlib import Path
 from typing import Any, Collection, Iterator, Sequence
 
 import llama_cpp as lc
-
-
-AMX_REFUSED = ("AMX refused: llama.cpp's AMX kernels crash on their first matmul here "
-               "(ggml_backend_amx_mul_mat, llama.cpp issue #20824); its AVX512/VNNI kernels run")
-_amx_filter: list[ctypes.Array] = []  # the installed seccomp program: it must outlive the process's threads
-
-
-def refuse_amx_tile_state() -> str:
-    """On a CPU with AMX-INT8 (Linux, x86-64), make this process's requests for the AMX tile state
-    fail (arch_prctl(ARCH_REQ_XCOMP_PERM) returns EPERM, through a seccomp filter), before llama.cpp
-    loads a model: ggml then finds AMX "not ready" and multiplies with its other CPU kernels. Its
-    AMX kernels (compiled in by the native build) crash on the first pass with every model we
-    ship. Returns AMX_REFUSED when it did so, "" where AMX is absent."""
-    if _amx_filter:
-        return AMX_REFUSED
-    if sys.platform != "linux" or platform.machine() != "x86_64":
-        return ""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    if " amx_int8" not in flags:
-        return ""
-    # classic BPF over struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]}: (code, jt, jf, k)
-    program = [(0x20, 0, 0, 4), (0x15, 0, 5, 0xC000003E),    # arch == x86-64, else allow
-               (0x20, 0, 0, 0), (0x15, 0, 3, 158),            # nr == arch_prctl, else allow
-               (0x20, 0, 0, 16), (0x15, 0, 1, 0x1023),        # args[0] == ARCH_REQ_XCOMP_PERM, else allow
-               (0x06, 0, 0, 0x00050000 | errno.EPERM),        # SECCOMP_RET_ERRNO | EPERM
-               (0x06, 0, 0, 0x7FFF0000)]                      # SECCOMP_RET_ALLOW
-    filters = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in program))
-    fprog = ctypes.create_string_buffer(struct.pack("HxxxxxxQ", len(program), ctypes.addressof(filters)))
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
-    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
-    if libc.prctl(38, 1, None, 0, 0) != 0 or libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "could not keep llama.cpp off AMX (its AMX kernels crash on this CPU)")
-    _amx_filter.extend((filters, fprog))
-    return AMX_REFUSED
+from amx_guard import AMX_REFUSED, amx_refused, refuse_amx_tile_state  # a sibling: this file runs by path
 
 
 def system_info() -> str:
     """llama.cpp's own line of what it was built with, and what this process refused it."""
     info = lc.llama_print_system_info().decode(errors="replace").strip()
-    return f"{info} {AMX_REFUSED}" if _amx_filter else info
+    return f"{info} {AMX_REFUSED}" if amx_refused() else info
 
 
 class NoRoom(ValueError):
