@@ -58,3 +58,22 @@ def plot_speedup(speedups: Mapping[str, Mapping[str, float]], columns: Sequence[
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_ttft_per_turn(series: Mapping[str, Mapping[int, float]], title: str, path: Path) -> Path:
+    """Time to first token against the turn of a conversation, one line per server (series[name][turn])."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, by_turn in series.items():
+        turns = sorted(by_turn)
+        ax.plot(turns, [by_turn[t] for t in turns], marker="o", label=name)
+    ax.set_xlabel("turn (the whole history resent)")
+    ax.set_ylabel("time to first token, median over sessions (s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

