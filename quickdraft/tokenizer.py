@@ -5,6 +5,8 @@ Knows nothing of models.
 """
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -25,9 +27,9 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         _check_text(text, "the prompt")
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
@@ -41,15 +43,98 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.chat_text(messages, add_generation_prompt), add_special_tokens=False)
+
+    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The conversation as the chat template writes it (apply_chat_template's text)."""
         if not self.has_chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; pass a plain prompt instead")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"chat messages need string 'role' and 'content', found {m!r}")
             _check_text(m["content"], f"the content of a {m['role']!r} message")
-        text = self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+        return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
-        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def min_tokens(self, text: str, normalize: bool = True) -> int | None:
+        """A lower bound on len(encode(text)) from the text's length, for no tokenizer work (0 where
+        the tokenizer allows none): every byte of the normalized text that has a token is in one
+        token, and no token stands for more than bytes_per_token of them. normalize=False: None
+        where the bound needs the text normalized (a normalizer that may shorten it, e.g. NFC on
+        non-ASCII text; ~60 ms a MiB), so the caller can do that work elsewhere."""
+        if self.bytes_per_token is None:
+            return 0
+        normalizer = self.hf.backend_tokenizer.normalizer
+        if normalizer is not None and not (self._keeps_ascii_length and text.isascii()):
+            if not normalize:
+                return None
+            text = normalizer.normalize_str(text)
+        data = text.encode("utf-8", "surrogatepass")
+        if self._dropped_bytes:  # bytes the vocabulary has no token for: the tokenizer drops them
+            data = data.translate(None, self._dropped_bytes)
+        return -(-len(data) // self.bytes_per_token)
+
+    @functools.cached_property
+    def _keeps_ascii_length(self) -> bool:
+        """Whether normalizing never shortens ASCII text: Unicode normal forms and lowercasing keep
+        it as it is, prepending and replacing a string with one as long or longer ("▁" for " ")
+        lengthen it (unless with bytes the tokenizer drops)."""
+        normalizer = json.loads(self.hf.backend_tokenizer.to_str()).get("normalizer") or {}
+        parts = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+        for part in parts:
+            kind = part.get("type")
+            if kind == "Replace":
+                pattern = part.get("pattern", {})
+                content = part["content"].encode()
+                if ("String" not in pattern or len(content) < len(pattern["String"].encode())
+                        or set(content) & set(self._dropped_bytes)):
+                    return False
+            elif kind not in ("NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"):
+                return False
+        return True
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        """The most bytes of normalized text one token stands for, where every byte is in at most one
+        token and the rest are dropped (None where no such bound holds)."""
+        return self._length_bound[0]
+
+    @property
+    def _dropped_bytes(self) -> bytes:
+        return self._length_bound[1]
+
+    @functools.cached_property
+    def _length_bound(self) -> tuple[int | None, bytes]:
+        """(bytes_per_token, the byte values the tokenizer drops) for byte-level BPE (each byte a
+        symbol, one character of the vocabulary's strings; a byte whose symbol the vocabulary lacks,
+        such as SmolLM2's 0x04 or 0xf1, is dropped or fused into an unknown token) and for BPE with
+        byte fallback and all 256 byte tokens (a vocabulary string is the text's, spaces as the
+        3-byte "▁", and a byte's token "<0x41>" is longer than its byte). (None, b"") for the rest
+        (WordPiece, Unigram, BPE over characters without byte fallback), which may drop or merge
+        any text."""
+        backend = json.loads(self.hf.backend_tokenizer.to_str())
+        model = backend["model"]
+        byte_level = "ByteLevel" in json.dumps(backend.get("pre_tokenizer"))
+        if model.get("type") != "BPE" or not (byte_level or model.get("byte_fallback")):
+            return None, b""
+        vocab = model["vocab"]
+        if byte_level:
+            dropped = bytes(b for b, symbol in enumerate(_byte_symbols()) if symbol not in vocab)
+            length = len  # a symbol per byte
+        elif all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            dropped, length = b"", (lambda piece: len(piece.encode("utf-8")))
+        else:
+            return None, b""
+        added = [t["content"].encode("utf-8") for t in backend.get("added_tokens", [])]  # matched in the raw text
+        return max(max(map(length, vocab)), *map(len, added), 1), dropped
+
+
+@functools.cache
+def _byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b -> the vocabulary's one-character symbol for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def unicode_error(text: str) -> str | None:
