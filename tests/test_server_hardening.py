@@ -105,11 +105,11 @@ def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) 
     started, release = threading.Event(), threading.Event()
     encode = llm.tokenizer.encode
 
-    def slow_encode(text: str) -> list[int]:
+    def slow_encode(text: str, *args: bool) -> list[int]:
         if text == "slow prompt":
             started.set()
             release.wait(10)
-        return encode(text)
+        return encode(text, *args)
 
     monkeypatch.setattr(llm.tokenizer, "encode", slow_encode)
     with ThreadPoolExecutor(1) as pool:

@@ -27,7 +27,8 @@ def startup_cost(llm, policy: str, measure: bool) -> StepCost:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from quickdraft.server import ServerConfig, serve
+    from quickdraft.server import ServerConfig, listen, serve
+    from quickdraft.server.connections import ConnectionLimits
 
     spec = spec_from_args(args)
     try:
@@ -36,11 +37,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_waiting", args.max_waiting),
                                     ("api_key", args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)),
                                     ("allowed_hosts", tuple(args.allowed_host))) if v is not None}
+        limits["connections"] = ConnectionLimits(**{k: v for k, v in (
+            ("max_connections", args.max_connections), ("header_timeout_s", args.header_timeout),
+            ("body_timeout_s", args.body_timeout)) if v is not None})
         ServerConfig("check", spec, engine, **limits)  # the flags are checked before the model loads
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     if not 0 < args.port < 65536:
         raise QuickdraftError(f"--port must be in 1..65535, found {args.port}")
+    sock = listen(args.host, args.port)  # before the model loads: a port in use is an error at once
     set_threads(args.threads)
     llm = load_llm(args, spec, progress=sys.stderr.isatty())
     name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
@@ -49,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy}"
           f"{', API key required' if limits.get('api_key') else ''})", file=sys.stderr)
     serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
-          args.log_level)
+          args.log_level, sock)
     return 0
 
 
@@ -75,6 +80,14 @@ def add_serve(sub) -> None:
     sv.add_argument("--max-waiting", type=int,
                     help="generation requests that may wait for a batch row; more get a 429 with Retry-After "
                          "(default 64)")
+    sv.add_argument("--max-connections", type=int,
+                    help="connections open at once; one more is answered 503 and closed at once (default 256)")
+    sv.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                    help="a request's line and headers must arrive within this many seconds of the connection's "
+                         "opening or the request's first byte, else a 408 and the connection closed (default 10)")
+    sv.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                    help="a request's whole body must arrive within this many seconds of its headers, else a 408 "
+                         "and the connection closed (default 30)")
     sv.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 routes (401 otherwise; /health "
                                       f"and /metrics stay open); default: the environment variable {API_KEY_ENV}")
     sv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",

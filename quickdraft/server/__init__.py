@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `quickdraft serve` (FastAPI app over one engine thread)."""
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import threading
@@ -9,12 +10,36 @@ from collections.abc import Callable
 
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
+from quickdraft.errors import QuickdraftError
 from quickdraft.server.app import ServerConfig, create_app
+from quickdraft.server.connections import MAX_HEADER_BYTES, guarded_protocol
 
-__all__ = ["BackgroundServer", "ServerConfig", "create_app", "serve"]
+__all__ = ["BackgroundServer", "ServerConfig", "create_app", "listen", "serve"]
 
 
 SHUTDOWN_GRACE_S = 10.0  # after the shutdown timeout: for the cancelled requests' final answers to go out
+KEEP_ALIVE_S = 5  # an idle connection between requests is closed after this (uvicorn's default)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port), or a QuickdraftError saying why not and which
+    flag to change."""
+    sock = None
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} is already in use on {host} (another server?); choose another with --port"
+        elif e.errno == errno.EACCES:
+            why = f"port {port} needs privileges this process lacks; choose one above 1023 with --port"
+        else:
+            why = f"{e.strerror or e}; check --host and --port"
+        raise QuickdraftError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
 
 
 class BackgroundServer:
@@ -28,18 +53,21 @@ class BackgroundServer:
 
     def __init__(self, llm: LLM, config: ServerConfig, cost: StepCost | None = None, host: str = "127.0.0.1",
                  port: int = 0, engine_thread: bool = True, shutdown_timeout_s: float = 30.0,
-                 log_level: str = "warning", start_timeout_s: float = 60.0) -> None:
+                 log_level: str = "warning", start_timeout_s: float = 60.0, sock: socket.socket | None = None) -> None:
+        """sock: already bound to host:port (serve binds before the model loads, to fail early)."""
         import uvicorn
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        sock = sock or listen(host, port)
+        self.url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
         self.app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
         self.worker = self.app.state.worker
         self.shutdown_timeout_s = shutdown_timeout_s
-        # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level,
-                                                     timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_GRACE_S))
+        # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way. Its h11
+        # protocol, with the connection limits it lacks (connections.py); no websockets on this server.
+        protocol = guarded_protocol(config.connections, self.app.state.metrics.count_error)
+        self._server = uvicorn.Server(uvicorn.Config(
+            self.app, log_level=log_level, http=protocol, ws="none", timeout_keep_alive=KEEP_ALIVE_S,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_GRACE_S))
         self._deadline: threading.Timer | None = None
         self.thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -80,11 +108,12 @@ class BackgroundServer:
 
 
 def serve(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          shutdown_timeout_s: float = 30.0, cost: StepCost | None = None, log_level: str = "info") -> None:
+          shutdown_timeout_s: float = 30.0, cost: StepCost | None = None, log_level: str = "info",
+          sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then stop accepting, let in-flight requests finish for up to
     shutdown_timeout_s, cancel the rest and stop the engine. The engine runs on this thread."""
     server = BackgroundServer(llm, config, cost, host, port, engine_thread=False,
-                              shutdown_timeout_s=shutdown_timeout_s, log_level=log_level)
+                              shutdown_timeout_s=shutdown_timeout_s, log_level=log_level, sock=sock)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
     server.worker.run(stop_when=lambda: not server.thread.is_alive())

@@ -15,7 +15,6 @@ from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from quickdraft import kernels
 from quickdraft.api import LLM, Chunk, TextAssembler
@@ -25,10 +24,12 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import openapi, responses as out
+from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.errors import BadRequest, install_error_handlers
-from quickdraft.server.guards import Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
+from quickdraft.server.guards import ADMIT, Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.playground import install_playground
+from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.worker import EngineWorker, ShuttingDown
 from quickdraft.proposers import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
@@ -37,6 +38,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
 MAX_WAITING = 64  # requests waiting for a batch row; more get a 429
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+CONTEXT = "context_length_exceeded"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class ServerConfig:
     max_waiting: int = MAX_WAITING        # generation requests beyond the batch's rows; past it a 429
     api_key: str | None = None            # if set, /v1 routes need Authorization: Bearer <api_key>
     allowed_hosts: tuple[str, ...] = ()   # Host names answered besides loopback ones (guards.answered_hosts)
+    connections: ConnectionLimits = ConnectionLimits()  # open at once, header and body timeouts (connections.py)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -71,6 +74,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         head_error = str(e)
     metrics = Metrics()
     worker = EngineWorker(engine, metrics)
+    prompts = Prompts(llm.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,7 +84,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         worker.stop()
 
     app = FastAPI(title="quickdraft", lifespan=lifespan)
-    # the last added runs first: count errors, check Host, the key, room, then the body's size
+    # the last added runs first: count errors, check Host, the key, the body's size; the route takes
+    # a place in the queue (Admission) once the body is whole and valid
     app.add_middleware(DeclaredBodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(Admission, paths=GENERATION_PATHS, rows=config.engine.max_batch, waiting=config.max_waiting)
     if config.api_key is not None:
@@ -112,36 +117,71 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "quickdraft"}]}
 
-    generation = {**openapi.GENERATION, **openapi.errors(400, *auth, 404, 413, 429, 500, 503)}
+    generation = {**openapi.GENERATION, **openapi.errors(400, *auth, 404, 408, 413, 429, 500, 503)}
 
     @app.post("/v1/completions", max_body_size=body_limit, responses=generation)
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
         arrived = time.perf_counter()
         _check_model(body)
-        if isinstance(body.prompt, str):  # off the event loop: a long prompt must not stall other requests
-            try:
-                ids = await run_in_threadpool(llm.tokenizer.encode, body.prompt)
-            except QuickdraftError as e:
-                raise BadRequest(400, str(e), "prompt") from None
+        spec = _spec(body)
+        budget = {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS}
+        if isinstance(body.prompt, str):
+            ids = await _tokenized(body.prompt, budget, "prompt", http, add_special_tokens=True)
         else:
             ids = list(body.prompt)
+            _fits(len(ids), budget, "prompt")
             vocab = llm.model.config.vocab_size
             if not all(0 <= t < vocab for t in ids):
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-        return await _respond("completion", body, ids, {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS},
-                              http, arrived)
+            http.scope[ADMIT]()
+        return await _respond("completion", body, spec, ids, budget, http, arrived)
 
     @app.post("/v1/chat/completions", max_body_size=body_limit, responses=generation)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrived = time.perf_counter()
         _check_model(body)
-        try:
-            ids = await run_in_threadpool(llm.tokenizer.apply_chat_template, body.chat())
-        except QuickdraftError as e:
-            raise BadRequest(400, str(e), "messages") from None
+        spec = _spec(body)
         # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
         budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
-        return await _respond("chat", body, ids, budget, http, arrived)
+        try:
+            text = await prompts.chat_text(body.chat())
+        except QuickdraftError as e:
+            raise BadRequest(400, str(e), "messages") from None
+        ids = await _tokenized(text, budget, "messages", http, add_special_tokens=False)
+        return await _respond("chat", body, spec, ids, budget, http, arrived)
+
+    async def _tokenized(text: str, budget: dict[str, int | None], param: str, http: HTTPRequest,
+                         add_special_tokens: bool) -> list[int]:
+        """The text's token ids: refused first if its length alone says it cannot fit, then a place
+        in the queue, then the tokenizer (off the event loop, a few at a time)."""
+        try:
+            _fits(await prompts.min_tokens(text), budget, param, at_least=True)
+            http.scope[ADMIT]()
+            return await prompts.encode(text, add_special_tokens)
+        except QuickdraftError as e:
+            raise BadRequest(400, str(e), param) from None
+        finally:
+            prompts.done_with(text)
+
+    def _fits(n: int, budget: dict[str, int | None], param: str, at_least: bool = False) -> None:
+        """A prompt of n tokens (at least n: known from its length alone) and each budget field fit
+        the context, or a 400."""
+        limit = engine.max_seq_len
+        has = f"at least {n}" if at_least else f"{n}"
+        if at_least and n >= limit:
+            raise BadRequest(400, f"the prompt has at least {n} tokens (from its length: no token stands for more "
+                                  f"than {prompts.bytes_per_token} bytes) but the context holds {limit}; expected at "
+                                  f"most {limit - 1} so at least one token can be generated", param, CONTEXT)
+        if not at_least:
+            try:
+                check_context(n, limit)
+            except ContextTooLong as e:
+                raise BadRequest(400, str(e), param, CONTEXT) from None
+        for field, wanted in budget.items():
+            if wanted is not None and n + wanted > limit:
+                raise BadRequest(400, f"the prompt has {has} tokens and {field} asks for {wanted} more, but "
+                                      f"the context holds {limit}; expected at most {limit - n} new tokens",
+                                 field, CONTEXT)
 
     def _unusable(spec: SpecConfig) -> str | None:
         """Why this server cannot run `spec`, or None: what it can run depends on the models it has."""
@@ -169,24 +209,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
                                   f"{config.model_name!r}", "model", "model_not_found")
 
-    def _prepare(body: _Common, ids: list[int], budget: dict[str, int | None]
-                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
-        """budget: the fields that bound the new tokens, the first one given deciding."""
-        limit = engine.max_seq_len
-        try:
-            check_context(len(ids), limit)
-        except ContextTooLong as e:
-            raise BadRequest(400, str(e), "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                             "context_length_exceeded") from None
-        for field, wanted in budget.items():
-            if wanted is not None and len(ids) + wanted > limit:
-                raise BadRequest(400, f"the prompt has {len(ids)} tokens and {field} asks for {wanted} more, but "
-                                      f"the context holds {limit}; expected at most {limit - len(ids)} new tokens",
-                                 field, "context_length_exceeded")
-        max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
-        stop = tuple(body.stop or ())
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
+    def _spec(body: _Common) -> SpecConfig:
+        """The request's speculation, checked (before any work on its prompt)."""
         spec = config.spec
         if body.speculative is not None:
             chosen = body.speculative.model_dump(exclude_none=True)
@@ -198,13 +222,24 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 raise BadRequest(400, str(e), "speculative", "invalid_speculation") from None
         if problem := _unusable(spec):
             raise BadRequest(400, problem, "speculative", "invalid_speculation")
+        return spec
+
+    def _prepare(body: _Common, spec: SpecConfig, ids: list[int], budget: dict[str, int | None]
+                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
+        """budget: the fields that bound the new tokens, the first one given deciding."""
+        limit = engine.max_seq_len
+        _fits(len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
+        stop = tuple(body.stop or ())
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
         request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,
                           spec.adaptive)
         return request, params, lambda: llm.proposer(ids, params, spec)
 
-    async def _respond(kind: out.Kind, body: _Common, ids: list[int], budget: dict[str, int | None],
-                       http: HTTPRequest, arrived: float) -> Response:
-        request, params, make_proposer = _prepare(body, ids, budget)
+    async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, ids: list[int],
+                       budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
+        request, params, make_proposer = _prepare(body, spec, ids, budget)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)
@@ -264,7 +299,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 worker.cancel(request.id)
 
     openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods,
-                    bearer=config.api_key is not None)
+                    config.max_body_bytes, bearer=config.api_key is not None)
     default = {"method": config.spec.method if config.spec.enabled else "none", "k": config.spec.k}
     install_playground(app, lambda: {"model": config.model_name, "speculative": default, "methods": _methods(),
                                      "max_k": MAX_K, "context": engine.max_seq_len})

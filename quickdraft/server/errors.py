@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.server import responses as out
-from quickdraft.server.guards import body_too_large
+from quickdraft.server.guards import QueueFull, body_too_large
 
 FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -59,6 +59,10 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     async def bad(_: HTTPRequest, exc: BadRequest) -> JSONResponse:
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return out.error_response(exc.status, exc.message, kind, exc.param, exc.code)
+
+    @app.exception_handler(QueueFull)
+    async def full(_: HTTPRequest, exc: QueueFull) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(QuickdraftError)
     async def quickdraft_error(_: HTTPRequest, exc: QuickdraftError) -> JSONResponse:

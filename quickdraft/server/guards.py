@@ -8,9 +8,11 @@ import hmac
 from collections.abc import Callable
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quickdraft.server import responses as out
+from quickdraft.server.connections import ANSWERED
 
 
 def body_too_large(limit: int) -> str:
@@ -90,32 +92,54 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+ADMIT = "quickdraft.admit"  # scope key: the route's call to take a place in the queue
+
+
+class QueueFull(Exception):
+    """The route's request found no place; answered with a 429 (errors.py)."""
+
+    def __init__(self, rows: int, waiting: int, retry_after_s: int) -> None:
+        super().__init__(f"the server is full: {rows} requests decoding and {waiting} waiting (quickdraft serve "
+                         f"--max-batch, --max-waiting); retry after {retry_after_s} s")
+        self.retry_after = str(retry_after_s)
+
+    def response(self) -> JSONResponse:
+        return out.error_response(429, str(self), "rate_limit_error", code="queue_full",
+                                  headers={"Retry-After": self.retry_after})
+
+
 class Admission:
-    """At most `limit` generation requests in the server at once (rows + waiting queue); past it a
-    429 with Retry-After, before the body is read. A request leaves when its answer is sent or its
-    client is gone."""
+    """At most `rows + waiting` generation requests in the server at once. A request takes its
+    place only when its route calls `scope[ADMIT]()`, once its whole body has arrived and passed
+    every check (a slow or refused body holds none); past the limit that call raises QueueFull.
+    The place is held until the answer is sent or the client is gone."""
 
     def __init__(self, app: ASGIApp, paths: frozenset[str], rows: int, waiting: int, retry_after_s: int = 1) -> None:
         self.app, self.paths, self.rows, self.waiting = app, paths, rows, waiting
-        self.retry_after = str(retry_after_s)
+        self.retry_after_s = retry_after_s
         self.inside = 0  # only touched on the event loop
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in self.paths or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        if self.inside >= self.rows + self.waiting:
-            message = (f"the server is full: {self.rows} requests decoding and {self.waiting} waiting "
-                       f"(quickdraft serve --max-batch, --max-waiting); retry after {self.retry_after} s")
-            response = out.error_response(429, message, "rate_limit_error", code="queue_full",
-                                          headers={"Retry-After": self.retry_after})
-            await response(scope, receive, send)
-            return
-        self.inside += 1
+        held = False
+
+        def admit() -> None:
+            nonlocal held
+            if held:
+                return
+            if self.inside >= self.rows + self.waiting:
+                raise QueueFull(self.rows, self.waiting, self.retry_after_s)
+            self.inside += 1
+            held = True
+
+        scope[ADMIT] = admit
         try:
             await self.app(scope, receive, send)
         finally:
-            self.inside -= 1
+            if held:
+                self.inside -= 1
 
 
 class CountErrors:
@@ -130,7 +154,8 @@ class CountErrors:
             return
 
         async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] >= 400:
+            if (message["type"] == "http.response.start" and message["status"] >= 400
+                    and not scope.get(ANSWERED)):  # the connection's own 408 is counted where it is sent
                 self.count(message["status"])
             await send(message)
         await self.app(scope, receive, counting_send)

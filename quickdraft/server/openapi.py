@@ -31,10 +31,13 @@ STATUSES = {
          "past the context (code context_length_exceeded), or a Host header not answered (code invalid_host)",
     401: "No or a wrong API key (Authorization: Bearer)",
     404: "A model this server does not serve (code model_not_found)",
+    408: "The request's headers or body did not arrive in time (--header-timeout, --body-timeout; code "
+         "request_timeout); the connection is closed",
     413: "A body larger than --max-body-bytes",
     429: "The waiting queue is full (--max-waiting); retry after Retry-After seconds",
     500: "Generation failed inside the engine",
-    503: "The server is shutting down (code server_shutting_down)",
+    503: "The server is shutting down (code server_shutting_down), or has --max-connections open (code "
+         "too_many_connections; retry after Retry-After seconds)",
 }
 
 
@@ -74,11 +77,12 @@ GENERATION: dict[int | str, dict[str, Any]] = {
 
 
 def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, methods: Callable[[], list[str]],
-            bearer: bool = False) -> None:
+            max_body_bytes: int, bearer: bool = False) -> None:
     """Replace FastAPI's schema generation with one that drops the 422s the server never sends,
     names the one model served, bounds token ids by its vocabulary and new tokens by its context
-    (the prompt takes at least one of them), and lists the speculation methods this server can run
-    (`methods()`, asked when the schema is first requested); bearer: /v1 routes need an API key."""
+    (the prompt takes at least one of them), text by the body limit and a prompt's token ids by the
+    context, and lists the speculation methods this server can run (`methods()`, asked when the
+    schema is first requested); bearer: /v1 routes need an API key."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -99,6 +103,8 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
             for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
                 if form.get("items", {}).get("type") == "integer":
                     form["items"].update(minimum=0, maximum=vocab_size - 1)
+                    form["maxItems"] = max_seq_len - 1
+            _text_bounds(components, max_body_bytes)
             if bearer:
                 schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
                 for path, operations in schema["paths"].items():
@@ -109,6 +115,19 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _text_bounds(components: dict[str, Any], max_body_bytes: int) -> None:
+    """Text that reaches the tokenizer has no bound of its own but the body's (a character is at
+    least a byte), which is this server's to write in."""
+    strings = [components["TextPart"]["properties"]["text"], components["ToolCallFunction"]["properties"]["arguments"]]
+    strings += [form for form in components["ChatMessage"]["properties"]["content"]["anyOf"]
+                if form.get("type") == "string"]
+    for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        strings.append(form if form["type"] == "string" else form["items"])
+    for form in strings:
+        if form.get("type") == "string":
+            form["maxLength"] = max_body_bytes
 
 
 def _integer_bounds(schema: Any) -> None:

@@ -74,7 +74,16 @@ class only:
         return {"enum": list(self.allowed), "description": self.why}
 
 
-ModelName = Annotated[str, StringConstraints(max_length=256)]
+# Every list and string has a bound, published in /openapi.json. Text that reaches the tokenizer
+# (prompts, message contents, tool call arguments) is bounded by the body limit (--max-body-bytes,
+# which openapi.py writes in) and then by the context, from its length alone (prompts.py).
+MAX_NAME_CHARS = 256      # model, names, ids, the user field
+MAX_MESSAGES = 2048       # OpenAI's own limit
+MAX_CONTENT_PARTS = 256   # text parts of one message
+MAX_TOOL_CALLS = 128      # earlier tool calls of one assistant message
+MAX_METADATA = 16         # OpenAI's: 16 pairs, keys up to 64 characters, values up to 512
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+ModelName = Name
 
 
 class _SpeculativeBase(BaseModel):
@@ -134,7 +143,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[Int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
     speculative: Speculative | None = None
-    user: str | None = Field(default=None, description=IGNORED)
+    user: Name | None = Field(default=None, description=IGNORED)
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
@@ -180,14 +189,14 @@ class TextPart(BaseModel):
 class ToolCall(BaseModel):
     """An assistant's earlier tool call, as history (OpenAI's shape)."""
     model_config = ConfigDict(strict=True, extra="ignore")
-    id: str
+    id: Name
     type: Literal["function"]
     function: "ToolCallFunction"
 
 
 class ToolCallFunction(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    name: Text
+    name: Annotated[Name, AfterValidator(_unicode)]
     arguments: Text
 
 
@@ -201,10 +210,12 @@ class ChatMessage(BaseModel):
     """Keys OpenAI's clients echo back from earlier replies (refusal, annotations, audio) are ignored."""
     model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=CONTENT_UNLESS_TOOL_CALLS)
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    name: Text | None = None
-    tool_calls: list[ToolCall] | None = None  # history: the calls an assistant made
-    tool_call_id: str | None = None           # history: which call a tool message answers
-    content: Text | list[TextPart] | None = Field(default=None, validate_default=True)
+    name: Annotated[Name, AfterValidator(_unicode)] | None = None
+    # history: the calls an assistant made, and which call a tool message answers
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Name | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
+        default=None, validate_default=True)
 
     @field_validator("content")
     @classmethod
@@ -228,11 +239,13 @@ NO_TOOLS = "not supported: quickdraft generates text only (earlier tool calls in
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Count | None = None
-    metadata: dict[str, str] | None = Field(default=None, description=IGNORED)
-    prompt_cache_key: str | None = Field(default=None, description=IGNORED)
-    safety_identifier: str | None = Field(default=None, description=IGNORED)
+    metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                             Annotated[str, StringConstraints(max_length=512)]],
+                        Field(max_length=MAX_METADATA)] | None = Field(default=None, description=IGNORED)
+    prompt_cache_key: Name | None = Field(default=None, description=IGNORED)
+    safety_identifier: Name | None = Field(default=None, description=IGNORED)
     parallel_tool_calls: bool | None = Field(default=None, description="accepted; no effect without tools")
     service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "
                                              "leave it unset, auto or default")] = None

@@ -1,0 +1,75 @@
+"""A request's text on its way to token ids: the tokenizer's work off the event loop, bounded.
+
+A prompt that cannot fit the context is refused from its length alone (Tokenizer.min_tokens)
+before any tokenizer work; the rest is rendered and tokenized on a pool of its own, at most
+TOKENIZE_THREADS at once (a 1 MiB prompt takes ~1 s of a core and ~100 MB while it is
+tokenized); and after a long text the allocator gives the freed memory back to the system.
+Knows the tokenizer, not the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from quickdraft.tokenizer import Message, Tokenizer
+
+TOKENIZE_THREADS = 2     # tokenizations at once; more wait their turn (each request already holds a queue place)
+TRIM_AFTER_CHARS = 1 << 16  # after a text this long, free heap pages go back to the system
+TRIM_DELAY_S = 0.5       # ... this long after it, once for all the texts in between (malloc_trim walks the heap)
+
+T = TypeVar("T")
+
+
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's malloc_trim(0), or None elsewhere (musl, macOS): freed memory stays with the process."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    return (lambda: trim(0)) if trim is not None else None
+
+
+class Prompts:
+    def __init__(self, tokenizer: Tokenizer, threads: int = TOKENIZE_THREADS) -> None:
+        self.tokenizer = tokenizer
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="quickdraft-tokenize")
+        self.bytes_per_token = tokenizer.bytes_per_token  # computed once, here, not on a request
+        self._trim, self._timer, self._lock = _malloc_trim(), None, threading.Lock()
+
+    async def min_tokens(self, text: str) -> int:
+        """A lower bound on the text's tokens: on the event loop when it is a length (O(n) at memcpy
+        speed), on the pool when the text must be normalized first."""
+        bound = self.tokenizer.min_tokens(text, normalize=False)
+        return bound if bound is not None else await self._run(self.tokenizer.min_tokens, text)
+
+    async def chat_text(self, messages: list[Message]) -> str:
+        return await self._run(self.tokenizer.chat_text, messages)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self.tokenizer.encode, text, add_special_tokens)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def done_with(self, text: str) -> None:
+        """A request is done with `text`: if it was long, the heap's free pages go back to the system
+        TRIM_DELAY_S later (by then its body, text and tokens are freed; glibc keeps freed pieces)."""
+        if self._trim is None or len(text) < TRIM_AFTER_CHARS:
+            return
+        with self._lock:
+            if self._timer is not None:
+                return  # the trim on its way covers this text too
+            self._timer = threading.Timer(TRIM_DELAY_S, self._give_back)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self._timer = None
+        self._trim()
