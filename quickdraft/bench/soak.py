@@ -2,10 +2,13 @@
 
 `concurrency` clients send, for `duration_s`, a seeded mix of well-formed requests (completions and
 chats, streaming or not, greedy, seeded sampling, stop strings), malformed ones (each with the
-status it must get), requests whose client leaves mid-answer, and bodies past the size limit.
-Passes when no answer is a 5xx, every well-formed request gets a 200 and the text it gets alone
-(asked before the load starts), every malformed or oversized one its 4xx, no row is left running,
-and the server's memory grows less than 5% after a warm-up.
+status it must get), requests whose client leaves mid-answer, bodies past the size limit, and the
+hostile clients of issue 35: bodies sent slowly (then whole: served as any other), requests that
+stop half-way (headers, body, or a list Content-Length: a 408 within the timeout, or for a
+connection that sends nothing, closed), prompts of ~1 MiB (a 400 at once) and bursts of idle
+connections (each then served). Passes when no answer is a 5xx, every well-formed request gets a
+200 and the text it gets alone (asked before the load starts), every bad one its 4xx, no row is
+left running, and the server's memory grows less than 5% after a warm-up.
 
 Knows the server only over HTTP; `rss()` reads the memory of the process that serves.
 """
@@ -25,7 +28,10 @@ from typing import Any
 import httpx
 
 MAX_RSS_GROWTH = 0.05
-WEIGHTS = {"valid": 0.55, "malformed": 0.2, "cancelled": 0.15, "oversized": 0.1}
+WEIGHTS = {"valid": 0.45, "malformed": 0.15, "cancelled": 0.1, "oversized": 0.05,
+           "slow_body": 0.08, "stalled": 0.07, "huge_prompt": 0.05, "flood": 0.05}
+SLACK_S = 2.0  # past a timeout, for the server's answer to arrive on a busy machine
+FLOOD = 24     # idle connections opened at once by a "flood"
 
 
 def own_rss() -> int:
@@ -114,11 +120,19 @@ class SoakReport:
 
 class Soak:
     def __init__(self, url: str, model: str, rss: Callable[[], int], max_body_bytes: int, seed: int = 0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, header_timeout_s: float = 10.0,
+                 body_timeout_s: float = 30.0) -> None:
         self.url, self.model, self.rss, self.limit = url, model, rss, max_body_bytes
         self.headers = headers or {}
         self.valid, self.malformed = valid_requests(model), malformed_requests(model)
         self.oversized = json.dumps({"model": model, "prompt": "x" * max_body_bytes}).encode()
+        text = "x" * (max_body_bytes - 200)  # fits the body, not the context
+        self.huge = [("completions", json.dumps({"model": model, "prompt": text}).encode()),
+                     ("chat/completions", json.dumps({"model": model, "messages": [{"role": "user", "content": text}]
+                                                      }).encode())]
+        self.timeouts = {"headers": header_timeout_s, "body": body_timeout_s}
+        self.host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.expected: list[str] = []
@@ -156,9 +170,11 @@ class Soak:
     def _client(self, index: int, deadline: float, report: SoakReport) -> None:
         with self.lock:
             rng = random.Random(self.rng.random())
+        kinds = list(WEIGHTS)
+        first = kinds[index::report.concurrency]  # between them, the clients send every kind first
         with httpx.Client(timeout=120, headers=self.headers) as client:
             while time.monotonic() < deadline:
-                kind = rng.choices(list(WEIGHTS), weights=list(WEIGHTS.values()))[0]
+                kind = first.pop(0) if first else rng.choices(kinds, weights=list(WEIGHTS.values()))[0]
                 try:
                     getattr(self, f"_{kind}")(client, rng, report)
                 except Exception as e:  # noqa: BLE001 - a transport error is a finding, not a crash
@@ -209,7 +225,84 @@ class Soak:
         if r.status_code != 413:
             self._fail(report, f"a body of {len(self.oversized)} bytes: {r.status_code} {r.text[:200]}, expected 413")
 
+    def _slow_body(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """A well-formed request whose body comes in two parts, a pause within the body timeout apart:
+        served as any other (it holds no place in the queue while it waits)."""
+        i = rng.choice([i for i, r in enumerate(self.valid) if not r["body"].get("stream")])
+        route, data = self.valid[i]["route"], json.dumps(self.valid[i]["body"]).encode()
+        with self._connect() as sock:
+            sock.sendall(self._head(route, str(len(data))) + data[:len(data) // 2])
+            time.sleep(rng.uniform(0.1, min(1.0, self.timeouts["body"] / 3)))
+            sock.sendall(data[len(data) // 2:])
+            status, body, _ = _read_answer(sock, 120)
+        if status:
+            self._saw(report, status)
+        if status != 200:
+            self._fail(report, f"slow body: {status} {body[:200]!r}, expected 200")
+            return
+        choice = json.loads(body)["choices"][0]
+        text = choice["message"]["content"] if route == "chat/completions" else choice["text"]
+        if text != self.expected[i]:
+            self._fail(report, f"slow body {i}: {text!r} differs from its answer alone {self.expected[i]!r}")
+
+    def _stalled(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """A request that stops half-way: a 408 once its part's timeout runs out (a connection that
+        sent nothing: closed, with no answer)."""
+        data = json.dumps({"model": self.model, "prompt": "hi"}).encode()
+        head = self._head("completions", str(len(data)))
+        part, first = rng.choice([("headers", b""), ("headers", head[:40]), ("body", head + data[:5]),
+                                  ("body", self._head("completions", "5, 5") + b"{}")])  # a list length h11 takes as 5
+        start = time.monotonic()
+        with self._connect() as sock:
+            sock.sendall(first)
+            status, body, closed = _read_answer(sock, self.timeouts[part] + SLACK_S)
+        took = time.monotonic() - start
+        if status:
+            self._saw(report, status)
+        expected = 408 if first else 0
+        if status != expected or not closed:
+            self._fail(report, f"stalled {part} ({first[-24:]!r}): {status or 'no answer'}, "
+                               f"{'closed' if closed else 'still open'} after {took:.1f} s; expected "
+                               f"{expected or 'no answer'} and the connection closed within {self.timeouts[part]:g} s")
+
+    def _huge_prompt(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """A prompt of ~1 MiB: a 400 context_length_exceeded at once, from its length alone."""
+        route, data = rng.choice(self.huge)
+        start = time.monotonic()
+        r = client.post(f"{self.url}/v1/{route}", content=data, headers={"content-type": "application/json"})
+        took = time.monotonic() - start
+        self._saw(report, r.status_code)
+        code = r.json().get("error", {}).get("code") if r.status_code == 400 else None
+        if code != "context_length_exceeded" or took > SLACK_S:
+            self._fail(report, f"a {len(data)}-byte prompt: {r.status_code} {r.text[:200]} after {took:.1f} s, "
+                               f"expected 400 context_length_exceeded at once")
+
+    def _flood(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """FLOOD connections opened at once and left idle a moment, then each asks /health: all served."""
+        socks = [self._connect() for _ in range(FLOOD)]
+        try:
+            time.sleep(rng.uniform(0.1, 0.5))
+            for sock in socks:
+                sock.sendall(f"GET /health HTTP/1.1\r\nHost: {self.host}\r\nConnection: close\r\n\r\n".encode())
+            for sock in socks:
+                status, body, _ = _read_answer(sock, 60)
+                if status:
+                    self._saw(report, status)
+                if status != 200:
+                    self._fail(report, f"flood: /health answered {status or 'nothing'} {body[:200]!r}")
+        finally:
+            for sock in socks:
+                sock.close()
+
     # -- helpers ------------------------------------------------------------------------------------------
+
+    def _connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port))
+
+    def _head(self, route: str, length: str) -> bytes:
+        auth = "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+        return (f"POST /v1/{route} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"{auth}Connection: close\r\nContent-Length: {length}\r\n\r\n").encode()
 
     def _text(self, client: httpx.Client, request: dict[str, Any], report: SoakReport) -> str:
         """The text of a well-formed request ("" and a failure if it did not get a 200)."""
@@ -259,3 +352,19 @@ class Soak:
             if running == 0 or time.monotonic() > deadline:
                 return running
             time.sleep(0.2)
+
+
+def _read_answer(sock: socket.socket, timeout_s: float) -> tuple[int, bytes, bool]:
+    """(status, body, closed) of what the server sends on a connection it should close: status 0
+    for no answer; closed False when it was still open after `timeout_s`."""
+    sock.settimeout(timeout_s)
+    data, closed = b"", True
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        closed = False
+    except ConnectionResetError:
+        pass
+    head, _, body = data.partition(b"\r\n\r\n")
+    return (int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else 0), body, closed

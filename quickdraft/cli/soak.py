@@ -14,6 +14,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     from quickdraft.bench.soak import Soak, own_rss
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.server import BackgroundServer, ServerConfig
+    from quickdraft.server.connections import ConnectionLimits
     from quickdraft.proposers import SpecConfig
 
     if args.duration <= 0 or args.concurrency < 1 or args.max_batch < 1:
@@ -22,9 +23,12 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     llm = load_llm(args, spec, progress=sys.stderr.isatty())
     engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len)
-    config = ServerConfig("soak", spec, engine)
+    # short timeouts, so that the stalled requests of the mix turn over within seconds
+    config = ServerConfig("soak", spec, engine, connections=ConnectionLimits(header_timeout_s=2.0, body_timeout_s=3.0))
     server = BackgroundServer(llm, config, engine_thread=False)
-    soak = Soak(server.url, config.model_name, own_rss, config.max_body_bytes, args.seed)
+    limits = config.connections
+    soak = Soak(server.url, config.model_name, own_rss, config.max_body_bytes, args.seed,
+                header_timeout_s=limits.header_timeout_s, body_timeout_s=limits.body_timeout_s)
     reports = []
     server.run_clients(lambda: reports.append(soak.run(args.duration, args.concurrency, progress=lambda line: print(
         f"soak: {line}", file=sys.stderr))), "soak-clients")
@@ -44,7 +48,8 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
 def add_bench_soak(bsub) -> None:
     sk = bsub.add_parser("soak", help="the server under mixed valid, malformed, cancelled and oversized requests "
-                                      "for a while: no 5xx, valid answers as alone, flat memory")
+                                      "and hostile clients (slow, stalled, huge, floods) for a while: no 5xx, "
+                                      "valid answers as alone, flat memory")
     add_model_args(sk)
     sk.add_argument("--spec", default="ngram", help="the server's default proposer (default ngram)")
     sk.add_argument("-k", type=int, default=8, help="draft tokens per step (default 8)")
