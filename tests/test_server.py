@@ -120,6 +120,30 @@ def test_chat_streaming_equals_non_streaming_and_the_api(server: Server, llm) ->
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
 
+def test_a_resent_history_reuses_the_cached_prefix(server: Server, dirs) -> None:
+    """A chat client's second turn resends the first and its answer: the server reports the cached
+    part (usage.prompt_tokens_details.cached_tokens, OpenAI's field, in the final stream chunk too)
+    and /metrics counts it, and the answer is the one a model with no prefix cache gives."""
+    history = [{"role": "user", "content": "Tell me about the sea and the ships on it, please. " * 4}]
+    first = server.client.chat.completions.create(model=NAME, messages=history, max_tokens=24, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And the harbours?"}]
+    before = server.metrics().get("quickdraft_prefix_cache_hit_tokens_total", 0.0)
+    second = server.client.chat.completions.create(model=NAME, messages=history, max_tokens=24, temperature=0)
+    chunks = list(server.client.chat.completions.create(model=NAME, messages=history, max_tokens=24, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+    cold = quickdraft.load(str(dirs[0]), prefix_cache_mb=0)
+    expected = cold.generate(messages=history, params=SamplingParams(max_new_tokens=24)).text
+    assert second.choices[0].message.content == expected == "".join(c.choices[0].delta.content or ""
+                                                                    for c in chunks if c.choices)
+    metrics = server.metrics()
+    assert metrics["quickdraft_prefix_cache_hit_tokens_total"] - before >= 2 * cached
+    assert 0 < metrics["quickdraft_prefix_cache_bytes"] <= metrics["quickdraft_prefix_cache_budget_bytes"]
+
+
 def test_sse_wire_format_ends_with_done(server: Server) -> None:
     body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:

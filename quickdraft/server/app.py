@@ -66,13 +66,13 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     """engine_thread: run the engine on a thread started with the app; False leaves it to the
     caller to run `app.state.worker.run()` on its own thread (see worker.py for why). bind: the
     address served, which decides the Host names answered."""
-    engine = Engine(llm.model, config.engine, cost)
+    engine = Engine(llm.model, config.engine, cost, prefix=llm.prefix)  # the model's, shared with LLM.generate
     try:  # loaded here, on the model's thread: a request asking for the head then only reuses it
         llm.draft_head(config.spec.head)
         head_error = None
     except SpecConfigError as e:
         head_error = str(e)
-    metrics = Metrics()
+    metrics = Metrics(llm.prefix)
     worker = EngineWorker(engine, metrics)
     prompts = Prompts(llm.tokenizer)
 

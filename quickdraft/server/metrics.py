@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server: requests, tokens, drafts and acceptance, queue, step time.
+"""Prometheus metrics of one server: requests, tokens, drafts and acceptance, queue, step time,
+the prefix cache.
 
 Counters advance as token events arrive (deltas of each request's cumulative stats), so a long
 request shows up while it runs. One registry per server, never the process-global one.
@@ -8,21 +9,26 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.prefix_cache import BLOCK, PrefixCache
 
 PREFIX = "quickdraft"
 LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, prefix: PrefixCache | None = None) -> None:
+        """prefix: the model's prefix cache, whose size and evictions are read at scrape time."""
         self.registry = CollectorRegistry()
+        self.prefix = prefix
         r = self.registry
         self.requests = Counter(f"{PREFIX}_requests", "Finished requests by finish reason "
                                 "(stop, length, error, cancelled)", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}_prefix_cache_hit_tokens", "Prompt tokens whose K/V came from the "
+                                     "prefix cache (not prefilled)", registry=r)
         self.generated = Counter(f"{PREFIX}_generated_tokens", "New tokens generated", registry=r)
         self.drafted = Counter(f"{PREFIX}_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter(f"{PREFIX}_accepted_tokens", "Draft tokens accepted", registry=r)
@@ -59,7 +65,8 @@ class Metrics:
     def observe_event(self, request_id: str, event: TokenEvent) -> None:
         new, old = event.stats, self._last.get(request_id, GenerationStats())
         if not old.target_passes and new.target_passes:
-            self.prompt_tokens.inc(new.prompt_tokens)
+            self.prompt_tokens.inc(new.prompt_tokens - new.cached_tokens)
+            self.cached_tokens.inc(new.cached_tokens)
         self.generated.inc(new.new_tokens - old.new_tokens)
         self.drafted.inc(new.drafted_tokens - old.drafted_tokens)
         self.accepted.inc(new.accepted_tokens - old.accepted_tokens)
@@ -107,3 +114,11 @@ class _Derived:
         for i, (d, a) in enumerate(zip(drafted_at, accepted_at)):
             by_pos.add_metric([str(i + 1)], a / d if d else 0.0)
         yield by_pos
+        if m.prefix is not None:
+            stats = m.prefix.stats
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_bytes", "Bytes of K/V the prefix cache holds",
+                                    value=stats.bytes)
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_budget_bytes", "The prefix cache's budget",
+                                    value=m.prefix.budget_bytes)
+            yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_blocks", "Blocks of "
+                                      f"{BLOCK} tokens evicted to stay within the budget", value=stats.evictions)

@@ -23,9 +23,10 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                         status_code=status, headers=headers)
 
 
-def usage(stats: GenerationStats) -> dict[str, int]:
+def usage(stats: GenerationStats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens}
+            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # OpenAI's field
 
 
 def _envelope(kind: Kind, request_id: str, model: str, chunk: bool) -> dict[str, Any]:
