@@ -21,6 +21,7 @@ import pytest
 from quickdraft.cli import main
 from quickdraft.server.app import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
+from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_TOOL_CALLS
 from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
 
@@ -66,6 +67,13 @@ class Steady:
         during, usual = [s for _, s in self.runs], statistics.median(self.before)
         assert statistics.median(during) < 2 * usual + 0.1, f"streams took {during} s in the attack, {usual:.2f} s before"
         assert max(during) < 1.5, f"a stream stalled {max(during):.2f} s during the attack"
+
+
+@pytest.fixture(scope="module")
+def server(llm):  # noqa: F811
+    s = Server(llm, max_batch=2)
+    yield s
+    s.stop()
 
 
 def address(server: Server) -> tuple[str, int]:
@@ -205,6 +213,38 @@ def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> No
         s.stop()
 
 
+def test_long_tokenizations_never_hold_up_a_short_one(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+    """Three long prompts whose tokenization hangs (held here): two fill the long texts' threads and
+    one waits; a short request and the steady stream are served meanwhile (one pool of two threads
+    made them wait behind the long ones)."""
+    started, release = threading.Semaphore(0), threading.Event()
+    encode = llm.tokenizer.encode
+
+    def held_encode(text: str, *args: bool) -> list[int]:
+        if len(text) >= LONG_CHARS:
+            started.release()
+            release.wait(20)
+        return encode(text, *args)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", held_encode)
+    steady = Steady(server, llm)
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            long = [pool.submit(httpx.post, f"{server.url}/v1/completions", timeout=60,
+                                json={"model": NAME, "prompt": "y" * LONG_CHARS, "max_tokens": 1}) for _ in range(3)]
+            assert started.acquire(timeout=10) and started.acquire(timeout=10)
+            start = time.monotonic()
+            r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                           json={"model": NAME, "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0})
+            assert time.monotonic() - start < 3 and r.status_code == 200
+            assert r.json()["choices"][0]["text"] == alone(llm, PROMPTS[2], 8, {"method": "none"})
+            steady.check()
+        finally:
+            release.set()
+            steady.stop()
+        assert [f.result().json()["error"]["code"] for f in long] == ["context_length_exceeded"] * 3
+
+
 # -- item 3: half-open connections, and more connections than the cap ----------------------------------------
 
 def test_partial_requests_are_closed_within_the_timeouts(llm) -> None:  # noqa: F811
@@ -324,13 +364,6 @@ def test_connections_past_the_cap_are_refused_at_once(llm) -> None:  # noqa: F81
 
 
 # -- item 4: every list and string bounded, the bounds published --------------------------------------------
-
-@pytest.fixture(scope="module")
-def server(llm):  # noqa: F811
-    s = Server(llm, max_batch=2)
-    yield s
-    s.stop()
-
 
 def unbounded(schema: dict, components: dict, path: str = "", seen: frozenset = frozenset()) -> list[str]:
     """The places in a request schema where a string, array or object has no bound."""

@@ -1,9 +1,10 @@
 """A request's text on its way to token ids: the tokenizer's work off the event loop, bounded.
 
 A prompt that cannot fit the context is refused from its length alone (Tokenizer.min_tokens)
-before any tokenizer work; the rest is rendered and tokenized on a pool of its own, at most
-TOKENIZE_THREADS at once (a 1 MiB prompt takes ~1 s of a core and ~100 MB while it is
-tokenized); and after a long text the allocator gives the freed memory back to the system.
+before any tokenizer work; the rest is rendered and tokenized on threads of their own, at most
+TOKENIZE_THREADS at once for long texts and as many for short ones, so that long ones (a 1 MiB
+prompt takes ~1 s of a core and ~100 MB) wait for each other and never hold up a short one; and
+after a long text the allocator gives the freed memory back to the system.
 Knows the tokenizer, not the engine.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any, TypeVar
 
 from quickdraft.tokenizer import Message, Tokenizer
 
-TOKENIZE_THREADS = 2     # tokenizations at once; more wait their turn (each request already holds a queue place)
+TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
+LONG_CHARS = 1 << 14     # a long text (~16 ms to tokenize and up)
 TRIM_AFTER_CHARS = 1 << 16  # after a text this long, free heap pages go back to the system
 TRIM_DELAY_S = 0.5       # ... this long after it, once for all the texts in between (malloc_trim walks the heap)
 
@@ -38,7 +40,8 @@ def _malloc_trim() -> Callable[[], None] | None:
 class Prompts:
     def __init__(self, tokenizer: Tokenizer, threads: int = TOKENIZE_THREADS) -> None:
         self.tokenizer = tokenizer
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="quickdraft-tokenize")
+        self.pools = {long: ThreadPoolExecutor(threads, thread_name_prefix=f"quickdraft-tokenize-{name}")
+                      for long, name in ((False, "short"), (True, "long"))}
         self.bytes_per_token = tokenizer.bytes_per_token  # computed once, here, not on a request
         self._trim, self._timer, self._lock = _malloc_trim(), None, threading.Lock()
 
@@ -46,16 +49,18 @@ class Prompts:
         """A lower bound on the text's tokens: on the event loop when it is a length (O(n) at memcpy
         speed), on the pool when the text must be normalized first."""
         bound = self.tokenizer.min_tokens(text, normalize=False)
-        return bound if bound is not None else await self._run(self.tokenizer.min_tokens, text)
+        return bound if bound is not None else await self._run(len(text), self.tokenizer.min_tokens, text)
 
     async def chat_text(self, messages: list[Message]) -> str:
-        return await self._run(self.tokenizer.chat_text, messages)
+        """The chat template's text (rendering is fast next to tokenizing: a short task at any size)."""
+        return await self._run(0, self.tokenizer.chat_text, messages)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._run(self.tokenizer.encode, text, add_special_tokens)
+        return await self._run(len(text), self.tokenizer.encode, text, add_special_tokens)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+    async def _run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        pool = self.pools[size >= LONG_CHARS]
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def done_with(self, text: str) -> None:
         """A request is done with `text`: if it was long, the heap's free pages go back to the system
