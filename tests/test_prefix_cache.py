@@ -277,3 +277,38 @@ def test_memory_stays_within_the_budget_under_many_prompts() -> None:
         assert prefix.stats.bytes <= prefix.budget_bytes
         assert prefix.stats.blocks == len([n for n in prefix._nodes()])
     assert prefix.stats.evictions > 0 and prefix.stats.hit_tokens == 0
+
+
+# -- the Python API -----------------------------------------------------------------------------------------
+
+def test_a_notebook_chat_reuses_its_earlier_turns(tmp_path) -> None:
+    """LLM.generate shares the model's prefix cache across calls: a second turn resending the first
+    reports cached tokens (stats and to_dict) and gives what a model without the cache gives."""
+    import quickdraft
+    from tiny_tokenizer import tiny_llm_dir
+
+    path = tiny_llm_dir(tmp_path / "m", max_position_embeddings=2048)
+    warm, cold = quickdraft.load(str(path)), quickdraft.load(str(path), prefix_cache_mb=0)
+    assert cold.prefix is None and warm.prefix.budget_bytes > 0
+    history = [{"role": "user", "content": "Tell me about the sea and the ships on it, please. " * 4}]
+    first = warm.generate(messages=history, params=greedy(20))
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the harbours?"}]
+    second = warm.generate(messages=history, params=greedy(20))
+    assert second.stats.cached_tokens > 0 and second.stats.to_dict()["cached_tokens"] == second.stats.cached_tokens
+    assert second.token_ids == cold.generate(messages=history, params=greedy(20)).token_ids
+
+
+def test_a_consumer_that_stops_early_leaves_its_tokens_to_the_cache() -> None:
+    """A caller that stops iterating (a stop string found, a client gone) closes generate_tokens:
+    the tokens committed so far are kept, not only the prompt's."""
+    from quickdraft.engine import generate_tokens
+
+    model = tiny(MODEL, init=0.1)
+    prefix, prompt = prefix_for(model), tokens(12, 20)
+    events, got = generate_tokens(model, prompt, greedy(60), prefix=prefix), []
+    for event in events:
+        got += event.token_ids
+        if len(got) >= 30:
+            break
+    events.close()
+    assert prefix.hit(prompt + got, len(prompt) + len(got)) == (len(prompt) + len(got) - 1) // BLOCK * BLOCK > 16

@@ -101,7 +101,8 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig:
 
 
 def stats_line(stats: GenerationStats, finish: str | None) -> str:
-    line = (f"prompt {stats.prompt_tokens} tokens | new {stats.new_tokens} tokens | "
+    cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
+    line = (f"prompt {stats.prompt_tokens} tokens{cached} | new {stats.new_tokens} tokens | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | {stats.tokens_per_s:.1f} tokens/s | "
             f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass")
     if stats.drafted_tokens:

@@ -64,7 +64,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens, "new_tokens": self.new_tokens,
             "ttft_s": self.ttft_s, "total_s": self.total_s, "tokens_per_s": self.tokens_per_s,
             "target_passes": self.target_passes, "committed_tokens": self.committed_tokens,
             "drafted_tokens": self.drafted_tokens,
