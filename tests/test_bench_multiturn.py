@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,9 +19,10 @@ from quickdraft.bench import llama_server, multiturn
 from quickdraft.bench.amx_guard import has_amx
 from quickdraft.bench.multiturn import (SessionPlan, history, plan_sessions, run_sessions, shared_system_prompt,
                                         truncate)
-from quickdraft.bench.multiturn_report import build_results, first_turns, markdown_report, per_turn, write_outputs
-from quickdraft.bench.multiturn_targets import (ServerSettings, Target, llama_server_command, parse_targets,
-                                                quickdraft_command)
+from quickdraft.bench.multiturn_report import (build_results, first_turns, markdown_report, per_turn, summarize,
+                                               write_outputs)
+from quickdraft.bench.multiturn_targets import (ServerSettings, Target, llama_server_command, measure_rounds,
+                                                parse_targets, quickdraft_command)
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.data import user_turns, without_benchmark
 
@@ -120,8 +122,9 @@ def test_the_report_takes_medians_per_turn_and_ratios_to_the_first_target(tmp_pa
     assert first_turns(fast) == {"session1_ttft_s": 1.0, "others_median_ttft_s": pytest.approx(0.3),
                                  "others_over_session1": pytest.approx(0.3)}
     results = build_results({"command": "quickdraft bench multiturn", "model": "m", "sessions": 3, "turns": 4,
-                             "max_tokens": 8, "threads": 2, "cpu": "a CPU", "date": "today"},
-                            {"cache": {"wall_s": 2.0, "records": fast}, "other": {"wall_s": 4.0, "records": slow}})
+                             "max_tokens": 8, "threads": 2, "rounds": 1, "cpu": "a CPU", "date": "today"},
+                            {"cache": {"rounds": [{"wall_s": 2.0, "records": fast}]},
+                             "other": {"rounds": [{"wall_s": 4.0, "records": slow}]}})
     r = results["ratios"]["other"]
     assert r["ttft_per_turn"] == {1: pytest.approx(0.4 / 2.0), 4: pytest.approx(0.2 / 2.0)}
     assert r["ttft_late_median"] == pytest.approx(0.2 / 2.0) and r["output_tokens_per_s"] == pytest.approx(2.0)
@@ -131,6 +134,23 @@ def test_the_report_takes_medians_per_turn_and_ratios_to_the_first_target(tmp_pa
     written = write_outputs(results, tmp_path)
     assert [p.name for p in written] == ["multiturn.json", "multiturn.md", "ttft.png"]
     assert json.loads(written[0].read_text())["ratios"]["other"]["ttft_mean"] > 0
+
+
+def test_rounds_alternate_the_order_and_throughput_is_their_median() -> None:
+    order = []
+    walls = iter([1.0, 2.0, 4.0, 8.0, 3.0, 6.0])
+
+    def one(t: Target) -> dict:
+        order.append(t.name)
+        return {"command": [t.name], "server": {}, "wall_s": next(walls), "records": _records({(1, 1): 0.5})}
+
+    targets = [Target("a", "quickdraft"), Target("b", "quickdraft", prefix_cache=False)]
+    runs = measure_rounds(targets, 3, one)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert [r["wall_s"] for r in runs["a"]["rounds"]] == [1.0, 8.0, 3.0]
+    assert [rec["round"] for r in runs["b"]["rounds"] for rec in r["records"]] == [1, 2, 3]
+    s = summarize(runs["a"]["rounds"])
+    assert s["rounds"] == 3 and s["wall_s"] == 3.0 and s["output_tokens_per_s"] == 8 / 3.0 and s["requests"] == 3
 
 
 def test_targets_and_their_command_lines() -> None:
@@ -153,7 +173,7 @@ def test_targets_and_their_command_lines() -> None:
 def test_llama_server_starts_through_the_amx_guard_where_amx_is(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama_server, "has_amx", lambda: True)
     cmd = llama_server.launch_command(Path("bin/llama-server"), ["--threads", "2"])
-    assert cmd[:2] == [sys.executable, str(llama_server.AMX_GUARD)] and cmd[2:] == ["bin/llama-server", "--threads", "2"]
+    assert cmd == [sys.executable, str(llama_server.AMX_GUARD), "bin/llama-server", "--threads", "2"]
     monkeypatch.setattr(llama_server, "has_amx", lambda: False)
     assert llama_server.launch_command(Path("bin/llama-server"), ["-t"]) == ["bin/llama-server", "-t"]
 
@@ -187,7 +207,7 @@ def test_a_real_run_against_quickdraft_serve(tmp_path: Path) -> None:
              SessionPlan(("Say hello in French.", "And in Spanish?", "And in German?"))]
     settings = ServerSettings("smollm2-135m", resolve_model("smollm2-135m").path, threads=1, sessions=2,
                               max_seq_len=1024)
-    run = measure(Target("quickdraft", "quickdraft"), settings, plans, 8, False, None, dict(__import__("os").environ),
+    run = measure(Target("quickdraft", "quickdraft"), settings, plans, 8, False, None, dict(os.environ),
                   tmp_path, lambda line: None)
     records = run["records"]
     assert sorted((r["session"], r["turn"]) for r in records) == [(s, t) for s in (1, 2) for t in (1, 2, 3)]
@@ -200,8 +220,4 @@ def test_a_real_run_against_quickdraft_serve(tmp_path: Path) -> None:
     # The server reports usage.prompt_tokens_details.cached_tokens; from turn 2 on, the history resent
     # starts with tokens the cache holds.
     assert all(r["cached_tokens"] is not None for r in records)
-    if not any(r["cached_tokens"] for r in records):
-        # PENDING (issue 30): the server does not pass its prefix cache to its engine yet, so it reports 0
-        # cached tokens everywhere. Delete this xfail once it does: the assertion below must then pass.
-        pytest.xfail("the server reports no cached tokens: its prefix cache is not wired to its engine yet")
     assert all(r["cached_tokens"] > 0 for r in records if r["turn"] >= 2)

@@ -1,7 +1,7 @@
-"""`quickdraft bench multiturn`'s numbers: per target, TTFT per turn (median over sessions), prompt
-and cached tokens per turn, total throughput, the first turn of session 1 against the others'; and
-the ratios of the first target (quickdraft with its prefix cache) to each other one, all from
-records measured in the same run. Markdown tables, the JSON object and the chart.
+"""`quickdraft bench multiturn`'s numbers: per target, TTFT per turn (median over sessions and
+rounds), prompt and cached tokens per turn, total throughput, the first turn of session 1 against
+the others'; and the ratios of the first target (quickdraft with its prefix cache) to each other
+one, all from records measured in the same run. Markdown tables, the JSON object and the chart.
 
 Knows records (multiturn.TurnRecord as dicts) and numbers, not servers.
 """
@@ -47,23 +47,28 @@ def per_turn(records: Sequence[dict]) -> list[dict[str, Any]]:
 
 
 def first_turns(records: Sequence[dict]) -> dict[str, float | None]:
-    """Turn 1's TTFT of session 1 and the median of the others' (a shared system prompt read by
-    session 1 first is what the others may find cached)."""
-    first = {r["session"]: r["ttft_s"] for r in records if r["turn"] == 1}
-    others = [t for s, t in first.items() if s != 1]
-    lead = first.get(1)
+    """Turn 1's TTFT of session 1 and of the others, medians over rounds (and sessions): a shared
+    system prompt read by session 1 first is what the others may find cached."""
+    lead = [r["ttft_s"] for r in records if r["turn"] == 1 and r["session"] == 1]
+    others = [r["ttft_s"] for r in records if r["turn"] == 1 and r["session"] != 1]
+    lead_s = statistics.median(lead) if lead else None
     median = statistics.median(others) if others else None
-    return {"session1_ttft_s": lead, "others_median_ttft_s": median,
-            "others_over_session1": median / lead if median is not None and lead else None}
+    return {"session1_ttft_s": lead_s, "others_median_ttft_s": median,
+            "others_over_session1": median / lead_s if median is not None and lead_s else None}
 
 
-def summarize(wall_s: float, records: Sequence[dict]) -> dict[str, Any]:
+def summarize(rounds: Sequence[dict]) -> dict[str, Any]:
+    """One target over its rounds ({"wall_s", "records"} each): TTFT and tokens over every record,
+    wall time and output tokens/s as medians over rounds."""
+    records = [r for run in rounds for r in run["records"]]
     late = [r["ttft_s"] for r in records if r["turn"] >= LATE_TURN]
     completion = sum(r["completion_tokens"] for r in records)
-    prompt = sum(r["prompt_tokens"] for r in records)
-    return {"wall_s": wall_s, "requests": len(records), "completion_tokens": completion, "prompt_tokens": prompt,
+    return {"rounds": len(rounds), "wall_s": statistics.median(run["wall_s"] for run in rounds),
+            "requests": len(records), "completion_tokens": completion,
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records),
             "cached_tokens": _sum_or_none([r["cached_tokens"] for r in records]),
-            "output_tokens_per_s": completion / wall_s if wall_s else 0.0,
+            "output_tokens_per_s": statistics.median(sum(r["completion_tokens"] for r in run["records"]) / run["wall_s"]
+                                                     for run in rounds),
             "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in records),
             "ttft_late_median_s": statistics.median(late) if late else None,
             "per_turn": per_turn(records), "first_turn": first_turns(records)}
@@ -84,8 +89,8 @@ def ratios(base: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_results(config: dict[str, Any], runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`runs`: target name -> {"wall_s", "records", ...}, in the order measured; the first is the base."""
-    summaries = {name: summarize(run["wall_s"], run["records"]) for name, run in runs.items()}
+    """`runs`: target name -> {"rounds": [{"wall_s", "records"}, ...], ...}, the base target first."""
+    summaries = {name: summarize(run["rounds"]) for name, run in runs.items()}
     base = next(iter(summaries))
     return {"config": config, "base": base, "summary": summaries,
             "ratios": {name: ratios(summaries[base], s) for name, s in summaries.items() if name != base},
@@ -112,20 +117,22 @@ def markdown_report(results: dict[str, Any]) -> str:
     rows = {n: {row["turn"]: row for row in s["per_turn"]} for n, s in summary.items()}
     out = [f"`{c['command']}`", "",
            f"{c['model']}, {c['sessions']} sessions x {c['turns']} turns, {c['max_tokens']} tokens per answer, "
-           f"{c['threads']} threads, CPU: {c['cpu']}, {c['date']}", "",
-           "TTFT per turn, median over sessions (s), and " + base + "'s ratio to each other target:", "",
+           f"{c['threads']} threads, {c['rounds']} round(s), CPU: {c['cpu']}, {c['date']}", "",
+           "TTFT per turn, median over sessions and rounds (s), and " + base + "'s ratio to each other target:", "",
            "| turn | " + " | ".join(names) + "".join(f" | {base} / {n}" for n in others) + " |",
            "|---:|" + "---:|" * (len(names) + len(others))]
     for t in turns:
         cells = [_s(rows[n].get(t, {}).get("ttft_median_s")) for n in names]
         cells += [_x(results["ratios"][n]["ttft_per_turn"].get(t)) for n in others]
         out.append(f"| {t} | " + " | ".join(cells) + " |")
-    out += ["", "Prompt tokens per turn, mean over sessions (cached tokens in brackets; - where not reported):",
+    out += ["", "Prompt tokens per turn, mean over sessions and rounds (cached tokens in brackets; - where not "
+                "reported):",
             "", "| turn | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     out += [f"| {t} | " + " | ".join(_tokens(rows[n][t]) if t in rows[n] else "-" for n in names) + " |"
             for t in turns]
-    out += ["", f"| target | wall (s) | output tokens/s | TTFT mean (s) | TTFT median, turn >= {LATE_TURN} (s) | "
-                "turn 1: session 1 (s) | turn 1: sessions 2+, median (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    out += ["", f"| target | wall (s), median | output tokens/s, median | TTFT mean (s) | "
+                f"TTFT median, turn >= {LATE_TURN} (s) | turn 1: session 1 (s) | turn 1: sessions 2+, median (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     for n, s in summary.items():
         f = s["first_turn"]
         out.append(f"| {n} | {s['wall_s']:.1f} | {s['output_tokens_per_s']:.1f} | {_s(s['ttft_mean_s'])} | "

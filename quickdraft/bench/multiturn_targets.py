@@ -212,5 +212,18 @@ def measure(target: Target, s: ServerSettings, plans: Sequence[SessionPlan], max
         wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
         info = server_info(target, server)
     log(f"{target.name}: {len(records)} turns in {wall:.1f} s")
-    return {"target": asdict(target), "command": command, "server": info, "wall_s": wall,
-            "records": [asdict(r) for r in records]}
+    return {"command": command, "server": info, "wall_s": wall, "records": [asdict(r) for r in records]}
+
+
+def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target], dict]) -> dict[str, dict]:
+    """Every target `rounds` times (`one` measures it once, on a fresh server), the order reversed
+    every other round so that a drift of the machine falls on all alike. Target name -> its
+    description, the last command and server info, and {"wall_s", "records"} per round."""
+    runs = {t.name: {"target": asdict(t), "rounds": []} for t in targets}
+    for r in range(rounds):
+        for t in (targets if r % 2 == 0 else targets[::-1]):
+            run = one(t)
+            records = [{**rec, "round": r + 1} for rec in run["records"]]
+            runs[t.name].update(command=run["command"], server=run["server"])
+            runs[t.name]["rounds"].append({"wall_s": run["wall_s"], "records": records})
+    return runs

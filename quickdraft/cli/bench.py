@@ -412,9 +412,10 @@ def _tokenizer(source: ModelSource) -> Tokenizer:
 
 def _multiturn_check(args: argparse.Namespace) -> list[int]:
     """Every flag checked before anything slow; the llama-server slot counts."""
-    if min(args.sessions, args.turns, args.max_tokens, args.user_chars, args.threads, args.max_seq_len) < 1:
-        raise QuickdraftError("--sessions, --turns, --max-tokens, --user-chars, --threads and --max-seq-len "
-                              "must be >= 1")
+    if min(args.sessions, args.turns, args.max_tokens, args.user_chars, args.threads, args.max_seq_len,
+           args.rounds) < 1:
+        raise QuickdraftError("--sessions, --turns, --max-tokens, --user-chars, --threads, --max-seq-len and "
+                              "--rounds must be >= 1")
     if args.shared_system_tokens < 0 or (args.prefix_cache_mb is not None and args.prefix_cache_mb < 1):
         raise QuickdraftError("--shared-system-tokens must be >= 0 and --prefix-cache-mb >= 1")
     try:
@@ -435,7 +436,7 @@ def _multiturn_config(args: argparse.Namespace, model_file: Path, slots: list[in
     from quickdraft.bench.multiturn_report import cpu_name
     return {"command": " ".join(["quickdraft", *sys.argv[1:]]), "model": args.model, "model_file": str(model_file),
             "cpu": cpu_name(), "threads": args.threads, "sessions": args.sessions, "turns": args.turns,
-            "max_tokens": args.max_tokens, "user_chars": args.user_chars, "max_seq_len": args.max_seq_len,
+            "rounds": args.rounds, "max_tokens": args.max_tokens, "user_chars": args.user_chars, "max_seq_len": args.max_seq_len,
             "dtype": args.dtype, "device": args.device, "spec": args.spec, "k": args.k,
             "prefix_cache_mb": args.prefix_cache_mb, "shared_system_tokens": args.shared_system_tokens,
             "lead_session": args.lead_session, "llama_slots": slots, "llama_cache_ram_mb": args.llama_cache_ram,
@@ -448,7 +449,7 @@ def cmd_bench_multiturn(args: argparse.Namespace) -> int:
     from quickdraft.bench.llama_server import ensure_llama_server
     from quickdraft.bench.llamacpp_engine import worker_environment
     from quickdraft.bench.multiturn_report import build_results, markdown_report, write_outputs
-    from quickdraft.bench.multiturn_targets import ServerSettings, measure, parse_targets
+    from quickdraft.bench.multiturn_targets import ServerSettings, measure, measure_rounds, parse_targets
     from quickdraft.weights.resolve import resolve_model
     slots = _multiturn_check(args)
     targets = parse_targets(args.targets, slots)
@@ -466,8 +467,8 @@ def cmd_bench_multiturn(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="quickdraft-multiturn-") as tmp:
         log_dir = Path(args.out) / "logs" if args.out else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        runs = {t.name: measure(t, settings, plans, args.max_tokens, args.lead_session, binary,
-                                worker_environment(), log_dir, log) for t in targets}
+        runs = measure_rounds(targets, args.rounds, lambda t: measure(
+            t, settings, plans, args.max_tokens, args.lead_session, binary, worker_environment(), log_dir, log))
     results = build_results(_multiturn_config(args, source.path, slots if uses_llama else None), runs)
     print(json.dumps(results, indent=1) if args.json else markdown_report(results), end="\n" if args.json else "")
     if args.out:
@@ -491,6 +492,9 @@ def add_bench_multiturn(bsub) -> None:
                     help="tokens per conversation: quickdraft's --max-seq-len, llama-server's context per slot "
                          "(default 4096)")
     mt.add_argument("--threads", type=int, default=2, help="CPU threads of every server (default 2)")
+    mt.add_argument("--rounds", type=int, default=1,
+                    help="every target this many times, each on a fresh server, the order reversed every other "
+                         "round; TTFT medians over sessions and rounds (default 1)")
     mt.add_argument("--targets", default="quickdraft,no-cache,llama-server",
                     help="comma-separated: quickdraft (its prefix cache; the base of the ratios), no-cache "
                          "(quickdraft --no-prefix-cache), llama-server (one per --llama-slots) "
