@@ -34,7 +34,7 @@ def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> N
     cache.add_argument("--prefix-cache-mb", type=int, metavar="MIB",
                        help="memory for the K/V of earlier prompts and answers, which a prompt starting with the "
                             f"same tokens reuses instead of prefilling them (default: {DEFAULT_MB} MiB, at most an "
-                            "eighth of this machine's memory)")
+                            "eighth of this machine's memory; 0: none)")
     cache.add_argument("--no-prefix-cache", action="store_true",
                        help="prefill every prompt whole (no K/V kept across requests)")
     p.add_argument("--activations", choices=list(ACTIVATIONS),
