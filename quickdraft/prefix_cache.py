@@ -22,8 +22,9 @@ import heapq
 import itertools
 import os
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -76,6 +77,16 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._tick = itertools.count(1)
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding the lock (a store from it must not wait for itself)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     @staticmethod
     def block_size(config: ModelConfig, dtype: torch.dtype, features: bool = True) -> int:
@@ -86,18 +97,18 @@ class PrefixCache:
     def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> torch.Tensor | None:
         """Copy the K/V of the longest cached prefix of `tokens[:limit]` into slots 0.. of `row`
         and count the hit; its features [n, D] (n a multiple of BLOCK), None if nothing matched."""
-        with self._lock:
+        with self._locked():
             path = self._copy_in(tokens, limit, cache, row)
             return torch.cat([node.features for node in path]) if path else None
 
     def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> int:
         """`fetch` for a cache without features: how many tokens' K/V it copied (a multiple of BLOCK)."""
-        with self._lock:
+        with self._locked():
             return len(self._copy_in(tokens, limit, cache, row)) * BLOCK
 
     def hit(self, tokens: Sequence[int], limit: int) -> int:
         """How many tokens of `tokens[:limit]` a fetch would give now (a multiple of BLOCK); copies nothing."""
-        with self._lock:
+        with self._locked():
             return len(self.match(tokens, limit)) * BLOCK
 
     def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> list[_Node]:
@@ -133,9 +144,13 @@ class PrefixCache:
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None) -> None:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
         features [n, D], in whole blocks (a cache without features: of all `tokens`); blocks
-        already held are only marked used. Less is kept where the budget cannot make room."""
+        already held are only marked used. Less is kept where the budget cannot make room; none
+        where this thread is inside a call already (a stream that the garbage collector closes in
+        the middle of one offers its tokens: waiting for the lock would wait for itself)."""
         assert (features is not None) == self.features, "features are kept by a cache made to keep them, only"
-        with self._lock:
+        if self._owner == threading.get_ident():
+            return
+        with self._locked():
             self._store(tokens, cache, row, features)
 
     def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None) -> None:

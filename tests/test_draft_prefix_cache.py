@@ -31,6 +31,10 @@ MB = 1 << 20
 K = 4
 
 
+def kv_cache(model, budget: int) -> PrefixCache:
+    return PrefixCache(budget, model.config, model.compute_dtype, features=False)
+
+
 def member(drafter: Drafter, prompt: list[int], new: int = 24) -> DraftModelProposer:
     return DraftModelProposer(drafter, prompt, greedy(new), len(prompt) + new + K + 1)
 
@@ -65,7 +69,7 @@ def test_a_prefix_from_the_cache_is_bitwise_a_fresh_catch_up(name: str) -> None:
     of a drafter without the cache. Float weights too: the catch-up runs in forwards of at most the
     C kernel's rows, where every row's result is independent of the others'."""
     draft = tiny(name)
-    drafter, fresh = Drafter(draft, prefix_bytes=64 * MB), Drafter(draft, prefix_bytes=0)
+    drafter, fresh = Drafter(draft, prefix=kv_cache(draft, 64 * MB)), Drafter(draft)
     first = tokens(10, 150)
     a = member(drafter, first, new=30)
     answer = [t for e in generate_tokens(target(), first, greedy(30), frozenset(), a, K, adaptive=False)
@@ -100,7 +104,7 @@ def test_the_catch_up_is_priced_on_what_the_cache_cannot_give() -> None:
     prompt = tokens(20, 200)
     outcomes = []
     for budget in (0, 64 * MB):
-        drafter = Drafter(target(), prefix_bytes=budget)
+        drafter = Drafter(target(), prefix=kv_cache(target(), budget) if budget else None)
         member(drafter, prompt + [5]).propose(K)  # an earlier request with the same prompt (no cost: it drafts)
         drafter.times = ForwardTimes(first=0.01, later=0.01, catch_up=0.01)
         drafter.calibration[True].accepted = [o * 0.9 for o in drafter.calibration[True].offered]
@@ -142,3 +146,16 @@ def test_a_conversation_drafts_from_the_cache_and_decodes_as_plain(tmp_path) -> 
     # each turn's prompt starts with the previous one's: its whole blocks, at least, came from the cache (a
     # tiny random model's answer does not survive decoding and re-encoding, so less of it matches)
     assert all(cached[t] <= lengths[t] - BLOCK * (lengths[t - 1] // BLOCK) for t in (1, 2)), (cached, lengths)
+
+
+def test_drafters_of_one_draft_model_share_one_prefix_cache(tmp_path) -> None:
+    """A request may ask for any draft vocabulary, and each gets a drafter of its own: their K/V are
+    the same, so they share the draft model's one prefix cache (one each would let a client multiply
+    the memory held by choosing vocabularies)."""
+    target_dir = tiny_llm_dir(tmp_path / "target")
+    draft_dir = tiny_llm_dir(tmp_path / "draft", seed=3)
+    llm = quickdraft.load(str(target_dir), prefix_cache_mb=64)
+    specs = [SpecConfig("draft", k=K, draft_model=str(draft_dir), options={"draft_vocab": v}) for v in (0, 40, 50)]
+    drafters = [llm.proposer([1, 2, 3], SamplingParams(), spec).group for spec in specs]
+    assert len({id(d) for d in drafters}) == 3 and len({id(d.prefix) for d in drafters}) == 1
+    assert drafters[0].prefix.budget_bytes == llm.prefix.budget_bytes // 4

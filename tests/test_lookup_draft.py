@@ -224,6 +224,7 @@ class FakeTarget:
 
     def __init__(self, name: str | None, model: Transformer, draft: Transformer, tokenizer: Tokenizer) -> None:
         self.name, self.model, self._draft, self._tokenizer = name, model, draft, tokenizer
+        self.prefix = None  # no prefix cache (then its draft keeps none either)
 
     def draft_model(self, name_or_path: str | None = None):
         return type("Loaded", (), {"model": self._draft, "tokenizer": self._tokenizer})()

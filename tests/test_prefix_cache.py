@@ -20,7 +20,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, STALL, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
-from quickdraft.proposers.base import Committed, Proposer
+from quickdraft.proposers.base import Committed, Draft, Proposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, draft_random, draft_same, greedy, ngram
@@ -312,3 +312,96 @@ def test_a_consumer_that_stops_early_leaves_its_tokens_to_the_cache() -> None:
             break
     events.close()
     assert prefix.hit(prompt + got, len(prompt) + len(got)) == (len(prompt) + len(got) - 1) // BLOCK * BLOCK > 16
+
+
+# -- failures of the cache, wide passes, odd cost curves ---------------------------------------------------
+
+def test_a_failing_prefix_cache_loses_only_the_caching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache that raises (out of memory, say) when asked for a prefix or given one: every request
+    still ends with its exact output, and the engine goes on."""
+    model = tiny(MODEL, init=0.1)
+    jobs = conversation_jobs()[:3]
+    prefix = prefix_for(model)
+
+    def broken(*args, **kwargs):
+        raise torch.OutOfMemoryError("no memory for blocks")
+
+    monkeypatch.setattr(prefix, "store", broken)
+    monkeypatch.setattr(prefix, "fetch", broken)
+    engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix)
+    for i, job in enumerate(jobs):
+        engine.add(job.request(str(i)))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    while engine.has_work():
+        for rid, event in engine.step():
+            assert event.error is None
+            out[rid] += event.token_ids
+    assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]
+
+
+def test_a_store_from_the_thread_inside_the_cache_does_not_wait_for_itself() -> None:
+    """A stream the garbage collector closes while its thread is inside the cache offers its tokens
+    from there: they are dropped, not waited for (the lock is not re-entrant)."""
+    import threading
+
+    model = tiny(MODEL)
+    cache, prefix = random_cache(model, 1, 64, seed=1), prefix_for(model)
+    D = model.config.hidden_size
+
+    def nested() -> None:
+        with prefix._locked():
+            prefix.store(tokens(13, 32), cache, 0, torch.zeros(32, D))
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive() and prefix.stats.blocks == 0
+    prefix.store(tokens(13, 32), cache, 0, torch.zeros(32, D))  # from outside: kept
+    assert prefix.stats.blocks == 2
+
+
+def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float model's passes stay within its invariant rows, padding included: a row that verifies
+    whole drafts of 24 beside others would make 3 x 25 rows, which torch's GEMM (past the C
+    kernel's 64) sums in another order than each row alone; the engine splits the pass instead."""
+    model = tiny(MODEL, init=0.1)
+    widths: list[int] = []
+    forward = type(model).forward
+
+    def recorded(self, tokens, *args, **kwargs):
+        widths.append(tokens.shape[0] * tokens.shape[1])
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", recorded)
+    class Stubborn:  # offers k tokens every step, whatever was accepted
+        group = None
+
+        def propose(self, k: int) -> Draft:
+            return Draft([7] * k, None)
+
+        def commit(self, step: Committed) -> None:
+            pass
+
+    jobs = [Job([5, 6, 7, 8, 9, 10], greedy(30), lambda prompt, params: Stubborn(), 24),
+            Job([3, 3, 4, 5, 3, 3, 4], greedy(30), ngram, 8), Job([1, 17, 42, 8], greedy(30), None, 0)]
+    engine = Engine(model, EngineConfig(max_batch=3, policy="fixed"), prefix=prefix_for(model))
+    for i, job in enumerate(jobs):
+        engine.add(job.request(str(i)))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    while engine.has_work():
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+    monkeypatch.undo()
+    assert max(widths) <= model.invariant_rows and 25 in widths  # the premise: 24-token drafts, split off
+    assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]
+
+
+def test_the_allowance_never_trusts_a_curve_far_past_its_measurements() -> None:
+    """A start-up curve that is flat or falls at its end (noise; a memory-bound GPU) must not let a
+    step prefill thousands of tokens on the strength of a 64-token measurement."""
+    step, prefill = StepCost(), StepCost(shape_of=None)
+    step.seed({1: 0.010, 32: 0.030, 64: 0.029})  # falls past 32
+    prefill.curve = step.curve
+    step.observe(1, 0.010)
+    prefill.observe(16, 0.012)
+    assert step_allowance(1, step, prefill, None) <= 32

@@ -9,6 +9,7 @@ Not thread-safe: one thread owns an Engine (the server's engine thread, or gener
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCo
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]
+log = logging.getLogger("quickdraft.engine")
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class Engine:
             raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
         self.cache = cache
         self.prefix = prefix
-        self.chunk_cap = model.invariant_rows  # None: any prefill chunk is batch-invariant
+        self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
         self.prefill_cost = StepCost(shape_of=self.cost)  # t(n) of one row's n-token prefill pass
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.filling: _Row | None = None    # the row whose prompt is being prefilled: cache row n
@@ -179,10 +181,17 @@ class Engine:
     def has_work(self) -> bool:
         return self.num_running > 0 or bool(self.waiting)
 
-    def _offer(self, row: _Row, i: int) -> None:
-        """Leave an ending row's K/V (cache row i) to the prefix cache, unless its pass failed."""
-        if self.prefix is not None and not row.failed:
-            self.prefix.store(row.tokens, self.cache, i, torch.cat(row.features)[:row.length])
+    def _offer(self, row: _Row, i: int, features: torch.Tensor | None = None) -> None:
+        """Leave a row's K/V (cache row i) to the prefix cache, unless its pass failed: its tokens'
+        with `features` [n, D], else all it holds. A cache that fails (out of memory) loses only
+        the caching, never the request or the engine."""
+        if self.prefix is None or row.failed:
+            return
+        try:
+            self.prefix.store(row.tokens, self.cache, i,
+                              torch.cat(row.features)[:row.length] if features is None else features)
+        except Exception:  # noqa: BLE001
+            log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
 
     def _free(self, i: int) -> None:
         """Keep running rows in cache rows 0..n-1 (and the filling row in row n): the last row moves
@@ -236,6 +245,12 @@ class Engine:
         rows = self.rows[lo:hi]
         t0 = time.perf_counter()
         drafts = self._choose_drafts(rows)
+        width = 1 + max(len(d.tokens) for d in drafts)  # rows are padded to the widest
+        if self.invariant_rows is not None and len(rows) > 1 and len(rows) * width > self.invariant_rows:
+            # wider, the pass would give each row other bits than it has alone (and leave them to the
+            # prefix cache): halves, each with drafts of its own
+            mid = (lo + hi) // 2
+            return self._decode(lo, mid) + self._decode(mid, hi)
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
@@ -306,7 +321,7 @@ class Engine:
             if allowance is None and (self.rows or self.config.prefill_chunk):
                 allowance = step_allowance(len(self.rows), self.cost, self.prefill_cost, self.config.prefill_chunk)
             row = self.filling
-            size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.chunk_cap or 1 << 62)
+            size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.invariant_rows or 1 << 62)
             events += self._prefill_chunk(row, size)
             allowance = None if allowance is None else allowance - size
         return events
@@ -317,7 +332,11 @@ class Engine:
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
         if self.prefix is not None:
-            features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
+            try:
+                features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
+            except Exception:  # noqa: BLE001 - out of memory, say: a miss, the prompt is prefilled whole
+                log.warning("the prefix cache failed to give a prompt's K/V; prefilling it whole", exc_info=True)
+                features = None
             if features is not None:
                 row.features = [features]
                 row.length = row.stats.cached_tokens = features.shape[0]
@@ -349,8 +368,7 @@ class Engine:
         self.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if self.prefix is not None else []
-        if self.prefix is not None:  # offered now: sessions that share this prompt need not wait for its end
-            self.prefix.store(row.tokens, self.cache, index, features)
+        self._offer(row, index, features)  # now: sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(out.logits, [1]).row(0))
         return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]])

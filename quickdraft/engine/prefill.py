@@ -25,7 +25,9 @@ def step_allowance(decoding: int, step: StepCost, prefill: StepCost, fixed: int 
     # in one unit: seconds once both are measured, else the decode steps' curve for both
     t = prefill if prefill.step_s and step.step_s else step
     budget = STALL * step.estimate(decoding)
-    lo, hi = MIN_CHUNK, 1 << 16
+    # at most twice the largest size measured: past it t(n) is extrapolated, and a curve flat or
+    # falling at its end (noise; a memory-bound GPU) would call any chunk cheap
+    lo, hi = MIN_CHUNK, 2 * max(t.step_s, default=2 * MIN_CHUNK)
     while lo < hi:  # the largest n with t(n) <= budget (t grows with n)
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if t.estimate(mid) <= budget else (lo, mid - 1)

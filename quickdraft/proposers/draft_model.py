@@ -20,7 +20,7 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import (Committed, Draft, PassCost, ProposerContext, SpecConfigError, Target,
                                        register)
 from quickdraft.proposers.registry import check_ranges, option
-from quickdraft.proposers.drafter import PREFIX_SHARE, Drafter
+from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.draft_vocab import draft_vocabulary
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
@@ -96,18 +96,26 @@ def _drafting(ctx: ProposerContext, width: int) -> DraftModelProposer:
     capacity = min(draft.model.config.max_position_embeddings, len(ctx.prompt_ids) + ctx.params.max_new_tokens + room)
     # one Drafter per draft model (and vocabulary) for all of the target's requests: their draft steps batch
     size = ctx.options.draft_vocab
+    prefix = draft_prefix(ctx.target, draft.model)  # not inside the make below: shared() is not re-entrant
     drafter = ctx.target.shared((Drafter, draft.model, size), lambda: Drafter(
-        draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size),
-        prefix_budget(ctx.target, draft.model)))
+        draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size), prefix))
     return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width)
 
 
-def prefix_budget(target: Target, draft: Transformer) -> int:
-    """The budget of a draft's prefix cache: a PREFIX_SHARE-th of its target's (quickdraft.LLM's
-    `prefix`); none where the target keeps none (--no-prefix-cache), or where that share is below
-    one of the draft's blocks (a budget of a few MiB, made to test eviction)."""
+PREFIX_SHARE = 4  # a draft's prefix cache holds at most a quarter of its target's budget (a draft's
+                  # K/V per token are a fraction of its target's: the Qwen 0.5B's 0.43 of the 1.5B's)
+
+
+def draft_prefix(target: Target, draft: Transformer) -> PrefixCache | None:
+    """The draft model's cache of earlier requests' K/V, one for all its drafters (one per draft
+    vocabulary a request may ask for: their K/V are the same), of a PREFIX_SHARE-th of its
+    target's budget; none where the target keeps none (--no-prefix-cache), or where that share is
+    below one of the draft's blocks (a budget of a few MiB, made to test eviction)."""
     budget = 0 if target.prefix is None else target.prefix.budget_bytes // PREFIX_SHARE
-    return budget if budget >= PrefixCache.block_size(draft.config, draft.compute_dtype, features=False) else 0
+    if budget < PrefixCache.block_size(draft.config, draft.compute_dtype, features=False):
+        return None
+    return target.shared((PrefixCache, draft), lambda: PrefixCache(budget, draft.config, draft.compute_dtype,
+                                                                   features=False))
 
 
 @register("draft", DraftOptions, loads="draft_model", needs_file=True,

@@ -34,7 +34,7 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache, default_budget_mb
+from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
@@ -42,8 +42,6 @@ from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.sampling import SamplingParams, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
-PREFIX_SHARE = 4  # a draft's prefix cache holds at most a quarter of its target's budget (a draft's
-                  # K/V per token are a fraction of its target's: the Qwen 0.5B's 0.43 of the 1.5B's)
 
 
 class Member(Protocol):
@@ -73,16 +71,13 @@ def _explores(m: Member) -> bool:
 
 
 class Drafter:
-    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None, prefix_bytes: int | None = None) -> None:
+    def __init__(self, model: Transformer, vocab: torch.Tensor | None = None, prefix: PrefixCache | None = None) -> None:
         """vocab: the token ids the draft may propose (draft_vocab.py; None: every token);
-        prefix_bytes: the budget of its cache of earlier requests' prefixes (None: a PREFIX_SHARE-th
-        of a target's default, default_budget_mb(); 0: none)."""
+        prefix: the draft model's cache of earlier requests' K/V (one per draft model, shared by its
+        drafters of each vocabulary: draft_model.draft_prefix; None: none)."""
         self.model = model
         self.head = VocabHead(model, vocab)
-        if prefix_bytes is None:
-            prefix_bytes = (default_budget_mb() << 20) // PREFIX_SHARE
-        self.prefix = PrefixCache(prefix_bytes, model.config, model.compute_dtype, features=False) \
-            if prefix_bytes else None
+        self.prefix = prefix
         self.chunk = model.invariant_rows   # tokens per catch-up forward (None: any count)
         self.caught_up = 0                   # tokens the catch-ups have run (not those the prefix cache gave)
         self.cache: KVCache | None = None
