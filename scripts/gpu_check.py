@@ -127,6 +127,7 @@ class Home:
     target with noise: right part of the time), its draft head (test_head.identity_head: loops
     accepted) and the state its requests share, as quickdraft.LLM keeps them."""
     name = None  # loaded from no packaged name
+    prefix = None  # no prefix cache (nor then a draft's): each case decodes from scratch
     tokenizer = SimpleNamespace(hf=SimpleNamespace(added_tokens_decoder={}), eos_token_ids=(2,))  # draft_vocab.py
 
     def __init__(self, model_name: str, device: str) -> None:
