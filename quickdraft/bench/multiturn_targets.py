@@ -7,6 +7,7 @@ Knows command lines and process lifetimes; the sessions are multiturn.py's.
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -210,9 +211,11 @@ def measure(target: Target, s: ServerSettings, plans: Sequence[SessionPlan], max
     with ServerProcess(command, port, env, log_dir / f"{target.name}.log") as server:
         warm_up(server.url, len(plans))
         wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
+        load = os.getloadavg()[0]  # the machine's 1-minute load as the run ends: its own threads and others'
         info = server_info(target, server)
     log(f"{target.name}: {len(records)} turns in {wall:.1f} s")
-    return {"command": command, "server": info, "wall_s": wall, "records": [asdict(r) for r in records]}
+    return {"command": command, "server": info, "wall_s": wall, "load_1min": load,
+            "records": [asdict(r) for r in records]}
 
 
 def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target], dict]) -> dict[str, dict]:
@@ -225,5 +228,6 @@ def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target
             run = one(t)
             records = [{**rec, "round": r + 1} for rec in run["records"]]
             runs[t.name].update(command=run["command"], server=run["server"])
-            runs[t.name]["rounds"].append({"wall_s": run["wall_s"], "records": records})
+            runs[t.name]["rounds"].append({"wall_s": run["wall_s"], "load_1min": run.get("load_1min"),
+                                           "records": records})
     return runs

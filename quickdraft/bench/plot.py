@@ -68,7 +68,7 @@ def plot_ttft_per_turn(series: Mapping[str, Mapping[int, float]], title: str, pa
         turns = sorted(by_turn)
         ax.plot(turns, [by_turn[t] for t in turns], marker="o", label=name)
     ax.set_xlabel("turn (the whole history resent)")
-    ax.set_ylabel("time to first token, median over sessions (s)")
+    ax.set_ylabel("time to first token, median over sessions and rounds (s)")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
