@@ -221,3 +221,31 @@ def test_a_real_run_against_quickdraft_serve(tmp_path: Path) -> None:
     # starts with tokens the cache holds.
     assert all(r["cached_tokens"] is not None for r in records)
     assert all(r["cached_tokens"] > 0 for r in records if r["turn"] >= 2)
+
+
+def test_a_server_that_dies_mid_run_is_one_error_naming_it_and_its_log(tmp_path: Path) -> None:
+    """A stand-in server (a script answering /health, then closing every chat mid-stream): the run
+    ends in a QuickdraftError naming the target and quoting the server's log, not a traceback."""
+    from quickdraft.bench import multiturn_targets as mt
+    script = tmp_path / "server.py"
+    script.write_text('''import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/completions":
+            self.send_response(200); self.end_headers(); self.wfile.write(b"{}"); return
+        print("dying mid-answer", flush=True)
+        self.send_response(200); self.send_header("Transfer-Encoding", "chunked"); self.end_headers()
+        self.wfile.write(b"ff\\r\\ndata: {"); self.wfile.flush(); self.connection.close()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+''')
+    target = Target("stand-in", "quickdraft")
+    settings = ServerSettings("m", None, threads=1, sessions=1, max_seq_len=64)
+    command = lambda s, t, port: [sys.executable, str(script), str(port)]  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mt, "quickdraft_command", command)
+        with pytest.raises(QuickdraftError, match=r"(?s)stand-in: .*dying mid-answer"):
+            mt.measure(target, settings, [SessionPlan(("hi",))], 4, False, None, dict(os.environ), tmp_path,
+                       lambda line: None)

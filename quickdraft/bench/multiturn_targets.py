@@ -210,7 +210,11 @@ def measure(target: Target, s: ServerSettings, plans: Sequence[SessionPlan], max
 
     with ServerProcess(command, port, env, log_dir / f"{target.name}.log") as server:
         warm_up(server.url, len(plans))
-        wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
+        try:
+            wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
+        except (httpx.HTTPError, RuntimeError) as e:  # a server that died or refused: say which, and its log
+            raise QuickdraftError(f"{target.name}: {type(e).__name__}: {e}; its log ends:\n"
+                                  f"{server.log_tail()}") from None
         load = os.getloadavg()[0]  # the machine's 1-minute load as the run ends: its own threads and others'
         info = server_info(target, server)
     log(f"{target.name}: {len(records)} turns in {wall:.1f} s")
