@@ -1,9 +1,8 @@
 """Writing tiny HF models as GGUF files the way llama.cpp's converter does (its metadata keys,
-tensor names through quickdraft's table, its q/k row permutation for "llama"), for the tests."""
+tensor names through the family's row, its q/k row permutation for "llama"), for the tests."""
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Callable
 
@@ -12,16 +11,15 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from quickdraft.weights.names import TENSOR_NAMES
+from quickdraft.model.families import FAMILIES, gguf_family
+from quickdraft.weights.names import gguf_name_for_hf
 
-GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2"}
 
-
-def gguf_name(hf: str) -> str:
-    """The GGUF name of a Hugging Face tensor, through quickdraft's table (names.py)."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
-    template = f"model.layers.{{i}}.{m.group(2)}" if m else hf
-    return dict(TENSOR_NAMES)[template].replace("{i}", m.group(1) if m else "")
+def gguf_name(hf: str, model_type: str = "llama") -> str:
+    """The GGUF name of a Hugging Face tensor of a family, through its row (families.py)."""
+    name = gguf_name_for_hf(hf, FAMILIES[model_type])
+    assert name is not None, hf
+    return name
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -56,13 +54,17 @@ def llama3_rope_factors(cfg) -> np.ndarray:
 
 
 def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: str | None = None,
-               metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> dict[str, np.ndarray]:
+               metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+               window: int | None = None) -> dict[str, np.ndarray]:
     """Write `hf` as llama.cpp would; 2-D weights quantized to `qtype` when given, 1-D kept F32.
     `arch` overrides general.architecture (to write unsupported ones); `metadata` adds more keys
-    (a tokenizer). Returns what was stored per GGUF name (quantized bytes where quantized)."""
+    (a tokenizer); `window` writes `attention.sliding_window` (llama.cpp's Phi-3 converter does; for
+    Mistral, which it writes as "llama" without it, the file is then the windowed model). Returns what was stored per GGUF name (quantized bytes where quantized)."""
     cfg = hf.config
-    arch = arch or GGUF_ARCH[cfg.model_type]
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    family = FAMILIES[cfg.model_type]
+    arch = arch or family.gguf_arch or "llama"  # Mistral: "llama", as llama.cpp writes it
+    names = gguf_family(arch) if arch in {f.gguf_arch for f in FAMILIES.values()} else family
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -74,6 +76,14 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     writer.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if window:
+        writer.add_sliding_window(window)
+        types = getattr(cfg, "layer_types", None)
+        if types and "full_attention" in types:  # as the converter writes OLMo 3's
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     if metadata is not None:
         metadata(writer)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else {
@@ -89,17 +99,18 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
         sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
     for name, tensor in sd.items():
         w = tensor.float().numpy()
+        gguf_name = gguf_name_for_hf(name, names)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         if qtype is not None and w.ndim == 2:
             data = quantize(w, qtype)
-            writer.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
         else:
             data = np.ascontiguousarray(w, dtype=np.float32)
-            writer.add_tensor(gguf_name(name), data)
-        stored[gguf_name(name)] = data
+            writer.add_tensor(gguf_name, data)
+        stored[gguf_name] = data
     if rope_parameters(cfg).get("rope_type") == "llama3":
         stored["rope_freqs.weight"] = llama3_rope_factors(cfg)
         writer.add_tensor("rope_freqs.weight", stored["rope_freqs.weight"])

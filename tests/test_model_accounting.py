@@ -125,14 +125,22 @@ def test_each_family_has_the_biases_transformers_builds(changes, flags):
 def test_keys_a_config_leaves_out_take_the_family_defaults():
     without_eps = {k: v for k, v in hf_config().items() if k != "rms_norm_eps"}
     assert ModelConfig.from_hf(without_eps).rms_norm_eps == 1e-6  # LlamaConfig's, not 1e-5
-    # Mistral's window is 4096 unless the config says null (v0.2 and later: no window)
+    # Mistral's window is 4096 on every layer unless the config says null (v0.2 and later: no
+    # window); a window never caps the context
     mistral = hf_config(model_type="mistral", max_position_embeddings=8192)
-    assert ModelConfig.from_hf(mistral).max_position_embeddings == 4096
-    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).max_position_embeddings == 8192
-    # Qwen2's window applies only with use_sliding_window, false unless said
+    assert ModelConfig.from_hf(mistral).layer_windows == (4096, 4096)
+    assert ModelConfig.from_hf(mistral).max_position_embeddings == 8192
+    assert ModelConfig.from_hf({**mistral, "sliding_window": None}).layer_windows == ()
+    # Qwen2's window applies only with use_sliding_window, false unless said, and then only from
+    # layer max_window_layers on (28 unless said), or where layer_types says
     qwen = hf_config(model_type="qwen2", max_position_embeddings=8192, sliding_window=1024)
-    assert ModelConfig.from_hf(qwen).max_position_embeddings == 8192
-    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).max_position_embeddings == 1024
+    assert ModelConfig.from_hf(qwen).layer_windows == ()
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True}).layer_windows == ()
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 1}).layer_windows == (None, 1024)
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True, "layer_types": [
+        "sliding_attention", "full_attention"]}).layer_windows == (1024, None)
+    # Qwen3's head_dim is 128 unless said (not hidden_size / heads)
+    assert ModelConfig.from_hf(hf_config(model_type="qwen3", hidden_size=256)).head_dim == 128
     # swish is silu; pretraining_tp only split the matmuls (older transformers): the same model
     assert ModelConfig.from_hf(hf_config(hidden_act="swish", pretraining_tp=2)) == ModelConfig.from_hf(hf_config())
 
@@ -226,7 +234,11 @@ def test_gguf_norm_epsilon_and_window_are_read_not_assumed(gguf_meta):
         config_from_metadata(layer_norm, names)
     with pytest.raises(UnsupportedArchitecture, match="LayerNorm"):
         config_from_metadata({**layer_norm, "llama.attention.layer_norm_epsilon": 1e-5}, names)
-    assert config_from_metadata({**meta, "llama.attention.sliding_window": 64}, names).max_position_embeddings == 64
+    windowed = config_from_metadata({**meta, "llama.attention.sliding_window": 64}, names)
+    assert windowed.layer_windows == (64, 64) and windowed.max_position_embeddings == BASE["max_position_embeddings"]
+    assert config_from_metadata({**meta, "llama.attention.sliding_window": 0}, names).layer_windows == ()
+    pattern = {"llama.attention.sliding_window": 64, "llama.attention.sliding_window_pattern": [False, True]}
+    assert config_from_metadata({**meta, **pattern}, names).layer_windows == (None, 64)
     # neutral values are the model as it is
     assert config_from_metadata({**meta, "llama.expert_count": 0, "llama.rope.scaling.factor": 1.0,
                                  "llama.rope.dimension_count": 16}, names) == config_from_metadata(meta, names)

@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints made inside the tests (never downloaded)."""
+"""Tiny random checkpoints of every family made inside the tests (never downloaded)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.kernels.quantized import Part
@@ -32,7 +32,16 @@ CONFIGS = {
     "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),
     "llama-both-biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    # prompts of the tests are longer than these windows
+    "mistral-window": dict(model_type="mistral", sliding_window=8),
+    "qwen3-qk-norm": dict(model_type="qwen3", head_dim=16, tie_word_embeddings=True),
+    "qwen3-window-layer": dict(model_type="qwen3", head_dim=16, attention_bias=True, use_sliding_window=True,
+                               sliding_window=6, max_window_layers=1),  # layer 1 sliding, layer 0 full
+    "olmo2-post-norm": dict(model_type="olmo2", pad_token_id=None),
+    "phi3-fused-window": dict(model_type="phi3", sliding_window=12, pad_token_id=None),
 }
+# the families other than Llama and Qwen2, built through transformers' Auto classes
+NEW_FAMILIES = [name for name, cfg in CONFIGS.items() if cfg["model_type"] not in ("llama", "qwen2")]
 
 
 def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -45,6 +54,12 @@ def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif model_type != "llama":
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
+        with torch.no_grad():  # attention_bias: random, as for Llama's
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**cfg))
         with torch.no_grad():  # attention_bias / mlp_bias: random, as for Qwen2's

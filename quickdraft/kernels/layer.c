@@ -1,7 +1,10 @@
 /* A whole decoder layer over GGUF-block weights in one call: a decode step of SmolLM2 made ~150
  * kernel calls from Python, each costing ~15 us around the C (a third of the step); this makes it
  * 30. The math is the same calls the Python composition makes (model/llama.py's Block): RMSNorm +
- * q|k|v, RoPE + cache + attention, o + residual, RMSNorm + gate|up, SwiGLU + down + residual. */
+ * q|k|v, RoPE + cache + attention, o + residual, RMSNorm + gate|up, SwiGLU + down + residual; with
+ * the family's variations: QK-norm (per head or over a whole projection) before RoPE, and
+ * post-norms (OLMo 2: no pre-norm, the sublayer's output normalized before the residual add).
+ * Every step is per row, so a row's result does not depend on the others in the pass. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -19,9 +22,12 @@ typedef struct {
 
 typedef struct {
     QDLinear qkv, wo, gate_up, down;
-    const float *attn_norm, *mlp_norm;
+    const float *attn_norm, *mlp_norm;            /* pre-norm gains, or NULL (a post-norm family) */
+    const float *attn_post_norm, *mlp_post_norm;  /* post-norm gains, or NULL */
+    const float *q_norm, *k_norm;                 /* QK-norm gains, or NULL */
     float eps, scale;
     int64_t n_q, n_kv, head_dim;
+    int64_t q_norm_len, k_norm_len;               /* values one QK-norm spans: head_dim or a projection */
 } QDLayer;
 
 int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows, const void *const *data,
@@ -38,23 +44,51 @@ static int linear(const QDLinear *w, const float *x, const float *r, float *y, i
                            w->K, threads);
 }
 
+/* q and k of each row of qkv [M, (n_q + 2 n_kv) * head_dim] normalized in place, in spans of
+ * q_norm_len / k_norm_len values. */
+static void qk_norm(const QDLayer *L, float *qkv, int64_t M) {
+    const int64_t q_len = L->n_q * L->head_dim, k_len = L->n_kv * L->head_dim;
+    for (int64_t m = 0; m < M; m++) {
+        float *q = qkv + m * L->qkv.N, *k = q + q_len;
+        qd_rmsnorm_rows(q, L->q_norm, L->eps, q, q_len / L->q_norm_len, L->q_norm_len);
+        qd_rmsnorm_rows(k, L->k_norm, L->eps, k, k_len / L->k_norm_len, L->k_norm_len);
+    }
+}
+
+/* x[m] += g * RMSNorm(y[m]) for each of M rows of D values (y normalized in place). */
+static void add_normed(float *x, float *y, const float *g, float eps, int64_t M, int64_t D) {
+    qd_rmsnorm_rows(y, g, eps, y, M, D);
+    for (int64_t i = 0; i < M * D; i++) x[i] += y[i];
+}
+
 /* x: [B * T, hidden], updated in place; the rest as qd_rope_attention takes them. 0, or -1 when
  * memory ran out (x is then unspecified). */
 int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, const int64_t *positions,
              float *k_cache, float *v_cache, int64_t kv_batch, int64_t kv_head, const uint8_t *visible,
              int64_t B, int64_t T, int64_t kv_len, int threads) {
-    const int64_t M = B * T, att = L->n_q * L->head_dim;
+    const int64_t M = B * T, att = L->n_q * L->head_dim, D = L->wo.N;
+    const int pre = L->attn_norm != 0, post = L->attn_post_norm != 0;
     float *qkv = malloc(sizeof(float) * (size_t)(M * L->qkv.N)), *q = malloc(sizeof(float) * (size_t)(M * att));
     float *a = malloc(sizeof(float) * (size_t)(M * att)), *h = malloc(sizeof(float) * (size_t)(M * L->gate_up.N));
-    int status = qkv && q && a && h ? 0 : -1;
-    if (status == 0) status = linear(&L->qkv, x, 0, qkv, PRO_RMSNORM, L->attn_norm, L->eps, M, threads);
+    float *y = post ? malloc(sizeof(float) * (size_t)(M * D)) : 0;  /* a sublayer's output before its post-norm */
+    int status = qkv && q && a && h && (y || !post) ? 0 : -1;
+    if (status == 0)
+        status = linear(&L->qkv, x, 0, qkv, pre ? PRO_RMSNORM : PRO_NONE, L->attn_norm, L->eps, M, threads);
     if (status == 0) {
+        if (L->q_norm) qk_norm(L, qkv, M);
         qd_rope_attention(qkv, cos, sin, positions, k_cache, v_cache, visible, a, B, T, L->n_q, L->n_kv, L->head_dim,
                           kv_len, kv_batch, kv_head, L->scale, q, threads);
-        status = linear(&L->wo, a, x, x, PRO_NONE, 0, 0.0f, M, threads);  /* residual in place */
+        status = post ? linear(&L->wo, a, 0, y, PRO_NONE, 0, 0.0f, M, threads)
+                      : linear(&L->wo, a, x, x, PRO_NONE, 0, 0.0f, M, threads);  /* residual in place */
+        if (status == 0 && post) add_normed(x, y, L->attn_post_norm, L->eps, M, D);
     }
-    if (status == 0) status = linear(&L->gate_up, x, 0, h, PRO_RMSNORM, L->mlp_norm, L->eps, M, threads);
-    if (status == 0) status = linear(&L->down, h, x, x, PRO_SWIGLU, 0, 0.0f, M, threads);
-    free(qkv); free(q); free(a); free(h);
+    if (status == 0)
+        status = linear(&L->gate_up, x, 0, h, pre ? PRO_RMSNORM : PRO_NONE, L->mlp_norm, L->eps, M, threads);
+    if (status == 0) {
+        status = post ? linear(&L->down, h, 0, y, PRO_SWIGLU, 0, 0.0f, M, threads)
+                      : linear(&L->down, h, x, x, PRO_SWIGLU, 0, 0.0f, M, threads);
+        if (status == 0 && post) add_normed(x, y, L->mlp_post_norm, L->eps, M, D);
+    }
+    free(qkv); free(q); free(a); free(h); free(y);
     return status;
 }

@@ -18,11 +18,14 @@ class _Linear(ctypes.Structure):
                 ("data", ctypes.c_void_p), ("act8", ctypes.c_int), ("N", ctypes.c_int64), ("K", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
+NORMS = ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm")
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("wo", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("eps", ctypes.c_float),
+                *((name, ctypes.c_void_p) for name in NORMS), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("n_q", ctypes.c_int64), ("n_kv", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64)]
+                ("head_dim", ctypes.c_int64), ("q_norm_len", ctypes.c_int64), ("k_norm_len", ctypes.c_int64)]
 
 
 @dataclass
@@ -32,10 +35,13 @@ class FusedLayer:
     keep: tuple
 
     @staticmethod
-    def of(linears: list[tuple[QuantizedWeight, torch.Tensor | None]], attn_norm: torch.Tensor,
-           mlp_norm: torch.Tensor, eps: float, n_q: int, n_kv: int, head_dim: int) -> "FusedLayer":
-        """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order."""
-        keep = [t.float().contiguous() for t in (attn_norm, mlp_norm)]
+    def of(linears: list[tuple[QuantizedWeight, torch.Tensor | None]], norms: dict[str, torch.Tensor | None],
+           eps: float, n_q: int, n_kv: int, head_dim: int) -> "FusedLayer":
+        """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order; `norms`:
+        the gains of NORMS a family has (None for the others). A QK-norm gain spans a head or the
+        whole projection, as long as it is."""
+        gains = {name: None if norms.get(name) is None else norms[name].float().contiguous() for name in NORMS}
+        keep = [g for g in gains.values() if g is not None]
 
         def linear(w: QuantizedWeight, b: torch.Tensor | None) -> _Linear:
             n, types, rows, data, act8 = w.c_parts
@@ -46,8 +52,9 @@ class FusedLayer:
                            w.shape[1], None if b is None else b.data_ptr())
 
         qkv, wo, gate_up, down = (linear(w, b) for w, b in linears)
-        layer = _Layer(qkv, wo, gate_up, down, keep[0].data_ptr(), keep[1].data_ptr(), eps, head_dim ** -0.5, n_q,
-                       n_kv, head_dim)
+        qk_len = [0 if gains[n] is None else gains[n].shape[0] for n in ("q_norm", "k_norm")]
+        layer = _Layer(qkv, wo, gate_up, down, *(None if g is None else g.data_ptr() for g in gains.values()), eps,
+                       head_dim ** -0.5, n_q, n_kv, head_dim, *qk_len)
         return FusedLayer(layer, tuple(keep))
 
 

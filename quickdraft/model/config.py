@@ -1,9 +1,10 @@
-"""ModelConfig: the shape and numerics of a Llama-family transformer.
+"""ModelConfig: the shape and numerics of one decoder, its family's choices resolved.
 
 Built from a Hugging Face `config.json` dict or from GGUF metadata (by weights/), validated here.
-Architecture differences (biases, tied embeddings, rope scaling) are fields, not subclasses. Every
-config key that changes the computation is read or refused by name (UnsupportedArchitecture),
-never left to a default the checkpoint did not mean.
+Architecture differences (biases, norm placement, QK-norm, windows per layer, tied embeddings,
+rope scaling) are fields the family's row (families.py) and the checkpoint fill, not subclasses.
+Every config key that changes the computation is read or refused by name
+(UnsupportedArchitecture), never left to a default the checkpoint did not mean.
 """
 from __future__ import annotations
 
@@ -11,28 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
-
-# HF `model_type` values whose math is the Llama block with the flags below.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-# transformers' names for x * sigmoid(x), the activation of the SwiGLU our kernels fuse.
-ACTIVATIONS = ("silu", "swish")
-
-# Which projections carry a bias, per family, as transformers builds them: a config key (read,
-# default false) or a constant (transformers' Mistral and Qwen2 read no bias key at all).
-FAMILY_BIASES: dict[str, dict[str, str | bool]] = {
-    "llama": {"qkv": "attention_bias", "o": "attention_bias", "mlp": "mlp_bias"},
-    "mistral": {"qkv": False, "o": False, "mlp": False},
-    "qwen2": {"qkv": True, "o": False, "mlp": False},
-}
-
-# What transformers' config classes assume for keys a config.json may leave out.
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"rms_norm_eps": 1e-6},
-    "mistral": {"rms_norm_eps": 1e-6, "sliding_window": 4096},
-    "qwen2": {"rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": 4096},
-}
-
+from quickdraft.model.families import Family, family
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -61,15 +41,19 @@ class ModelConfig:
     qkv_bias: bool = False   # q, k and v projections
     o_bias: bool = False     # the attention output projection
     mlp_bias: bool = False   # gate, up and down projections
+    norm: str = "pre"        # "pre": RMSNorm before each sublayer; "post": on its output (OLMo 2)
+    qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head), "proj" (whole projection)
+    # the sliding window of each layer (None: the whole context); () for no window anywhere
+    layer_windows: tuple[int | None, ...] = ()
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedArchitecture(
-                f"model_type {self.model_type!r} is not supported; expected one of "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
+        family(self.model_type)
+        if self.norm not in ("pre", "post") or self.qk_norm not in (None, "head", "proj"):
+            raise ModelLoadError(f"model config: norm {self.norm!r} / qk_norm {self.qk_norm!r}: expected "
+                                 f"'pre' or 'post' / None, 'head' or 'proj'")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -81,6 +65,18 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim must be even for RoPE, found {self.head_dim}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
+                w is not None and (not isinstance(w, int) or w <= 0) for w in self.layer_windows)):
+            raise ModelLoadError(f"model config: layer_windows must be a positive window or None for each of "
+                                 f"the {self.num_layers} layers, found {self.layer_windows!r}")
+
+    @property
+    def family(self) -> Family:
+        return family(self.model_type)
+
+    def window(self, layer: int) -> int | None:
+        """How many of the latest keys a query of `layer` sees (itself included); None: all."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -88,14 +84,10 @@ class ModelConfig:
         model_type = cfg.get("model_type")
         if model_type is None:
             raise ModelLoadError("config.json has no 'model_type' key; expected e.g. 'llama' or 'qwen2'")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedArchitecture(
-                f"model_type {model_type!r} is not supported; expected one of "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family decoders)")
-        cfg = {**FAMILY_DEFAULTS[model_type], **cfg}  # an explicit null stays null (Mistral's window)
+        spec = family(model_type)
+        cfg = {**dict(spec.defaults), **cfg}  # an explicit null stays null (Mistral's window)
         rope = _rope_parameters(cfg)
-        _refuse_unsupported_hf(cfg, rope)
-        biases = {part: _flag(cfg, how) for part, how in FAMILY_BIASES[model_type].items()}
+        _refuse_unsupported_hf(cfg, rope, spec)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -110,13 +102,16 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                max_position_embeddings=_context_length(cfg),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
                 rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope),
-                qkv_bias=biases["qkv"],
-                o_bias=biases["o"],
-                mlp_bias=biases["mlp"],
+                qkv_bias=_flag(cfg, spec.qkv_bias),
+                o_bias=_flag(cfg, spec.o_bias),
+                mlp_bias=_flag(cfg, spec.mlp_bias),
+                norm=spec.norm,
+                qk_norm=spec.qk_norm,
+                layer_windows=_layer_windows(cfg, spec),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -140,11 +135,11 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
-def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any]) -> None:
-    """Keys transformers' Llama, Mistral and Qwen2 read that ask for math this decoder does not do.
+def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any], spec: Family) -> None:
+    """Keys transformers' classes of the families read that ask for math this decoder does not do.
     (`pretraining_tp` only split the matmuls in older transformers, the same sums: accepted.)"""
     act = cfg.get("hidden_act", "silu")
-    if act not in ACTIVATIONS:
+    if act not in spec.activations:
         raise UnsupportedArchitecture(
             f"hidden_act {act!r} is not supported; expected 'silu' (the SwiGLU MLP quickdraft's kernels fuse)")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -163,14 +158,28 @@ def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any]) -> None:
             f"architectures {heads!r} is not supported; expected a causal LM (e.g. 'LlamaForCausalLM')")
 
 
-def _context_length(cfg: dict[str, Any]) -> int:
-    context = int(cfg.get("max_position_embeddings", 2048))
+def _layer_windows(cfg: dict[str, Any], spec: Family) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers' class of the family chooses it: a query sees
+    the last `sliding_window` keys (itself included) of a sliding layer, every key of a full one."""
+    layers = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
-    if isinstance(window, int) and window > 0 and cfg.get("use_sliding_window", True):
-        # We attend to the whole context; within one window that equals sliding-window attention,
-        # so the usable context is capped there rather than computed inexactly beyond it.
-        context = min(context, window)
-    return context
+    if spec.window == "none" or window is None:
+        return ()
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        raise ModelLoadError(f"config.json: sliding_window must be a positive integer or null, found {window!r}")
+    if spec.window == "all":
+        return (window,) * layers
+    if not cfg.get("use_sliding_window"):
+        return ()  # Qwen's window applies only with use_sliding_window
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != layers or unknown:
+        raise UnsupportedArchitecture(
+            f"layer_types {types!r} is not supported; expected 'sliding_attention' or 'full_attention' for "
+            f"each of the {layers} layers")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(windows) else ()
 
 
 def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:

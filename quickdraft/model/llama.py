@@ -1,14 +1,16 @@
-"""The Llama-family decoder: forward(tokens, positions, cache) -> logits and hidden states.
+"""The decoder: forward(tokens, positions, cache) -> logits and hidden states.
 
 Knows the transformer math only: nothing of requests, sampling, proposers or cache policy.
-Weights arrive under Hugging Face names (weights/ maps every format to them) and are fused
-here (q|k|v, gate|up) so a decode step runs few, large matmuls. A matrix is a float tensor or a
-`QuantizedWeight` (GGUF blocks as stored); `kernels.linear` takes either.
+One Block for every family: what a family changes (biases, norm placement, QK-norm, windows per
+layer) are ModelConfig fields its row in families.py fills. Weights arrive under the family's
+Hugging Face names (weights/ maps every format to them) and are fused here (q|k|v, gate|up) so a
+decode step runs few, large matmuls. A matrix is a float tensor or a `QuantizedWeight` (GGUF
+blocks as stored); `kernels.linear` takes either.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +41,30 @@ class AttentionInputs:
     slots: Slots
     kv_len: int
     positions: torch.Tensor    # [B, T] int64: the cache slot each token's K/V go to (the kernels' name)
+    rotary: torch.Tensor       # [B, T] each token's position (trees: its depth), what windows count in
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @functools.cached_property
     def visible(self) -> torch.Tensor | None:
         """The mask as the C kernel reads it: [B, T, kv_len], contiguous."""
         return None if self.mask is None else self.mask[:, 0].contiguous()
+
+    def masks(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The mask ([B, 1, T, kv_len]) and `visible` of a layer whose queries see only the last
+        `window` positions (themselves included), as transformers' sliding window: a key at
+        position j is visible to a query at position i if j > i - window. Each row's mask depends on
+        its own positions only, so a row's attention is the same in any batch. Built once per window."""
+        if window is None or int(self.rotary.max()) < window:  # no key can be that far back
+            return self.mask, self.visible
+        if window not in self.windowed:
+            B, T = self.rotary.shape
+            # a key's position: its slot's, except the slots this pass writes (a tree's nodes)
+            key_pos = torch.arange(self.kv_len, device=self.rotary.device).expand(B, -1).clone()
+            key_pos.scatter_(1, self.positions, self.rotary.to(torch.int64))
+            near = key_pos[:, None, :] > self.rotary[..., None] - window  # [B, T, kv_len]
+            mask = near & (self.mask[:, 0] if self.mask is not None else True)
+            self.windowed[window] = (mask.unsqueeze(1), mask.contiguous())
+        return self.windowed[window]
 
 
 def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -60,7 +81,7 @@ def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
-    return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous())
+    return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous(), positions)
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +95,10 @@ class RMSNorm(nn.Module):
     @property
     def fused(self) -> tuple[torch.Tensor, float]:
         return self.weight, self.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Over the last dimension, each row alone (so batch-invariant); where no matmul follows."""
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 class Embedding(nn.Module):
@@ -90,46 +115,81 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """One decoder layer. Pre-norm families (Llama) normalize each sublayer's input, fused into its
+    first matmul; post-norm families (OLMo 2) normalize its output before the residual add. QK-norm
+    (Qwen3: per head; OLMo 2: over the whole projection) runs between the q|k|v matmul and RoPE."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         c = config
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.window = c.window(layer)
+        self.post = c.norm == "post"
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        norms = ("attn_post_norm", "mlp_post_norm") if self.post else ("attn_norm", "mlp_norm")
+        for name in norms:
+            setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps))
+        self.q_norm = self.k_norm = None
+        if c.qk_norm is not None:
+            per_head = c.qk_norm == "head"
+            self.q_norm = RMSNorm(c.head_dim if per_head else c.num_heads * c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim if per_head else c.num_kv_heads * c.head_dim, c.rms_norm_eps)
         self.wqkv = nn.Linear(c.hidden_size, qkv_out, bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.fused: FusedLayer | None = None  # the weights packed for layer.c, on first use
 
+    def _norm_weights(self) -> dict[str, torch.Tensor | None]:
+        names = ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm")
+        return {n: None if getattr(self, n, None) is None else getattr(self, n).weight for n in names}
+
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
+        mask, visible = at.masks(self.window)
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        eps = (self.attn_post_norm if self.post else self.attn_norm).eps
         if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
             if self.fused is None:
-                self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self.attn_norm.weight,
-                                           self.mlp_norm.weight, self.attn_norm.eps, self.n_heads, self.n_kv,
-                                           self.head_dim)
+                self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
+                                           self.n_heads, self.n_kv, self.head_dim)
             return run_layer(x, self.fused, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
-                             at.visible, at.kv_len)
+                             visible, at.kv_len)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
-        qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused)
+        qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=None if self.post else self.attn_norm.fused)
+        if self.q_norm is not None:
+            qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
             attn = kernels.rope_attention(qkv, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
-                                          at.visible, at.kv_len, n_q, self.n_kv)
+                                          visible, at.kv_len, n_q, self.n_kv)
         else:
             qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
             qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), at.cos, at.sin)  # q and k in one go
             q, k = qk.split((n_q, self.n_kv), dim=1)
             v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
             keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=at.mask, enable_gqa=self.n_kv != n_q)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
         # biases (None where the family has none) are added before the residual and before SwiGLU
+        if self.post:
+            x = x + self.attn_post_norm(linear(attn.to(x.dtype), self.wo.weight, self.wo.bias))
+            h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias)
+            return x + self.mlp_post_norm(linear(h, self.w_down.weight, self.w_down.bias, swiglu=True))
         x = linear(attn.to(x.dtype), self.wo.weight, self.wo.bias, residual=x)
         h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused)
         return linear(h, self.w_down.weight, self.w_down.bias, swiglu=True, residual=x)
+
+    def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k of qkv [B, T, (n_q + 2 n_kv) * hd] normalized: per head, or each projection whole."""
+        B, T, _ = qkv.shape
+        hd = self.head_dim
+        q, k, v = qkv.split((self.n_heads * hd, self.n_kv * hd, self.n_kv * hd), dim=-1)
+        if self.q_norm.weight.shape[0] == hd:  # per head
+            q = self.q_norm(q.reshape(B, T, self.n_heads, hd)).reshape(B, T, -1)
+            k = self.k_norm(k.reshape(B, T, self.n_kv, hd)).reshape(B, T, -1)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return torch.cat((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-1)
 
 
 class Transformer(nn.Module):
@@ -137,7 +197,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(config, rope_freq_factors), persistent=False)
@@ -283,39 +343,43 @@ class _Taker:
 
 def _fuse(config: ModelConfig, take: _Taker) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The Transformer's state dict from the checkpoint's tensors: every one taken, or refused."""
-    embed = take("model.embed_tokens.weight")
-    fused = {"embed.weight": embed, "norm.weight": take("model.norm.weight")}
-    head = take.optional("lm_head.weight")
+    names = {role: hf for role, (hf, _) in config.family.names.items()}
+    embed = take(names["embed"])
+    fused = {"embed.weight": embed, "norm.weight": take(names["norm"])}
+    head = take.optional(names["lm_head"])
     if config.tie_word_embeddings:
         if head is not None and not _same(head, embed):
-            raise ModelLoadError("'lm_head.weight' differs from 'model.embed_tokens.weight', which the config "
-                                 "ties it to (tie_word_embeddings)")
+            raise ModelLoadError(f"{names['lm_head']!r} differs from {names['embed']!r}, which the config "
+                                 f"ties it to (tie_word_embeddings)")
         head = embed
     elif head is None:
-        raise ModelLoadError("weights have no 'lm_head.weight' but the config says embeddings are not tied")
+        raise ModelLoadError(f"weights have no {names['lm_head']!r} but the config says embeddings are not tied")
     fused["lm_head.weight"] = head
     for i in range(config.num_layers):
-        fused |= _fuse_layer(config, take, f"model.layers.{i}.", f"blocks.{i}.")
+        layer = {role: hf.replace("{i}", str(i)) for role, hf in names.items() if "{i}" in hf}
+        fused |= _fuse_layer(config, take, layer, f"blocks.{i}.")
     take.refuse_left_over()
     return fused
 
 
-def _fuse_layer(config: ModelConfig, take: _Taker, hf: str, ours: str) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """One layer: q|k|v and gate|up as one matrix each, their biases likewise where the family has them."""
-    attn, mlp = f"{hf}self_attn.", f"{hf}mlp."
-    out = {f"{ours}wqkv.weight": _cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]),
-           f"{ours}wo.weight": take(f"{attn}o_proj.weight"),
-           f"{ours}w_gate_up.weight": _cat([take(f"{mlp}gate_proj.weight"), take(f"{mlp}up_proj.weight")]),
-           f"{ours}w_down.weight": take(f"{mlp}down_proj.weight"),
-           f"{ours}attn_norm.weight": take(f"{hf}input_layernorm.weight"),
-           f"{ours}mlp_norm.weight": take(f"{hf}post_attention_layernorm.weight")}
+def _fuse_layer(config: ModelConfig, take: _Taker, n: dict[str, str], ours: str
+                ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """One layer (n: role -> its tensor's name): q|k|v and gate|up as one matrix each (as the
+    checkpoint has them, or concatenated), their biases likewise where the family has them."""
+    out = {f"{ours}wqkv.weight": take(n["qkv"]) if "qkv" in n else _cat([take(n[p]) for p in "qkv"]),
+           f"{ours}wo.weight": take(n["o"]),
+           f"{ours}w_gate_up.weight": take(n["gate_up"]) if "gate_up" in n else _cat([take(n["gate"]), take(n["up"])]),
+           f"{ours}w_down.weight": take(n["down"])}
+    for role in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm"):
+        if role in n:
+            out[f"{ours}{role}.weight"] = take(n[role])
     if config.qkv_bias:
-        out[f"{ours}wqkv.bias"] = torch.cat([_dense(take(f"{attn}{p}_proj.bias")) for p in "qkv"])
+        out[f"{ours}wqkv.bias"] = torch.cat([_dense(take(n[f"{p}.bias"])) for p in "qkv"])
     if config.o_bias:
-        out[f"{ours}wo.bias"] = _dense(take(f"{attn}o_proj.bias"))
+        out[f"{ours}wo.bias"] = _dense(take(n["o.bias"]))
     if config.mlp_bias:
-        out[f"{ours}w_gate_up.bias"] = torch.cat([_dense(take(f"{mlp}{p}_proj.bias")) for p in ("gate", "up")])
-        out[f"{ours}w_down.bias"] = _dense(take(f"{mlp}down_proj.bias"))
+        out[f"{ours}w_gate_up.bias"] = torch.cat([_dense(take(n[f"{p}.bias"])) for p in ("gate", "up")])
+        out[f"{ours}w_down.bias"] = _dense(take(n["down.bias"]))
     return out
 
 

@@ -1,11 +1,12 @@
 """Loading a single GGUF file: config and tokenizer metadata, and tensors either kept in their
 block formats (`QuantizedWeight`, a view of the memory-mapped file) or dequantized with `gguf`.
 
-llama.cpp stores the q/k projections of `llama`-architecture models permuted for its interleaved
-RoPE; they are permuted back here (whole rows of blocks, so quantized rows move unchanged) so
-the model has one RoPE layout for every format. Every tensor is handed on (one outside names.py's
-table under its own name, for the model to refuse by name), and metadata that changes the math is
-read or refused, never assumed.
+The architecture picks the family's row (model/families.py): its tensor names, and whether
+llama.cpp stored the q/k projections permuted for its interleaved RoPE (`llama`); they are
+permuted back here (whole rows of blocks, so quantized rows move unchanged) so the model has one
+RoPE layout for every format. Every tensor is handed on (one outside the family's names under its
+own name, for the model to refuse by name), and metadata that changes the math is read or refused,
+never assumed.
 """
 from __future__ import annotations
 
@@ -22,13 +23,9 @@ from tqdm import tqdm
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels.quantized import KERNEL_TYPES, Part, QuantizedWeight
 from quickdraft.model.config import ModelConfig
+from quickdraft.model.families import Family, gguf_family
 from quickdraft.weights.gguf_reader import GGUFFile
 from quickdraft.weights.names import hf_name_for_gguf
-
-# GGUF `general.architecture` -> our model_type. Mistral files say "llama".
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
-# Architectures whose q/k rows llama.cpp's converter permutes.
-PERMUTED_QK = {"llama"}
 
 
 @dataclass
@@ -75,10 +72,11 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     """The config from a file's metadata and its tensor names (biases and the output matrix are
     there or not); keys that change the math and are not implemented are refused by name."""
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture {arch!r} is not supported; expected one of "
-            f"{', '.join(GGUF_ARCHITECTURES)}")
+    spec = gguf_family(arch)
+    gguf_names = {role: gguf for role, (_, gguf) in spec.names.items()}
+
+    def has(role: str) -> bool:
+        return role in gguf_names and gguf_names[role].replace("{i}", "0") in names
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -92,10 +90,8 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     _refuse_unsupported_keys(meta, arch, head_dim)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    context = int(get("context_length"))
-    window = meta.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
-        model_type=GGUF_ARCHITECTURES[arch],
+        model_type=spec.model_type,
         vocab_size=int(get("vocab_size", len(tokens) or None)),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -103,17 +99,35 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        # as for config.json: within one window full attention is sliding-window attention
-        max_position_embeddings=min(context, int(window)) if window else context,
+        max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_gate.bias" in names,
+        qkv_bias=has("q.bias") or has("qkv.bias"),
+        o_bias=has("o.bias"),
+        mlp_bias=has("gate.bias") or has("down.bias"),
+        norm=spec.norm,
+        qk_norm=spec.qk_norm,
+        layer_windows=_layer_windows(meta, arch, int(get("block_count"))),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _layer_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    """`{arch}.attention.sliding_window` (0 or absent: none) on every layer, or on the layers
+    `sliding_window_pattern` marks."""
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    if window <= 0:
+        return ()
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        return (window,) * layers
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise UnsupportedArchitecture(
+            f"GGUF key '{arch}.attention.sliding_window_pattern' = {pattern!r} is not supported; expected "
+            f"one flag per layer ({layers})")
+    return tuple(window if sliding else None for sliding in pattern)
 
 
 def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int) -> None:
@@ -168,7 +182,7 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
     reader = open_reader(path)
     meta = read_metadata(reader)
     config = config_from_metadata(meta, {t.name for t in reader.tensors})
-    arch = meta["general.architecture"]
+    spec = config.family
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
     freq_factors = None
     verb = "reading" if quantized else "dequantizing"
@@ -176,18 +190,23 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
         if t.name == "rope_freqs.weight":
             freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
             continue
-        hf = hf_name_for_gguf(t.name) or t.name  # a name outside the table stays: the model refuses it by name
-        heads = None
-        if arch in PERMUTED_QK and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            heads = config.num_heads
-        elif arch in PERMUTED_QK and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            heads = config.num_kv_heads
+        hf = hf_name_for_gguf(t.name, spec) or t.name  # a name outside the table stays: the model refuses it by name
+        heads = _permuted_heads(spec, config, hf)
         if quantized and len(t.shape) == 2 and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
             tensors[hf] = _as_stored(t, heads)
         else:
             w = torch.from_numpy(dequantize_tensor(t).copy())
             tensors[hf] = w if heads is None else _unpermute_qk(w, heads)
     return GGUFCheckpoint(config, tensors, meta, freq_factors)
+
+
+def _permuted_heads(spec: Family, config: ModelConfig, hf: str) -> int | None:
+    """The head count of a q/k tensor llama.cpp's converter permuted, None for every other tensor."""
+    if spec.gguf_permuted_qk and hf.endswith(("q_proj.weight", "q_proj.bias")):
+        return config.num_heads
+    if spec.gguf_permuted_qk and hf.endswith(("k_proj.weight", "k_proj.bias")):
+        return config.num_kv_heads
+    return None
 
 
 def _as_stored(t: Any, heads: int | None) -> QuantizedWeight:

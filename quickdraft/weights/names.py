@@ -1,35 +1,15 @@
-"""The one name-mapping table: Hugging Face tensor names <-> GGUF (llama.cpp) tensor names, and
-the tensors some checkpoints carry that hold nothing the model needs (each with the reason).
+"""Tensor names: GGUF (llama.cpp) names -> Hugging Face names through a family's row
+(model/families.py), and the tensors some checkpoints carry that hold nothing the model needs
+(each with the reason).
 
 The model is built from Hugging Face names and refuses a tensor it does not take; the GGUF loader
-renames through this table and keeps a name outside it as it is, so that refusal names it.
+renames through the family's names and keeps a name outside them as it is, so that refusal names it.
 """
 from __future__ import annotations
 
 import re
 
-# (Hugging Face name, GGUF name); "{i}" is the layer index.
-TENSOR_NAMES: tuple[tuple[str, str], ...] = (
-    ("model.embed_tokens.weight", "token_embd.weight"),
-    ("model.norm.weight", "output_norm.weight"),
-    ("lm_head.weight", "output.weight"),
-    ("model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
-    ("model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
-    ("model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
-    ("model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
-    ("model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
-    ("model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
-    ("model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
-    ("model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
-    ("model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias"),
-    ("model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
-    ("model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
-    ("model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
-    ("model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
-    ("model.layers.{i}.mlp.gate_proj.bias", "blk.{i}.ffn_gate.bias"),
-    ("model.layers.{i}.mlp.up_proj.bias", "blk.{i}.ffn_up.bias"),
-    ("model.layers.{i}.mlp.down_proj.bias", "blk.{i}.ffn_down.bias"),
-)
+from quickdraft.model.families import Family
 
 # Hugging Face tensors that are dropped at load, and why. (GGUF's `rope_freqs.weight` is no such
 # tensor: it divides the RoPE frequencies, weights/gguf_file.py.)
@@ -44,7 +24,6 @@ def _pattern(template: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
 
 
-_GGUF_TO_HF = [(_pattern(gguf), hf) for hf, gguf in TENSOR_NAMES]
 _IGNORED = [_pattern(hf) for hf, _ in IGNORED_TENSORS]
 
 
@@ -53,10 +32,20 @@ def ignored(name: str) -> bool:
     return any(pattern.match(name) for pattern in _IGNORED)
 
 
-def hf_name_for_gguf(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for a name outside the table."""
-    for pattern, hf in _GGUF_TO_HF:
-        m = pattern.match(name)
+def hf_name_for_gguf(name: str, family: Family) -> str | None:
+    """The Hugging Face name of a GGUF tensor in a file of `family`, or None for a name outside its table."""
+    return _rename(name, family, 1)
+
+
+def gguf_name_for_hf(name: str, family: Family) -> str | None:
+    """The GGUF name llama.cpp's converter gives a Hugging Face tensor of `family` (None: not in its table)."""
+    return _rename(name, family, 0)
+
+
+def _rename(name: str, family: Family, source: int) -> str | None:
+    """`name` matched against the family's names of one format (0: HF, 1: GGUF), in the other's."""
+    for pair in family.names.values():
+        m = _pattern(pair[source]).match(name)
         if m:
-            return hf.replace("{i}", m.group(1)) if m.groups() else hf
+            return pair[1 - source].replace("{i}", m.group(1)) if m.groups() else pair[1 - source]
     return None

@@ -1,0 +1,129 @@
+"""Decoder families as data: one row per family, read by the loaders (config.py, weights/) and
+followed by the one Block (model/llama.py).
+
+A row says how a checkpoint of the family is read (HF `model_type`, GGUF architecture, tensor
+names, the defaults transformers' config class assumes, which config keys turn biases on, how
+the sliding window is chosen per layer) and what math it asks for (norm placement, QK-norm,
+activation). Adding a family is a row here plus tests. Knows nothing of torch, files or kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal, Mapping
+
+from quickdraft.errors import UnsupportedArchitecture
+
+# role -> (Hugging Face name, GGUF name); "{i}" is the layer index. The roles are the model's
+# parts (model/llama.py takes each by role); a family's row says which of them its files hold.
+TensorNames = tuple[tuple[str, str, str], ...]
+
+_LLAMA_TENSORS: TensorNames = (
+    ("embed", "model.embed_tokens.weight", "token_embd.weight"),
+    ("norm", "model.norm.weight", "output_norm.weight"),
+    ("lm_head", "lm_head.weight", "output.weight"),
+    ("attn_norm", "model.layers.{i}.input_layernorm.weight", "blk.{i}.attn_norm.weight"),
+    ("q", "model.layers.{i}.self_attn.q_proj.weight", "blk.{i}.attn_q.weight"),
+    ("k", "model.layers.{i}.self_attn.k_proj.weight", "blk.{i}.attn_k.weight"),
+    ("v", "model.layers.{i}.self_attn.v_proj.weight", "blk.{i}.attn_v.weight"),
+    ("q.bias", "model.layers.{i}.self_attn.q_proj.bias", "blk.{i}.attn_q.bias"),
+    ("k.bias", "model.layers.{i}.self_attn.k_proj.bias", "blk.{i}.attn_k.bias"),
+    ("v.bias", "model.layers.{i}.self_attn.v_proj.bias", "blk.{i}.attn_v.bias"),
+    ("o", "model.layers.{i}.self_attn.o_proj.weight", "blk.{i}.attn_output.weight"),
+    ("o.bias", "model.layers.{i}.self_attn.o_proj.bias", "blk.{i}.attn_output.bias"),
+    ("mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
+    ("gate", "model.layers.{i}.mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight"),
+    ("up", "model.layers.{i}.mlp.up_proj.weight", "blk.{i}.ffn_up.weight"),
+    ("down", "model.layers.{i}.mlp.down_proj.weight", "blk.{i}.ffn_down.weight"),
+    ("gate.bias", "model.layers.{i}.mlp.gate_proj.bias", "blk.{i}.ffn_gate.bias"),
+    ("up.bias", "model.layers.{i}.mlp.up_proj.bias", "blk.{i}.ffn_up.bias"),
+    ("down.bias", "model.layers.{i}.mlp.down_proj.bias", "blk.{i}.ffn_down.bias"),
+)
+_QK_NORMS: TensorNames = (
+    ("q_norm", "model.layers.{i}.self_attn.q_norm.weight", "blk.{i}.attn_q_norm.weight"),
+    ("k_norm", "model.layers.{i}.self_attn.k_norm.weight", "blk.{i}.attn_k_norm.weight"),
+)
+# OLMo 2's `post_attention_layernorm` is the attention's post-norm (Llama's is the MLP's pre-norm)
+_POST_NORMS: TensorNames = (
+    ("attn_post_norm", "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
+    ("mlp_post_norm", "model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight"),
+)
+# Phi-3's checkpoints hold q|k|v and gate|up as one matrix each (the model's own layout); GGUF
+# keeps gate|up under ffn_up
+_FUSED: TensorNames = (
+    ("qkv", "model.layers.{i}.self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight"),
+    ("gate_up", "model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight"),
+)
+
+
+def _without(names: TensorNames, *roles: str) -> TensorNames:
+    return tuple(row for row in names if row[0] not in roles)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str                 # Hugging Face config.json `model_type`
+    gguf_arch: str | None           # GGUF `general.architecture` llama.cpp's converter writes (None: none)
+    tensors: TensorNames = _LLAMA_TENSORS
+    # which projections carry a bias: a config key (read, default false) or a constant, as
+    # transformers' class builds them
+    qkv_bias: str | bool = False
+    o_bias: str | bool = False
+    mlp_bias: str | bool = False
+    norm: Literal["pre", "post"] = "pre"  # pre: RMSNorm before each sublayer; post: on its output, before the residual add
+    qk_norm: Literal["head", "proj"] | None = None  # RMSNorm of q and k before RoPE: per head, or over the whole projection
+    activations: tuple[str, ...] = ("silu", "swish")  # hidden_act names of x * sigmoid(x) (the SwiGLU kernels fuse)
+    # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
+    # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`
+    window: Literal["none", "all", "layer_types"] = "none"
+    defaults: tuple[tuple[str, Any], ...] = ()  # what the config class assumes for keys a config.json leaves out
+    gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its interleaved RoPE
+
+    def __post_init__(self) -> None:
+        roles = {role for role, _, _ in self.tensors}
+        assert ("qkv" in roles) != ("q" in roles) and ("gate_up" in roles) != ("gate" in roles), self.model_type
+        assert (self.norm == "pre") == ("attn_norm" in roles) and (self.qk_norm is None) != ("q_norm" in roles)
+
+    @property
+    def names(self) -> Mapping[str, tuple[str, str]]:
+        """role -> (Hugging Face name, GGUF name)."""
+        return MappingProxyType({role: (hf, gguf) for role, hf, gguf in self.tensors})
+
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
+    Family("llama", "llama", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+           defaults=(("rms_norm_eps", 1e-6),), gguf_permuted_qk=True),
+    # llama.cpp writes Mistral as "llama"; its files load as that family
+    Family("mistral", None, window="all", defaults=(("rms_norm_eps", 1e-6), ("sliding_window", 4096))),
+    Family("qwen2", "qwen2", qkv_bias=True, window="layer_types",
+           defaults=(("rms_norm_eps", 1e-6), ("use_sliding_window", False), ("sliding_window", 4096),
+                     ("max_window_layers", 28))),
+    Family("qwen3", "qwen3", _LLAMA_TENSORS + _QK_NORMS, qkv_bias="attention_bias", o_bias="attention_bias",
+           qk_norm="head", window="layer_types",
+           defaults=(("rms_norm_eps", 1e-6), ("head_dim", 128), ("use_sliding_window", False),
+                     ("sliding_window", 4096), ("max_window_layers", 28))),
+    Family("olmo2", "olmo2", _without(_LLAMA_TENSORS, "attn_norm", "mlp_norm") + _POST_NORMS + _QK_NORMS,
+           qkv_bias="attention_bias", o_bias="attention_bias", norm="post", qk_norm="proj",
+           defaults=(("rms_norm_eps", 1e-5),)),
+    Family("phi3", "phi3", _without(_LLAMA_TENSORS, "q", "k", "v", "q.bias", "k.bias", "v.bias", "gate", "up",
+                                    "gate.bias", "up.bias") + _FUSED,
+           window="all", defaults=(("rms_norm_eps", 1e-5), ("sliding_window", None))),
+)})
+
+GGUF_FAMILIES: Mapping[str, Family] = MappingProxyType({f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch})
+
+
+def family(model_type: str) -> Family:
+    """The row of a Hugging Face `model_type`; an UnsupportedArchitecture naming the ones there are."""
+    if model_type not in FAMILIES:
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def gguf_family(arch: Any) -> Family:
+    """The row of a GGUF `general.architecture`."""
+    if arch not in GGUF_FAMILIES:
+        raise UnsupportedArchitecture(
+            f"GGUF architecture {arch!r} is not supported; expected one of {', '.join(GGUF_FAMILIES)}")
+    return GGUF_FAMILIES[arch]

@@ -1,0 +1,272 @@
+"""The families other than Llama and Qwen2 (issue 31): Mistral with a true sliding window, Qwen3
+(QK-norm per head), OLMo 2 (post-norms, QK-norm over the projection), Phi-3 (fused q|k|v and
+gate|up, a window), each a row of model/families.py.
+
+Oracles: transformers' greedy tokens on the same tiny random weights (safetensors and a float GGUF;
+the prompt is longer than every window), plain against speculative (prompt lookup as a chain and
+as a tree, the target as its own draft) and each request alone against the engine's batch; a GGUF
+of Q8_0 blocks (the fused C layer, layer.c) against its own dequantized model and against itself
+in other batches, bitwise; a tree's nodes against decoding their paths; UnsupportedArchitecture
+naming what is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+import quickdraft
+from quickdraft import SamplingParams, UnsupportedArchitecture
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.errors import ModelLoadError
+from quickdraft.model.config import ModelConfig
+from quickdraft.model.families import FAMILIES
+from quickdraft.model.llama import RMSNorm, build_transformer
+from quickdraft.weights.gguf_file import read_gguf
+from gguf_writer import write_gguf
+from quickdraft.proposers import SpecConfig
+from tiny_models import BASE, CONFIGS, NEW_FAMILIES, hf_model, save_hf_dir, transformers_greedy
+from tiny_tokenizer import save_tokenizer, tiny_model, write_llama_gguf
+
+PROMPT = "the cat sat on the mat; the cat sat on the"
+PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
+N = 16
+GREEDY = SamplingParams(max_new_tokens=N, ignore_eos=True)
+
+
+def window_of(name: str) -> int | None:
+    return CONFIGS[name].get("sliding_window")
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILIES)
+def files(request, tmp_path_factory) -> tuple[str, Path, Path]:
+    """A family's tiny model as a safetensors directory and as a float32 GGUF (with its window)."""
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    hf = tiny_model(name)
+    directory = save_tokenizer(save_hf_dir(hf, root / "hf"))
+    return name, directory, write_llama_gguf(hf, root / "model.gguf", window=window_of(name))
+
+
+@pytest.fixture(scope="module")
+def expected(files) -> dict[str, list[int]]:
+    """transformers' 16 greedy tokens for each prompt."""
+    name, directory, _ = files
+    llm = quickdraft.load(directory)
+    hf = tiny_model(name)
+    return {p: transformers_greedy(hf, llm.tokenizer.encode(p), N) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected, fmt):
+    name, directory, gguf = files
+    llm = quickdraft.load(directory if fmt == "safetensors" else gguf)
+    config = llm.model.config
+    assert config.model_type == (name.split("-")[0] if fmt == "safetensors" or name != "mistral-window" else "llama")
+    window = window_of(name)
+    ids = llm.tokenizer.encode(PROMPT)
+    if window:  # the premise: queries see fewer keys than the prompt has
+        assert max(w or 0 for w in config.layer_windows) == window < len(ids)
+    assert len(set(expected[PROMPT])) > 3  # a model repeating one token would prove little
+    assert llm.generate(PROMPT, params=GREEDY).token_ids == expected[PROMPT]
+    for spec in (SpecConfig("ngram", k=4, adaptive=False), SpecConfig("ngram-tree", k=6, adaptive=False),
+                 SpecConfig("draft", k=4, draft_model=str(directory if fmt == "safetensors" else gguf),
+                            adaptive=False)):
+        out = llm.generate(PROMPT, params=GREEDY, spec=spec)
+        assert out.token_ids == expected[PROMPT], spec.method
+        if spec.method == "draft":  # the target as its own draft: speculation really ran
+            assert out.stats.accepted_tokens >= 8
+
+
+def run_engine(llm, prompts: list[str], spec: SpecConfig) -> dict[str, list[int]]:
+    """Every prompt a request of one engine of up to 3 rows, drafting with `spec`."""
+    engine = Engine(llm.model, EngineConfig(max_batch=3, policy="fixed"))
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        ids = llm.tokenizer.encode(p)
+        engine.add(Request(ids, GREEDY, frozenset(), llm.proposer(ids, GREEDY, spec), spec.k, adaptive=False, id=p))
+        out[p] = []
+    steps = 0
+    while engine.has_work():
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+        steps += 1
+        assert steps < 200
+    return out
+
+
+def test_the_engines_batch_gives_each_request_transformers_tokens(files, expected):
+    name, directory, _ = files
+    llm = quickdraft.load(directory)
+    for spec in (SpecConfig("ngram", k=4), SpecConfig("ngram-tree", k=6)):
+        assert run_engine(llm, PROMPTS, spec) == expected, spec.method
+
+
+# -- the fused C layer (layer.c) over GGUF blocks ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q8(files, tmp_path_factory) -> Path:
+    name, _, _ = files
+    return write_llama_gguf(tiny_model(name), tmp_path_factory.mktemp("q8") / "model.gguf",
+                            qtype=GGMLQuantizationType.Q8_0, window=window_of(name))
+
+
+def logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids))).logits[0]
+
+
+def test_gguf_blocks_run_the_fused_layer_close_to_their_dequantized_model(files, q8):
+    _, directory, _ = files
+    stored, dense = quickdraft.load(q8), quickdraft.load(q8, dequantize=True)
+    assert "Q8_0" in stored.model.weight_format and dense.model.weight_format == "float32"
+    ids = stored.tokenizer.encode(PROMPT)
+    ours = logits(stored.model, ids)
+    assert all(block.fused is not None for block in stored.model.blocks)  # layer.c ran every layer
+    ref = logits(dense.model, ids)
+    # int16 activations against float32: within ~1e-3 of the logits' spread; a wrong norm or window is ~1
+    assert (ours - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
+def test_gguf_blocks_are_batch_invariant_and_speculation_is_exact(q8):
+    """A row's bits do not depend on the other rows of a pass: the engine's batch gives every
+    request its tokens alone, and speculative decoding (chain, tree, self-draft) plain's."""
+    llm = quickdraft.load(q8)
+    alone = {p: llm.generate(p, params=GREEDY).token_ids for p in PROMPTS}
+    assert run_engine(llm, PROMPTS, SpecConfig("ngram", k=4)) == alone
+    for spec in (SpecConfig("ngram-tree", k=6, adaptive=False),
+                 SpecConfig("draft", k=4, draft_model=str(q8), adaptive=False)):
+        assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == alone[PROMPT], spec.method
+
+
+# -- windows in trees and batches -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer"])
+@pytest.mark.parametrize("fmt", ["float", "q8"])
+def test_a_tree_node_past_the_window_equals_decoding_its_path(name, fmt, tmp_path):
+    """Nodes at depth positions in slots with gaps (a tree after a prompt longer than the window)
+    see exactly the keys decoding their path sees: bitwise on CPU (float: the rope_attention
+    kernel; q8: the fused layer)."""
+    if fmt == "float":
+        model = quickdraft.load(save_tokenizer(save_hf_dir(tiny_model(name), tmp_path / "m"))).model
+    else:
+        model = quickdraft.load(write_llama_gguf(tiny_model(name), tmp_path / "m.gguf", qtype=GGMLQuantizationType.Q8_0,
+                                                 window=window_of(name))).model
+    prompt = list(range(10, 30))  # 20 tokens, windows of 8 and 6
+    parents = [-1, -1, 0, 1, 2, 2, 4]
+    tokens = [40, 41, 42, 43, 44, 45, 46]
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    n, T = len(prompt), len(parents)
+    cache = model.new_cache(1, n + T + 8)
+    model(torch.tensor([prompt]), torch.arange(n)[None], cache)
+    visible = torch.zeros(1, T, n + T, dtype=torch.bool)
+    visible[..., :n] = True
+    for i in range(T):
+        j = i
+        while j >= 0:
+            visible[0, i, n + j] = True
+            j = parents[j]
+    tree = model(torch.tensor([tokens]), torch.tensor([[n + d for d in depth]]), cache, attn_mask=visible,
+                 slots=torch.arange(n, n + T)[None]).logits[0]
+    for leaf in (3, 6):  # paths 1-3 and 0-2-4-6
+        path, j = [], leaf
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        step_cache = model.new_cache(1, n + T + 8)
+        model(torch.tensor([prompt]), torch.arange(n)[None], step_cache)
+        for s, node in enumerate(path):
+            out = model(torch.tensor([[tokens[node]]]), torch.tensor([[n + s]]), step_cache).logits[0, 0]
+            assert torch.equal(out, tree[node]), (leaf, node, float((out - tree[node]).abs().max()))
+
+
+def test_rows_at_other_positions_see_their_own_window(tmp_path):
+    """Two rows in one pass, one past its window and one not: each row's logits are its alone, bitwise."""
+    model = quickdraft.load(save_tokenizer(save_hf_dir(tiny_model("mistral-window"), tmp_path / "m"))).model
+    prompts = [list(range(3, 23)), list(range(50, 55))]  # 20 and 5 tokens: window 8
+    alone = [logits(model, p)[-1] for p in prompts]
+    cache = model.new_cache(2, 32)
+    width = max(map(len, prompts))
+    batch = torch.tensor([p + [5] * (width - len(p)) for p in prompts])
+    out = model(batch, torch.arange(width).expand(2, width), cache).logits
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i, len(p) - 1], alone[i]), i
+
+
+# -- torch's per-token ops are batch-invariant -----------------------------------------------------
+
+def test_rmsnorm_over_the_last_dim_gives_a_row_the_same_bits_in_any_batch():
+    """The QK-norms and OLMo 2's post-norms run in torch (F.rms_norm per row) outside the fused
+    layer: a row's result must not depend on how many rows come with it, at any width those norms
+    take (a head, a projection, the hidden size) and any row count up to and past a pass's 64."""
+    g = torch.Generator().manual_seed(0)
+    for dim in (16, 64, 96, 2048):
+        norm = RMSNorm(dim, 1e-6)
+        norm.weight.data = torch.rand(dim, generator=g) + 0.5
+        x = torch.randn(130, dim, generator=g) * 3
+        alone = torch.cat([norm(x[i:i + 1]) for i in range(len(x))])
+        for rows in (2, 7, 64, 130):
+            assert torch.equal(norm(x[:rows]), alone[:rows]), (dim, rows)
+        assert torch.equal(norm(x.view(10, 13, dim)).view(130, dim), alone)
+
+
+# -- what each row reads, and what is refused ----------------------------------------------------
+
+@pytest.mark.parametrize("name, fields", [
+    ("mistral-window", dict(norm="pre", qk_norm=None, layer_windows=(8, 8), qkv_bias=False)),
+    ("qwen3-qk-norm", dict(norm="pre", qk_norm="head", layer_windows=(), qkv_bias=False)),
+    ("qwen3-window-layer", dict(norm="pre", qk_norm="head", layer_windows=(None, 6), qkv_bias=True, o_bias=True)),
+    ("olmo2-post-norm", dict(norm="post", qk_norm="proj", layer_windows=(), o_bias=False)),
+    ("phi3-fused-window", dict(norm="pre", qk_norm=None, layer_windows=(12, 12), qkv_bias=False)),
+])
+def test_each_family_resolves_to_the_fields_transformers_builds(name, fields):
+    config = ModelConfig.from_hf(hf_model(name).config.to_dict())
+    assert {k: getattr(config, k) for k in fields} == fields
+    assert config.max_position_embeddings == BASE["max_position_embeddings"]  # a window is not the context
+
+
+def hf_config(model_type: str, **changes) -> dict:
+    return {**BASE, "model_type": model_type, **changes}
+
+
+@pytest.mark.parametrize("model_type, changes, message", [
+    ("phi3", dict(rope_scaling=dict(rope_type="longrope", long_factor=[1.0] * 8, short_factor=[1.0] * 8)),
+     "rope scaling type 'longrope'"),
+    ("phi3", dict(rope_scaling=dict(type="su", long_factor=[1.0] * 8, short_factor=[1.0] * 8)), "'su'"),
+    ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
+    ("qwen3", dict(use_sliding_window=True, layer_types=["chunked_attention", "full_attention"]),
+     "layer_types .*chunked_attention"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope scaling type 'yarn'"),
+    ("olmo2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("mistral", dict(sliding_window=-3), "sliding_window must be a positive integer"),
+    ("gemma3_text", {}, "model_type 'gemma3_text' is not supported; expected one of llama, mistral, qwen2, qwen3"),
+])
+def test_what_a_family_does_not_implement_is_refused_by_name(model_type, changes, message):
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_hf(hf_config(model_type, **changes))
+
+
+def test_every_family_row_names_each_part_once_and_both_ways():
+    """A row's tensor names map one to one (a GGUF name back to one HF name), and the GGUF
+    architectures are those llama.cpp's converter writes for them."""
+    from quickdraft.weights.names import gguf_name_for_hf, hf_name_for_gguf
+    assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3"}
+    for family in FAMILIES.values():
+        for role, (hf, gguf) in family.names.items():
+            hf0, gguf0 = hf.replace("{i}", "3"), gguf.replace("{i}", "3")
+            assert gguf_name_for_hf(hf0, family) == gguf0 and hf_name_for_gguf(gguf0, family) == hf0, (role, family)
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused_naming_them(tmp_path):
+    """llama.cpp's converter writes LongRoPE's factors as two tensors: left over, refused by name."""
+    path = tmp_path / "m.gguf"
+    extra = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
+    write_gguf(tiny_model("phi3-fused-window"), path, metadata=lambda w: [w.add_tensor(n, v) for n, v in extra.items()])
+    ckpt = read_gguf(path)
+    assert ckpt.config.model_type == "phi3"
+    with pytest.raises(UnsupportedArchitecture, match="'rope_factors_long.weight', 'rope_factors_short.weight'"):
+        build_transformer(ckpt.config, ckpt.tensors)
