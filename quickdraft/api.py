@@ -6,14 +6,17 @@ deltas, stop strings are applied to that text. The CLI and (later) the server co
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 
-from quickdraft.engine import GenerationStats, generate_tokens
+from quickdraft.engine import GenerationStats
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.policy import StepCost
+from quickdraft.engine.service import EngineService
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import ModelLoadError, QuickdraftError
 from quickdraft.model.llama import Transformer
@@ -28,6 +31,9 @@ from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 
 T = TypeVar("T")
 
+# Rows the model's shared engine decodes together unless a server sets its own (the K/V cache grows
+# with use: rows and room that no request asked for cost nothing).
+ENGINE = EngineConfig(max_batch=8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -129,6 +135,8 @@ class LLM:
         self._shared: dict[Hashable, dict[Hashable, Any]] = {}  # scope -> key -> state
         self._scope: Hashable = None
         self._shared_lock = threading.Lock()  # proposers are made on engine threads and callers' threads
+        self._service: EngineService | None = None
+        self._service_lock = threading.Lock()
         if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
@@ -201,6 +209,26 @@ class LLM:
             with self._shared_lock:
                 self._scope = outer
 
+    def engine_service(self, config: EngineConfig | None = None, cost: StepCost | None = None) -> EngineService:
+        """The one engine every generation of this model goes through (LLM.stream, a server over it):
+        one batch, one prefix cache, one measured step cost. `config`/`cost` set it up anew (a
+        server's rows and context) where they differ from the one it has, which only an idle engine
+        allows."""
+        with self._service_lock:
+            service = self._service
+            if service is None or (config is not None and config != service.engine.config) or \
+                    (cost is not None and cost is not service.engine.cost):
+                if service is not None and service.busy():
+                    raise QuickdraftError("this model's engine is running requests; it can be set up anew "
+                                          "(another server's rows or context) only while idle")
+                self._service = EngineService(Engine(self.model, config or ENGINE, cost, prefix=self.prefix))
+            return self._service
+
+    def request(self, ids: list[int], params: SamplingParams, spec: SpecConfig) -> tuple[Request, Callable[[], Proposer | None]]:
+        """A request for the engine, and the call that builds its proposer (on the driving thread)."""
+        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0, spec.adaptive)
+        return request, lambda: self.proposer(ids, params, spec)
+
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:
             return None
@@ -218,15 +246,15 @@ class LLM:
         """Text chunks as tokens are committed; `spec` overrides the model's default speculation."""
         params, spec = params or SamplingParams(), spec or self.spec
         ids = self.prompt_ids(prompt, messages)
-        proposer = self.proposer(ids, params, spec)
         text = TextAssembler(self.tokenizer, params)
-        events = generate_tokens(self.model, ids, params, self.tokenizer.eos_token_ids, proposer, spec.k,
-                                 adaptive=spec.adaptive, prefix=self.prefix)
-        for event in events:
-            chunk = text.feed(event)
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
+        with closing(self.engine_service().stream(*self.request(ids, params, spec))) as events:
+            for event in events:
+                if event.error is not None:
+                    raise event.error
+                chunk = text.feed(event)
+                yield chunk
+                if chunk.finish_reason is not None:
+                    return
 
     def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                  params: SamplingParams | None = None, spec: SpecConfig | None = None) -> Completion:

@@ -83,6 +83,21 @@ class KVCache:
                 t[dst, :, :length] = t[src, :, :length]
         self.lengths[dst] = length
 
+    def reserve(self, batch_size: int, max_len: int) -> None:
+        """Room for at least batch_size rows of max_len slots: new buffers, the old ones' contents
+        copied into their corner (an engine grows its cache as requests need it, never shrinks it)."""
+        if batch_size <= self.batch_size and max_len <= self.max_len:
+            return
+        batch_size, max_len = max(batch_size, self.batch_size), max(max_len, self.max_len)
+        with torch.inference_mode(False):  # buffers of their own kind: a step (inference mode) may grow them
+            for buffers in (self.k, self.v):
+                for i, old in enumerate(buffers):
+                    new = old.new_zeros((batch_size, old.shape[1], max_len, old.shape[3]))
+                    new[:old.shape[0], :, :old.shape[2]] = old
+                    buffers[i] = new
+        self.max_len = max_len
+        self.lengths = self.lengths + [0] * (batch_size - len(self.lengths))
+
     def compact(self, row: int, start: int, kept: Sequence[int]) -> None:
         """Move the K/V of slots `kept` (ascending, each >= its destination) of `row` to slots
         start, start+1, ...: a tree's accepted path into place. A chain's path is in place already."""

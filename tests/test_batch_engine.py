@@ -468,6 +468,18 @@ def test_step_cost_estimates_from_the_prior_through_measurements() -> None:
     assert cost.estimate(8) == pytest.approx(2.2 * 2.0 / (1 + 3 / 7))  # the curve's ratio from N=4
 
 
+def test_a_longer_step_is_never_estimated_cheaper_than_a_measured_shorter_one() -> None:
+    """Noise (a 5-token step timed faster than a 1-token one) must not make a draft with next to
+    no expected gain look free: the engine of a long-lived model measures many step sizes."""
+    cost = StepCost()
+    cost.observe(1, 0.100)
+    cost.observe(5, 0.090)
+    assert cost.estimate(5) == cost.estimate(1) == 0.100 and cost.estimate(3) >= 0.100
+    assert choose_draft_lengths([RowDraft(4, [0.01] * 4, False)], cost) == [0]
+    cost.observe(9, 0.300)
+    assert cost.estimate(9) == 0.300 and cost.estimate(7) > 0.100
+
+
 class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it drafts and is told."""
     group = None

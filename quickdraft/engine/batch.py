@@ -124,12 +124,15 @@ class Engine:
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self.cost = cost or StepCost()
+        # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
+        self.pad = MAX_K if config.max_batch > 1 else 0
+        self.grows = cache is None  # a cache of its own grows as requests need (_reserve)
         if cache is None:
-            # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
-            pad = MAX_K if config.max_batch > 1 else 0
-            cache = model.new_cache(config.max_batch, self.max_seq_len + pad)
+            cache = model.new_cache(1, 1)
         elif cache.batch_size != config.max_batch:
             raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
+        else:
+            self.max_seq_len = min(self.max_seq_len, cache.max_len - self.pad)
         self.cache = cache
         self.prefix = prefix
         self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
@@ -148,7 +151,7 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request; it is admitted at the next step with a free row. Raises ContextTooLong
         for a prompt that cannot fit (nothing is queued then)."""
-        check_context(len(request.prompt_ids), min(self.max_seq_len, self.cache.max_len))
+        check_context(len(request.prompt_ids), self.max_seq_len)
         if isinstance(request.k, bool) or not isinstance(request.k, int) or not 0 <= request.k <= MAX_K:
             raise ValueError(f"k must be an integer in 0..{MAX_K}, found {request.k!r}")
         self.waiting.append(request)
@@ -331,6 +334,7 @@ class Engine:
         that the prefix cache has (its last token is always fed: its logits give the first token)."""
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
+        self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
         if self.prefix is not None:
             try:
                 features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
@@ -341,6 +345,16 @@ class Engine:
                 row.features = [features]
                 row.length = row.stats.cached_tokens = features.shape[0]
         return row
+
+    def _reserve(self, rows: int, length: int) -> None:
+        """A cache of our own holds `rows` rows of `length` slots: grown by doubling (each growth
+        copies what it holds), never past max_batch rows of max_seq_len (+ pad) slots."""
+        have = self.cache
+        if not self.grows or (rows <= have.batch_size and length <= have.max_len):
+            return
+        rows = max(rows, 2 * have.batch_size) if rows > have.batch_size else rows
+        length = max(length, 2 * have.max_len) if length > have.max_len else length
+        have.reserve(min(rows, self.config.max_batch), min(length, self.max_seq_len + self.pad))
 
     def _prefill_chunk(self, row: _Row, size: int) -> Events:
         """Feed the next `size` tokens of the filling row's prompt; after the last, it decodes from

@@ -1,15 +1,19 @@
-"""One request decoded alone: the batched engine with a single row, as an iterator of events.
+"""One request decoded alone on a bare model (tests, training, kernel benchmarks): an engine of
+one row of its own, driven by the caller (engine/service.py). `LLM` goes through its model's
+shared engine service instead.
 
 Plain decoding is the same loop with no proposer (k = 0). A consumer that stops iterating (stop
 string found, client gone) simply closes the generator.
 """
 from __future__ import annotations
 
+from contextlib import closing
 from typing import Iterator, Sequence
 
 from quickdraft.cache import KVCache
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
+from quickdraft.engine.service import EngineService
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
@@ -32,12 +36,8 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         raise ValueError(f"cache needs batch 1 and room for {max_seq_len} tokens")
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=max_seq_len), cache=cache, prefix=prefix)
     request = Request(list(prompt_ids), params, eos_token_ids, proposer, k, adaptive)
-    engine.add(request)
-    try:
-        while engine.has_work():
-            for _, event in engine.step():
-                if event.error is not None:
-                    raise event.error
-                yield event
-    finally:  # a consumer that stops early (a stop string) leaves what it has to the prefix cache too
-        engine.cancel(request.id)
+    with closing(EngineService(engine).stream(request)) as events:  # closed now when our consumer stops
+        for event in events:
+            if event.error is not None:
+                raise event.error
+            yield event

@@ -57,12 +57,17 @@ class StepCost:
         return max(self.curve[lo] + slope * (n - lo), 1e-9)
 
     def estimate(self, n: int) -> float:
-        if n in self.step_s:
-            return self.step_s[n]
+        """t(n), never below a measured t(m) for m < n: a pass that feeds more tokens does no less
+        work, so a longer step timed faster than a shorter one is noise (which, once an engine has
+        measured many sizes, would otherwise make drafts with no expected gain look free)."""
         if not self.step_s:
             return self.shape(n)
-        near = min(self.step_s, key=lambda m: (abs(m - n), m))
-        return self.step_s[near] * self.shape(n) / self.shape(near)
+        if n in self.step_s:
+            value = self.step_s[n]
+        else:
+            near = min(self.step_s, key=lambda m: (abs(m - n), m))
+            value = self.step_s[near] * self.shape(n) / self.shape(near)
+        return max([value, *(t for m, t in self.step_s.items() if m < n)])
 
     def observe(self, n: int, seconds: float) -> None:
         old = self.step_s.get(n)

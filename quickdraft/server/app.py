@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from quickdraft import kernels
 from quickdraft.api import LLM, Chunk, TextAssembler
-from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
+from quickdraft.engine.batch import EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
@@ -66,14 +66,15 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     """engine_thread: run the engine on a thread started with the app; False leaves it to the
     caller to run `app.state.worker.run()` on its own thread (see worker.py for why). bind: the
     address served, which decides the Host names answered."""
-    engine = Engine(llm.model, config.engine, cost, prefix=llm.prefix)  # the model's, shared with LLM.generate
+    service = llm.engine_service(config.engine, cost)  # the model's one engine, shared with LLM.generate
+    engine = service.engine
     try:  # loaded here, on the model's thread: a request asking for the head then only reuses it
         llm.draft_head(config.spec.head)
         head_error = None
     except SpecConfigError as e:
         head_error = str(e)
     metrics = Metrics(llm.prefix)
-    worker = EngineWorker(engine, metrics)
+    worker = EngineWorker(service, metrics)
     prompts = Prompts(llm.tokenizer)
 
     @contextlib.asynccontextmanager
@@ -225,7 +226,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return spec
 
     def _prepare(body: _Common, spec: SpecConfig, ids: list[int], budget: dict[str, int | None]
-                 ) -> tuple[Request, SamplingParams, Callable[[], Proposer | None]]:
+                 ) -> tuple[Request, Callable[[], Proposer | None], SamplingParams]:
         """budget: the fields that bound the new tokens, the first one given deciding."""
         limit = engine.max_seq_len
         _fits(len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
@@ -233,13 +234,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         stop = tuple(body.stop or ())
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
-        request = Request(ids, params, llm.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0,
-                          spec.adaptive)
-        return request, params, lambda: llm.proposer(ids, params, spec)
+        return *llm.request(ids, params, spec), params
 
     async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, ids: list[int],
                        budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
-        request, params, make_proposer = _prepare(body, spec, ids, budget)
+        request, make_proposer, params = _prepare(body, spec, ids, budget)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)
