@@ -69,7 +69,7 @@ class DraftHead(nn.Module):
         super().__init__()
         self.config = config
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = Block(config)
+        self.block = Block(config, 0)  # one layer shaped as the target's first
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.rope = RotaryTable()
         self.register_buffer("vocab", torch.arange(config.vocab_size) if vocab is None else vocab.long())
