@@ -133,7 +133,8 @@ class EngineService:
                 if stats is None and self.engine.filling is not None and self.engine.filling.request.id == request_id:
                     stats = self.engine.filling.stats
                 self.engine.cancel(request_id)
-                self._sinks.pop(request_id)(TokenEvent([], "error", stats or GenerationStats(), error))
+                event = TokenEvent([], "error", stats or GenerationStats(), error)
+                self._tell(request_id, self._sinks.pop(request_id), event)
 
     def _add(self, request: Request, sink: Sink, make_proposer: MakeProposer | None) -> None:
         try:
@@ -141,7 +142,7 @@ class EngineService:
                 request.proposer = make_proposer()
             self.engine.add(request)
         except Exception as e:  # noqa: BLE001 - the caller's to report, never the engine's
-            sink(TokenEvent([], "error", error=e))
+            self._tell(request.id, sink, TokenEvent([], "error", error=e))
             return
         self._sinks[request.id] = sink
 
@@ -155,7 +156,7 @@ class EngineService:
             for row in held:
                 self.engine.cancel(row.request.id)
                 if (sink := self._sinks.pop(row.request.id, None)) is not None:
-                    sink(TokenEvent([], "error", row.stats, e))
+                    self._tell(row.request.id, sink, TokenEvent([], "error", row.stats, e))
             return
         seconds = time.perf_counter() - start
         for observe in self.step_observers:
@@ -166,4 +167,15 @@ class EngineService:
                 continue
             if event.finish_reason is not None:
                 del self._sinks[request_id]
+            self._tell(request_id, sink, event)
+
+    def _tell(self, request_id: str, sink: Sink, event: TokenEvent) -> None:
+        """Hand a request its event. A sink that raises (its caller's bug) ends that request there:
+        neither the thread driving (maybe another caller's generate) nor the step's other events
+        (lost, they would leave their requests waiting forever) see the error."""
+        try:
             sink(event)
+        except Exception:  # noqa: BLE001
+            log.exception("the sink of request %s raised; cancelling the request", request_id)
+            self._sinks.pop(request_id, None)
+            self.engine.cancel(request_id)
