@@ -252,6 +252,25 @@ def test_a_tree_nodes_attention_equals_its_paths_decode(D, ctx):
         assert torch.equal(alone[:, 0], tree[:, n]), (n, float((alone[:, 0] - tree[:, n]).abs().max()))
 
 
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+@pytest.mark.parametrize("window", [3, 8, 13])
+def test_a_windowed_query_equals_the_same_query_over_its_window_alone(D, ctx, window):
+    """A sliding window hides the keys more than `window` positions back (the mask the model
+    builds); the kernel skips whole blocks of them. Bitwise the same as attending, unmasked, over a
+    cache holding only the window's keys: the visible keys are summed in the same order either way."""
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(B=1, T=1, ctx=ctx + 12, D=D)
+    p = int(positions[0, 0])
+    visible = (torch.arange(p + 1) > p - window)[None, None].contiguous()  # [1, 1, kv_len]
+    masked = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), visible, p + 1, 4, 2)
+    k_win, v_win = k_cache.clone(), v_cache.clone()
+    k_win[:, :, :window - 1] = k_cache[:, :, p - window + 1:p]
+    v_win[:, :, :window - 1] = v_cache[:, :, p - window + 1:p]
+    alone = kernels.rope_attention(qkv, cos, sin, torch.tensor([[window - 1]]), k_win, v_win, None, window, 4, 2)
+    assert torch.equal(masked, alone)
+    full = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), None, p + 1, 4, 2)
+    assert not torch.allclose(full, masked)  # the premise: the window changes the result
+
+
 def test_long_tasks_cover_every_row_on_any_thread_count():
     """A task runs through ~512 KB of weight rows (quant_matmul.c's TASK_BYTES) in blocks of 64:
     2,577 rows of 144 bytes make tasks of 5-10 blocks, the last one cut short. Every row is the

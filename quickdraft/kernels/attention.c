@@ -87,11 +87,17 @@ INLINE void weighted_sum(const float *p, const float *vb, float *o, int64_t D, i
     for (int i = 0; i < W; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
-/* One query's attention: scores s over the visible keys, softmax, weighted sum of values into o. */
+/* One query's attention: scores s over the visible keys, softmax, weighted sum of values into o.
+ * Blocks of 8 keys before the first visible one (a sliding window's past) are not scored: their p
+ * is 0 either way, and a key's score does not depend on its block, so the bits are the same. */
 static void attend(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
                    int64_t D, int64_t kv_len, float scale) {
     float m = -INFINITY;
-    for (int64_t j0 = 0; j0 < kv_len; j0 += 8) {
+    int64_t first = 0;
+    if (vis) while (first < kv_len && !vis[first]) first++;
+    const int64_t start = first & ~(int64_t)7;
+    for (int64_t j = 0; j < start; j++) s[j] = -INFINITY;
+    for (int64_t j0 = start; j0 < kv_len; j0 += 8) {
         float block[8];
         if (D % 8 == 0) _mm256_storeu_ps(block, dot8(qv, kb, D, j0, kv_len));
         else for (int i = 0; i < 8 && j0 + i < kv_len; i++) block[i] = dot(qv, kb + (j0 + i) * D, D);
