@@ -283,7 +283,7 @@ def api(report: Report, device: str, tmp: Path) -> None:
 
     from quickdraft import SamplingParams, SpecConfig
     from quickdraft.engine import generate_tokens
-    from quickdraft.model.llama import build_transformer
+    from quickdraft.model.build import build_transformer
     from quickdraft.model.rope import inverse_frequencies
     from quickdraft.proposers.head import load_head, save_head
     from quickdraft.weights.gguf_file import read_gguf

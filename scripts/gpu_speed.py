@@ -30,7 +30,8 @@ from quickdraft.bench.hf_reference import hf_greedy
 from quickdraft.engine import batch, generate_tokens
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.llama import Transformer, build_transformer
+from quickdraft.model.build import build_transformer
+from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from quickdraft.kernels import KERNEL_TYPES, QuantizedWeight
-from quickdraft.model.llama import build_transformer
+from quickdraft.model.build import build_transformer
 from quickdraft.weights import hf_dir
 from quickdraft.weights.gguf_file import read_gguf
 from quickdraft.weights.gguf_reader import GGUFFile

@@ -22,7 +22,7 @@ from quickdraft import SamplingParams, UnsupportedArchitecture
 from quickdraft.cli import main
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.llama import build_transformer
+from quickdraft.model.build import build_transformer
 from quickdraft.proposers import SpecConfig
 from quickdraft.weights.gguf_file import config_from_metadata, open_reader, read_gguf, read_metadata
 from gguf_writer import write_gguf

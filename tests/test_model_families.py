@@ -24,7 +24,8 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.families import FAMILIES
-from quickdraft.model.llama import RMSNorm, build_transformer
+from quickdraft.model.build import build_transformer
+from quickdraft.model.llama import RMSNorm
 from quickdraft.weights.gguf_file import read_gguf
 from gguf_writer import write_gguf
 from quickdraft.proposers import SpecConfig

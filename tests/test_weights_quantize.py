@@ -13,7 +13,7 @@ from quickdraft.cli import main
 from quickdraft.errors import ModelLoadError
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.llama import build_transformer
+from quickdraft.model.build import build_transformer
 from quickdraft.weights import load_model
 import quickdraft
 import tiny_tokenizer

@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.kernels.quantized import Part
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.llama import Transformer, build_transformer
+from quickdraft.model.build import build_transformer
+from quickdraft.model.llama import Transformer
 from quickdraft.weights.activations import with_activation_bits
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

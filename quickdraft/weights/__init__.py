@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
-from quickdraft.model.llama import Transformer, build_transformer
+from quickdraft.model.llama import Transformer
 from quickdraft.tokenizer import Tokenizer, gguf_tokenizer, load_hf_tokenizer
 from quickdraft.weights import gguf_file, hf_dir
 from quickdraft.weights.activations import activation_bits, with_activation_bits
