@@ -230,6 +230,45 @@ def test_each_family_resolves_to_the_fields_transformers_builds(name, fields):
     assert config.max_position_embeddings == BASE["max_position_embeddings"]  # a window is not the context
 
 
+# Fields of transformers' config classes that change no logits: dropout (off at inference), training
+# and output plumbing, the padding index (only where gradients go); Phi-3's
+# original_max_position_embeddings is read by LongRoPE alone, which is refused.
+NO_MATH = {"attention_dropout", "embd_pdrop", "resid_pdrop", "initializer_range", "use_cache", "pad_token_id",
+           "chunk_size_feed_forward", "dtype", "id2label", "label2id", "problem_type", "is_encoder_decoder",
+           "output_hidden_states", "return_dict", "transformers_version", "pretraining_tp",
+           "original_max_position_embeddings"}
+# Another value for each field that changes the math: the resolved config must differ, or refuse it.
+CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="gelu", hidden_size=128, intermediate_size=96,
+               max_position_embeddings=512, num_attention_heads=2, num_hidden_layers=3, num_key_value_heads=1,
+               rms_norm_eps=1e-3, vocab_size=97, tie_word_embeddings=True, bos_token_id=5, eos_token_id=7,
+               rope_parameters=dict(rope_type="default", rope_theta=5000.0), sliding_window=5,
+               use_sliding_window=False, max_window_layers=0, layer_types=["sliding_attention", "sliding_attention"],
+               architectures=["LlamaForTokenClassification"])
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_field_of_the_families_config_class_is_used_or_refused(model_type):
+    """Each field transformers' config class of the family has (what its model reads) either changes
+    the config we resolve, is refused by name, or is listed as changing no logits: a new field in a
+    newer transformers fails here until it is accounted for."""
+    import dataclasses
+    from transformers import AutoConfig
+    windowed = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1) if "qwen" in model_type else {}
+    base = AutoConfig.for_model(model_type, **{**BASE, "head_dim": 16, **windowed}).to_dict()
+    fields = {f.name for f in dataclasses.fields(type(AutoConfig.for_model(model_type)))}
+    assert fields - NO_MATH <= set(CHANGED), sorted(fields - NO_MATH - set(CHANGED))
+    reference = ModelConfig.from_hf(base)
+    for key in sorted(fields - NO_MATH):
+        config = {**base, key: CHANGED[key]}
+        if key == "max_window_layers":  # read only to make layer_types where a config has none
+            del config["layer_types"]
+        try:
+            changed = ModelConfig.from_hf(config)
+        except UnsupportedArchitecture:
+            continue
+        assert changed != reference, f"{model_type}: {key}={CHANGED[key]!r} changes nothing we build"
+
+
 def hf_config(model_type: str, **changes) -> dict:
     return {**BASE, "model_type": model_type, **changes}
 

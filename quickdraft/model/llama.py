@@ -96,8 +96,9 @@ class RMSNorm(nn.Module):
         return self.weight, self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Over the last dimension, each row alone (so batch-invariant); where no matmul follows."""
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        """Over the last dimension, each row alone (so batch-invariant), in float32 as transformers
+        does (a no-op on CPU); where no matmul follows."""
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Embedding(nn.Module):
