@@ -89,12 +89,14 @@ class KVCache:
         if batch_size <= self.batch_size and max_len <= self.max_len:
             return
         batch_size, max_len = max(batch_size, self.batch_size), max(max_len, self.max_len)
+        grown = {}
         with torch.inference_mode(False):  # buffers of their own kind: a step (inference mode) may grow them
-            for buffers in (self.k, self.v):
-                for i, old in enumerate(buffers):
-                    new = old.new_zeros((batch_size, old.shape[1], max_len, old.shape[3]))
+            for name in ("k", "v"):
+                grown[name] = [old.new_zeros((batch_size, old.shape[1], max_len, old.shape[3]))
+                               for old in getattr(self, name)]
+                for new, old in zip(grown[name], getattr(self, name)):
                     new[:old.shape[0], :, :old.shape[2]] = old
-                    buffers[i] = new
+        self.k[:], self.v[:] = grown["k"], grown["v"]  # all or nothing: allocating may fail (out of memory)
         self.max_len = max_len
         self.lengths = self.lengths + [0] * (batch_size - len(self.lengths))
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 import httpx
+import torch
 import pytest
 
 import quickdraft
@@ -80,3 +81,42 @@ def test_a_sink_that_raises_ends_only_its_own_request(llm: quickdraft.LLM) -> No
     assert got.token_ids == alone(llm, PROMPTS[1], params)
     assert len(told) == 1, "the request whose sink failed went on decoding"
     assert not service.busy()
+
+
+def test_a_request_whose_cache_cannot_grow_ends_with_the_error(llm: quickdraft.LLM,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Growing the K/V cache at admission may fail (out of memory): that request ends with the
+    error, its caller is told, and the engine serves the next one."""
+    service = llm.engine_service(EngineConfig(max_batch=2))  # a fresh engine: its cache has not grown
+    grow = KVCache.reserve
+
+    def out_of_memory(self: KVCache, batch_size: int, max_len: int) -> None:
+        raise RuntimeError("out of memory (growing the K/V cache)")
+
+    monkeypatch.setattr(KVCache, "reserve", out_of_memory)
+    params = SamplingParams(max_new_tokens=8)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        within(lambda: llm.generate(PROMPTS[2], params=params))
+    assert not service.busy()
+    monkeypatch.setattr(KVCache, "reserve", grow)
+    assert within(lambda: llm.generate(PROMPTS[2], params=params)).token_ids == alone(llm, PROMPTS[2], params)
+
+
+def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = llm.model.new_cache(1, 4)
+    for t in cache.k + cache.v:
+        t.normal_()
+    before = [t.clone() for t in cache.k + cache.v]
+    allocate, calls = torch.Tensor.new_zeros, []
+
+    def fails_third(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return allocate(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", fails_third)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        cache.reserve(2, 8)
+    assert (cache.batch_size, cache.max_len) == (1, 4)
+    assert all(torch.equal(t, b) for t, b in zip(cache.k + cache.v, before)), "some layers grew, others did not"

@@ -320,7 +320,13 @@ class Engine:
             if self.filling is None:
                 if not self.waiting or len(self.rows) >= self.config.max_batch:
                     break
-                self.filling = self._admit(self.waiting.pop(0))
+                request = self.waiting.pop(0)
+                try:
+                    self.filling = self._admit(request)
+                except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
+                    stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
+                    events.append((request.id, TokenEvent([], "error", stats, e)))
+                    continue
             if allowance is None and (self.rows or self.config.prefill_chunk):
                 allowance = step_allowance(len(self.rows), self.cost, self.prefill_cost, self.config.prefill_chunk)
             row = self.filling
