@@ -111,6 +111,9 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
             data = np.ascontiguousarray(w, dtype=np.float32)
             writer.add_tensor(gguf_name, data)
         stored[gguf_name] = data
+    if rope_parameters(cfg).get("rope_type") == "linear":  # as the converter writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_parameters(cfg)["factor"])
     if rope_parameters(cfg).get("rope_type") == "llama3":
         stored["rope_freqs.weight"] = llama3_rope_factors(cfg)
         writer.add_tensor("rope_freqs.weight", stored["rope_freqs.weight"])

@@ -21,7 +21,7 @@ from tiny_models import BASE, hf_model, save_hf_dir
 
 VOCAB = BASE["vocab_size"]
 F32_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama3-rope-scaling", "llama-attention-bias",
-             "llama-mlp-bias", "llama-both-biases"]
+             "llama-mlp-bias", "llama-both-biases", "llama-rope-linear", "qwen3-qk-norm", "olmo2-post-norm"]
 QUANT_CASES = ["llama-gqa-untied", "llama-mha-tied", "qwen2-qkv-bias", "llama-both-biases"]
 QTYPES = [GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
           GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
@@ -49,9 +49,11 @@ def test_f32_gguf_equals_safetensors_and_transformers(name, tmp_path, tokens):
     c, ref_c = ckpt.config, hf_config
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
                   "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
-                  "rope_theta", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings"):
+                  "rope_theta", "qkv_bias", "o_bias", "mlp_bias", "tie_word_embeddings", "norm", "qk_norm"):
         assert getattr(c, field) == getattr(ref_c, field), field
     assert c.rms_norm_eps == pytest.approx(ref_c.rms_norm_eps, rel=1e-6)  # stored as float32
+    if ref_c.rope_scaling is not None and ref_c.rope_scaling.kind == "linear":  # llama3's: a rope_freqs tensor
+        assert c.rope_scaling == ref_c.rope_scaling
 
     # every tensor, un-permuted, is bit for bit the safetensors one
     assert set(ckpt.tensors) == set(hf_tensors)

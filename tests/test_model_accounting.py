@@ -90,8 +90,8 @@ def model_dir(tmp_path: Path) -> Path:
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25)),
      "partial_rotary_factor 0.25"),
-    (dict(rope_scaling=None, rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4)),
-     "rope scaling type 'linear'"),
+    (dict(rope_scaling=None, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+     "rope scaling type 'dynamic'"),
     (dict(rope_parameters=dict(full_attention=dict(rope_type="default"))), "one dict for every layer"),
     (dict(quantization_config=dict(quant_method="gptq", bits=4)), r"quantization_config \('gptq'\)"),
     (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
@@ -213,8 +213,6 @@ def gguf_meta(tmp_path_factory) -> tuple[dict, set[str]]:
     ("llama.rope.dimension_count", 8, "'llama.rope.dimension_count' = 8 \\(partial rotary"),
     ("llama.attention.value_length", 32, "'llama.attention.value_length' = 32"),
     ("llama.rope.scaling.type", "yarn", "rope scaling type 'yarn'"),
-    ("llama.rope.scaling.factor", 4.0, "'llama.rope.scaling.factor' = 4.0 \\(linearly scaled"),
-    ("llama.rope.scale_linear", 2.0, "'llama.rope.scale_linear' = 2.0"),
     ("llama.final_logit_softcapping", 30.0, "'llama.final_logit_softcapping' = 30.0"),
     ("llama.attn_logit_softcapping", 50.0, "'llama.attn_logit_softcapping' = 50.0"),
     ("llama.embedding_scale", 12.0, "'llama.embedding_scale' = 12.0"),
@@ -242,6 +240,19 @@ def test_gguf_norm_epsilon_and_window_are_read_not_assumed(gguf_meta):
     # neutral values are the model as it is
     assert config_from_metadata({**meta, "llama.expert_count": 0, "llama.rope.scaling.factor": 1.0,
                                  "llama.rope.dimension_count": 16}, names) == config_from_metadata(meta, names)
+
+
+def test_gguf_linear_rope_scaling_is_read_as_llama_cpp_reads_it(gguf_meta):
+    """A factor (rope.scaling.factor, or the older rope.scale_linear) with the type linear or unsaid
+    is linear scaling, as in llama.cpp; with type none it is ambiguous, and refused."""
+    meta, names = gguf_meta
+    for extra in ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+                  {"llama.rope.scaling.factor": 4.0}, {"llama.rope.scale_linear": 4.0}):
+        scaling = config_from_metadata({**meta, **extra}, names).rope_scaling
+        assert (scaling.kind, scaling.factor) == ("linear", 4.0), extra
+    assert config_from_metadata({**meta, "llama.rope.scaling.type": "none"}, names).rope_scaling is None
+    with pytest.raises(UnsupportedArchitecture, match="rope scaling type 'none' with factor 2.0"):
+        config_from_metadata({**meta, "llama.rope.scaling.type": "none", "llama.rope.scale_linear": 2.0}, names)
 
 
 def test_a_mixture_of_experts_gguf_is_refused_before_its_tensors_are_read(tmp_path):

@@ -29,6 +29,7 @@ CONFIGS = {
                                 rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0,
                                                   original_max_position_embeddings=32)),
+    "llama-rope-linear": dict(model_type="llama", rope_scaling=dict(rope_type="linear", factor=4.0)),
     "qwen2-qkv-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
     "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),

@@ -16,12 +16,20 @@ from quickdraft.model.families import Family, family
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1-style frequency scaling (`rope_type: llama3`)."""
+    """RoPE frequency scaling: `linear` (every frequency divided by `factor`: positions stretched)
+    or `llama3` (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
+    blended; its other fields)."""
 
+    kind: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3") or not self.factor > 0:
+            raise ModelLoadError(f"rope scaling: expected kind 'linear' or 'llama3' and a positive factor, "
+                                 f"found {self.kind!r}, {self.factor!r}")
 
 
 @dataclass(frozen=True)
@@ -186,10 +194,13 @@ def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type") or rope.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
     if kind != "llama3":
         raise UnsupportedArchitecture(
-            f"rope scaling type {kind!r} is not supported; expected 'default' or 'llama3'")
+            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear' or 'llama3'")
     return RopeScaling(
+        "llama3",
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies (with llama3 scaling) and their application.
+"""Rotary position embeddings: inverse frequencies (with linear or llama3 scaling) and their application.
 
 Uses the Hugging Face "rotate half" layout; the GGUF loader un-permutes llama.cpp's interleaved
 q/k weights into it, so one rotation serves every checkpoint.
@@ -18,11 +18,13 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
     # on the CPU whatever device is the default: a model built on "meta" computed these through
     # torch's reference decompositions, whose first use imported for ~1.5 s of a load
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    if freq_factors is not None:
-        return inv_freq / freq_factors.float()
     scaling = config.rope_scaling
-    if scaling is None:
+    if freq_factors is not None:  # llama.cpp applies a linear factor on top
+        inv_freq = inv_freq / freq_factors.float()
+    if scaling is None or freq_factors is not None and scaling.kind != "linear":
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels.quantized import KERNEL_TYPES, Part, QuantizedWeight
-from quickdraft.model.config import ModelConfig
+from quickdraft.model.config import ModelConfig, RopeScaling
 from quickdraft.model.families import Family, gguf_family
 from quickdraft.weights.gguf_reader import GGUFFile
 from quickdraft.weights.names import hf_name_for_gguf
@@ -102,6 +102,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         max_position_embeddings=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch),
         qkv_bias=has("q.bias") or has("qkv.bias"),
         o_bias=has("o.bias"),
         mlp_bias=has("gate.bias") or has("down.bias"),
@@ -112,6 +113,21 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling | None:
+    """llama.cpp scales positions by 1 / `rope.scaling.factor` (or the older `rope.scale_linear`)
+    when the type is linear or unsaid: linear scaling. Llama 3's comes as a rope_freqs tensor."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = next((float(meta[f"{arch}.{k}"]) for k in ("rope.scaling.factor", "rope.scale_linear")
+                   if meta.get(f"{arch}.{k}", 0.0) not in (0.0, 1.0)), None)
+    if kind in (None, "linear") and factor is not None:
+        return RopeScaling("linear", factor)
+    if kind not in (None, "none", "linear") or factor is not None:
+        raise UnsupportedArchitecture(
+            f"GGUF rope scaling type {kind!r} with factor {factor!r} is not supported; expected none or linear "
+            f"(llama3-style scaling comes as a rope_freqs tensor)")
+    return None
 
 
 def _layer_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
@@ -136,16 +152,6 @@ def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int) -> 
         value = meta.get(f"{arch}.{key}", neutral)
         if value != neutral:
             raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedArchitecture(
-            f"GGUF rope scaling type {scaling!r} is not supported; expected none (llama3-style scaling "
-            f"comes as a rope_freqs tensor)")
-    for key in ("rope.scaling.factor", "rope.scale_linear"):  # llama.cpp scales positions by 1/factor
-        factor = meta.get(f"{arch}.{key}", 0.0)
-        if factor not in (0.0, 1.0):
-            raise UnsupportedArchitecture(
-                f"GGUF key '{arch}.{key}' = {factor!r} (linearly scaled RoPE positions) is not supported")
     for key, what in (("rope.dimension_count", "partial rotary embeddings"),
                       ("attention.value_length", "values of another head size than keys")):
         value = meta.get(f"{arch}.{key}", head_dim)
