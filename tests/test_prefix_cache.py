@@ -7,7 +7,6 @@ bookkeeping (what it holds, evicts and counts) against a budget.
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import pytest
@@ -20,7 +19,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, STALL, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
-from quickdraft.proposers.base import Committed, Draft, Proposer
+from quickdraft.proposers.base import Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, draft_random, draft_same, greedy, ngram
@@ -221,17 +220,17 @@ def test_sampling_law_through_a_cached_prefix() -> None:
 
 # -- chunked prefill --------------------------------------------------------------------------------------
 
-def test_the_step_allowance_follows_measured_costs() -> None:
-    step, prefill = StepCost(), StepCost()
-    assert step_allowance(0, step, prefill, None) is None  # nothing decodes: whole prompts
-    assert step_allowance(2, step, prefill, 7) == 7        # asked for
+def test_the_step_allowance_follows_the_last_prefill_pass() -> None:
+    step = StepCost()
+    assert step_allowance(0, step, None, None) is None          # nothing decodes: whole prompts
+    assert step_allowance(2, step, (32, 0.04), 7) == 7           # asked for
     step.observe(1, 0.010)
-    prefill.observe(32, 0.040)  # 1.25 ms a token at 32: 20 ms (STALL decode steps) fit ~16
-    n = step_allowance(1, step, prefill, None)
-    assert prefill.estimate(n) <= STALL * 0.010 < prefill.estimate(n + 1)
-    prefill.observe(32, 10.0)   # prefill slower than any budget: still MIN_CHUNK, so prompts advance
-    prefill.step_s[32] = 10.0
-    assert step_allowance(1, step, prefill, None) == MIN_CHUNK
+    assert step_allowance(1, step, None, None) == MIN_CHUNK      # nothing measured yet
+    assert step_allowance(1, step, (32, 0.040), None) == 16      # 20 ms (STALL decode steps) at 1.25 ms a token
+    assert step_allowance(1, step, (32, 10.0), None) == MIN_CHUNK  # slower than any budget: prompts still advance
+    assert step_allowance(1, step, (16, 0.001), None) == 32      # cheap: at most GROWTH times the last size
+    # a whole 1,900-token prompt's pass (attention over all of it) still gives a sensible first chunk
+    assert step_allowance(1, step, (1900, 3.0), None) == int(1900 * STALL * 0.010 / 3.0)
 
 
 def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,14 +393,3 @@ def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pyt
     monkeypatch.undo()
     assert max(widths) <= model.invariant_rows and 25 in widths  # the premise: 24-token drafts, split off
     assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]
-
-
-def test_the_allowance_never_trusts_a_curve_far_past_its_measurements() -> None:
-    """A start-up curve that is flat or falls at its end (noise; a memory-bound GPU) must not let a
-    step prefill thousands of tokens on the strength of a 64-token measurement."""
-    step, prefill = StepCost(), StepCost(shape_of=None)
-    step.seed({1: 0.010, 32: 0.030, 64: 0.029})  # falls past 32
-    prefill.curve = step.curve
-    step.observe(1, 0.010)
-    prefill.observe(16, 0.012)
-    assert step_allowance(1, step, prefill, None) <= 32

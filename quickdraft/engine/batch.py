@@ -136,7 +136,7 @@ class Engine:
         self.cache = cache
         self.prefix = prefix
         self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
-        self.prefill_cost = StepCost(shape_of=self.cost)  # t(n) of one row's n-token prefill pass
+        self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.filling: _Row | None = None    # the row whose prompt is being prefilled: cache row n
         self.waiting: list[Request] = []
@@ -328,7 +328,7 @@ class Engine:
                     events.append((request.id, TokenEvent([], "error", stats, e)))
                     continue
             if allowance is None and (self.rows or self.config.prefill_chunk):
-                allowance = step_allowance(len(self.rows), self.cost, self.prefill_cost, self.config.prefill_chunk)
+                allowance = step_allowance(len(self.rows), self.cost, self.last_prefill, self.config.prefill_chunk)
             row = self.filling
             size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.invariant_rows or 1 << 62)
             events += self._prefill_chunk(row, size)
@@ -378,7 +378,7 @@ class Engine:
             row.stats.total_s = time.perf_counter() - row.start
             return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), e))]
         seconds = time.perf_counter() - t0
-        self.prefill_cost.observe(size, seconds)
+        self.last_prefill = (size, seconds)
         row.length = end
         row.features.append(out.hidden[0])
         if verdict is None:
