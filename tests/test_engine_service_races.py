@@ -120,3 +120,77 @@ def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monke
         cache.reserve(2, 8)
     assert (cache.batch_size, cache.max_len) == (1, 4)
     assert all(torch.equal(t, b) for t, b in zip(cache.k + cache.v, before)), "some layers grew, others did not"
+
+
+SYSTEM = "you are a cat you sat on the mat one two three a b c d e f g " * 2  # > 2 prefix-cache blocks
+
+
+def test_many_threads_at_once_each_get_their_output_alone(llm: quickdraft.LLM, tmp_path_factory) -> None:
+    """More threads than rows, plain and speculative (chains, trees, a draft model equal to the
+    target), greedy and seeded, some stopping early, prompts sharing a prefix the cache holds:
+    each greedy request's tokens are its tokens alone, each seeded one's those it had when run by
+    itself; the cache grows, never past max_batch rows of max_seq_len + pad slots."""
+    service = llm.engine_service(EngineConfig(max_batch=3, max_seq_len=160))
+    draft_dir = str(llm.loaded.source.path)
+    specs = [SpecConfig(), SpecConfig(method="ngram", k=4), SpecConfig(method="ngram-tree", k=6),
+             SpecConfig(method="suffix", k=3), SpecConfig(method="draft", k=4, draft_model=draft_dir)]
+    jobs = []  # (prompt, params, spec, chunks to read before stopping or None)
+    for i in range(10):
+        prompt = SYSTEM + PROMPTS[i % len(PROMPTS)] + f" {i}"
+        greedy = i % 3 != 2
+        params = SamplingParams(max_new_tokens=10 + 7 * (i % 4), ignore_eos=True,
+                                temperature=0.0 if greedy else 0.9, seed=None if greedy else i)
+        spec = specs[i % len(specs)]
+        if not greedy and spec.method == "suffix":  # its drafts come from every earlier answer: a
+            spec = SpecConfig(method="ngram", k=2)  # seeded row's tokens follow them
+        jobs.append((prompt, params, spec, 3 if i % 4 == 3 else None))
+
+    def run(job) -> list[int]:
+        prompt, params, spec, stop_after = job
+        tokens = []
+        stream = llm.stream(prompt, params=params, spec=spec)
+        for n, chunk in enumerate(stream, 1):
+            tokens += chunk.token_ids
+            if n == stop_after:
+                stream.close()
+        return tokens
+
+    by_itself = [within(lambda job=job: run(job)) for job in jobs]  # one at a time, through the same engine
+    start = threading.Barrier(len(jobs))
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = within(lambda: list(pool.map(lambda job: (start.wait(), run(job))[1], jobs)), 240)
+    for (prompt, params, spec, stop_after), first, got in zip(jobs, by_itself, together):
+        expected = alone(llm, prompt, params) if params.greedy else first
+        if stop_after is None:
+            assert got == expected, (spec.method, params)
+        else:
+            assert got == expected[:len(got)] and got, (spec.method, params)
+    cache = service.engine.cache
+    assert cache.batch_size <= 3 and cache.max_len <= 160 + service.engine.pad
+    assert not service.busy()
+
+
+def test_a_stream_closed_while_another_thread_drives_frees_its_row(llm: quickdraft.LLM) -> None:
+    """The closing thread cannot take the cancel in while another drives; the driver must, even
+    when its own request ends in that very step and it leaves."""
+    service = llm.engine_service()
+    stream = llm.stream(PROMPTS[0], params=SamplingParams(max_new_tokens=100, ignore_eos=True))
+    next(stream)
+    inside, closed = threading.Event(), threading.Event()
+
+    def slow_step(_seconds: float) -> None:  # the driving thread, between a step and its events
+        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
+            inside.set()
+            closed.wait(DEADLINE_S)
+
+    service.step_observers.append(slow_step)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(llm.generate, PROMPTS[1], params=SamplingParams(max_new_tokens=1))
+            assert inside.wait(DEADLINE_S)
+            stream.close()  # the other thread drives: the cancel waits in the inbox
+            closed.set()
+            other.result(DEADLINE_S)
+    finally:
+        service.step_observers.remove(slow_step)
+    assert not service.busy(), "the closed stream's request still holds a row: nobody took its cancel in"

@@ -109,8 +109,15 @@ class EngineService:
                 yield event
         finally:
             if not finished:
-                self.cancel(request.id)
-                self.drive(blocking=False, step=False)  # its K/V go to the prefix cache now, if no one drives
+                self.cancel(request.id)  # its K/V go to the prefix cache now, or at the driver's next turn
+            self._flush()
+
+    def _flush(self) -> None:
+        """Take the inbox in (no step) unless another thread drives. Every caller leaving `stream`
+        does: a cancel posted while it drove (its request ending in that step) has no one else to
+        take it in, and the closed request would hold its row while no one drives."""
+        while self._inbox and self.drive(blocking=False, step=False):
+            pass
 
     # -- the driving thread ----------------------------------------------------------------------
 
