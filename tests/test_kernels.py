@@ -9,20 +9,25 @@ from quickdraft import kernels
 built = kernels.kernel_info().isa is not None
 
 
+# the gated prologues: the gate's activation for each (GELU in its tanh and erf forms)
+GATED = {"swiglu": "silu", "geglu_tanh": "gelu_tanh", "geglu_erf": "gelu"}
+PROLOGUES = ["none", "rmsnorm", *GATED]
+
+
 def _case(dtype, K, prologue, bias, residual, M=kernels.MAX_ROWS, N=300):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(N, K, generator=g).to(dtype)
     args = dict(bias=torch.randn(N, generator=g) if bias else None,
                 residual=torch.randn(M, N, generator=g) if residual else None,
                 norm=(torch.rand(K, generator=g) + 0.5, 1e-5) if prologue == "rmsnorm" else None,
-                swiglu=prologue == "swiglu")
-    x = torch.randn(M, 2 * K if prologue == "swiglu" else K, generator=g)
+                swiglu=GATED.get(prologue, False))
+    x = torch.randn(M, 2 * K if prologue in GATED else K, generator=g) * 2
     return x, w, args
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [64, 70])  # 70: a tail that is not a multiple of the 8 SIMD lanes
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_kernel_equals_torch_path(dtype, K, prologue):
     x, w, args = _case(dtype, K, prologue, bias=True, residual=True)
     assert kernels.usable(x, w)
@@ -33,7 +38,7 @@ def test_kernel_equals_torch_path(dtype, K, prologue):
     assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), (y - ref).abs().max()
 
 
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("prologue", PROLOGUES)
 def test_kernel_is_batch_invariant(prologue):
     x, w, args = _case(torch.float32, 70, prologue, bias=True, residual=True)
     full = kernels.linear(x, w, **args)

@@ -85,8 +85,8 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
+    (dict(hidden_act="relu"), "hidden_act 'relu' is not supported; expected one of silu, swish, gelu_pytorch_tanh"),
+    (dict(hidden_act="quick_gelu"), "hidden_act 'quick_gelu'"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25)),
      "partial_rotary_factor 0.25"),

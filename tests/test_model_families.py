@@ -29,7 +29,9 @@ from quickdraft.model.llama import RMSNorm
 from quickdraft.weights.gguf_file import read_gguf
 from gguf_writer import write_gguf
 from quickdraft.proposers import SpecConfig
-from tiny_models import BASE, CONFIGS, NEW_FAMILIES, hf_model, save_hf_dir, transformers_greedy
+from quickdraft.kernels import QuantizedWeight
+from tiny_models import (BASE, CONFIGS, NEW_FAMILIES, hf_model, ours_from_hf, quantized_tensors, save_hf_dir,
+                         transformers_greedy)
 from tiny_tokenizer import save_tokenizer, tiny_model, write_llama_gguf
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
@@ -142,6 +144,41 @@ def test_gguf_blocks_are_batch_invariant_and_speculation_is_exact(q8):
         assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == alone[PROMPT], spec.method
 
 
+# -- GELU gates ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, gate", [("llama-gelu-tanh", "gelu_tanh"), ("qwen2-gelu-erf", "gelu")])
+def test_a_gelu_gate_runs_in_every_c_path(name, gate):
+    """hidden_act gelu_pytorch_tanh / gelu (erf): the float model equals transformers (the parity
+    suite too), and GGUF blocks run the fused layer with the same gate, close to their float32
+    dequantization and each row the same bits in any batch."""
+    hf = hf_model(name)
+    ours = ours_from_hf(hf)
+    assert ours.config.activation == gate
+    # 3 x 20 rows: a float LM head (the tied, unquantized table) is batch-invariant up to 64 rows
+    tokens = torch.randint(0, BASE["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(20).expand(3, 20)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    torch.testing.assert_close(ours(tokens, positions, ours.new_cache(3, 32)).logits, ref, atol=1e-4, rtol=0)
+    q8 = ours_from_hf(hf, qtype=GGMLQuantizationType.Q8_0)
+    batch = q8(tokens, positions, q8.new_cache(3, 32)).logits
+    assert all(block.fused is not None for block in q8.blocks)
+    dense = build_transformer(q8.config, {k: v.dequantize() if isinstance(v, QuantizedWeight) else v
+                                          for k, v in quantized_tensors(hf_tensors(hf), GGMLQuantizationType.Q8_0).items()})
+    expected = dense(tokens, positions, dense.new_cache(3, 32)).logits
+    assert (batch - expected).abs().max() <= 2e-3 * expected.abs().max()
+    for i in range(3):
+        alone = q8(tokens[i:i + 1], positions[:1], q8.new_cache(1, 32)).logits
+        assert torch.equal(alone[0], batch[i]), i
+
+
+def hf_tensors(hf) -> dict[str, torch.Tensor]:
+    tensors = dict(hf.state_dict())
+    if hf.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    return tensors
+
+
 # -- windows in trees and batches -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer"])
@@ -238,7 +275,7 @@ NO_MATH = {"attention_dropout", "embd_pdrop", "resid_pdrop", "initializer_range"
            "output_hidden_states", "return_dict", "transformers_version", "pretraining_tp",
            "original_max_position_embeddings"}
 # Another value for each field that changes the math: the resolved config must differ, or refuse it.
-CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="gelu", hidden_size=128, intermediate_size=96,
+CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu", hidden_size=128, intermediate_size=96,
                max_position_embeddings=512, num_attention_heads=2, num_hidden_layers=3, num_key_value_heads=1,
                rms_norm_eps=1e-3, vocab_size=97, tie_word_embeddings=True, bos_token_id=5, eos_token_id=7,
                rope_parameters=dict(rope_type="default", rope_theta=5000.0), sliding_window=5,
@@ -281,7 +318,7 @@ def hf_config(model_type: str, **changes) -> dict:
     ("qwen3", dict(use_sliding_window=True, layer_types=["chunked_attention", "full_attention"]),
      "layer_types .*chunked_attention"),
     ("qwen3", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope scaling type 'yarn'"),
-    ("olmo2", dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ("olmo2", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("mistral", dict(sliding_window=-3), "sliding_window must be a positive integer"),
     ("gemma3_text", {}, "model_type 'gemma3_text' is not supported; expected one of llama, mistral, qwen2, qwen3"),
 ])

@@ -94,21 +94,26 @@ def test_each_row_is_bitwise_the_same_for_any_row_count(qtype, bits):
             assert torch.equal(kernels.linear(x[start:start + m], w), full[start:start + m]), (m, start)
 
 
-@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+GATES = {"swiglu": (True, F.silu), "geglu_tanh": ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh")),
+         "geglu_erf": ("gelu", F.gelu)}
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", *GATES])
 def test_fused_prologue_bias_and_residual(prologue):
     w = weight(Q.Q4_K, N=40)
     N, K = w.shape
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 2 * K if prologue == "swiglu" else K, generator=g)
+    x = torch.randn(7, 2 * K if prologue in GATES else K, generator=g)
     bias, residual = torch.randn(N, generator=g), torch.randn(7, N, generator=g)
     norm = (torch.rand(K, generator=g) + 0.5, 1e-5) if prologue == "rmsnorm" else None
-    y = kernels.linear(x, w, bias, norm=norm, swiglu=prologue == "swiglu", residual=residual)
-    y8 = kernels.linear(x, w.with_activations(8), bias, norm=norm, swiglu=prologue == "swiglu", residual=residual)
+    gate, act = GATES.get(prologue, (False, None))
+    y = kernels.linear(x, w, bias, norm=norm, swiglu=gate, residual=residual)
+    y8 = kernels.linear(x, w.with_activations(8), bias, norm=norm, swiglu=gate, residual=residual)
     h = x
     if norm is not None:
         h = norm[0] * F.rms_norm(x, (K,), eps=norm[1])
-    elif prologue == "swiglu":
-        h = F.silu(x[:, :K]) * x[:, K:]
+    elif act is not None:
+        h = act(x[:, :K]) * x[:, K:]
     ref = residual + h @ w.dequantize().T + bias
     assert (y - ref).abs().max() <= UNQUANTIZED_TOL[16] * (ref - residual).abs().max()
     assert (y8 - ref).abs().max() <= UNQUANTIZED_TOL[8] * (ref - residual).abs().max()

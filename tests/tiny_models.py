@@ -34,6 +34,8 @@ CONFIGS = {
     "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),
     "llama-both-biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    "llama-gelu-tanh": dict(model_type="llama", hidden_act="gelu_pytorch_tanh"),
+    "qwen2-gelu-erf": dict(model_type="qwen2", hidden_act="gelu", tie_word_embeddings=True),
     # prompts of the tests are longer than these windows
     "mistral-window": dict(model_type="mistral", sliding_window=8),
     "qwen3-qk-norm": dict(model_type="qwen3", head_dim=16, tie_word_embeddings=True),

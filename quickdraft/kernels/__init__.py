@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from quickdraft.kernels.build import KernelInfo, active_library, prepare
+from quickdraft.kernels.layer import GATES
 from quickdraft.kernels.quantized import ACTIVATION_BITS, KERNEL_TYPES, QuantizedWeight
 
 __all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
@@ -49,12 +50,17 @@ def quantized_usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and active_library() is not None
 
 
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
-           norm: tuple[torch.Tensor, float] | None = None, swiglu: bool = False,
+           norm: tuple[torch.Tensor, float] | None = None, swiglu: bool | str = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + h @ weight.T + bias, where h = x, norm_weight * RMSNorm(x) (norm = (weight, eps)),
-    or silu(gate) * up for x = [..., gate | up] (swiglu). x: [..., K or 2K] -> [..., N] in x's dtype."""
+    or act(gate) * up for x = [..., gate | up] (swiglu: True or "silu", "gelu_tanh" or "gelu": the
+    gate's activation). x: [..., K or 2K] -> [..., N] in x's dtype."""
     assert not (norm is not None and swiglu)
+    swiglu = "silu" if swiglu is True else swiglu
+    assert not swiglu or swiglu in GATES, swiglu
     if isinstance(weight, QuantizedWeight):
         if quantized_usable(x):
             return _linear_quantized(x, weight, bias, norm, swiglu, residual)
@@ -65,14 +71,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
 
 
 def _linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  norm: tuple[torch.Tensor, float] | None, swiglu: bool,
+                  norm: tuple[torch.Tensor, float] | None, swiglu: bool | str,
                   residual: torch.Tensor | None) -> torch.Tensor:
     h = x
     if norm is not None:
         h = norm[0] * F.rms_norm(h, (h.shape[-1],), eps=norm[1])
     if swiglu:
         gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        act = F.silu(gate) if swiglu in (True, "silu") else F.gelu(gate, approximate="tanh" if swiglu == "gelu_tanh" else "none")
+        h = act * up
     # Compute in the activations' dtype: on CPU that upcasts bfloat16/float16 weights to float32,
     # a cheap copy next to torch's bfloat16 GEMM there (6x slower on a 700-token prefill), and it
     # rounds like the kernel does. On CUDA the dtypes already agree.
@@ -95,10 +102,10 @@ class _Call:
 
     @staticmethod
     def of(x: torch.Tensor, N: int, K: int, bias: torch.Tensor | None, norm: tuple[torch.Tensor, float] | None,
-           swiglu: bool, residual: torch.Tensor | None) -> "_Call":
+           swiglu: bool | str, residual: torch.Tensor | None) -> "_Call":
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         M = x2.shape[0]
-        return _Call(x2, torch.empty(M, N, dtype=torch.float32), 1 if norm is not None else 2 if swiglu else 0,
+        return _Call(x2, torch.empty(M, N, dtype=torch.float32), 1 if norm is not None else GATES[swiglu] if swiglu else 0,
                      None if norm is None else norm[0].float().contiguous(), 0.0 if norm is None else norm[1],
                      torch.empty(M, K, dtype=torch.float32) if norm is not None or swiglu else None,
                      None if bias is None else bias.float().contiguous(),
@@ -110,7 +117,7 @@ class _Call:
 
 
 def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   norm: tuple[torch.Tensor, float] | None, swiglu: bool,
+                   norm: tuple[torch.Tensor, float] | None, swiglu: bool | str,
                    residual: torch.Tensor | None) -> torch.Tensor:
     N, K = weight.shape
     c, p = _Call.of(x, N, K, bias, norm, swiglu, residual), _Call.ptr
@@ -121,7 +128,7 @@ def _linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-                      norm: tuple[torch.Tensor, float] | None, swiglu: bool,
+                      norm: tuple[torch.Tensor, float] | None, swiglu: bool | str,
                       residual: torch.Tensor | None) -> torch.Tensor:
     # Lean on purpose: a SmolLM2 decode step makes ~120 of these calls, and each torch call here
     # costs ~1 us (the model hands over float32, contiguous tensors; anything else is converted).
@@ -132,7 +139,7 @@ def _linear_quantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tens
     status = active_library().qd_quant_matmul(
         x2.data_ptr(), *weight.c_parts, None if bias is None else _f32(bias).data_ptr(),
         None if residual is None else _f32(residual.reshape(M, N)).data_ptr(), y.data_ptr(),
-        1 if norm is not None else 2 if swiglu else 0, None if norm is None else _f32(norm[0]).data_ptr(),
+        1 if norm is not None else GATES[swiglu] if swiglu else 0, None if norm is None else _f32(norm[0]).data_ptr(),
         0.0 if norm is None else norm[1], None, M, N, K, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"quantized matmul of {M} rows x {K} could not allocate its buffers")

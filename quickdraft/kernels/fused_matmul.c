@@ -151,14 +151,41 @@ void qd_swiglu_rows(const float *x, float *h, int64_t M, int64_t K) {
     }
 }
 
+/* gelu(g) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3): 0.5 g (1 + tanh(u)) written with
+ * the exponent SwiGLU uses (transformers' gelu_pytorch_tanh and gelu_new). The erf form
+ * 0.5 g (1 + erf(g / sqrt 2)) (transformers' gelu) takes libm's erff, one value at a time. */
+void qd_geglu_rows(const float *x, float *h, int64_t M, int64_t K, int exact) {
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2.0f * 0.7978845608028654f);
+    const __m256 c3 = _mm256_set1_ps(0.044715f);
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = x + m * 2 * K, *up = gate + K;
+        int64_t k = 0;
+        if (exact) {
+            for (; k < K; k++) h[m * K + k] = 0.5f * gate[k] * (1.0f + erff(gate[k] * 0.70710678118654752f)) * up[k];
+            continue;
+        }
+        for (; k + 8 <= K; k += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + k);
+            const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c3, g), _mm256_mul_ps(g, g), g);  /* g + 0.044715 g^3 */
+            const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_mul_ps(c, inner))));
+            _mm256_storeu_ps(h + m * K + k, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + k)));
+        }
+        for (; k < K; k++) {
+            const float inner = gate[k] + 0.044715f * gate[k] * gate[k] * gate[k];
+            h[m * K + k] = gate[k] / (1.0f + expf(-2.0f * 0.7978845608028654f * inner)) * up[k];
+        }
+    }
+}
+
 const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
                          int64_t M, int64_t K) {
     if (prologue == PRO_RMSNORM) { qd_rmsnorm_rows(x, g, eps, scratch, M, K); return scratch; }
     if (prologue == PRO_SWIGLU) { qd_swiglu_rows(x, scratch, M, K); return scratch; }
+    if (QD_GATED(prologue)) { qd_geglu_rows(x, scratch, M, K, prologue == PRO_GEGLU_ERF); return scratch; }
     return x;
 }
 
-/* x: [M, K] (or [M, 2K] for SwiGLU); scratch: [M, K] for the prologue's output. */
+/* x: [M, K] (or [M, 2K] for a gated prologue); scratch: [M, K] for the prologue's output. */
 void qd_fused_matmul(const float *x, const void *w, const float *b, const float *r, float *y,
                      int prologue, const float *g, float eps, float *scratch,
                      int64_t M, int64_t N, int64_t K, int wtype, int threads) {

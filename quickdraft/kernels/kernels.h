@@ -4,12 +4,16 @@
 #define QD_KERNELS_H
 #include <stdint.h>
 
-enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2 };
+/* The gated ones read x = [gate | up] and give act(gate) * up: SiLU, GELU (tanh form), GELU (erf). */
+enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2, PRO_GEGLU_TANH = 3, PRO_GEGLU_ERF = 4 };
+#define QD_GATED(prologue) ((prologue) >= PRO_SWIGLU)
 
 /* h[m] = x[m] / sqrt(mean(x[m]^2) + eps) * g */
 void qd_rmsnorm_rows(const float *x, const float *g, float eps, float *h, int64_t M, int64_t K);
 /* h[m, k] = silu(x[m, k]) * x[m, K + k]: x holds gate | up side by side. */
 void qd_swiglu_rows(const float *x, float *h, int64_t M, int64_t K);
+/* the same with gelu(x[m, k]): its tanh form (exact = 0) or erf's (exact = 1) */
+void qd_geglu_rows(const float *x, float *h, int64_t M, int64_t K, int exact);
 /* x itself, or the prologue's output written into scratch. */
 const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
                          int64_t M, int64_t K);

@@ -2,8 +2,8 @@
  * kernel calls from Python, each costing ~15 us around the C (a third of the step); this makes it
  * 30. The math is the same calls the Python composition makes (model/llama.py's Block): RMSNorm +
  * q|k|v, RoPE + cache + attention, o + residual, RMSNorm + gate|up, SwiGLU + down + residual; with
- * the family's variations: QK-norm (per head or over a whole projection) before RoPE, and
- * post-norms (OLMo 2: no pre-norm, the sublayer's output normalized before the residual add).
+ * the family's variations: GELU for SiLU, QK-norm (per head or over a whole projection) before
+ * RoPE, post-norms (OLMo 2: no pre-norm, the sublayer's output normalized before the residual add).
  * Every step is per row, so a row's result does not depend on the others in the pass. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +28,7 @@ typedef struct {
     float eps, scale;
     int64_t n_q, n_kv, head_dim;
     int64_t q_norm_len, k_norm_len;               /* values one QK-norm spans: head_dim or a projection */
+    int64_t glu;                                  /* the down matmul's gated prologue (PRO_SWIGLU ...) */
 } QDLayer;
 
 int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows, const void *const *data,
@@ -85,8 +86,8 @@ int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, con
     if (status == 0)
         status = linear(&L->gate_up, x, 0, h, pre ? PRO_RMSNORM : PRO_NONE, L->mlp_norm, L->eps, M, threads);
     if (status == 0) {
-        status = post ? linear(&L->down, h, 0, y, PRO_SWIGLU, 0, 0.0f, M, threads)
-                      : linear(&L->down, h, x, x, PRO_SWIGLU, 0, 0.0f, M, threads);
+        status = post ? linear(&L->down, h, 0, y, (int)L->glu, 0, 0.0f, M, threads)
+                      : linear(&L->down, h, x, x, (int)L->glu, 0, 0.0f, M, threads);
         if (status == 0 && post) add_normed(x, y, L->mlp_post_norm, L->eps, M, D);
     }
     free(qkv); free(q); free(a); free(h); free(y);

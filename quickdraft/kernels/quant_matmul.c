@@ -274,7 +274,7 @@ typedef struct {
 
 static void row_prep_task(void *ctx, int64_t i) {
     const RowPrep *r = ctx;
-    const int64_t width = r->prologue == PRO_SWIGLU ? 2 * r->K : r->K;  /* SwiGLU reads gate | up */
+    const int64_t width = QD_GATED(r->prologue) ? 2 * r->K : r->K;  /* a gated prologue reads gate | up */
     const float *h = qd_prologue(r->x + i * width, r->prologue, r->g, r->eps, r->scratch ? r->scratch + i * r->K : 0,
                                  1, r->K);
     (r->q->act8 ? quantize_row8 : quantize_row16)(h, i, r->K, r->q);

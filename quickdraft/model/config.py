@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
-from quickdraft.model.families import Family, family
+from quickdraft.model.families import HIDDEN_ACTS, Family, family
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -49,6 +49,7 @@ class ModelConfig:
     qkv_bias: bool = False   # q, k and v projections
     o_bias: bool = False     # the attention output projection
     mlp_bias: bool = False   # gate, up and down projections
+    activation: str = "silu"  # the MLP gate's: "silu", "gelu_tanh" or "gelu" (erf)
     norm: str = "pre"        # "pre": RMSNorm before each sublayer; "post": on its output (OLMo 2)
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head), "proj" (whole projection)
     # the sliding window of each layer (None: the whole context); () for no window anywhere
@@ -59,9 +60,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         family(self.model_type)
-        if self.norm not in ("pre", "post") or self.qk_norm not in (None, "head", "proj"):
-            raise ModelLoadError(f"model config: norm {self.norm!r} / qk_norm {self.qk_norm!r}: expected "
-                                 f"'pre' or 'post' / None, 'head' or 'proj'")
+        if self.norm not in ("pre", "post") or self.qk_norm not in (None, "head", "proj") \
+                or self.activation not in set(HIDDEN_ACTS.values()):
+            raise ModelLoadError(f"model config: norm {self.norm!r} / qk_norm {self.qk_norm!r} / activation "
+                                 f"{self.activation!r}: expected 'pre' or 'post' / None, 'head' or 'proj' / one "
+                                 f"of {', '.join(sorted(set(HIDDEN_ACTS.values())))}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -117,6 +120,7 @@ class ModelConfig:
                 qkv_bias=_flag(cfg, spec.qkv_bias),
                 o_bias=_flag(cfg, spec.o_bias),
                 mlp_bias=_flag(cfg, spec.mlp_bias),
+                activation=HIDDEN_ACTS[cfg.get("hidden_act", "silu")],
                 norm=spec.norm,
                 qk_norm=spec.qk_norm,
                 layer_windows=_layer_windows(cfg, spec),
@@ -149,7 +153,7 @@ def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any], spec: Fami
     act = cfg.get("hidden_act", "silu")
     if act not in spec.activations:
         raise UnsupportedArchitecture(
-            f"hidden_act {act!r} is not supported; expected 'silu' (the SwiGLU MLP quickdraft's kernels fuse)")
+            f"hidden_act {act!r} is not supported; expected one of {', '.join(spec.activations)}")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise UnsupportedArchitecture(

@@ -56,6 +56,12 @@ _FUSED: TensorNames = (
 )
 
 
+# transformers' hidden_act names -> the gate activation of the gated MLP the kernels run
+# (kernels.GATES): x * sigmoid(x), GELU's tanh form, GELU's erf form
+HIDDEN_ACTS: Mapping[str, str] = MappingProxyType({
+    "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"})
+
+
 def _without(names: TensorNames, *roles: str) -> TensorNames:
     return tuple(row for row in names if row[0] not in roles)
 
@@ -72,7 +78,7 @@ class Family:
     mlp_bias: str | bool = False
     norm: Literal["pre", "post"] = "pre"  # pre: RMSNorm before each sublayer; post: on its output, before the residual add
     qk_norm: Literal["head", "proj"] | None = None  # RMSNorm of q and k before RoPE: per head, or over the whole projection
-    activations: tuple[str, ...] = ("silu", "swish")  # hidden_act names of x * sigmoid(x) (the SwiGLU kernels fuse)
+    activations: tuple[str, ...] = tuple(HIDDEN_ACTS)  # the hidden_act values its gated MLP takes
     # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
     # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`
     window: Literal["none", "all", "layer_types"] = "none"

@@ -125,6 +125,7 @@ class Block(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.window = c.window(layer)
         self.post = c.norm == "post"
+        self.gate = c.activation  # the MLP gate's activation, fused before the down matmul
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         norms = ("attn_post_norm", "mlp_post_norm") if self.post else ("attn_norm", "mlp_norm")
         for name in norms:
@@ -151,7 +152,7 @@ class Block(nn.Module):
         if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
-                                           self.n_heads, self.n_kv, self.head_dim)
+                                           self.n_heads, self.n_kv, self.head_dim, self.gate)
             return run_layer(x, self.fused, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
                              visible, at.kv_len)
         B, T, _ = x.shape
@@ -174,10 +175,10 @@ class Block(nn.Module):
         if self.post:
             x = x + self.attn_post_norm(linear(attn.to(x.dtype), self.wo.weight, self.wo.bias))
             h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias)
-            return x + self.mlp_post_norm(linear(h, self.w_down.weight, self.w_down.bias, swiglu=True))
+            return x + self.mlp_post_norm(linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate))
         x = linear(attn.to(x.dtype), self.wo.weight, self.wo.bias, residual=x)
         h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused)
-        return linear(h, self.w_down.weight, self.w_down.bias, swiglu=True, residual=x)
+        return linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate, residual=x)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """q and k of qkv [B, T, (n_q + 2 n_kv) * hd] normalized: per head, or each projection whole."""
