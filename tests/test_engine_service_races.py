@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -194,3 +195,94 @@ def test_a_stream_closed_while_another_thread_drives_frees_its_row(llm: quickdra
     finally:
         service.step_observers.remove(slow_step)
     assert not service.busy(), "the closed stream's request still holds a row: nobody took its cancel in"
+
+
+def test_a_caller_waiting_while_another_thread_drives_burns_no_core(llm: quickdraft.LLM) -> None:
+    service = llm.engine_service()
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_step(_seconds: float) -> None:  # the driver (not the main thread) holds the wheel a while
+        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
+            inside.set()
+            release.wait(DEADLINE_S)
+
+    service.step_observers.append(slow_step)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(llm.generate, PROMPTS[0], params=SamplingParams(max_new_tokens=2))
+            assert inside.wait(DEADLINE_S)
+            threading.Timer(1.0, release.set).start()
+            cpu, wall = time.thread_time(), time.perf_counter()
+            mine = llm.generate(PROMPTS[1], params=SamplingParams(max_new_tokens=1))
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            other.result(DEADLINE_S)
+    finally:
+        service.step_observers.remove(slow_step)
+    assert mine.token_ids == alone(llm, PROMPTS[1], SamplingParams(max_new_tokens=1))
+    assert wall >= 0.9 and cpu < 0.25 * wall, f"waited {wall:.2f} s using {cpu:.2f} s of CPU"
+
+
+def test_stopping_a_server_lets_generate_calls_in_flight_finish(llm: quickdraft.LLM) -> None:
+    """The server's loop drove every step; once it stops, the notebook's callers drive their own."""
+    config = ServerConfig("tiny", engine=EngineConfig(max_batch=4, max_seq_len=256))
+    server = BackgroundServer(llm, config, shutdown_timeout_s=20)
+    service = llm.engine_service()
+    slow = lambda _s: time.sleep(0.01)  # noqa: E731 - steps long enough for the stop to come mid-way
+    service.step_observers.append(slow)
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 40, "temperature": 0}
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            direct = [pool.submit(llm.generate, p, params=params) for p in PROMPTS[:3]]
+            http = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=DEADLINE_S)
+            deadline = time.monotonic() + DEADLINE_S
+            while service.engine.num_running < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert service.engine.num_running == 4
+            within(server.stop)  # waits for the HTTP request in flight, not for generate
+            assert not all(d.done() for d in direct), "the stop came too late to test anything"
+            got = [d.result(DEADLINE_S).token_ids for d in direct]
+            answer = http.result(DEADLINE_S)
+    finally:
+        service.step_observers.remove(slow)
+    assert got == [alone(llm, p, params) for p in PROMPTS[:3]]
+    assert answer.status_code == 200, answer.text
+    text = llm.tokenizer.decode(alone(llm, PROMPTS[3], replace(params, max_new_tokens=40)))
+    assert answer.json()["choices"][0]["text"] == text
+    assert not service.busy()
+
+
+def test_a_stream_dropped_mid_way_frees_its_row(llm: quickdraft.LLM) -> None:
+    """Neither closed nor read to its end: garbage collected (here, while another thread drives),
+    or left by a consumer that raised."""
+    service = llm.engine_service()
+    params = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(llm.generate, PROMPTS[1], params=SamplingParams(max_new_tokens=60, ignore_eos=True))
+        dropped = llm.stream(PROMPTS[0] + " dropped", params=params)
+        next(dropped)
+        del dropped
+        gc.collect()
+        other.result(DEADLINE_S)
+    assert not service.busy(), "a garbage-collected stream's request holds a row"
+
+    def consume() -> None:
+        for _ in llm.stream(PROMPTS[2] + " raised", params=params):
+            raise KeyError("the consumer's bug")
+
+    with pytest.raises(KeyError):
+        consume()
+    assert not service.busy(), "the stream its consumer left by raising holds a row"
+
+
+def test_an_engine_made_inside_inference_mode_serves_outside_it(llm: quickdraft.LLM) -> None:
+    fresh = quickdraft.load(llm.loaded.source.path)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    with torch.inference_mode():
+        first = fresh.generate(SYSTEM, params=params)  # the engine, its cache and prefix blocks made here
+        stream = fresh.stream(SYSTEM + " more", params=params)
+        next(stream)
+    stream.close()  # its row freed (cache rows copied) and offered to the prefix cache outside
+    again = fresh.generate(SYSTEM + PROMPTS[1] * 8, params=params)  # grows the cache, hits the prefix cache
+    assert first.token_ids == alone(fresh, SYSTEM, params)
+    assert again.token_ids == alone(fresh, SYSTEM + PROMPTS[1] * 8, params) and again.stats.cached_tokens >= 16
