@@ -13,7 +13,8 @@ import threading
 import time
 from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
 import httpx
 import torch
@@ -171,54 +172,47 @@ def test_many_threads_at_once_each_get_their_output_alone(llm: quickdraft.LLM, t
     assert not service.busy()
 
 
-def test_a_stream_closed_while_another_thread_drives_frees_its_row(llm: quickdraft.LLM) -> None:
-    """The closing thread cannot take the cancel in while another drives; the driver must, even
-    when its own request ends in that very step and it leaves."""
-    service = llm.engine_service()
-    stream = llm.stream(PROMPTS[0], params=SamplingParams(max_new_tokens=100, ignore_eos=True))
-    next(stream)
-    inside, closed = threading.Event(), threading.Event()
-
-    def slow_step(_seconds: float) -> None:  # the driving thread, between a step and its events
-        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
-            inside.set()
-            closed.wait(DEADLINE_S)
-
-    service.step_observers.append(slow_step)
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            other = pool.submit(llm.generate, PROMPTS[1], params=SamplingParams(max_new_tokens=1))
-            assert inside.wait(DEADLINE_S)
-            stream.close()  # the other thread drives: the cancel waits in the inbox
-            closed.set()
-            other.result(DEADLINE_S)
-    finally:
-        service.step_observers.remove(slow_step)
-    assert not service.busy(), "the closed stream's request still holds a row: nobody took its cancel in"
-
-
-def test_a_caller_waiting_while_another_thread_drives_burns_no_core(llm: quickdraft.LLM) -> None:
+@contextmanager
+def another_thread_drives(llm: quickdraft.LLM, first: SamplingParams) -> Iterator[threading.Event]:
+    """A pool thread generates PROMPTS[1] with `first`, holding the wheel after its first step
+    (between the step and its events) until the yielded event is set."""
     service = llm.engine_service()
     inside, release = threading.Event(), threading.Event()
 
-    def slow_step(_seconds: float) -> None:  # the driver (not the main thread) holds the wheel a while
+    def hold(_seconds: float) -> None:
         if threading.current_thread() is not threading.main_thread() and not inside.is_set():
             inside.set()
             release.wait(DEADLINE_S)
 
-    service.step_observers.append(slow_step)
+    service.step_observers.append(hold)
     try:
         with ThreadPoolExecutor(1) as pool:
-            other = pool.submit(llm.generate, PROMPTS[0], params=SamplingParams(max_new_tokens=2))
+            other = pool.submit(llm.generate, PROMPTS[1], params=first)
             assert inside.wait(DEADLINE_S)
-            threading.Timer(1.0, release.set).start()
-            cpu, wall = time.thread_time(), time.perf_counter()
-            mine = llm.generate(PROMPTS[1], params=SamplingParams(max_new_tokens=1))
-            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            yield release
+            release.set()
             other.result(DEADLINE_S)
     finally:
-        service.step_observers.remove(slow_step)
-    assert mine.token_ids == alone(llm, PROMPTS[1], SamplingParams(max_new_tokens=1))
+        service.step_observers.remove(hold)
+
+
+def test_a_stream_closed_while_another_thread_drives_frees_its_row(llm: quickdraft.LLM) -> None:
+    """The closing thread cannot take the cancel in while another drives; the driver must, even
+    when its own request ends in that very step and it leaves."""
+    stream = llm.stream(PROMPTS[0], params=SamplingParams(max_new_tokens=100, ignore_eos=True))
+    next(stream)
+    with another_thread_drives(llm, SamplingParams(max_new_tokens=1)):
+        stream.close()  # the cancel waits in the inbox
+    assert not llm.engine_service().busy(), "the closed stream's request still holds a row: nobody took its cancel in"
+
+
+def test_a_caller_waiting_while_another_thread_drives_burns_no_core(llm: quickdraft.LLM) -> None:
+    with another_thread_drives(llm, SamplingParams(max_new_tokens=2)) as release:
+        threading.Timer(1.0, release.set).start()
+        cpu, wall = time.thread_time(), time.perf_counter()
+        mine = llm.generate(PROMPTS[0], params=SamplingParams(max_new_tokens=1))
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    assert mine.token_ids == alone(llm, PROMPTS[0], SamplingParams(max_new_tokens=1))
     assert wall >= 0.9 and cpu < 0.25 * wall, f"waited {wall:.2f} s using {cpu:.2f} s of CPU"
 
 
