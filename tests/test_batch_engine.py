@@ -7,6 +7,7 @@ first sampled tokens (chi-square) for rows sampled inside full batches.
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -479,6 +480,24 @@ def test_a_longer_step_is_never_estimated_cheaper_than_a_measured_shorter_one() 
     cost.observe(9, 0.300)
     assert cost.estimate(9) == 0.300 and cost.estimate(7) > 0.100
 
+
+
+def test_step_cost_never_falls_as_steps_grow() -> None:
+    """Between two measured sizes t(n) must not fall: scaling from the nearest one gave t(4) = 13
+    ms > t(5) = 10 ms from t(1) = 10 ms and t(8) = 12 ms, making 4 more draft tokens look free."""
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    cost.observe(8, 0.012)
+    assert all(cost.estimate(n) <= cost.estimate(n + 1) for n in range(1, 20))
+    assert cost.estimate(4) <= cost.estimate(8) == 0.012
+    rng = random.Random(0)
+    for _ in range(50):  # noisy measurements of a rising cost, with and without a measured curve
+        cost = StepCost()
+        if rng.random() < 0.5:
+            cost.seed({1: 1.0, 4: 1.1, 16: 2.0, 64: 6.0})
+        for m in rng.sample(range(1, 40), 6):
+            cost.observe(m, 0.01 * (1 + 0.05 * m) * rng.uniform(0.8, 1.2))
+        assert all(cost.estimate(n) <= cost.estimate(n + 1) for n in range(1, 64))
 
 class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it drafts and is told."""

@@ -30,10 +30,11 @@ POLICIES: tuple[str, ...] = ("goodput", "fixed")
 class StepCost:
     """t(N): seconds of one engine step that feeds N tokens.
 
-    Measured steps (smoothed per N) are the truth; between them, the *shape* of a cost curve (the
-    forward-cost curve measured at start-up, else a prior line) scales the nearest measurement. Only
-    shapes are taken from the curve: it is measured on one row, while a batch of B rows also pays
-    B rows of attention, so its absolute times would make drafts look cheaper than they are.
+    Measured steps (smoothed per N) are the truth; between and beyond them, the *shape* of a cost
+    curve (the forward-cost curve measured at start-up, else a prior line) carries the measurements
+    around (estimate). Only shapes are taken from the curve: it is measured on one row, while a
+    batch of B rows also pays B rows of attention, so its absolute times would make drafts look
+    cheaper than they are.
     """
 
     def __init__(self, prior_slope: float = PRIOR_SLOPE, shape_of: "StepCost | None" = None) -> None:
@@ -57,16 +58,26 @@ class StepCost:
         return max(self.curve[lo] + slope * (n - lo), 1e-9)
 
     def estimate(self, n: int) -> float:
-        """t(n), never below a measured t(m) for m < n: a pass that feeds more tokens does no less
-        work, so a longer step timed faster than a shorter one is noise (which, once an engine has
-        measured many sizes, would otherwise make drafts with no expected gain look free)."""
+        """t(n): measured, else interpolated along the curve's shape between the measured sizes
+        around n (scaled from the nearest one past either end); never below a measured t(m) for
+        m < n: a pass that feeds more tokens does no less work, so a longer step timed faster than
+        a shorter one is noise. t therefore never falls as n grows (scaling from the nearest size
+        alone fell at the midpoint between two: t(4) > t(5) from t(1) and t(8)), which, once an
+        engine has measured many sizes, would make drafts with no expected gain look free."""
         if not self.step_s:
             return self.shape(n)
         if n in self.step_s:
             value = self.step_s[n]
         else:
-            near = min(self.step_s, key=lambda m: (abs(m - n), m))
-            value = self.step_s[near] * self.shape(n) / self.shape(near)
+            lo = max((m for m in self.step_s if m < n), default=None)
+            hi = min((m for m in self.step_s if m > n), default=None)
+            if lo is None or hi is None:
+                near = hi if lo is None else lo
+                value = self.step_s[near] * self.shape(n) / self.shape(near)
+            else:
+                s_lo, s_hi = self.shape(lo), self.shape(hi)
+                w = (self.shape(n) - s_lo) / (s_hi - s_lo) if s_hi != s_lo else (n - lo) / (hi - lo)
+                value = self.step_s[lo] + (self.step_s[hi] - self.step_s[lo]) * min(max(w, 0.0), 1.0)
         return max([value, *(t for m, t in self.step_s.items() if m < n)])
 
     def observe(self, n: int, seconds: float) -> None:
