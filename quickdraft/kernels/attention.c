@@ -73,12 +73,14 @@ INLINE __m256 exp_neg(__m256 x) {
     return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
 }
 
-/* o[0..D) = sum_j p[j] v_j, in key order, with o in registers when the head is 64 or 128 wide (a
- * load and a store of o per key had waited on store forwarding). */
-INLINE void weighted_sum(const float *p, const float *vb, float *o, int64_t D, int64_t kv_len, const int W) {
+/* o[0..D) += sum_j p[j] v_j over keys j0..j1-1, in key order, with o in registers when the head is
+ * 64 or 128 wide (a load and a store of o per key had waited on store forwarding). o is loaded
+ * and stored exactly: summing a query's keys in spans, as attend_group does, gives the bits of one
+ * pass over them all. */
+INLINE void weighted_span(const float *p, const float *vb, float *o, int64_t D, int64_t j0, int64_t j1, const int W) {
     __m256 acc[16];
-    for (int i = 0; i < W; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < kv_len; j++) {
+    for (int i = 0; i < W; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
+    for (int64_t j = j0; j < j1; j++) {
         if (p[j] == 0.0f) continue;
         const __m256 pv = _mm256_set1_ps(p[j]);
         const float *vj = vb + j * D;
@@ -87,27 +89,9 @@ INLINE void weighted_sum(const float *p, const float *vb, float *o, int64_t D, i
     for (int i = 0; i < W; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
-/* One query's attention: scores s over the visible keys, softmax, weighted sum of values into o.
- * Blocks of 8 keys before the first visible one (a sliding window's past) are not scored: their p
- * is 0 either way, and a key's score does not depend on its block, so the bits are the same. */
-static void attend(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
-                   int64_t D, int64_t kv_len, float scale) {
-    float m = -INFINITY;
-    int64_t first = 0;
-    if (vis) while (first < kv_len && !vis[first]) first++;
-    const int64_t start = first & ~(int64_t)7;
-    for (int64_t j = 0; j < start; j++) s[j] = -INFINITY;
-    for (int64_t j0 = start; j0 < kv_len; j0 += 8) {
-        float block[8];
-        if (D % 8 == 0) _mm256_storeu_ps(block, dot8(qv, kb, D, j0, kv_len));
-        else for (int i = 0; i < 8 && j0 + i < kv_len; i++) block[i] = dot(qv, kb + (j0 + i) * D, D);
-        for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
-            s[j] = vis && !vis[j] ? -INFINITY : block[j - j0] * scale;
-            m = s[j] > m ? s[j] : m;
-        }
-    }
-    /* s becomes p = exp(s - m) (0 for hidden keys), summed in 8 lanes in key order (with a mask:
-     * below, in the order of the visible keys) */
+/* s[0..kv_len) (scores, -inf for hidden keys) becomes p = exp(s - m); returns their sum, taken in 8
+ * lanes in key order (with a mask: in the order of the visible keys, below). */
+static float softmax_in_place(float *s, const uint8_t *vis, int64_t kv_len, float m) {
     __m256 lanes = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= kv_len; j += 8) {
@@ -143,16 +127,64 @@ static void attend(const float *qv, const float *kb, const float *vb, const uint
             lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(packed));
         }
     }
-    const float sum = hsum8(lanes);
-    if (D == 64) weighted_sum(s, vb, o, D, kv_len, 8);
-    else if (D == 128) weighted_sum(s, vb, o, D, kv_len, 16);
-    else {
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        for (int64_t k = 0; k < kv_len; k++)
-            for (int64_t d = 0; d < D; d++) o[d] += s[k] * vb[k * D + d];
+    return hsum8(lanes);
+}
+
+#define KEY_SPAN 32  /* keys whose K or V rows (8-16 KB) one query uses before the next query of its group */
+
+/* The attention of n queries that share a kv head and a view of the keys (the query heads of one
+ * GQA group at one token: q at qv + i * D, output at o + i * D), each computed exactly as one
+ * query alone: its scores, softmax and weighted sum take the same operations in the same order.
+ * Only the loops are interleaved: a span of keys is read from memory once and used by every query
+ * of the group from L1, where each query had read every key again (Hq / Hkv times the K/V traffic).
+ * Blocks of 8 keys before the first visible one (a sliding window's past) and after the last (the
+ * rest of a prefill chunk) are not scored: their p is 0 either way, and a key's score does not
+ * depend on its block, so the bits are the same. s: n * kv_len floats of scratch. */
+static void attend_group(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
+                         int n, int64_t D, int64_t kv_len, float scale) {
+    int64_t first = 0, last = kv_len;
+    if (vis) {
+        while (first < kv_len && !vis[first]) first++;
+        while (last > first && !vis[last - 1]) last--;
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    const int64_t start = first & ~(int64_t)7;
+    float m[n];
+    for (int i = 0; i < n; i++) {
+        m[i] = -INFINITY;
+        for (int64_t j = 0; j < kv_len; j++) s[i * kv_len + j] = -INFINITY;
+    }
+    for (int64_t j0 = start; j0 < last; j0 += 8) {
+        for (int i = 0; i < n; i++) {
+            float block[8], *si = s + i * kv_len;
+            const float *q = qv + i * D;
+            if (D % 8 == 0) _mm256_storeu_ps(block, dot8(q, kb, D, j0, kv_len));
+            else for (int r = 0; r < 8 && j0 + r < kv_len; r++) block[r] = dot(q, kb + (j0 + r) * D, D);
+            for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
+                si[j] = vis && !vis[j] ? -INFINITY : block[j - j0] * scale;
+                m[i] = si[j] > m[i] ? si[j] : m[i];
+            }
+        }
+    }
+    float sum[n];
+    for (int i = 0; i < n; i++) sum[i] = softmax_in_place(s + i * kv_len, vis, kv_len, m[i]);
+    for (int i = 0; i < n * D; i++) o[i] = 0.0f;
+    if (D == 64 || D == 128) {
+        for (int64_t j0 = start; j0 < last; j0 += KEY_SPAN) {
+            const int64_t j1 = j0 + KEY_SPAN < last ? j0 + KEY_SPAN : last;
+            for (int i = 0; i < n; i++) {  /* W a constant: o's 8 or 16 vectors stay in registers */
+                if (D == 64) weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 8);
+                else weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 16);
+            }
+        }
+    } else {
+        for (int i = 0; i < n; i++)
+            for (int64_t k = 0; k < kv_len; k++)
+                for (int64_t d = 0; d < D; d++) o[i * D + d] += s[i * kv_len + k] * vb[k * D + d];
+    }
+    for (int i = 0; i < n; i++) {
+        const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+        for (int64_t d = 0; d < D; d++) o[i * D + d] *= inv;
+    }
 }
 
 typedef struct {
@@ -160,26 +192,36 @@ typedef struct {
     const uint8_t *visible;
     float *out;
     int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
+    int64_t parts;  /* each GQA group's query heads split into this many tasks (parallelism for decode) */
     float scale;
 } AttentionJob;
 
 static void attention_task(void *ctx, int64_t task) {
     const AttentionJob *j = ctx;
-    float scores[j->kv_len];  /* on the stack: at most 128 KB for a 32k context (threads have MBs) */
-    const int64_t b = task / (j->T * j->Hq), t = task / j->Hq % j->T, h = task % j->Hq, g = h / (j->Hq / j->Hkv);
-    attend(j->q + task * j->D, j->k + b * j->kv_batch + g * j->kv_head, j->v + b * j->kv_batch + g * j->kv_head,
-           j->visible ? j->visible + (b * j->T + t) * j->kv_len : 0, j->out + task * j->D, scores, j->D, j->kv_len,
-           j->scale);
+    const int64_t group = j->Hq / j->Hkv, part = task % j->parts, bt = task / j->parts / j->Hkv;
+    const int64_t g = task / j->parts % j->Hkv, b = bt / j->T;
+    const int64_t h0 = g * group + part * group / j->parts, h1 = g * group + (part + 1) * group / j->parts;
+    if (h1 == h0) return;
+    float *scores = malloc((size_t)((h1 - h0) * j->kv_len) * sizeof(float));
+    if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
+    attend_group(j->q + (bt * j->Hq + h0) * j->D, j->k + b * j->kv_batch + g * j->kv_head,
+                 j->v + b * j->kv_batch + g * j->kv_head, j->visible ? j->visible + bt * j->kv_len : 0,
+                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, j->kv_len, j->scale);
+    free(scores);
 }
 
 /* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of batch row b at
  * b * kv_batch + g * kv_head + j * D; visible: [B, T, kv_len] (1 = may attend) or NULL (every key
- * < kv_len); out: [B, T, Hq, D]. */
+ * < kv_len); out: [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
+ * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
 static void attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
                       int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
                       int64_t kv_batch, int64_t kv_head, float scale, int threads) {
-    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale};
-    qd_parallel(attention_task, &job, B * T * Hq, threads);
+    const int64_t groups = B * T * Hkv, group = Hq / Hkv;
+    int64_t parts = 1;
+    while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
+    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale};
+    qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
 /* The attention half of a layer after its q|k|v matmul, in one call: rotary embedding of q and k
