@@ -31,7 +31,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def rope_parameters(cfg) -> dict:
     """transformers 5 keeps rope_theta and the scaling under `rope_parameters`."""
     d = cfg.to_dict()
-    return {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    params = d.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # Gemma 3: the global layers' (the converter's freq_base)
+    return {"rope_theta": d.get("rope_theta"), **(d.get("rope_scaling") or {}), **params}
 
 
 def llama3_rope_factors(cfg) -> np.ndarray:
@@ -82,7 +84,8 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     if window:
         writer.add_sliding_window(window)
         types = getattr(cfg, "layer_types", None)
-        if types and "full_attention" in types:  # as the converter writes OLMo 3's
+        if types and "full_attention" in types and arch != "gemma3":  # as the converter writes OLMo 3's
+            # (Gemma 3's writes none: llama.cpp takes every 6th layer as full)
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     if metadata is not None:
         metadata(writer)
@@ -99,6 +102,8 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
         sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
     for name, tensor in sd.items():
         w = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1  # the converter stores Gemma's norm gains, 1 + w
         gguf_name = gguf_name_for_hf(name, names)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_attention_heads)

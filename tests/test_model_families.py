@@ -68,7 +68,8 @@ def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected,
     name, directory, gguf = files
     llm = quickdraft.load(directory if fmt == "safetensors" else gguf)
     config = llm.model.config
-    assert config.model_type == (name.split("-")[0] if fmt == "safetensors" or name != "mistral-window" else "llama")
+    assert config.model_type == (CONFIGS[name]["model_type"] if fmt == "safetensors" or name != "mistral-window"
+                                 else "llama")
     window = window_of(name)
     ids = llm.tokenizer.encode(PROMPT)
     if window:  # the premise: queries see fewer keys than the prompt has
@@ -129,8 +130,9 @@ def test_gguf_blocks_run_the_fused_layer_close_to_their_dequantized_model(files,
     ours = logits(stored.model, ids)
     assert all(block.fused is not None for block in stored.model.blocks)  # layer.c ran every layer
     ref = logits(dense.model, ids)
-    # int16 activations against float32: within ~1e-3 of the logits' spread; a wrong norm or window is ~1
-    assert (ours - ref).abs().max() <= 2e-3 * ref.abs().max()
+    # int16 activations against float32: within ~2e-3 of the logits' spread (Gemma's norm gains up to
+    # 2.5 in 12 norms a pass); a wrong norm, gate or window is ~1
+    assert (ours - ref).abs().max() <= 5e-3 * ref.abs().max()
 
 
 def test_gguf_blocks_are_batch_invariant_and_speculation_is_exact(q8):
@@ -177,6 +179,25 @@ def hf_tensors(hf) -> dict[str, torch.Tensor]:
     if hf.config.tie_word_embeddings:
         del tensors["lm_head.weight"]
     return tensors
+
+
+# -- Gemma 3 ------------------------------------------------------------------------------------
+
+def test_gemma3_scales_scores_by_query_pre_attn_scalar_and_rotates_sliding_layers_with_their_base():
+    """Gemma 3 27B scores by query_pre_attn_scalar ** -0.5, not head_dim ** -0.5; sliding layers
+    rotate with rope_local_base_freq, full ones with rope_theta (and its scaling): each must show in
+    the logits, against transformers."""
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(30).expand(2, 30)
+    for overrides in (dict(query_pre_attn_scalar=24, tie_word_embeddings=True), dict(rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=5e5),
+            sliding_attention=dict(rope_type="default", rope_theta=300.0)))):
+        hf = hf_model("gemma3-sandwich", **overrides)
+        ours = ours_from_hf(hf)
+        with torch.no_grad():
+            ref = hf(tokens).logits
+        torch.testing.assert_close(ours(tokens, positions, ours.new_cache(2, 32)).logits, ref, atol=1e-4, rtol=0)
+    assert (ours.config.rope_theta, ours.config.rope_local_theta, ours.config.rope_scaling.factor) == (5e5, 300.0, 2.0)
 
 
 # -- windows in trees and batches -------------------------------------------------------------------
@@ -279,8 +300,9 @@ CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu
                max_position_embeddings=512, num_attention_heads=2, num_hidden_layers=3, num_key_value_heads=1,
                rms_norm_eps=1e-3, vocab_size=97, tie_word_embeddings=True, bos_token_id=5, eos_token_id=7,
                rope_parameters=dict(rope_type="default", rope_theta=5000.0), sliding_window=5,
-               use_sliding_window=False, max_window_layers=0, layer_types=["sliding_attention", "sliding_attention"],
-               architectures=["LlamaForTokenClassification"])
+               use_sliding_window=False, max_window_layers=0, layer_types=["sliding_attention", "full_attention"],
+               architectures=["LlamaForTokenClassification"], hidden_activation="gelu", query_pre_attn_scalar=64,
+               final_logit_softcapping=30.0, attn_logit_softcapping=50.0, use_bidirectional_attention=True)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -296,14 +318,15 @@ def test_every_field_of_the_families_config_class_is_used_or_refused(model_type)
     assert fields - NO_MATH <= set(CHANGED), sorted(fields - NO_MATH - set(CHANGED))
     reference = ModelConfig.from_hf(base)
     for key in sorted(fields - NO_MATH):
-        config = {**base, key: CHANGED[key]}
+        value = CHANGED[key]
+        config = {**base, key: not base[key] if isinstance(value, bool) and key in base else value}
         if key == "max_window_layers":  # read only to make layer_types where a config has none
             del config["layer_types"]
         try:
             changed = ModelConfig.from_hf(config)
         except UnsupportedArchitecture:
             continue
-        assert changed != reference, f"{model_type}: {key}={CHANGED[key]!r} changes nothing we build"
+        assert changed != reference, f"{model_type}: {key}={config[key]!r} changes nothing we build"
 
 
 def hf_config(model_type: str, **changes) -> dict:
@@ -320,7 +343,12 @@ def hf_config(model_type: str, **changes) -> dict:
     ("qwen3", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope scaling type 'yarn'"),
     ("olmo2", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("mistral", dict(sliding_window=-3), "sliding_window must be a positive integer"),
-    ("gemma3_text", {}, "model_type 'gemma3_text' is not supported; expected one of llama, mistral, qwen2, qwen3"),
+    ("gemma2", {}, "model_type 'gemma2' is not supported; expected one of llama, mistral, qwen2, qwen3"),
+    ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0 \\(soft-capped logits\\)"),
+    ("gemma3_text", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)), "one dict per layer type"),
+    ("gemma3_text", dict(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                                              sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+     "of sliding layers"),
 ])
 def test_what_a_family_does_not_implement_is_refused_by_name(model_type, changes, message):
     with pytest.raises(ModelLoadError, match=message):
@@ -331,7 +359,7 @@ def test_every_family_row_names_each_part_once_and_both_ways():
     """A row's tensor names map one to one (a GGUF name back to one HF name), and the GGUF
     architectures are those llama.cpp's converter writes for them."""
     from quickdraft.weights.names import gguf_name_for_hf, hf_name_for_gguf
-    assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3"}
+    assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3"}
     for family in FAMILIES.values():
         for role, (hf, gguf) in family.names.items():
             hf0, gguf0 = hf.replace("{i}", "3"), gguf.replace("{i}", "3")

@@ -43,6 +43,11 @@ CONFIGS = {
                                sliding_window=6, max_window_layers=1),  # layer 1 sliding, layer 0 full
     "olmo2-post-norm": dict(model_type="olmo2", pad_token_id=None),
     "phi3-fused-window": dict(model_type="phi3", sliding_window=12, pad_token_id=None),
+    # layers 0-4 sliding (window 6, RoPE base 10^4), layer 5 full (base 10^6); query_pre_attn_scalar
+    # = head_dim as in every Gemma 3 but 27B (GGUF does not record it); untied: tied, a tiny random
+    # Gemma repeats its input token (its embeddings, scaled by 8, dominate)
+    "gemma3-sandwich": dict(model_type="gemma3_text", num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                            sliding_window=6, rope_theta=1e6, tie_word_embeddings=False),
 }
 # the families other than Llama and Qwen2, built through transformers' Auto classes
 NEW_FAMILIES = [name for name, cfg in CONFIGS.items() if cfg["model_type"] not in ("llama", "qwen2")]
@@ -74,6 +79,8 @@ def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
+                if model_type.startswith("gemma"):
+                    p.sub_(1.0)  # Gemma stores gain - 1: the same gains as the other families
     return model.eval()
 
 

@@ -34,7 +34,8 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
     on_cpu = torch.device(device).type == "cpu"
     norm_dtype = torch.float32 if on_cpu else dtype  # = compute_dtype
     stored = {k: v for k, v in fused.items() if isinstance(v, QuantizedWeight) and on_cpu}
-    model.load_state_dict({k: _dense(v).to(device=device, dtype=norm_dtype if "norm" in k else dtype)
+    model.load_state_dict({k: _norm_gain(_dense(v), config.norm_offset).to(device=device, dtype=norm_dtype)
+                           if "norm" in k else _dense(v).to(device=device, dtype=dtype)
                            for k, v in fused.items() if k not in stored}, assign=True, strict=False)
     for name, weight in stored.items():
         owner = model.get_submodule(name.rsplit(".", 1)[0])
@@ -45,7 +46,15 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
             del model.lm_head.weight
         model.lm_head.weight = model.embed.weight
     model.inv_freq = inverse_frequencies(config, rope_freq_factors).to(device)
+    if config.rope_local_theta is not None:
+        model.inv_freq_local = inverse_frequencies(config, local=True).to(device)
     return model.requires_grad_(False).eval()
+
+
+def _norm_gain(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """A norm's gain from its stored weight: Gemma's safetensors store gain - 1 (transformers
+    computes 1 + w in float32, as here); as stored when the offset is 0."""
+    return weight if offset == 0.0 else weight.float() + offset
 
 
 def _dense(w: torch.Tensor | QuantizedWeight) -> torch.Tensor:

@@ -50,7 +50,11 @@ class ModelConfig:
     o_bias: bool = False     # the attention output projection
     mlp_bias: bool = False   # gate, up and down projections
     activation: str = "silu"  # the MLP gate's: "silu", "gelu_tanh" or "gelu" (erf)
-    norm: str = "pre"        # "pre": RMSNorm before each sublayer; "post": on its output (OLMo 2)
+    norm: str = "pre"        # "pre": RMSNorm before each sublayer; "post": on its output (OLMo 2); "sandwich": both
+    norm_offset: float = 0.0  # added to every norm's stored weight at load (Gemma's safetensors hold gain - 1)
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
+    rope_local_theta: float | None = None  # the RoPE base of sliding-window layers, unscaled (Gemma 3); None: rope_theta
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head), "proj" (whole projection)
     # the sliding window of each layer (None: the whole context); () for no window anywhere
     layer_windows: tuple[int | None, ...] = ()
@@ -60,10 +64,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         family(self.model_type)
-        if self.norm not in ("pre", "post") or self.qk_norm not in (None, "head", "proj") \
+        if self.norm not in ("pre", "post", "sandwich") or self.qk_norm not in (None, "head", "proj") \
                 or self.activation not in set(HIDDEN_ACTS.values()):
             raise ModelLoadError(f"model config: norm {self.norm!r} / qk_norm {self.qk_norm!r} / activation "
-                                 f"{self.activation!r}: expected 'pre' or 'post' / None, 'head' or 'proj' / one "
+                                 f"{self.activation!r}: expected 'pre', 'post' or 'sandwich' / None, 'head' or 'proj' / one "
                                  f"of {', '.join(sorted(set(HIDDEN_ACTS.values())))}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
@@ -97,7 +101,7 @@ class ModelConfig:
             raise ModelLoadError("config.json has no 'model_type' key; expected e.g. 'llama' or 'qwen2'")
         spec = family(model_type)
         cfg = {**dict(spec.defaults), **cfg}  # an explicit null stays null (Mistral's window)
-        rope = _rope_parameters(cfg)
+        rope, local_theta = _rope_of_layer_types(cfg) if spec.rope_per_layer_type else (_rope_parameters(cfg), None)
         _refuse_unsupported_hf(cfg, rope, spec)
         try:
             hidden = int(cfg["hidden_size"])
@@ -115,13 +119,18 @@ class ModelConfig:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
-                rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                rope_theta=float(rope["rope_theta"] if spec.rope_per_layer_type else
+                                 cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope),
+                rope_local_theta=local_theta,
                 qkv_bias=_flag(cfg, spec.qkv_bias),
                 o_bias=_flag(cfg, spec.o_bias),
                 mlp_bias=_flag(cfg, spec.mlp_bias),
-                activation=HIDDEN_ACTS[cfg.get("hidden_act", "silu")],
+                activation=HIDDEN_ACTS[cfg.get(spec.activation_key, "silu")],
                 norm=spec.norm,
+                norm_offset=spec.hf_norm_offset,
+                embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
+                attn_scale=float(cfg[spec.attn_scale_key]) ** -0.5 if spec.attn_scale_key else None,
                 qk_norm=spec.qk_norm,
                 layer_windows=_layer_windows(cfg, spec),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -147,13 +156,39 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return rope
 
 
+def _rope_of_layer_types(cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE: (the full-attention layers' parameters, the sliding layers' base), from
+    transformers 5's `rope_parameters` per layer type, or the older rope_theta, rope_scaling
+    (full layers only) and rope_local_base_freq."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise UnsupportedArchitecture(f"rope parameters for layer types {unknown} are not supported; expected "
+                                          f"full_attention and sliding_attention")
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if _rope_scaling_from_hf(local) is not None or local.get("partial_rotary_factor", 1.0) != 1.0:
+            raise UnsupportedArchitecture(f"rope parameters {local!r} of sliding layers are not supported; expected "
+                                          f"default RoPE there")
+        return full, float(local.get("rope_theta", cfg["rope_local_base_freq"]))
+    if params:
+        raise UnsupportedArchitecture(f"rope parameters {params!r} are not supported; expected one dict per layer "
+                                      f"type (full_attention, sliding_attention)")
+    full = cfg.get("rope_scaling") or {}
+    return {**full, "rope_theta": cfg["rope_theta"]}, float(cfg["rope_local_base_freq"])
+
+
 def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any], spec: Family) -> None:
     """Keys transformers' classes of the families read that ask for math this decoder does not do.
     (`pretraining_tp` only split the matmuls in older transformers, the same sums: accepted.)"""
-    act = cfg.get("hidden_act", "silu")
+    act = cfg.get(spec.activation_key, "silu")
     if act not in spec.activations:
         raise UnsupportedArchitecture(
-            f"hidden_act {act!r} is not supported; expected one of {', '.join(spec.activations)}")
+            f"{spec.activation_key} {act!r} is not supported; expected one of {', '.join(spec.activations)}")
+    for key, what in (("final_logit_softcapping", "soft-capped logits"), ("attn_logit_softcapping",
+                      "soft-capped attention scores"), ("use_bidirectional_attention", "bidirectional attention")):
+        if cfg.get(key):
+            raise UnsupportedArchitecture(f"{key} {cfg[key]!r} ({what}) is not supported")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise UnsupportedArchitecture(
@@ -181,7 +216,10 @@ def _layer_windows(cfg: dict[str, Any], spec: Family) -> tuple[int | None, ...]:
         raise ModelLoadError(f"config.json: sliding_window must be a positive integer or null, found {window!r}")
     if spec.window == "all":
         return (window,) * layers
-    if not cfg.get("use_sliding_window"):
+    if spec.window == "pattern" and not cfg.get("layer_types"):
+        every = int(cfg["sliding_window_pattern"])
+        cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]}
+    if spec.window == "layer_types" and not cfg.get("use_sliding_window"):
         return ()  # Qwen's window applies only with use_sliding_window
     types = cfg.get("layer_types") or [
         "sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention" for i in range(layers)]

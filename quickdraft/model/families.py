@@ -48,6 +48,10 @@ _POST_NORMS: TensorNames = (
     ("attn_post_norm", "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
     ("mlp_post_norm", "model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight"),
 )
+# Gemma 3 normalizes each sublayer's input and its output ("sandwich"): the MLP's pre-norm has its own name
+_GEMMA3_TENSORS: TensorNames = tuple(
+    ("mlp_norm", "model.layers.{i}.pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight") if role == "mlp_norm"
+    else (role, hf, gguf) for role, hf, gguf in _LLAMA_TENSORS) + _POST_NORMS + _QK_NORMS
 # Phi-3's checkpoints hold q|k|v and gate|up as one matrix each (the model's own layout); GGUF
 # keeps gate|up under ffn_up
 _FUSED: TensorNames = (
@@ -76,19 +80,27 @@ class Family:
     qkv_bias: str | bool = False
     o_bias: str | bool = False
     mlp_bias: str | bool = False
-    norm: Literal["pre", "post"] = "pre"  # pre: RMSNorm before each sublayer; post: on its output, before the residual add
+    # pre: RMSNorm before each sublayer; post: on its output, before the residual add; sandwich: both
+    norm: Literal["pre", "post", "sandwich"] = "pre"
+    hf_norm_offset: float = 0.0     # safetensors norms hold gain - offset (Gemma: 1 + w; its GGUFs store 1 + w)
     qk_norm: Literal["head", "proj"] | None = None  # RMSNorm of q and k before RoPE: per head, or over the whole projection
     activations: tuple[str, ...] = tuple(HIDDEN_ACTS)  # the hidden_act values its gated MLP takes
+    activation_key: str = "hidden_act"  # the config key naming it (Gemma 3: hidden_activation)
+    embed_scale: bool = False       # embeddings times sqrt(hidden_size) (Gemma)
+    attn_scale_key: str | None = None  # scores times key ** -0.5 instead of head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    rope_per_layer_type: bool = False  # sliding layers rotate with their own base, unscaled (Gemma 3)
     # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
-    # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`
-    window: Literal["none", "all", "layer_types"] = "none"
+    # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`; pattern:
+    # `layer_types`, else every `sliding_window_pattern`-th layer full and the others sliding (Gemma 3)
+    window: Literal["none", "all", "layer_types", "pattern"] = "none"
     defaults: tuple[tuple[str, Any], ...] = ()  # what the config class assumes for keys a config.json leaves out
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its interleaved RoPE
 
     def __post_init__(self) -> None:
         roles = {role for role, _, _ in self.tensors}
         assert ("qkv" in roles) != ("q" in roles) and ("gate_up" in roles) != ("gate" in roles), self.model_type
-        assert (self.norm == "pre") == ("attn_norm" in roles) and (self.qk_norm is None) != ("q_norm" in roles)
+        assert (self.norm != "post") == ("attn_norm" in roles) and (self.qk_norm is None) != ("q_norm" in roles)
+        assert (self.norm != "pre") == ("attn_post_norm" in roles), self.model_type
 
     @property
     def names(self) -> Mapping[str, tuple[str, str]]:
@@ -114,6 +126,13 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
     Family("phi3", "phi3", _without(_LLAMA_TENSORS, "q", "k", "v", "q.bias", "k.bias", "v.bias", "gate", "up",
                                     "gate.bias", "up.bias") + _FUSED,
            window="all", defaults=(("rms_norm_eps", 1e-5), ("sliding_window", None))),
+    # Gemma 3's text decoder (Gemma3ForCausalLM); soft-caps and bidirectional attention are refused
+    Family("gemma3_text", "gemma3", _GEMMA3_TENSORS, qkv_bias="attention_bias", o_bias="attention_bias",
+           norm="sandwich", hf_norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
+           embed_scale=True, attn_scale_key="query_pre_attn_scalar", rope_per_layer_type=True, window="pattern",
+           defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+                     ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 6),
+                     ("tie_word_embeddings", True), ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),
 )})
 
 GGUF_FAMILIES: Mapping[str, Family] = MappingProxyType({f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch})

@@ -41,6 +41,7 @@ class AttentionInputs:
     kv_len: int
     positions: torch.Tensor    # [B, T] int64: the cache slot each token's K/V go to (the kernels' name)
     rotary: torch.Tensor       # [B, T] each token's position (trees: its depth), what windows count in
+    local: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of sliding layers with a base of their own
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @functools.cached_property
@@ -67,10 +68,12 @@ class AttentionInputs:
 
 
 def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                     attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> AttentionInputs:
+                     attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                     local: tuple[RotaryTable, torch.Tensor] | None = None) -> AttentionInputs:
     """A token's K/V go to cache slot `slots` [B, T] (default: its position; a tree's siblings share
     a position, not a slot); a query at slot s sees the cached keys at slots 0..s of its row, and
-    `attn_mask` [B, T, kv_len] narrows that further (trees)."""
+    `attn_mask` [B, T, kv_len] narrows that further (trees). `local`: the table and frequencies of
+    sliding layers that rotate with a base of their own (Gemma 3)."""
     slots = positions if slots is None else slots
     kv_len = int(slots.max()) + 1
     cos, sin = rope(inv_freq, positions, cache.dtype)
@@ -80,7 +83,9 @@ def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
-    return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous(), positions)
+    local_rope = None if local is None else local[0](local[1], positions, cache.dtype)
+    return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous(), positions,
+                           local_rope)
 
 
 class RMSNorm(nn.Module):
@@ -116,19 +121,22 @@ class Embedding(nn.Module):
 
 class Block(nn.Module):
     """One decoder layer. Pre-norm families (Llama) normalize each sublayer's input, fused into its
-    first matmul; post-norm families (OLMo 2) normalize its output before the residual add. QK-norm
-    (Qwen3: per head; OLMo 2: over the whole projection) runs between the q|k|v matmul and RoPE."""
+    first matmul; post-norm families (OLMo 2) normalize its output before the residual add; Gemma 3
+    both. QK-norm (Qwen3, Gemma 3: per head; OLMo 2: over the whole projection) runs between the
+    q|k|v matmul and RoPE."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         c = config
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.window = c.window(layer)
-        self.post = c.norm == "post"
+        self.local_rope = self.window is not None and c.rope_local_theta is not None  # Gemma 3's sliding layers
+        self.scale = c.attn_scale or c.head_dim ** -0.5
+        self.pre, self.post = c.norm != "post", c.norm != "pre"
         self.gate = c.activation  # the MLP gate's activation, fused before the down matmul
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        norms = ("attn_post_norm", "mlp_post_norm") if self.post else ("attn_norm", "mlp_norm")
-        for name in norms:
+        names = ("attn_norm", "mlp_norm") * self.pre + ("attn_post_norm", "mlp_post_norm") * self.post
+        for name in names:
             setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps))
         self.q_norm = self.k_norm = None
         if c.qk_norm is not None:
@@ -147,34 +155,35 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
         mask, visible = at.masks(self.window)
+        cos, sin = at.local if self.local_rope else (at.cos, at.sin)
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
-        eps = (self.attn_post_norm if self.post else self.attn_norm).eps
+        eps = (self.attn_norm if self.pre else self.attn_post_norm).eps
         if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
-                                           self.n_heads, self.n_kv, self.head_dim, self.gate)
-            return run_layer(x, self.fused, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
-                             visible, at.kv_len)
+                                           self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale)
+            return run_layer(x, self.fused, cos, sin, at.positions, *cache.buffers(layer, at.kv_len), visible, at.kv_len)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
-        qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=None if self.post else self.attn_norm.fused)
+        qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused if self.pre else None)
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
-            attn = kernels.rope_attention(qkv, at.cos, at.sin, at.positions, *cache.buffers(layer, at.kv_len),
-                                          visible, at.kv_len, n_q, self.n_kv)
+            attn = kernels.rope_attention(qkv, cos, sin, at.positions, *cache.buffers(layer, at.kv_len),
+                                          visible, at.kv_len, n_q, self.n_kv, self.scale)
         else:
             qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
-            qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), at.cos, at.sin)  # q and k in one go
+            qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), cos, sin)  # q and k in one go
             q, k = qk.split((n_q, self.n_kv), dim=1)
             v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
             keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q,
+                                                  scale=self.scale)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
         # biases (None where the family has none) are added before the residual and before SwiGLU
         if self.post:
             x = x + self.attn_post_norm(linear(attn.to(x.dtype), self.wo.weight, self.wo.bias))
-            h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias)
+            h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused if self.pre else None)
             return x + self.mlp_post_norm(linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate))
         x = linear(attn.to(x.dtype), self.wo.weight, self.wo.bias, residual=x)
         h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused)
@@ -203,6 +212,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(config, rope_freq_factors), persistent=False)
         self.rope = RotaryTable()
+        local = None if config.rope_local_theta is None else inverse_frequencies(config, local=True)
+        self.register_buffer("inv_freq_local", local, persistent=False)  # Gemma 3's sliding layers
+        self.rope_local = RotaryTable()
         self.requires_grad_(False)
 
     @property
@@ -262,7 +274,10 @@ class Transformer(nn.Module):
         `last_n` limits the LM head to the last n positions (prefill needs only the last; 0: none,
         for a caller that applies its own head to `hidden`)."""
         x = self.embed(tokens).to(self.compute_dtype)
-        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots)
+        if self.config.embed_scale != 1.0:  # in the embeddings' dtype, as transformers' Gemma
+            x = x * torch.tensor(self.config.embed_scale, dtype=self.embed.weight.dtype).to(x.dtype)
+        local = None if self.inv_freq_local is None else (self.rope_local, self.inv_freq_local)
+        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots, local)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, at)
         if last_n == 0:

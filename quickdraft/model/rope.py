@@ -12,12 +12,17 @@ import torch
 from quickdraft.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """[head_dim/2] float32. `freq_factors` are GGUF's `rope_freqs` divisors, when a file has them."""
+def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None,
+                        local: bool = False) -> torch.Tensor:
+    """[head_dim/2] float32. `freq_factors` are GGUF's `rope_freqs` divisors, when a file has them.
+    `local`: those of sliding layers with a base of their own (rope_local_theta), never scaled."""
     dim = config.head_dim
+    theta = config.rope_local_theta if local else config.rope_theta
     # on the CPU whatever device is the default: a model built on "meta" computed these through
     # torch's reference decompositions, whose first use imported for ~1.5 s of a load
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    if local:
+        return inv_freq
     scaling = config.rope_scaling
     if freq_factors is not None:  # llama.cpp applies a linear factor on top
         inv_freq = inv_freq / freq_factors.float()

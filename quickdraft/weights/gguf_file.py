@@ -23,7 +23,7 @@ from tqdm import tqdm
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels.quantized import KERNEL_TYPES, Part, QuantizedWeight
 from quickdraft.model.config import ModelConfig, RopeScaling
-from quickdraft.model.families import Family, gguf_family
+from quickdraft.model.families import HIDDEN_ACTS, Family, gguf_family
 from quickdraft.weights.gguf_reader import GGUFFile
 from quickdraft.weights.names import hf_name_for_gguf
 
@@ -87,7 +87,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
-    _refuse_unsupported_keys(meta, arch, head_dim)
+    _refuse_unsupported_keys(meta, arch, head_dim, spec)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -106,9 +106,13 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         qkv_bias=has("q.bias") or has("qkv.bias"),
         o_bias=has("o.bias"),
         mlp_bias=has("gate.bias") or has("down.bias"),
-        norm=spec.norm,
+        activation=HIDDEN_ACTS[dict(spec.defaults).get(spec.activation_key, "silu")],
+        norm=spec.norm,  # Gemma's converter stores its norms' gains (1 + w): no offset
+        embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
+        attn_scale=float(meta.get(f"{arch}.attention.scale") or 0.0) or None,
+        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.rope_per_layer_type else None,
         qk_norm=spec.qk_norm,
-        layer_windows=_layer_windows(meta, arch, int(get("block_count"))),
+        layer_windows=_layer_windows(meta, arch, int(get("block_count")), spec),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
@@ -130,13 +134,17 @@ def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling | None:
     return None
 
 
-def _layer_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+def _layer_windows(meta: dict[str, Any], arch: str, layers: int, spec: Family) -> tuple[int | None, ...]:
     """`{arch}.attention.sliding_window` (0 or absent: none) on every layer, or on the layers
-    `sliding_window_pattern` marks."""
+    `sliding_window_pattern` marks; a Gemma 3 file without it has every 6th layer full, as
+    llama.cpp assumes."""
     window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
     if window <= 0:
         return ()
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None and spec.window == "pattern":
+        every = int(dict(spec.defaults)["sliding_window_pattern"])
+        pattern = [bool((i + 1) % every) for i in range(layers)]
     if pattern is None:
         return (window,) * layers
     if not isinstance(pattern, list) or len(pattern) != layers:
@@ -146,9 +154,15 @@ def _layer_windows(meta: dict[str, Any], arch: str, layers: int) -> tuple[int | 
     return tuple(window if sliding else None for sliding in pattern)
 
 
-def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int) -> None:
+def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spec: Family) -> None:
     """Metadata asking for math this decoder does not do is an UnsupportedArchitecture naming it."""
+    if spec.attn_scale_key and int(meta.get(f"{arch}.block_count", 0)) == 62 and f"{arch}.attention.scale" not in meta:
+        raise UnsupportedArchitecture(  # llama.cpp knows Gemma 3 27B's by its layer count; we do not guess
+            f"GGUF '{arch}' with 62 layers (Gemma 3 27B) is not supported: its attention scale "
+            f"(query_pre_attn_scalar) is not in the file")
     for key, (neutral, what) in NEUTRAL_KEYS.items():
+        if key == "attention.scale" and spec.attn_scale_key:
+            continue  # read: the family scales its scores by its own constant
         value = meta.get(f"{arch}.{key}", neutral)
         if value != neutral:
             raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
