@@ -84,8 +84,10 @@ class KVCache:
         self.lengths[dst] = length
 
     def reserve(self, batch_size: int, max_len: int) -> None:
-        """Room for at least batch_size rows of max_len slots: new buffers, the old ones' contents
-        copied into their corner (an engine grows its cache as requests need it, never shrinks it)."""
+        """Room for at least batch_size rows of max_len slots: new buffers (an engine grows its cache
+        as requests need it, never shrinks it), each row's committed slots (`lengths`) copied over:
+        what lies past them is rewritten before it is read, and copying only those keeps a growth
+        from stalling the running rows for a copy of every slot the cache ever held."""
         if batch_size <= self.batch_size and max_len <= self.max_len:
             return
         batch_size, max_len = max(batch_size, self.batch_size), max(max_len, self.max_len)
@@ -95,7 +97,8 @@ class KVCache:
                 grown[name] = [old.new_zeros((batch_size, old.shape[1], max_len, old.shape[3]))
                                for old in getattr(self, name)]
                 for new, old in zip(grown[name], getattr(self, name)):
-                    new[:old.shape[0], :, :old.shape[2]] = old
+                    for row, length in enumerate(self.lengths):
+                        new[row, :, :length] = old[row, :, :length]
         self.k[:], self.v[:] = grown["k"], grown["v"]  # all or nothing: allocating may fail (out of memory)
         self.max_len = max_len
         self.lengths = self.lengths + [0] * (batch_size - len(self.lengths))

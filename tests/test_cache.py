@@ -113,3 +113,24 @@ def test_writing_past_capacity_raises_context_too_long(model):
         model(tokens_(1, 9, seed=10), torch.arange(9)[None], model.new_cache(1, 8))  # prefill too long
     with pytest.raises(ContextTooLong, match=message):  # one row of a batch past the end
         model(tokens_(2, 1, seed=11), torch.tensor([[3], [8]]), model.new_cache(2, 8))
+
+
+def test_growing_keeps_each_rows_committed_slots_and_decodes_on_identically(model):
+    """reserve() copies each row's committed slots only; decoding after a growth gives the logits
+    decoding gives in a cache that was large from the start."""
+    tokens = tokens_(2, 12, seed=3)
+    big = model.new_cache(2, 40)
+    small = model.new_cache(2, 12)
+    prefill(model, tokens, big)
+    prefill(model, tokens, small)
+    big.truncate([7, 12])
+    small.truncate([7, 12])
+    small.reserve(3, 40)
+    assert (small.batch_size, small.max_len) == (3, 40)
+    for t_small, t_big in zip(small.k + small.v, big.k + big.v):
+        assert torch.equal(t_small[0, :, :7], t_big[0, :, :7]) and torch.equal(t_small[1, :, :12], t_big[1, :, :12])
+        assert not t_small[0, :, 7:].any() and not t_small[2].any()  # nothing past what was committed
+    step = tokens_(2, 1, seed=4)
+    small.truncate([7, 12, 0])
+    view = small.rows(0, 2)
+    assert torch.equal(decode(model, view, step), decode(model, big, step))
