@@ -3,9 +3,12 @@
 The sources ship inside the package; `prepare()` compiles them with the system C compiler into a
 per-user cache (once per source version) when a model is loaded, never inside a forward. Two
 builds exist: `avx512vnni` (integer dot products with VNNI) where the CPU has AVX512-VNNI/VL/BW,
-and `avx2` (AVX2 + FMA) otherwise. When neither can be built, `status()` says why and a warning
-names the slower torch path that runs instead. QUICKDRAFT_KERNEL=avx2|avx512vnni|torch picks one
-path explicitly (to compare them, or to rule the kernel out); a choice that cannot run is an error.
+and `avx2` (AVX2 + FMA) otherwise; only the one this CPU runs is built (the CPU's flags are read
+from /proc/cpuinfo; where there is none the AVX2 build, which runs on any AVX2 CPU, is asked), and
+a build says on stderr what it compiles and roughly how long it takes before it starts. When
+neither can be built, `status()` says why and a warning names the slower torch path that runs
+instead. QUICKDRAFT_KERNEL=avx2|avx512vnni|torch picks one path explicitly (to compare them, or to
+rule the kernel out); a choice that cannot run is an error.
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +36,9 @@ FLAGS = {
 }
 ISAS = tuple(FLAGS)
 FORCE_ENV = "QUICKDRAFT_KERNEL"  # avx2 | avx512vnni | torch: run that path instead of the best one
+VNNI_FLAGS = ("avx512_vnni", "avx512vl", "avx512bw")  # /proc/cpuinfo's names of what the VNNI build needs
+# what a build costs: ~70 s of one core for all sources (gcc -O3, measured on a Xeon), more on a busy machine
+BUILD_TIME = "~1 minute"
 
 
 @dataclass(frozen=True)
@@ -92,19 +100,55 @@ def _build(isa: str) -> ctypes.CDLL | str:
     if not target.is_file():
         if compiler is None:
             return "no C compiler found (set CC)"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            cmd = [compiler, "-O3", *flags, "-pthread", "-shared", "-fPIC", *(str(HERE / s) for s in SOURCES),
-                   "-o", str(out)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                return f"build failed ({' '.join(cmd)}): {proc.stderr.strip()[:500]}"
-            os.replace(out, target)  # atomic: concurrent builders never see half a file
+        # said before it starts: a first run is otherwise silent for as long as the compiler runs
+        print(f"quickdraft: building the CPU kernels for {isa} (first use only, {BUILD_TIME})...",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        failed = _compile(compiler, flags, target)
+        if failed:
+            return failed
+        print(f"quickdraft: CPU kernels built in {time.perf_counter() - start:.0f} s ({target})",
+              file=sys.stderr, flush=True)
     try:
         return _declare(ctypes.CDLL(str(target)))
     except OSError as e:
         return f"cannot load {target.name}: {e}"
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
+    """Compile every source into `target`; None, or why it failed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [compiler, "-O3", *flags, "-pthread", "-shared", "-fPIC", *(str(HERE / s) for s in SOURCES),
+               "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return f"build failed ({' '.join(cmd)}): {proc.stderr.strip()[:500]}"
+        os.replace(out, target)  # atomic: concurrent builders never see half a file
+    return None
+
+
+def cpu_has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU has what the avx512vnni build needs, from the kernel's flags; None where
+    they cannot be read (not Linux): then the AVX2 build is built to ask the CPU itself."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(VNNI_FLAGS) <= set(line.partition(":")[2].split())
+    return None
+
+
+def _has_vnni() -> bool | None:
+    """cpu_has_vnni, else the AVX2 build's answer (None: that build failed too)."""
+    has = cpu_has_vnni()
+    if has is None:
+        base = library("avx2")
+        has = None if isinstance(base, str) else bool(base.qd_cpu_has_vnni())
+    return has
 
 
 def prepare() -> KernelInfo:
@@ -129,19 +173,21 @@ def _choose() -> KernelInfo:
         lib = library(forced)
         if isinstance(lib, str):
             raise RuntimeError(f"{FORCE_ENV}={forced} asks for a kernel that cannot be used: {lib}")
-        if forced == "avx512vnni" and not library("avx2").qd_cpu_has_vnni():
+        if forced == "avx512vnni" and not _has_vnni():
             raise RuntimeError(f"{FORCE_ENV}=avx512vnni: this CPU lacks AVX512-VNNI/VL/BW")
         return KernelInfo(forced, f"built; chosen by {FORCE_ENV}", lib._name)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return KernelInfo(None, f"CPU capability {capability} lacks AVX2")
-    base = library("avx2")
-    if isinstance(base, str):
-        return KernelInfo(None, base)
-    isa = "avx512vnni" if base.qd_cpu_has_vnni() else "avx2"
+    isa = "avx512vnni" if _has_vnni() else "avx2"
     lib = library(isa)
-    if isinstance(lib, str):  # VNNI build failed (an old compiler): AVX2 runs, and says so
+    if isinstance(lib, str) and isa == "avx512vnni":  # an old compiler: AVX2 runs, and says so
+        base = library("avx2")
+        if isinstance(base, str):
+            return KernelInfo(None, base)
         return KernelInfo("avx2", f"built; avx512vnni unavailable: {lib}", base._name)
+    if isinstance(lib, str):
+        return KernelInfo(None, lib)
     return KernelInfo(isa, "built", lib._name)
 
 
