@@ -258,6 +258,35 @@ def test_a_tree_nodes_attention_equals_its_paths_decode(D, ctx):
 
 
 @pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+def test_soft_capped_scores_equal_transformers_eager_attention_and_stay_batch_invariant(D, ctx):
+    """Gemma 2's scores: cap * tanh(q.k * scale / cap) before the mask and softmax, as transformers'
+    eager attention computes them; a query's output alone equals its output among the others."""
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(D=D, ctx=ctx)
+    qkv = qkv * 4  # scores large enough that the cap bites
+    _, ref_k, ref_v = torch_reference(qkv, cos, sin, positions, k_cache, v_cache)
+    B, T, _ = qkv.shape
+    kv_len = int(positions.max()) + 1
+    mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
+    cap, scale = 3.0, 0.3
+    k_pass, v_pass = k_cache.clone(), v_cache.clone()
+    out = kernels.rope_attention(qkv, cos, sin, positions, k_pass, v_pass, mask, kv_len, 4, 2, scale=scale, softcap=cap)
+    from quickdraft.model.rope import apply_rope
+    q = apply_rope(qkv.view(B, T, 8, D).transpose(1, 2)[:, :4], cos, sin)
+    keys = ref_k[:, :, :kv_len].repeat_interleave(2, dim=1)
+    scores = cap * torch.tanh(q @ keys.transpose(2, 3) * scale / cap)
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+    ref = (probs @ ref_v[:, :, :kv_len].repeat_interleave(2, dim=1)).transpose(1, 2).reshape(B, T, 4 * D)
+    assert torch.allclose(out, ref, atol=1e-5)
+    uncapped = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2,
+                                      scale=scale)
+    assert not torch.allclose(uncapped, ref, atol=1e-3)  # the premise: the cap changes the result
+    t = T - 1
+    alone = kernels.rope_attention(qkv[:, t:], cos[:, :, t:], sin[:, :, t:], positions[:, t:], k_pass, v_pass, None,
+                                   kv_len, 4, 2, scale=scale, softcap=cap)  # the last token, decoded after the others
+    assert torch.equal(alone[:, 0], out[:, t])
+
+
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
 @pytest.mark.parametrize("window", [3, 8, 13])
 def test_a_windowed_query_equals_the_same_query_over_its_window_alone(D, ctx, window):
     """A sliding window hides the keys more than `window` positions back (the mask the model

@@ -130,6 +130,9 @@ static float softmax_in_place(float *s, const uint8_t *vis, int64_t kv_len, floa
     return hsum8(lanes);
 }
 
+/* A score soft-capped (Gemma 2): c tanh(x / c), as transformers' eager attention; c <= 0: x. */
+INLINE float soft_cap(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x; }
+
 #define KEY_SPAN 32  /* keys whose K or V rows (8-16 KB) one query uses before the next query of its group */
 
 /* The attention of n queries that share a kv head and a view of the keys (the query heads of one
@@ -141,7 +144,7 @@ static float softmax_in_place(float *s, const uint8_t *vis, int64_t kv_len, floa
  * rest of a prefill chunk) are not scored: their p is 0 either way, and a key's score does not
  * depend on its block, so the bits are the same. s: n * kv_len floats of scratch. */
 static void attend_group(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
-                         int n, int64_t D, int64_t kv_len, float scale) {
+                         int n, int64_t D, int64_t kv_len, float scale, float softcap) {
     int64_t first = 0, last = kv_len;
     if (vis) {
         while (first < kv_len && !vis[first]) first++;
@@ -160,7 +163,7 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
             if (D % 8 == 0) _mm256_storeu_ps(block, dot8(q, kb, D, j0, kv_len));
             else for (int r = 0; r < 8 && j0 + r < kv_len; r++) block[r] = dot(q, kb + (j0 + r) * D, D);
             for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
-                si[j] = vis && !vis[j] ? -INFINITY : block[j - j0] * scale;
+                si[j] = vis && !vis[j] ? -INFINITY : soft_cap(block[j - j0] * scale, softcap);
                 m[i] = si[j] > m[i] ? si[j] : m[i];
             }
         }
@@ -193,7 +196,7 @@ typedef struct {
     float *out;
     int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
     int64_t parts;  /* each GQA group's query heads split into this many tasks (parallelism for decode) */
-    float scale;
+    float scale, softcap;
 } AttentionJob;
 
 static void attention_task(void *ctx, int64_t task) {
@@ -206,7 +209,7 @@ static void attention_task(void *ctx, int64_t task) {
     if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
     attend_group(j->q + (bt * j->Hq + h0) * j->D, j->k + b * j->kv_batch + g * j->kv_head,
                  j->v + b * j->kv_batch + g * j->kv_head, j->visible ? j->visible + bt * j->kv_len : 0,
-                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, j->kv_len, j->scale);
+                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, j->kv_len, j->scale, j->softcap);
     free(scores);
 }
 
@@ -216,11 +219,11 @@ static void attention_task(void *ctx, int64_t task) {
  * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
 static void attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
                       int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
-                      int64_t kv_batch, int64_t kv_head, float scale, int threads) {
+                      int64_t kv_batch, int64_t kv_head, float scale, float softcap, int threads) {
     const int64_t groups = B * T * Hkv, group = Hq / Hkv;
     int64_t parts = 1;
     while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
-    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale};
+    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
     qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
@@ -228,11 +231,12 @@ static void attention(const float *q, const float *k, const float *v, const uint
  * (Hugging Face's rotate-half form; cos/sin [B, T, D] hold each half twice), k and v written to the
  * cache at their positions, then every query attends as qd_attention does. qkv: [B, T, (Hq + 2Hkv)
  * * D]; positions: [B, T]; k, v: the layer's cache buffers (strides as in qd_attention, slot p of a
- * head at p * D); scratch: B * T * Hq * D floats (the rotated queries). */
+ * head at p * D); scratch: B * T * Hq * D floats (the rotated queries); softcap: scores capped at
+ * softcap tanh(score / softcap) before the softmax (0: none). */
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
                        float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t kv_batch, int64_t kv_head,
-                       float scale, float *scratch, int threads) {
+                       float scale, float softcap, float *scratch, int threads) {
     const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
     float *q = scratch;
     for (int64_t bt = 0; bt < B * T; bt++) {
@@ -252,5 +256,5 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
             for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
     }
-    attention(q, k, v, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, threads);
+    attention(q, k, v, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
 }
