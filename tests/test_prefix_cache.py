@@ -226,7 +226,7 @@ def test_the_step_allowance_follows_the_last_prefill_pass() -> None:
     assert step_allowance(2, step, (32, 0.04), 7) == 7           # asked for
     step.observe(1, 0.010)
     assert step_allowance(1, step, None, None) == MIN_CHUNK      # nothing measured yet
-    assert step_allowance(1, step, (32, 0.040), None) == 16      # 20 ms (STALL decode steps) at 1.25 ms a token
+    assert step_allowance(1, step, (32, 0.040), None) == int(STALL * 0.010 / 0.00125)  # STALL decode steps' worth
     assert step_allowance(1, step, (32, 10.0), None) == MIN_CHUNK  # slower than any budget: prompts still advance
     assert step_allowance(1, step, (16, 0.001), None) == 32      # cheap: at most GROWTH times the last size
     # a whole 1,900-token prompt's pass (attention over all of it) still gives a sensible first chunk

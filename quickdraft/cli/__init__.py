@@ -16,6 +16,7 @@ from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_ar
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.serve import add_serve
 from quickdraft.cli.soak import add_bench_soak
+from quickdraft.cli.stall import add_bench_stall
 from quickdraft.cli.train import add_train_head
 from quickdraft.errors import QuickdraftError
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve(bsub)
     add_bench_quality(bsub)
     add_bench_soak(bsub)
+    add_bench_stall(bsub)
     add_bench_multiturn(bsub)
     return parser
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from quickdraft.engine.policy import StepCost
 
-STALL = 2.0      # a chunk costs at most this many of the running rows' decode steps
+STALL = 1.5      # a chunk costs at most this many of the running rows' decode steps: a stream's gap
+                 # stays within 3 of its steps with room to spare, as chunk costs are estimated from
+                 # the last pass and the context grows under them
 MIN_CHUNK = 4    # at least this many tokens a pass, however slow, so a prompt always advances
 GROWTH = 2.0     # a chunk at most this many times the last one: a size's cost is known only near
                  # the last size measured
