@@ -78,14 +78,17 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     writer.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's, as the converter writes them
+        if getattr(cfg, key, None) and arch == "gemma2":
+            getattr(writer, f"add_{key}")(getattr(cfg, key))
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     if window:
         writer.add_sliding_window(window)
         types = getattr(cfg, "layer_types", None)
-        if types and "full_attention" in types and arch != "gemma3":  # as the converter writes OLMo 3's
-            # (Gemma 3's writes none: llama.cpp takes every 6th layer as full)
+        if types and "full_attention" in types and not arch.startswith("gemma"):  # as the converter writes OLMo 3's
+            # (Gemma's writes none: llama.cpp takes every 2nd (Gemma 2) or 6th (Gemma 3) layer as full)
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     if metadata is not None:
         metadata(writer)
@@ -102,7 +105,7 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
         sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
     for name, tensor in sd.items():
         w = tensor.float().numpy()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1  # the converter stores Gemma's norm gains, 1 + w
         gguf_name = gguf_name_for_hf(name, names)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):

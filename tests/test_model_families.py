@@ -200,6 +200,21 @@ def test_gemma3_scales_scores_by_query_pre_attn_scalar_and_rotates_sliding_layer
     assert (ours.config.rope_theta, ours.config.rope_local_theta, ours.config.rope_scaling.factor) == (5e5, 300.0, 2.0)
 
 
+@pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer", "gemma2-softcap", "gemma3-sandwich"])
+def test_the_torch_attention_path_equals_transformers(name, monkeypatch):
+    """Where the C attention does not run (CUDA, other dtypes) torch's does: SDPA with the window's
+    mask, or soft-capped scores written out (SDPA cannot cap). Forced here on CPU."""
+    from quickdraft import kernels
+    monkeypatch.setattr(kernels, "rope_attention_usable", lambda *args: False)
+    hf = hf_model(name)
+    ours = ours_from_hf(hf)
+    tokens = torch.randint(0, BASE["vocab_size"], (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    out = ours(tokens, torch.arange(30).expand(2, 30), ours.new_cache(2, 32)).logits
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
 # -- windows in trees and batches -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer"])
@@ -302,7 +317,7 @@ CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu
                rope_parameters=dict(rope_type="default", rope_theta=5000.0), sliding_window=5,
                use_sliding_window=False, max_window_layers=0, layer_types=["sliding_attention", "full_attention"],
                architectures=["LlamaForTokenClassification"], hidden_activation="gelu", query_pre_attn_scalar=64,
-               final_logit_softcapping=30.0, attn_logit_softcapping=50.0, use_bidirectional_attention=True)
+               final_logit_softcapping=20.0, attn_logit_softcapping=40.0, use_bidirectional_attention=True)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -319,6 +334,8 @@ def test_every_field_of_the_families_config_class_is_used_or_refused(model_type)
     reference = ModelConfig.from_hf(base)
     for key in sorted(fields - NO_MATH):
         value = CHANGED[key]
+        if isinstance(value, list) and value == base.get(key):
+            value = value[::-1]
         config = {**base, key: not base[key] if isinstance(value, bool) and key in base else value}
         if key == "max_window_layers":  # read only to make layer_types where a config has none
             del config["layer_types"]
@@ -343,7 +360,8 @@ def hf_config(model_type: str, **changes) -> dict:
     ("qwen3", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4)), "rope scaling type 'yarn'"),
     ("olmo2", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("mistral", dict(sliding_window=-3), "sliding_window must be a positive integer"),
-    ("gemma2", {}, "model_type 'gemma2' is not supported; expected one of llama, mistral, qwen2, qwen3"),
+    ("gemma", {}, "model_type 'gemma' is not supported; expected one of llama, mistral, qwen2, qwen3"),
+    ("gemma2", dict(attn_logit_softcapping=-1.0), "a soft-cap must be a positive number"),
     ("gemma3_text", dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0 \\(soft-capped logits\\)"),
     ("gemma3_text", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4)), "one dict per layer type"),
     ("gemma3_text", dict(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
@@ -359,7 +377,8 @@ def test_every_family_row_names_each_part_once_and_both_ways():
     """A row's tensor names map one to one (a GGUF name back to one HF name), and the GGUF
     architectures are those llama.cpp's converter writes for them."""
     from quickdraft.weights.names import gguf_name_for_hf, hf_name_for_gguf
-    assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma3"}
+    assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma2",
+                                                        "gemma3"}
     for family in FAMILIES.values():
         for role, (hf, gguf) in family.names.items():
             hf0, gguf0 = hf.replace("{i}", "3"), gguf.replace("{i}", "3")

@@ -46,6 +46,10 @@ CONFIGS = {
     # layers 0-4 sliding (window 6, RoPE base 10^4), layer 5 full (base 10^6); query_pre_attn_scalar
     # = head_dim as in every Gemma 3 but 27B (GGUF does not record it); untied: tied, a tiny random
     # Gemma repeats its input token (its embeddings, scaled by 8, dominate)
+    # soft-caps small enough to bite; layers 0, 2 sliding (window 6), 1, 3 full
+    "gemma2-softcap": dict(model_type="gemma2", num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+                           sliding_window=6, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                           tie_word_embeddings=False),
     "gemma3-sandwich": dict(model_type="gemma3_text", num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
                             sliding_window=6, rope_theta=1e6, tie_word_embeddings=False),
 }

@@ -55,6 +55,8 @@ class ModelConfig:
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
     attn_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
     rope_local_theta: float | None = None  # the RoPE base of sliding-window layers, unscaled (Gemma 3); None: rope_theta
+    attn_softcap: float | None = None   # attention scores become c tanh(s / c) (Gemma 2)
+    logit_softcap: float | None = None  # and the logits likewise
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head), "proj" (whole projection)
     # the sliding window of each layer (None: the whole context); () for no window anywhere
     layer_windows: tuple[int | None, ...] = ()
@@ -131,6 +133,8 @@ class ModelConfig:
                 norm_offset=spec.hf_norm_offset,
                 embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
                 attn_scale=float(cfg[spec.attn_scale_key]) ** -0.5 if spec.attn_scale_key else None,
+                attn_softcap=_cap(cfg.get("attn_logit_softcapping")) if spec.softcaps else None,
+                logit_softcap=_cap(cfg.get("final_logit_softcapping")) if spec.softcaps else None,
                 qk_norm=spec.qk_norm,
                 layer_windows=_layer_windows(cfg, spec),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -141,6 +145,13 @@ class ModelConfig:
             raise ModelLoadError(f"config.json is missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json has a malformed value: {e}") from None
+
+
+def _cap(value: Any) -> float | None:
+    """A soft-cap: None or 0 is none."""
+    if value is not None and (not isinstance(value, (int, float)) or value < 0):
+        raise ModelLoadError(f"config.json: a soft-cap must be a positive number or null, found {value!r}")
+    return float(value) if value else None
 
 
 def _flag(cfg: dict[str, Any], how: str | bool) -> bool:
@@ -187,7 +198,7 @@ def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any], spec: Fami
             f"{spec.activation_key} {act!r} is not supported; expected one of {', '.join(spec.activations)}")
     for key, what in (("final_logit_softcapping", "soft-capped logits"), ("attn_logit_softcapping",
                       "soft-capped attention scores"), ("use_bidirectional_attention", "bidirectional attention")):
-        if cfg.get(key):
+        if cfg.get(key) and not (spec.softcaps and "softcapping" in key):
             raise UnsupportedArchitecture(f"{key} {cfg[key]!r} ({what}) is not supported")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):

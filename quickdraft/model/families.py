@@ -48,10 +48,10 @@ _POST_NORMS: TensorNames = (
     ("attn_post_norm", "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
     ("mlp_post_norm", "model.layers.{i}.post_feedforward_layernorm.weight", "blk.{i}.post_ffw_norm.weight"),
 )
-# Gemma 3 normalizes each sublayer's input and its output ("sandwich"): the MLP's pre-norm has its own name
-_GEMMA3_TENSORS: TensorNames = tuple(
+# Gemma 2 and 3 normalize each sublayer's input and its output ("sandwich"): the MLP's pre-norm has its own name
+_GEMMA_TENSORS: TensorNames = tuple(
     ("mlp_norm", "model.layers.{i}.pre_feedforward_layernorm.weight", "blk.{i}.ffn_norm.weight") if role == "mlp_norm"
-    else (role, hf, gguf) for role, hf, gguf in _LLAMA_TENSORS) + _POST_NORMS + _QK_NORMS
+    else (role, hf, gguf) for role, hf, gguf in _LLAMA_TENSORS) + _POST_NORMS
 # Phi-3's checkpoints hold q|k|v and gate|up as one matrix each (the model's own layout); GGUF
 # keeps gate|up under ffn_up
 _FUSED: TensorNames = (
@@ -89,6 +89,9 @@ class Family:
     embed_scale: bool = False       # embeddings times sqrt(hidden_size) (Gemma)
     attn_scale_key: str | None = None  # scores times key ** -0.5 instead of head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
     rope_per_layer_type: bool = False  # sliding layers rotate with their own base, unscaled (Gemma 3)
+    softcaps: bool = False          # attn_logit_softcapping / final_logit_softcapping are read (Gemma 2), not refused
+    gguf_unscaled_layers: int | None = None  # the layer count of the size whose attention scale GGUF does not hold
+                                             # (llama.cpp knows Gemma's 27B by it): refused
     # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
     # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`; pattern:
     # `layer_types`, else every `sliding_window_pattern`-th layer full and the others sliding (Gemma 3)
@@ -126,10 +129,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
     Family("phi3", "phi3", _without(_LLAMA_TENSORS, "q", "k", "v", "q.bias", "k.bias", "v.bias", "gate", "up",
                                     "gate.bias", "up.bias") + _FUSED,
            window="all", defaults=(("rms_norm_eps", 1e-5), ("sliding_window", None))),
+    # soft-capped scores and logits; every other layer sliding
+    Family("gemma2", "gemma2", _GEMMA_TENSORS, qkv_bias="attention_bias", o_bias="attention_bias", norm="sandwich",
+           hf_norm_offset=1.0, activation_key="hidden_activation", embed_scale=True,
+           attn_scale_key="query_pre_attn_scalar", window="pattern", softcaps=True, gguf_unscaled_layers=46,
+           defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
+                     ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 2),
+                     ("tie_word_embeddings", True), ("final_logit_softcapping", 30.0),
+                     ("attn_logit_softcapping", 50.0))),
     # Gemma 3's text decoder (Gemma3ForCausalLM); soft-caps and bidirectional attention are refused
-    Family("gemma3_text", "gemma3", _GEMMA3_TENSORS, qkv_bias="attention_bias", o_bias="attention_bias",
+    Family("gemma3_text", "gemma3", _GEMMA_TENSORS + _QK_NORMS, qkv_bias="attention_bias", o_bias="attention_bias",
            norm="sandwich", hf_norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
            embed_scale=True, attn_scale_key="query_pre_attn_scalar", rope_per_layer_type=True, window="pattern",
+           gguf_unscaled_layers=62,
            defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
                      ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 6),
                      ("tie_word_embeddings", True), ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),

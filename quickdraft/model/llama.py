@@ -132,6 +132,7 @@ class Block(nn.Module):
         self.window = c.window(layer)
         self.local_rope = self.window is not None and c.rope_local_theta is not None  # Gemma 3's sliding layers
         self.scale = c.attn_scale or c.head_dim ** -0.5
+        self.softcap = c.attn_softcap  # Gemma 2: scores capped at c tanh(s / c)
         self.pre, self.post = c.norm != "post", c.norm != "pre"
         self.gate = c.activation  # the MLP gate's activation, fused before the down matmul
         qkv_out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
@@ -161,7 +162,7 @@ class Block(nn.Module):
         if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
-                                           self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale)
+                                           self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
             return run_layer(x, self.fused, cos, sin, at.positions, *cache.buffers(layer, at.kv_len), visible, at.kv_len)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
@@ -170,15 +171,14 @@ class Block(nn.Module):
             qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
             attn = kernels.rope_attention(qkv, cos, sin, at.positions, *cache.buffers(layer, at.kv_len),
-                                          visible, at.kv_len, n_q, self.n_kv, self.scale)
+                                          visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap)
         else:
             qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
             qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), cos, sin)  # q and k in one go
             q, k = qk.split((n_q, self.n_kv), dim=1)
             v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
             keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != n_q,
-                                                  scale=self.scale)
+            attn = _attention(q, keys, values, mask, self.scale, self.softcap)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
         # biases (None where the family has none) are added before the residual and before SwiGLU
         if self.post:
@@ -200,6 +200,21 @@ class Block(nn.Module):
         else:
             q, k = self.q_norm(q), self.k_norm(k)
         return torch.cat((q.to(qkv.dtype), k.to(qkv.dtype), v), dim=-1)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    """q [B, Hq, T, hd] over keys, values [B, Hkv, kv_len, hd]: torch's SDPA, or with soft-capped
+    scores (which SDPA cannot take) written out as transformers' eager attention."""
+    gqa = keys.shape[1] != q.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = softcap * torch.tanh(q @ keys.transpose(2, 3) * scale / softcap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ values
 
 
 class Transformer(nn.Module):
@@ -286,4 +301,6 @@ class Transformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] last-layer outputs (pre-norm) -> [..., V] logits: the final norm and LM head."""
-        return linear(hidden, self.lm_head.weight, norm=self.norm.fused)
+        logits = linear(hidden, self.lm_head.weight, norm=self.norm.fused)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)  # per value: batch-invariant

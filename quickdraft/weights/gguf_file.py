@@ -110,6 +110,8 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         norm=spec.norm,  # Gemma's converter stores its norms' gains (1 + w): no offset
         embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
         attn_scale=float(meta.get(f"{arch}.attention.scale") or 0.0) or None,
+        attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0) or None if spec.softcaps else None,
+        logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0) or None if spec.softcaps else None,
         rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.rope_per_layer_type else None,
         qk_norm=spec.qk_norm,
         layer_windows=_layer_windows(meta, arch, int(get("block_count")), spec),
@@ -156,13 +158,14 @@ def _layer_windows(meta: dict[str, Any], arch: str, layers: int, spec: Family) -
 
 def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spec: Family) -> None:
     """Metadata asking for math this decoder does not do is an UnsupportedArchitecture naming it."""
-    if spec.attn_scale_key and int(meta.get(f"{arch}.block_count", 0)) == 62 and f"{arch}.attention.scale" not in meta:
-        raise UnsupportedArchitecture(  # llama.cpp knows Gemma 3 27B's by its layer count; we do not guess
-            f"GGUF '{arch}' with 62 layers (Gemma 3 27B) is not supported: its attention scale "
+    layers = int(meta.get(f"{arch}.block_count", 0))
+    if layers == spec.gguf_unscaled_layers and f"{arch}.attention.scale" not in meta:
+        raise UnsupportedArchitecture(  # llama.cpp knows Gemma's 27B by its layer count; we do not guess
+            f"GGUF '{arch}' with {layers} layers (Gemma 27B) is not supported: its attention scale "
             f"(query_pre_attn_scalar) is not in the file")
     for key, (neutral, what) in NEUTRAL_KEYS.items():
-        if key == "attention.scale" and spec.attn_scale_key:
-            continue  # read: the family scales its scores by its own constant
+        if key == "attention.scale" and spec.attn_scale_key or key.endswith("softcapping") and spec.softcaps:
+            continue  # read: the family's own scale and soft-caps
         value = meta.get(f"{arch}.{key}", neutral)
         if value != neutral:
             raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
