@@ -282,7 +282,8 @@ def load(model: str | Path | None = None, device: str | torch.device = "cpu",
          dequantize: bool = False, quantize: str | None = None, activations: str | None = None,
          prefix_cache_mb: int | None = None) -> LLM:
     """Load a model by packaged name (default `smollm2-135m`), HF directory or GGUF file;
-    `spec` sets its default speculative decoding (plain decoding when absent). A quantized GGUF
+    `spec` sets its default speculative decoding (absent: SpecConfig(), prompt lookup as in the CLI;
+    SpecConfig(method="none") decodes plainly). A quantized GGUF
     runs as stored unless `dequantize`; `quantize` ('int8', 'int4') quantizes float matrices;
     `activations` ('int16', 'int8') is the precision the integer kernel rounds activations to
     (default: the model's measured choice, weights/activations.py); `prefix_cache_mb`: the

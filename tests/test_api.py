@@ -36,7 +36,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> quickdraft.LLM:
-    return quickdraft.load(model_dir)
+    """Plain decoding by default: these tests hold generation to a manual forward loop, pass by pass
+    and draw by draw (a seeded sampled draft draws other random numbers)."""
+    return quickdraft.load(model_dir, spec=SpecConfig(method="none"))
 
 
 def full_forward_logits(llm: quickdraft.LLM, ids: list[int]) -> torch.Tensor:

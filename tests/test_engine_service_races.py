@@ -77,7 +77,7 @@ def test_a_sink_that_raises_ends_only_its_own_request(llm: quickdraft.LLM) -> No
 
     params = SamplingParams(max_new_tokens=12)
     request, make = llm.request(llm.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=40, ignore_eos=True),
-                                SpecConfig())
+                                SpecConfig(method="none"))
     service.submit(request, broken, make)
     got = within(lambda: llm.generate(PROMPTS[1], params=params))
     assert got.token_ids == alone(llm, PROMPTS[1], params)
@@ -134,7 +134,7 @@ def test_many_threads_at_once_each_get_their_output_alone(llm: quickdraft.LLM, t
     itself; the cache grows, never past max_batch rows of max_seq_len + pad slots."""
     service = llm.engine_service(EngineConfig(max_batch=3, max_seq_len=160))
     draft_dir = str(llm.loaded.source.path)
-    specs = [SpecConfig(), SpecConfig(method="ngram", k=4), SpecConfig(method="ngram-tree", k=6),
+    specs = [SpecConfig(method="none"), SpecConfig(method="ngram", k=4), SpecConfig(method="ngram-tree", k=6),
              SpecConfig(method="suffix", k=3), SpecConfig(method="draft", k=4, draft_model=draft_dir)]
     jobs = []  # (prompt, params, spec, chunks to read before stopping or None)
     for i in range(10):

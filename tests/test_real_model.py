@@ -149,7 +149,7 @@ def test_speculative_greedy_equals_plain_on_the_default_model(llm: quickdraft.LL
     params = SamplingParams(max_new_tokens=64)
     committed = passes = drafted = 0
     for prompt in SPEC_PROMPTS:
-        plain = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig())
+        plain = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig(method="none"))
         spec = llm.generate(messages=chat(prompt), params=params, spec=SpecConfig(method, k=8, adaptive=False))
         assert spec.token_ids == plain.token_ids, prompt
         committed, passes = committed + spec.stats.committed_tokens, passes + spec.stats.target_passes

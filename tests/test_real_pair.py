@@ -50,7 +50,7 @@ def test_greedy_draft_decoding_equals_plain(llm: quickdraft.LLM, method: str) ->
     prompts.append({"prompt": load_humaneval("dev")[2].turns[0]})
     accepted = 0
     for prompt in prompts:
-        plain = llm.generate(**prompt, params=params, spec=SpecConfig())
+        plain = llm.generate(**prompt, params=params, spec=SpecConfig(method="none"))
         out = llm.generate(**prompt, params=params, spec=spec)
         assert out.token_ids == plain.token_ids, prompt
         assert len(plain.token_ids) > 8 and plain.stats.drafted_tokens == 0

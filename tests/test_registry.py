@@ -7,7 +7,7 @@ import pytest
 from quickdraft.bench.specbench import parse_methods
 from quickdraft.cli import build_parser
 from quickdraft.cli.common import spec_from_args
-from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig, SpecConfigError
+from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD, PROPOSERS, SpecConfig, SpecConfigError
 from quickdraft.proposers.ngram import NgramOptions
 from quickdraft.proposers.registry import option_fields
 
@@ -18,6 +18,31 @@ COMMANDS = [["generate", "-p", "x"], ["serve"], ["bench", "specbench"], ["bench"
 def test_every_command_has_the_same_k_default(argv: list[str]) -> None:
     args = build_parser().parse_args(argv)
     assert args.k == DEFAULT_K == SpecConfig().k
+
+
+SPEC_COMMANDS = [["generate", "-p", "x"], ["serve"], ["bench", "serve"], ["bench", "soak"]]
+
+
+@pytest.mark.parametrize("argv", SPEC_COMMANDS, ids=lambda a: " ".join(a[:2]))
+def test_every_front_door_has_the_same_default_proposer(argv: list[str], tmp_path) -> None:
+    """The CLI's --spec default is SpecConfig()'s, which the Python API runs when given no spec."""
+    args = build_parser().parse_args(argv)
+    assert args.spec == DEFAULT_METHOD == SpecConfig().method != "none"
+    assert SpecConfig().enabled and not SpecConfig(method="none").enabled
+
+
+def test_the_python_api_speculates_by_default(tmp_path) -> None:
+    import quickdraft
+    from quickdraft.sampling import SamplingParams
+    from tiny_tokenizer import tiny_llm_dir
+    llm = quickdraft.load(tiny_llm_dir(tmp_path / "model"))
+    assert llm.spec == SpecConfig()
+    prompt = "abc abc abc abc abc abc"  # repeats: prompt lookup drafts
+    out = llm.generate(prompt, params=SamplingParams(max_new_tokens=12, ignore_eos=True))
+    plain = llm.generate(prompt, params=SamplingParams(max_new_tokens=12, ignore_eos=True),
+                         spec=SpecConfig(method="none"))
+    assert out.stats.drafted_tokens > 0 and plain.stats.drafted_tokens == 0
+    assert out.token_ids == plain.token_ids
 
 
 def test_option_flags_come_from_the_registry_and_keep_their_defaults() -> None:

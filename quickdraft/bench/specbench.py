@@ -60,7 +60,7 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
     policy off (every offered draft token verified, label ending in "all"): what its drafts could
     commit per pass, the ceiling of its speedup, measured in the same run as what the policy makes
     of them. `compare_hf` and `compare_llamacpp` add the other engines' plain and prompt-lookup rows."""
-    methods = [Method(PLAIN, SpecConfig())]
+    methods = [Method(PLAIN, SpecConfig(method="none"))]
     for item in (t.strip() for t in text.split(",")):
         if not item or item == PLAIN:
             continue

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
-from quickdraft.proposers import DEFAULT_K
+from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.resolve import DEFAULT_MODEL
 
@@ -199,11 +199,12 @@ def add_bench_specbench(bsub) -> None:
     add_model_args(sb, weight_formats=False)
     sb.add_argument("--questions", help="questions.jsonl (default: ../shared/data/specbench/questions.jsonl "
                                         "beside the repository, when present)")
-    sb.add_argument("--methods", default="plain,ngram",
+    sb.add_argument("--methods", default=f"plain,{DEFAULT_METHOD}",
                     help="comma-separated: plain (always run, the baseline), a proposer name (ngram, ...), "
                          "NAME:K for its own k, draft[:NAME|PATH][:K] (default draft: the packaged one of a "
                          "packaged target, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), "
-                         "head|hybrid|auto[:DIR][:K] (default head: the packaged one) (default: plain,ngram)")
+                         "head|hybrid|auto[:DIR][:K] (default head: the packaged one) "
+                         f"(default: plain,{DEFAULT_METHOD})")
     sb.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six: mt_bench, "
                                      "translation, summarization, qa, math_reasoning, rag; also code_edit, "
                                      "quickdraft's own input-grounded group, and humaneval, HumanEval's code "
@@ -355,7 +356,7 @@ def add_bench_serve(bsub) -> None:
     from quickdraft.engine.policy import POLICIES
     sv = bsub.add_parser("serve", help="the HTTP server at several concurrency levels, with and without speculation")
     add_model_args(sv)
-    sv.add_argument("--spec", default="ngram", help="proposer of the speculative waves (default ngram)")
+    sv.add_argument("--spec", default=DEFAULT_METHOD, help=f"proposer of the speculative waves (default {DEFAULT_METHOD})")
     sv.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft tokens per step (default {DEFAULT_K})")
     sv.add_argument("--draft-model", help="draft model for --spec draft (default: the packaged draft of a packaged "
                                           "target, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")

@@ -9,7 +9,7 @@ from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.prefix_cache import DEFAULT_MB
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers import DEFAULT_K, PROPOSERS, SpecConfig
+from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD, PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_fields
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.quantize import SCHEMES
@@ -72,10 +72,9 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     """--spec, -k and every proposer option, from the registry: each default stays where it is defined."""
     about = "; ".join(f"{name} = {entry.about}" for name, entry in sorted(PROPOSERS.items()))
-    # ngram by default: on a CPU the shipped head does not pay for its drafting yet, alone or in the
-    # hybrid (docs/benchmarks.md, Spec-Bench and bench serve); auto and hybrid stay one flag away
-    p.add_argument("--spec", default="ngram", choices=["none", *sorted(PROPOSERS)],
-                   help=f"proposer for speculative decoding (default: ngram): none = plain decoding; {about}")
+    p.add_argument("--spec", default=DEFAULT_METHOD, choices=["none", *sorted(PROPOSERS)],
+                   help=f"proposer for speculative decoding (default: {DEFAULT_METHOD}): none = plain decoding; "
+                        f"{about}")
     p.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft tokens per step at most (default {DEFAULT_K})")
     p.add_argument("--draft-model", help="draft model for --spec draft (name, HF directory or .gguf); default: the "
                                          "packaged draft of a packaged target (qwen2.5-coder-1.5b: qwen2.5-coder-0.5b)")

@@ -9,7 +9,9 @@ import sys
 from quickdraft.cli.common import load_llm, sampling_from_args, spec_from_args, stats_line
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
-from quickdraft.proposers import SpecConfig
+from quickdraft.proposers import DEFAULT_METHOD, SpecConfig
+
+PLAIN = SpecConfig(method="none")
 
 
 def _run(llm, args, params, spec, echo: bool) -> dict:
@@ -37,15 +39,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is None and args.chat is None:
         raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
     if args.compare and not spec.enabled:
-        raise QuickdraftError("--compare needs a proposer: leave --spec at its default (ngram) or name one "
-                              "(ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")
+        raise QuickdraftError(f"--compare needs a proposer: leave --spec at its default ({DEFAULT_METHOD}) or name "
+                              "one (ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")
     progress = sys.stderr.isatty() and not args.json
     llm = load_llm(args, spec, progress)
     if args.compare:  # warm both paths first (caches, thread pools, the policy's timings): warm runs compared
         warm = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 16))
-        for s in (SpecConfig(), spec):
+        for s in (PLAIN, spec):
             _run(llm, args, warm, s, echo=False)
-    plain = _run(llm, args, params, SpecConfig(), echo=False) if args.compare else None
+    plain = _run(llm, args, params, PLAIN, echo=False) if args.compare else None
     result = _run(llm, args, params, spec, echo=not args.json)
     if not args.json:
         if plain is not None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from quickdraft.cli.common import add_model_args, load_llm, set_threads
 from quickdraft.errors import QuickdraftError
+from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
@@ -51,8 +52,8 @@ def add_bench_soak(bsub) -> None:
                                       "and hostile clients (slow, stalled, huge, floods) for a while: no 5xx, "
                                       "valid answers as alone, flat memory")
     add_model_args(sk)
-    sk.add_argument("--spec", default="ngram", help="the server's default proposer (default ngram)")
-    sk.add_argument("-k", type=int, default=8, help="draft tokens per step (default 8)")
+    sk.add_argument("--spec", default=DEFAULT_METHOD, help=f"the server's default proposer (default {DEFAULT_METHOD})")
+    sk.add_argument("-k", type=int, default=DEFAULT_K, help=f"draft tokens per step (default {DEFAULT_K})")
     sk.add_argument("--draft-model", help="draft model for --spec draft")
     sk.add_argument("--duration", type=float, default=300.0, help="seconds of load (default 300)")
     sk.add_argument("--concurrency", type=int, default=4, help="clients sending at once (default 4)")

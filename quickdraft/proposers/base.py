@@ -22,6 +22,10 @@ T = TypeVar("T")
 
 MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
 DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
+# The proposer when none is named, in Python (SpecConfig()), the CLI and the server alike: prompt
+# lookup, the fastest measured on a CPU (docs/benchmarks.md, Spec-Bench and bench serve: the shipped
+# head does not pay for its drafting yet, alone or in the hybrid); "none" is plain decoding.
+DEFAULT_METHOD = "ngram"
 
 
 class SpecConfigError(QuickdraftError, ValueError):
@@ -205,7 +209,7 @@ def propose_together(proposers: Sequence[Proposer], ks: Sequence[int]) -> list[P
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "none"          # a registry name; "none" = plain decoding
+    method: str = DEFAULT_METHOD  # a registry name; "none" = plain decoding
     k: int = DEFAULT_K            # draft tokens (tree nodes) per step at most
     draft_model: str | None = None  # None: the target's packaged draft, if it has one (LLM.draft_name)
     head: str | None = None       # a trained draft head's directory (None = the head that ships for
