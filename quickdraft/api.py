@@ -24,6 +24,7 @@ from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
+from quickdraft.proposers.registry import runs
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights import LoadedModel, load_model
@@ -228,6 +229,12 @@ class LLM:
         """A request for the engine, and the call that builds its proposer (on the driving thread)."""
         request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0, spec.adaptive)
         return request, lambda: self.proposer(ids, params, spec)
+
+    def proposer_name(self, spec: SpecConfig | None = None) -> str | None:
+        """The registered name of the proposer `spec` (None: this model's default) runs on this model,
+        auto's pick spelled out; None for plain decoding."""
+        spec = spec or self.spec
+        return runs(spec.method, self, spec) if spec.enabled else None
 
     def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
         if not spec.enabled:

@@ -99,7 +99,9 @@ def spec_from_args(args: argparse.Namespace) -> SpecConfig:
                       options=options_from_args(args))
 
 
-def stats_line(stats: GenerationStats, finish: str | None) -> str:
+def stats_line(stats: GenerationStats, finish: str | None, proposer: str | None = None, asked: str | None = None) -> str:
+    """The stats of one generation on one line; `proposer`: the one that ran (None: plain decoding),
+    `asked`: the name asked for, said beside it where it picked another (auto)."""
     cached = f" ({stats.cached_tokens} cached)" if stats.cached_tokens else ""
     line = (f"prompt {stats.prompt_tokens} tokens{cached} | new {stats.new_tokens} tokens | "
             f"ttft {stats.ttft_s * 1000:.0f} ms | {stats.tokens_per_s:.1f} tokens/s | "
@@ -109,6 +111,8 @@ def stats_line(stats: GenerationStats, finish: str | None) -> str:
         line += (f" | acceptance {stats.acceptance_rate:.0%} of {stats.drafted_tokens} drafted "
                  f"(by position: {by_pos}) | propose {stats.propose_s:.2f}s verify {stats.verify_s:.2f}s "
                  f"other {stats.other_s:.2f}s")
+    if proposer is not None:
+        line += f" | proposer: {proposer}" + (f" ({asked})" if asked and asked != proposer else "")
     return f"[{line} | finish: {finish}]"
 
 

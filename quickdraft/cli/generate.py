@@ -29,9 +29,12 @@ def _run(llm, args, params, spec, echo: bool) -> dict:
     if echo:
         print()
     stats = chunk.stats
+    # the proposer that ran, by its registered name ("auto" spelled out); "none": plain decoding
+    proposer = llm.proposer_name(spec) or "none"
     return {"text": "".join(chunks), "token_ids": ids, "prompt_tokens": stats.prompt_tokens,
             "new_tokens": stats.new_tokens, "ttft_s": stats.ttft_s, "tokens_per_s": stats.tokens_per_s,
-            "finish_reason": chunk.finish_reason, "stats": stats.to_dict(), "_stats": stats}
+            "finish_reason": chunk.finish_reason, "proposer": proposer,
+            "spec": {"method": spec.method, "k": spec.k}, "stats": stats.to_dict(), "_stats": stats}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -52,13 +55,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.json:
         if plain is not None:
             print(f"plain:       {stats_line(plain['_stats'], plain['finish_reason'])}", file=sys.stderr)
-        print(f"{'speculative: ' if plain else ''}{stats_line(result['_stats'], result['finish_reason'])}",
-              file=sys.stderr)
+        ran = result["proposer"] if spec.enabled else None
+        print(f"{'speculative: ' if plain else ''}"
+              f"{stats_line(result['_stats'], result['finish_reason'], ran, spec.method)}", file=sys.stderr)
     if plain is not None:
         speedup = result["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
         identical = plain["token_ids"] == result["token_ids"]
         if not args.json:
-            print(f"speedup {speedup:.2f}x ({spec.method}, k={spec.k}: {result['tokens_per_s']:.1f} vs "
+            print(f"speedup {speedup:.2f}x ({result['proposer']}, k={spec.k}: {result['tokens_per_s']:.1f} vs "
                   f"{plain['tokens_per_s']:.1f} tokens/s); outputs identical: {'yes' if identical else 'no'}"
                   f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
     if args.json:

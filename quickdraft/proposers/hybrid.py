@@ -27,7 +27,9 @@ from quickdraft.proposers.base import (
     Draft,
     Proposer,
     ProposerContext,
+    SpecConfig,
     SpecConfigError,
+    Target,
     register,
 )
 from quickdraft.proposers.draft_model import DraftOptions, make_draft
@@ -128,17 +130,23 @@ AUTO_MEASURED: dict[str, Measured] = {
 }
 
 
-@register("auto", NgramOptions, loads="head",
+def auto_pick(target: Target, config: SpecConfig) -> str:
+    """The proposer `auto` runs for this target: the measured one (unless a head is named), else
+    the hybrid where a head ships for it or is named, else prompt lookup."""
+    measured = AUTO_MEASURED.get(target.name or "")
+    if measured is not None and not config.head:
+        return measured.method
+    if not config.head:
+        try:
+            target.draft_head()
+        except SpecConfigError:
+            return "ngram"
+    return "hybrid"
+
+
+@register("auto", NgramOptions, loads="head", picks=auto_pick,
           about="the proposer measured best for the model (docs/benchmarks.md); else the hybrid where a "
                 "draft head ships for it (or one is named), else prompt lookup")
 def make_auto(ctx: ProposerContext) -> Proposer:
-    measured = AUTO_MEASURED.get(ctx.target.name or "")
-    if measured is not None and not ctx.config.head:
-        config = replace(ctx.config, method=measured.method)
-        return PROPOSERS[measured.method].factory(replace(ctx, config=config))
-    if not ctx.config.head:
-        try:
-            ctx.target.draft_head()
-        except SpecConfigError:
-            return make_ngram(ctx)
-    return make_hybrid(ctx)
+    picked = auto_pick(ctx.target, ctx.config)
+    return PROPOSERS[picked].factory(replace(ctx, config=replace(ctx.config, method=picked)))

@@ -40,18 +40,27 @@ class Registration:
     loads: FileKind | None = None   # the kind of file it drafts with, if any
     needs_file: bool = False        # it cannot run without that file
     about: str = ""                 # one line for --help
+    picks: Callable[[Any, Any], str] | None = None  # for a name that runs another proposer (auto):
+                                    # (Target, SpecConfig) -> the registered name it runs
 
 
 PROPOSERS: dict[str, Registration] = {}
 
 
 def register(name: str, options: type = NoOptions, loads: FileKind | None = None, needs_file: bool = False,
-             about: str = "") -> Callable[[Callable], Callable]:
+             about: str = "", picks: Callable[[Any, Any], str] | None = None) -> Callable[[Callable], Callable]:
     """Decorate a factory (ProposerContext -> Proposer) to make it selectable by `name`."""
     def wrap(factory: Callable) -> Callable:
-        PROPOSERS[name] = Registration(name, factory, options, loads, needs_file, about)
+        PROPOSERS[name] = Registration(name, factory, options, loads, needs_file, about, picks)
         return factory
     return wrap
+
+
+def runs(name: str, target: Any, config: Any) -> str:
+    """The registered name of the proposer that `name` runs for this target and SpecConfig: itself,
+    or the one it picks (auto)."""
+    picks = PROPOSERS[name].picks
+    return name if picks is None else runs(picks(target, config), target, config)
 
 
 def registration(name: str) -> Registration:
