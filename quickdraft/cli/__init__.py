@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run plain decoding first on the same prompt; print the speedup and whether "
                           "the outputs are identical")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     gen.set_defaults(func=cmd_generate)
 
     add_serve(sub)

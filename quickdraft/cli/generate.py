@@ -6,7 +6,9 @@ import dataclasses
 import json
 import sys
 
-from quickdraft.cli.common import load_llm, sampling_from_args, spec_from_args, stats_line
+import torch
+
+from quickdraft.cli.common import load_llm, sampling_from_args, set_threads, spec_from_args, stats_line
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_METHOD, SpecConfig
@@ -44,6 +46,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.compare and not spec.enabled:
         raise QuickdraftError(f"--compare needs a proposer: leave --spec at its default ({DEFAULT_METHOD}) or name "
                               "one (ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")
+    set_threads(args.threads)  # before the load: the kernels and the engine read it from then on
     progress = sys.stderr.isatty() and not args.json
     llm = load_llm(args, spec, progress)
     if args.compare:  # warm both paths first (caches, thread pools, the policy's timings): warm runs compared
@@ -67,7 +70,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
     if args.json:
         out = {key: value for key, value in result.items() if not key.startswith("_")}
-        out["runtime"] = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().as_dict()}
+        out["runtime"] = {"weights": llm.model.weight_format, "kernel": kernels.kernel_info().as_dict(),
+                          "threads": torch.get_num_threads()}
         if plain is not None:
             out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
                        speculative={key: value for key, value in result.items() if not key.startswith("_")},
