@@ -215,6 +215,32 @@ def test_the_torch_attention_path_equals_transformers(name, monkeypatch):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
 
 
+# -- RoPE scaling ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096, rope_theta=1e6),
+    dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=2048, rope_theta=1e4, beta_fast=16,
+         beta_slow=2, truncate=False),
+    dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, rope_theta=1e4, mscale=1.0,
+         mscale_all_dim=0.707),
+    dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=1024, rope_theta=5e5, attention_factor=1.25),
+    dict(rope_type="linear", factor=3.0, rope_theta=1e4),
+])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_frequencies_and_attention_factor_equal_transformers(rope, head_dim):
+    """Our inverse frequencies and cos/sin scale for each scaling are transformers' own, bitwise,
+    over real head widths and contexts (the tiny models' parity covers a 16-wide head only)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from quickdraft.model.rope import RotaryTable, inverse_frequencies
+    hf = AutoConfig.for_model("llama", hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                              max_position_embeddings=32768, rope_parameters=dict(rope))
+    ref, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+    config = ModelConfig.from_hf(hf.to_dict())
+    assert torch.equal(inverse_frequencies(config), ref.float())
+    assert RotaryTable.of(config).scale == factor
+
+
 # -- windows in trees and batches -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer"])

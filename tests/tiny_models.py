@@ -30,6 +30,9 @@ CONFIGS = {
                                                   high_freq_factor=4.0,
                                                   original_max_position_embeddings=32)),
     "llama-rope-linear": dict(model_type="llama", rope_scaling=dict(rope_type="linear", factor=4.0)),
+    # YaRN over an original context of 16 (the tests' sequences are longer); its attention factor 1.14
+    "llama-yarn": dict(model_type="llama", rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                             original_max_position_embeddings=16)),
     "qwen2-qkv-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
     "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),

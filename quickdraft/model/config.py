@@ -8,6 +8,7 @@ Every config key that changes the computation is read or refused by name
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,19 +17,25 @@ from quickdraft.model.families import HIDDEN_ACTS, Family, family
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: `linear` (every frequency divided by `factor`: positions stretched)
-    or `llama3` (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
-    blended; its other fields)."""
+    """RoPE frequency scaling: `linear` (every frequency divided by `factor`: positions stretched),
+    `llama3` (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
+    blended) or `yarn` (YaRN: frequencies blended between interpolated and kept over a ramp of
+    dimensions set by beta_fast / beta_slow, cos and sin times attention_factor), as transformers
+    computes them."""
 
     kind: str
     factor: float
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3") or not self.factor > 0:
-            raise ModelLoadError(f"rope scaling: expected kind 'linear' or 'llama3' and a positive factor, "
+        if self.kind not in ("linear", "llama3", "yarn") or not self.factor > 0:
+            raise ModelLoadError(f"rope scaling: expected kind 'linear', 'llama3' or 'yarn' and a positive factor, "
                                  f"found {self.kind!r}, {self.factor!r}")
 
 
@@ -123,7 +130,7 @@ class ModelConfig:
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
                 rope_theta=float(rope["rope_theta"] if spec.rope_per_layer_type else
                                  cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-                rope_scaling=_rope_scaling_from_hf(rope),
+                rope_scaling=_rope_scaling_from_hf(rope, cfg),
                 rope_local_theta=local_theta,
                 qkv_bias=_flag(cfg, spec.qkv_bias),
                 o_bias=_flag(cfg, spec.o_bias),
@@ -243,15 +250,17 @@ def _layer_windows(cfg: dict[str, Any], spec: Family) -> tuple[int | None, ...]:
     return windows if any(windows) else ()
 
 
-def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
+def _rope_scaling_from_hf(rope: dict[str, Any], cfg: dict[str, Any] | None = None) -> RopeScaling | None:
     kind = rope.get("rope_type") or rope.get("type")
     if kind in (None, "default"):
         return None
     if kind == "linear":
         return RopeScaling("linear", float(rope["factor"]))
+    if kind == "yarn":
+        return _yarn(rope, cfg or {})
     if kind != "llama3":
         raise UnsupportedArchitecture(
-            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear' or 'llama3'")
+            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear', 'llama3' or 'yarn'")
     return RopeScaling(
         "llama3",
         factor=float(rope["factor"]),
@@ -259,3 +268,21 @@ def _rope_scaling_from_hf(rope: dict[str, Any]) -> RopeScaling | None:
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
     )
+
+
+def _yarn(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """YaRN's settings as transformers resolves them: the factor (else the context's ratio to the
+    original), the attention factor (else 0.1 ln(factor) + 1, or DeepSeek's mscale ratio)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or int(cfg["max_position_embeddings"]) / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", factor, original_max_position_embeddings=original,
+                       beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+                       attention_factor=float(attention), truncate=bool(rope.get("truncate", True)))

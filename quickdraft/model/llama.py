@@ -226,7 +226,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(config, rope_freq_factors), persistent=False)
-        self.rope = RotaryTable()
+        self.rope = RotaryTable.of(config)
         local = None if config.rope_local_theta is None else inverse_frequencies(config, local=True)
         self.register_buffer("inv_freq_local", local, persistent=False)  # Gemma 3's sliding layers
         self.rope_local = RotaryTable()

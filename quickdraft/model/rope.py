@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies (with linear or llama3 scaling) and their application.
+"""Rotary position embeddings: inverse frequencies (linear, llama3 or YaRN scaling) and their application.
 
 Uses the Hugging Face "rotate half" layout; the GGUF loader un-permutes llama.cpp's interleaved
 q/k weights into it, so one rotation serves every checkpoint.
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from quickdraft.model.config import ModelConfig
+from quickdraft.model.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None = None,
@@ -30,6 +30,8 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn(theta, dim, scaling)
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -42,6 +44,24 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
     return torch.where(in_band, blended, scaled)
 
 
+def _yarn(base: float, dim: int, s: RopeScaling) -> torch.Tensor:
+    """YaRN's frequencies, as transformers computes them: interpolated (divided by the factor) for
+    dimensions that turn fewer than beta_slow times over the original context, kept for those that
+    turn more than beta_fast times, a linear ramp between."""
+    def correction(rotations: float) -> float:
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(s.beta_fast), correction(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # as transformers: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    return 1.0 / (s.factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
+
+
 class RotaryTable:
     """cos and sin of position x inverse frequency for positions [0, n), looked up per forward and
     grown (doubling) when a longer context arrives.
@@ -50,9 +70,16 @@ class RotaryTable:
     spin on the core the C kernels' own pool needs; on 2 cores that made a SmolLM2 pass over 2
     tokens 17 ms instead of 11. A lookup is an index, no transcendental, no thread pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float = 1.0) -> None:
         self.cos: torch.Tensor | None = None  # [n, head_dim] float32
         self.sin: torch.Tensor | None = None
+        self.scale = scale  # cos and sin times it (YaRN's attention factor), as transformers'
+
+    @staticmethod
+    def of(config: ModelConfig) -> "RotaryTable":
+        """The table of a model's (full-attention) layers."""
+        scaling = config.rope_scaling
+        return RotaryTable(scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0)
 
     def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +91,8 @@ class RotaryTable:
             freqs = torch.arange(n, device=inv_freq.device).unsqueeze(-1).float() * inv_freq  # [n, hd/2]
             emb = torch.cat((freqs, freqs), dim=-1)
             self.cos, self.sin = emb.cos(), emb.sin()
+            if self.scale != 1.0:
+                self.cos, self.sin = self.cos * self.scale, self.sin * self.scale
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 

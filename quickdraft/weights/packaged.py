@@ -99,11 +99,17 @@ def assembled_file(model: ChunkedModel, cache_dir: Path | None = None, progress:
     """The model's single GGUF file, assembled from its installed parts on first use.
 
     Every use checks the cached file's size (cheap); a wrong size means a damaged cache, which is
-    assembled again. The parts must be installed even when the cache is present, so a model that
-    was uninstalled does not keep loading from a leftover file.
+    assembled again. Once assembled, the parts are needed no more: with them uninstalled (their
+    disk space back), the cached file loads while its size and the record written beside it (the
+    parts and the sha256 checked when it was assembled) are this model's.
     """
-    parts = find_parts(model)
     target = (cache_dir or default_cache_dir()) / model.filename
+    try:
+        parts = find_parts(model)
+    except ModelLoadError:
+        if _assembled_before(model, target):
+            return target
+        raise
     if target.is_file() and target.stat().st_size == model.size:
         return target
     sizes = [p.stat().st_size for p in parts]
@@ -113,6 +119,19 @@ def assembled_file(model: ChunkedModel, cache_dir: Path | None = None, progress:
             f"reinstall them with: {model.install_command()}")
     _assemble(model, parts, target, progress)
     return target
+
+
+def _assembled_before(model: ChunkedModel, target: Path) -> bool:
+    """Whether `target` is this model's file as _assemble wrote it: its size, and a record naming
+    the same parts and (where the model has one) the same sha256."""
+    try:
+        record = json.loads(target.with_name(target.name + ".json").read_text())
+        size = target.stat().st_size
+    except (OSError, ValueError):
+        return False
+    return (size == model.size and isinstance(record, dict) and record.get("size") == model.size
+            and record.get("parts") == [f"{name}=={model.version}" for name in model.distributions]
+            and (model.sha256 is None or record.get("sha256") == model.sha256))
 
 
 def _assemble(model: ChunkedModel, parts: list[Path], target: Path, progress: bool) -> None:
