@@ -241,6 +241,25 @@ def test_rope_frequencies_and_attention_factor_equal_transformers(rope, head_dim
     assert RotaryTable.of(config).scale == factor
 
 
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_a_draft_head_of_each_family_runs_its_block_row_by_row(name):
+    """proposers/head.py's DraftHead is one Block shaped as the target's first layer (Gemma 3's: a
+    sliding layer, rotating with the head's one table): it runs on every family, each row of a batch
+    the bits it has alone."""
+    from quickdraft.proposers.head import DraftHead
+    config = ours_from_hf(hf_model(name)).config
+    torch.manual_seed(0)
+    head = DraftHead(config).requires_grad_(False)  # drafting: the C kernels, as in a proposal
+    for p in head.parameters():
+        torch.nn.init.normal_(p, 0.5 if p.ndim == 1 else 0.0, 0.1)
+    g = torch.Generator().manual_seed(1)
+    f, e = (torch.randn(2, 5, config.hidden_size, generator=g) for _ in range(2))
+    both = head(f, e, torch.arange(5).expand(2, 5), head.new_cache(8, torch.device("cpu"), torch.float32, 2))
+    for i in range(2):
+        alone = head(f[i:i + 1], e[i:i + 1], torch.arange(5)[None], head.new_cache(8, torch.device("cpu"), torch.float32))
+        assert torch.equal(alone[0], both[i]), i
+
+
 # -- windows in trees and batches -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen3-window-layer"])

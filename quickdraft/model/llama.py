@@ -156,7 +156,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache, layer: int, at: AttentionInputs) -> torch.Tensor:
         mask, visible = at.masks(self.window)
-        cos, sin = at.local if self.local_rope else (at.cos, at.sin)
+        # a draft head (proposers/head.py) runs one block with one table of its own: at.local is None
+        cos, sin = at.local if self.local_rope and at.local is not None else (at.cos, at.sin)
         linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
         eps = (self.attn_norm if self.pre else self.attn_post_norm).eps
         if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
