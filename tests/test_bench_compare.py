@@ -160,7 +160,7 @@ def test_without_llama_cpp_the_command_says_how_to_install_it(monkeypatch, capsy
     # a model that does not exist: the missing extra is reported first, before any slow load
     assert main(["bench", "plain", "--compare-llamacpp", "-m", "no-such-model"]) == 1
     err = capsys.readouterr().err
-    assert "needs the Python package llama_cpp" in err and "pip install -e '.[bench]'" in err
+    assert "needs the Python package llama_cpp" in err and "pip install -e '.[llamacpp]'" in err
 
 
 class GreedyLoop:

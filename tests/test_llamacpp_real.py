@@ -1,8 +1,8 @@
 """llama.cpp beside quickdraft on the real default model (SmolLM2-135M Q4_1). Slow.
 
-Collected only when the optional `bench` extra (llama-cpp-python) is installed: tests/conftest.py
+Collected only when the optional `llamacpp` extra (llama-cpp-python) is installed: tests/conftest.py
 leaves this file out otherwise, so it is absent from the run, not skipped. Install the extra
-with `bash scripts/install.sh --bench` (or pip install -e '.[bench]').
+with `bash scripts/install.sh --llamacpp` (or pip install -e '.[llamacpp]').
 
 Oracles: the binding's own high-level API (its greedy generate and its eval) for the low-level
 engine the benchmark times, and the two engines' greedy tokens on the same weights and prompts.

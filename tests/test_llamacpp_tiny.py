@@ -1,6 +1,6 @@
 """llama.cpp's Spec-Bench rows on a tiny random GGUF written in the test: fast, but collected only
-when the optional `bench` extra (llama-cpp-python) is installed (tests/conftest.py leaves this file
-out otherwise; `bash scripts/install.sh --bench` installs it).
+when the optional `llamacpp` extra (llama-cpp-python) is installed (tests/conftest.py leaves this file
+out otherwise; `bash scripts/install.sh --llamacpp` installs it).
 
 Oracles: the binding's own high-level greedy `generate` without a draft model (the tokens both
 llama.cpp rows must produce), a prefill in one pass (what a prefill in n_batch pieces must equal),

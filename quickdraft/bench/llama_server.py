@@ -1,5 +1,5 @@
 """llama.cpp's own HTTP server (`llama-server`) for the benchmarks that compare servers: built once
-from the llama-cpp-python sdist that the `bench` extra pins (its vendored llama.cpp, CMake, the
+from the llama-cpp-python sdist that the `llamacpp` extra pins (its vendored llama.cpp, CMake, the
 llama-server target only), cached under the user's cache directory; and how it is launched: on a
 CPU with AMX through amx_guard.py, which keeps it off its AMX kernels (without the guard it dies of
 SIGILL at its first pass on the project's Intel machine, as the binding's AMX kernels crash).
@@ -37,7 +37,7 @@ Log = Callable[[str], None]
 
 
 def pinned_version() -> str:
-    """The llama-cpp-python version quickdraft's `bench` extra pins (pyproject.toml), read from the
+    """The llama-cpp-python version quickdraft's `llamacpp` extra pins (pyproject.toml), read from the
     installed package's metadata so that the two never disagree."""
     try:
         requires = metadata.requires("quickdraft") or []
@@ -48,7 +48,7 @@ def pinned_version() -> str:
         if name.strip().lower() == DISTRIBUTION and rest:
             return rest.split(";")[0].strip()
     raise QuickdraftError(f"quickdraft's metadata pins no {DISTRIBUTION} version (expected "
-                          f"'{DISTRIBUTION}==X' in the bench extra); reinstall quickdraft (pip install -e .)")
+                          f"'{DISTRIBUTION}==X' in the llamacpp extra); reinstall quickdraft (pip install -e .)")
 
 
 def cache_dir() -> Path:

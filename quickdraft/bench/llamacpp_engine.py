@@ -21,8 +21,8 @@ import quickdraft
 from quickdraft.errors import QuickdraftError
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")  # run by path: it must not import quickdraft
-INSTALL_HINT = ("llama.cpp comes from the optional `bench` extra: pip install -e '.[bench]' (or "
-                "bash scripts/install.sh --bench); pip builds llama-cpp-python from source with cmake "
+INSTALL_HINT = ("llama.cpp comes from the optional `llamacpp` extra: pip install -e '.[llamacpp]' (or "
+                "bash scripts/install.sh --llamacpp); pip builds llama-cpp-python from source with cmake "
                 "(5-10 minutes on 2 cores)")
 
 

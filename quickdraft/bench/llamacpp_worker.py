@@ -1,4 +1,4 @@
-"""llama.cpp (PyPI `llama-cpp-python`, the optional `bench` extra) in a process of its own: the
+"""llama.cpp (PyPI `llama-cpp-python`, the optional `llamacpp` extra) in a process of its own: the
 engines the benchmarks compare with, and the loop that serves them to llamacpp_engine.py's proxies.
 
 It runs as a script (`python llamacpp_worker.py`), importing neither quickdraft nor torch, so

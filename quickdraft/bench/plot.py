@@ -7,8 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from quickdraft.extras import require
+
 
 def _pyplot():
+    require("bench", "matplotlib", needed_for="the benchmark's charts")
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

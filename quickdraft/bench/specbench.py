@@ -282,7 +282,7 @@ def _check_greedy_comparators(methods: Sequence[Method], temperature: float) -> 
 
 
 def check_llamacpp(model: str | None, methods: Sequence[Method]) -> None:
-    """Before any slow load: llama.cpp rows need the bench extra and a GGUF model."""
+    """Before any slow load: llama.cpp rows need the llamacpp extra and a GGUF model."""
     if not any(m.engine == "llama.cpp" for m in methods):
         return
     from quickdraft.bench.llamacpp_engine import import_llama_cpp

