@@ -212,6 +212,8 @@ def gguf_meta(tmp_path_factory) -> tuple[dict, set[str]]:
     ("llama.expert_count", 8, "'llama.expert_count' = 8 \\(a mixture of experts\\)"),
     ("llama.rope.dimension_count", 8, "'llama.rope.dimension_count' = 8 \\(partial rotary"),
     ("llama.attention.value_length", 32, "'llama.attention.value_length' = 32"),
+    ("llama.attention.key_length_swa", 32, "'llama.attention.key_length_swa' = 32 \\(another head size in sliding"),
+    ("llama.rope.dimension_count_swa", 8, "'llama.rope.dimension_count_swa' = 8"),
     ("llama.rope.scaling.type", "yarn", "rope scaling type 'yarn'"),
     ("llama.final_logit_softcapping", 30.0, "'llama.final_logit_softcapping' = 30.0"),
     ("llama.attn_logit_softcapping", 50.0, "'llama.attn_logit_softcapping' = 50.0"),

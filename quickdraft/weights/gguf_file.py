@@ -170,7 +170,10 @@ def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spe
         if value != neutral:
             raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
     for key, what in (("rope.dimension_count", "partial rotary embeddings"),
-                      ("attention.value_length", "values of another head size than keys")):
+                      ("attention.value_length", "values of another head size than keys"),
+                      ("rope.dimension_count_swa", "partial rotary embeddings in sliding layers"),
+                      ("attention.key_length_swa", "another head size in sliding layers"),
+                      ("attention.value_length_swa", "another head size in sliding layers")):
         value = meta.get(f"{arch}.{key}", head_dim)
         if value != head_dim:
             raise UnsupportedArchitecture(
