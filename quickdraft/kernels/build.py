@@ -37,8 +37,9 @@ FLAGS = {
 ISAS = tuple(FLAGS)
 FORCE_ENV = "QUICKDRAFT_KERNEL"  # avx2 | avx512vnni | torch: run that path instead of the best one
 VNNI_FLAGS = ("avx512_vnni", "avx512vl", "avx512bw")  # /proc/cpuinfo's names of what the VNNI build needs
-# what a build costs: ~70 s of one core for all sources (gcc -O3, measured on a Xeon), more on a busy machine
-BUILD_TIME = "~1 minute"
+# what a build costs: ~70 s of one core (gcc -O3 on a Xeon; quant_matmul.c is 95% of it, so more cores do
+# not help), 115 s with other work on the machine
+BUILD_TIME = "1-2 minutes"
 
 
 @dataclass(frozen=True)

