@@ -36,7 +36,7 @@ def test_each_family_resolves_to_the_fields_transformers_builds(name, fields):
 
 # Fields of transformers' config classes that change no logits: dropout (off at inference), training
 # and output plumbing, the padding index (only where gradients go); Phi-3's
-# original_max_position_embeddings is read by LongRoPE alone, which is refused.
+# original_max_position_embeddings is read by LongRoPE alone (its own test below).
 NO_MATH = {"attention_dropout", "embd_pdrop", "resid_pdrop", "initializer_range", "use_cache", "pad_token_id",
            "chunk_size_feed_forward", "dtype", "id2label", "label2id", "problem_type", "is_encoder_decoder",
            "output_hidden_states", "return_dict", "transformers_version", "pretraining_tp",
@@ -82,8 +82,6 @@ def hf_config(model_type: str, **changes) -> dict:
 
 
 @pytest.mark.parametrize("model_type, changes, message", [
-    ("phi3", dict(rope_scaling=dict(rope_type="longrope", long_factor=[1.0] * 8, short_factor=[1.0] * 8)),
-     "rope scaling type 'longrope'"),
     ("phi3", dict(rope_scaling=dict(type="su", long_factor=[1.0] * 8, short_factor=[1.0] * 8)), "'su'"),
     ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     ("qwen3", dict(use_sliding_window=True, layer_types=["chunked_attention", "full_attention"]),
@@ -152,3 +150,23 @@ def test_rope_frequencies_and_attention_factor_equal_transformers(rope, head_dim
     config = ModelConfig.from_hf(hf.to_dict())
     assert torch.equal(inverse_frequencies(config), ref.float())
     assert RotaryTable.of(config).scale == factor
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_longrope_runs_within_the_original_context_with_transformers_frequencies(head_dim):
+    """LongRoPE (Phi-3 128k): within the original context transformers rotates with the short
+    factors, times its attention factor; past it, every position switches to the long ones, which
+    K/V already cached cannot follow, so the model's context is the original one."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from quickdraft.model.rope import RotaryTable, inverse_frequencies
+    n = head_dim // 2
+    hf = AutoConfig.for_model("phi3", hidden_size=head_dim * 4, num_attention_heads=4, pad_token_id=None,
+                              max_position_embeddings=131072, original_max_position_embeddings=4096,
+                              rope_scaling=dict(type="longrope", short_factor=[1 + i / n for i in range(n)],
+                                                long_factor=[2 + i for i in range(n)]))
+    ref, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
+    config = ModelConfig.from_hf(hf.to_dict())
+    assert torch.equal(inverse_frequencies(config), ref.float())
+    assert RotaryTable.of(config).scale == factor > 1
+    assert config.max_position_embeddings == 4096

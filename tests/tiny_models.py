@@ -46,6 +46,10 @@ CONFIGS = {
                                sliding_window=6, max_window_layers=1),  # layer 1 sliding, layer 0 full
     "olmo2-post-norm": dict(model_type="olmo2", pad_token_id=None),
     "phi3-fused-window": dict(model_type="phi3", sliding_window=12, pad_token_id=None),
+    # LongRoPE within its original context (64: the parity tests' sequences fit), short factors apart
+    "phi3-longrope": dict(model_type="phi3", pad_token_id=None, original_max_position_embeddings=64,
+                          rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 4.0],
+                                            long_factor=[2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0])),
     # layers 0-4 sliding (window 6, RoPE base 10^4), layer 5 full (base 10^6); query_pre_attn_scalar
     # = head_dim as in every Gemma 3 but 27B (GGUF does not record it); untied: tied, a tiny random
     # Gemma repeats its input token (its embeddings, scaled by 8, dominate)
@@ -57,7 +61,8 @@ CONFIGS = {
                             sliding_window=6, rope_theta=1e6, tie_word_embeddings=False),
 }
 # the families other than Llama and Qwen2, built through transformers' Auto classes
-NEW_FAMILIES = [name for name, cfg in CONFIGS.items() if cfg["model_type"] not in ("llama", "qwen2")]
+NEW_FAMILIES = [name for name, cfg in CONFIGS.items()
+                if cfg["model_type"] not in ("llama", "qwen2") and name != "phi3-longrope"]  # no GGUF of it
 
 
 def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:

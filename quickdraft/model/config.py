@@ -21,7 +21,9 @@ class RopeScaling:
     `llama3` (Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
     blended) or `yarn` (YaRN: frequencies blended between interpolated and kept over a ramp of
     dimensions set by beta_fast / beta_slow, cos and sin times attention_factor), as transformers
-    computes them."""
+    computes them; or `longrope` (Phi-3: each frequency divided by its `short_factor`, cos and sin
+    times attention_factor; transformers switches a whole sequence to `long_factor` past the original
+    context, which a KV cache cannot follow, so such a model runs within its original context)."""
 
     kind: str
     factor: float
@@ -32,10 +34,11 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3", "yarn") or not self.factor > 0:
-            raise ModelLoadError(f"rope scaling: expected kind 'linear', 'llama3' or 'yarn' and a positive factor, "
+        if self.kind not in ("linear", "llama3", "yarn", "longrope") or not self.factor > 0:
+            raise ModelLoadError(f"rope scaling: expected kind 'linear', 'llama3', 'yarn' or 'longrope' and a positive factor, "
                                  f"found {self.kind!r}, {self.factor!r}")
 
 
@@ -126,7 +129,7 @@ class ModelConfig:
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_context(cfg, rope),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
                 rope_theta=float(rope["rope_theta"] if spec.rope_per_layer_type else
                                  cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
@@ -258,9 +261,11 @@ def _rope_scaling_from_hf(rope: dict[str, Any], cfg: dict[str, Any] | None = Non
         return RopeScaling("linear", float(rope["factor"]))
     if kind == "yarn":
         return _yarn(rope, cfg or {})
+    if kind == "longrope":
+        return _longrope(rope, cfg or {})
     if kind != "llama3":
         raise UnsupportedArchitecture(
-            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear', 'llama3' or 'yarn'")
+            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear', 'llama3', 'yarn' or 'longrope'")
     return RopeScaling(
         "llama3",
         factor=float(rope["factor"]),
@@ -286,3 +291,26 @@ def _yarn(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
     return RopeScaling("yarn", factor, original_max_position_embeddings=original,
                        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                        attention_factor=float(attention), truncate=bool(rope.get("truncate", True)))
+
+
+def _longrope(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
+    """LongRoPE as transformers resolves it for sequences within the original context: the short
+    factors, and the attention factor (else sqrt(1 + ln(factor) / ln(original)), factor the
+    context's ratio to the original)."""
+    original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(rope.get("factor") or int(cfg["max_position_embeddings"]) / original)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = tuple(float(f) for f in rope["short_factor"])
+    return RopeScaling("longrope", factor, original_max_position_embeddings=original,
+                       attention_factor=float(attention), short_factor=short)
+
+
+def _context(cfg: dict[str, Any], rope: dict[str, Any]) -> int:
+    """The context a model runs in: its own, or a LongRoPE model's original one (past it transformers
+    rotates every position with other factors, so K/V cached before would no longer match)."""
+    context = int(cfg.get("max_position_embeddings", 2048))
+    if (rope.get("rope_type") or rope.get("type")) == "longrope":
+        return min(context, int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]))
+    return context

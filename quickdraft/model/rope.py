@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies (linear, llama3 or YaRN scaling) and their application.
+"""Rotary position embeddings: inverse frequencies (linear, llama3, YaRN or LongRoPE scaling) and their application.
 
 Uses the Hugging Face "rotate half" layout; the GGUF loader un-permutes llama.cpp's interleaved
 q/k weights into it, so one rotation serves every checkpoint.
@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig, RopeScaling
 
 
@@ -32,6 +33,11 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":
         return _yarn(theta, dim, scaling)
+    if scaling.kind == "longrope":  # as transformers: 1 / (factor_i * base ** (2i / dim))
+        if len(scaling.short_factor) != dim // 2:
+            raise ModelLoadError(f"rope scaling: LongRoPE needs {dim // 2} short factors, found {len(scaling.short_factor)}")
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32, device="cpu") * theta ** shape)
     # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -79,7 +85,8 @@ class RotaryTable:
     def of(config: ModelConfig) -> "RotaryTable":
         """The table of a model's (full-attention) layers."""
         scaling = config.rope_scaling
-        return RotaryTable(scaling.attention_factor if scaling is not None and scaling.kind == "yarn" else 1.0)
+        return RotaryTable(scaling.attention_factor if scaling is not None and scaling.kind in ("yarn", "longrope")
+                           else 1.0)
 
     def __call__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
