@@ -81,6 +81,21 @@ def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected,
             assert out.stats.accepted_tokens >= 8
 
 
+def test_every_proposer_without_a_trained_head_gives_plain_greedy_tokens(files, expected):
+    """Speculation on each family: every registered proposer that needs no trained head (those
+    drafting with a model take the target itself) commits transformers' greedy tokens."""
+    from quickdraft.proposers import PROPOSERS
+    name, directory, _ = files
+    llm = quickdraft.load(directory)
+    methods = sorted(m for m, p in PROPOSERS.items() if p.loads != "head")
+    assert {"ngram", "ngram-tree", "recycle", "lookup-recycle", "suffix", "draft", "draft-tree",
+            "lookup-draft"} <= set(methods)
+    for method in methods:
+        spec = SpecConfig(method, k=4, adaptive=False,
+                          draft_model=str(directory) if PROPOSERS[method].loads == "draft_model" else None)
+        assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == expected[PROMPT], method
+
+
 def run_engine(llm, prompts: list[str], spec: SpecConfig) -> dict[str, list[int]]:
     """Every prompt a request of one engine of up to 3 rows, drafting with `spec`."""
     engine = Engine(llm.model, EngineConfig(max_batch=3, policy="fixed"))
