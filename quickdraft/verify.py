@@ -13,7 +13,13 @@ Greedy is p = one-hot(argmax), deterministic proposers have q = one-hot(x): the 
 then accepts the first child equal to the target's argmax and ends with that argmax; greedy rows
 evaluate it in closed form. Each node's test, and each node's final draw, is computed before the
 walk: a sibling's residual depends only on the siblings before it (it is tried only if they were
-all rejected), so one host sync serves the step. Knows nothing of models or caches.
+all rejected), so one host sync serves the step.
+
+A grammar's masks (grammar.py) restrict p at every position to the tokens allowed there (the
+logits of the others become -inf before temperature, top-k and top-p), and q at each node to those
+allowed after its parent, renormalized: the engine cuts a draft at its forbidden tokens, so a kept
+node's token is distributed as q masked that way, and the walk stays exact for the masked p.
+Knows nothing of models or caches.
 """
 from __future__ import annotations
 
@@ -46,6 +52,11 @@ def sibling_ranks(parents: Sequence[int]) -> list[list[int]]:
     return ranks
 
 
+def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """logits [n+1, V] with the tokens mask [n+1, V] forbids at -inf (None: as they are)."""
+    return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+
+
 def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n+1, V] -> (accepted if reached [n], final token at each of root and nodes [n+1])."""
     best = argmax(logits)  # [n+1]: the target's token after the root and after each node
@@ -55,11 +66,12 @@ def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, tor
     return best[parents] == torch.tensor(draft.tokens, device=logits.device), best
 
 
-def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n+1, V] -> (accepted if reached [n], final draw at each of root and nodes [n+1])."""
+def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                   mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n+1, V] -> (accepted if reached [n], final draw at each of root and nodes [n+1]);
+    mask [n+1, V]: the tokens a grammar allows at each position (None: all)."""
     device, n = logits.device, len(draft.tokens)
-    residual = probabilities(logits, params)  # [n+1, V]: row 1+i (0 = the root) becomes what is left
+    residual = probabilities(_masked(logits, mask), params)  # [n+1, V]: row 1+i (0 = the root) becomes what is left
                                               # of p at node i once its children have been tried
     x = torch.tensor(draft.tokens, device=device, dtype=torch.long)
     u = torch.rand(n, generator=generator, device=device)
@@ -78,6 +90,9 @@ def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams,
             residual[at, xs] = torch.where(mass > r_x, 0.0, r_x)
         else:
             q = draft.q[nodes].float()  # [m, V]
+            if mask is not None:  # as the cut at forbidden tokens conditions it: masked, renormalized
+                q = q * mask[at]
+                q = q / q.sum(-1, keepdim=True).clamp_(min=torch.finfo(q.dtype).tiny)
             ok[nodes] = u[nodes] * q[torch.arange(len(group), device=device), xs] * mass < r_x  # u < p/q without
             r = residual[at]                                                                    # dividing by q = 0
             left = (r - q * mass[:, None]).clamp_(min=0)
@@ -86,13 +101,16 @@ def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams,
 
 
 def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator]) -> Verdict:
+           generators: Sequence[torch.Generator], masks: Sequence[torch.Tensor | None] | None = None) -> Verdict:
     """drafts: per row, the tree to verify (n_b nodes; q per node, or None for deterministic);
     target_logits: [B, 1+W, V] with W >= every n_b: position 0 scores the token after the row's
     root, position 1+i the token after node i (padding past 1+n_b is ignored);
-    params / generators: per row (each request has its own settings and RNG)."""
-    tests = [_greedy_tests(d, target_logits[b, :len(d.tokens) + 1]) if params[b].greedy else
-             _sampled_tests(d, target_logits[b, :len(d.tokens) + 1], params[b], generators[b])
+    params / generators: per row (each request has its own settings and RNG);
+    masks: per row, a grammar's allowed tokens [1+n_b, V] bool at the root and after each node,
+    or None (unconstrained)."""
+    masks = masks or [None] * len(drafts)
+    tests = [_greedy_tests(d, _masked(target_logits[b, :len(d.tokens) + 1], masks[b])) if params[b].greedy else
+             _sampled_tests(d, target_logits[b, :len(d.tokens) + 1], params[b], generators[b], masks[b])
              for b, d in enumerate(drafts)]
     if not tests:
         return Verdict([], [])

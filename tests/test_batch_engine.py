@@ -368,20 +368,21 @@ def sampled_in_batches(kind: str, device: str = "cpu") -> tuple[torch.Tensor, in
     return first_tokens_in_batches(model, requests)
 
 
-def first_tokens_in_batches(model: Transformer, requests: Sequence[Request]) -> tuple[torch.Tensor, int, int]:
-    """Runs the requests through one engine, 8 rows at a time: counts [V16]*N_TOKENS of their
-    first tokens, and the drafted and accepted tokens in all."""
+def first_tokens_in_batches(model: Transformer, requests: Sequence[Request], n: int = N_TOKENS
+                            ) -> tuple[torch.Tensor, int, int]:
+    """Runs the requests through one engine, 8 rows at a time: counts [V16]*n of their first n
+    tokens, and the drafted and accepted tokens in all."""
     engine = Engine(model, EngineConfig(max_batch=8))
     for request in requests:
         engine.add(request)
-    counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
+    counts = torch.zeros([V16] * n, dtype=torch.long)
     ids: dict[str, list[int]] = {}
     drafted = accepted = 0
     while engine.has_work():
         for rid, event in engine.step():
             ids.setdefault(rid, []).extend(event.token_ids)
             if event.finish_reason:
-                counts[tuple(ids[rid][:N_TOKENS])] += 1
+                counts[tuple(ids[rid][:n])] += 1
                 drafted += event.stats.drafted_tokens
                 accepted += event.stats.accepted_tokens
     return counts, drafted, accepted

@@ -110,9 +110,10 @@ def test_policy_reads_a_tree_as_falling_chances() -> None:
 # -- the verifier's law, sampling -------------------------------------------------------------------------
 
 def no_residual_update(draft: Draft, logits: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                       generator: torch.Generator, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Biased: each sibling is tested against its parent's p itself (no p <- normalize(max(0, p - q))
     after a rejected sibling); the final draw comes from the residual of the last sibling alone."""
+    assert mask is None  # no grammar here
     n, parents = len(draft.tokens), draft.tree
     p = probabilities(logits, params)  # [n+1, V]
     x = torch.tensor(draft.tokens, dtype=torch.long)

@@ -23,6 +23,7 @@ from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import step_allowance
 from quickdraft.errors import ContextTooLong
+from quickdraft.grammar import Constraint
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
@@ -65,6 +66,7 @@ class Request:
     proposer: Proposer | None = None
     k: int = 0                  # draft tokens per step at most (0 = plain decoding)
     adaptive: bool = True       # let the policy verify only the part of a draft that pays off
+    constraint: Constraint | None = None  # a grammar the output follows (grammar.py), at every drafted position too
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -228,6 +230,8 @@ class Engine:
                  for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
         self.to_propose = []
         for (row, _), error in zip(going, self._propose(going)):
+            if error is None and row.request.constraint is not None:
+                error = self._constrain(row)
             if error is not None:  # a failing proposer ends its own request, freed below, before the pass
                 events += self._fail(row, error)
         for row in self.finished:
@@ -259,7 +263,8 @@ class Engine:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
             out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask,
                              inputs.width, inputs.slots)  # ONE pass: logits [B, 1+W, V], hidden [B, 1+W, D]
-            verdict = verify(drafts, out.logits, [r.request.params for r in rows], [r.generator for r in rows])
+            verdict = verify(drafts, out.logits, [r.request.params for r in rows], [r.generator for r in rows],
+                             [_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)])
         except Exception as e:  # noqa: BLE001 - found and reported per row below
             for row, state in zip(rows, rng):
                 if state is not None:
@@ -372,7 +377,8 @@ class Engine:
             out = self.model(torch.tensor([row.tokens[row.length:end]], device=device),
                              torch.arange(row.length, end, device=device)[None], self.cache.rows(index, index + 1),
                              last_n=1 if end == n else 0)  # the prompt's last token alone is scored
-            verdict = verify([NO_DRAFT], out.logits, [row.request.params], [row.generator]) if end == n else None
+            verdict = verify([NO_DRAFT], out.logits, [row.request.params], [row.generator],
+                             [_masks(row, 0)]) if end == n else None
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             self.filling = None
             row.stats.total_s = time.perf_counter() - row.start
@@ -434,7 +440,23 @@ class Engine:
         stats.new_tokens += len(emitted)
         stats.committed_tokens += len(emitted) + (finish == "stop" and len(emitted) < len(step.tokens))
         row.last = step.tokens[-1]
+        if row.request.constraint is not None:  # a grammar complete, or at a dead end, ends it too
+            finish = row.request.constraint.advance(emitted) or finish
         return emitted, finish
+
+    @staticmethod
+    def _constrain(row: _Row) -> Exception | None:
+        """The row's grammar shapes its next draft: forced tokens first, then the proposer's, cut at
+        the first token the grammar forbids (grammar.py)."""
+        request, t0 = row.request, time.perf_counter()
+        offered = row.draft if request.proposer is not None and request.k else NO_DRAFT
+        try:
+            row.draft = request.constraint.shape(offered, min(request.k, row.budget - row.stats.new_tokens - 1))
+        except Exception as e:  # noqa: BLE001 - ends that request only
+            return e
+        finally:
+            row.stats.propose_s += time.perf_counter() - t0
+        return None
 
     @staticmethod
     def _propose(going: Sequence[tuple[_Row, Committed]]) -> list[Exception | None]:
@@ -449,7 +471,7 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             try:
-                proposer.commit(step)
+                proposer.commit(step if row.request.constraint is None else row.request.constraint.translate(step))
                 asking.append(i)
             except Exception as e:  # noqa: BLE001 - reported to that request's consumer
                 errors[i] = e
@@ -461,3 +483,9 @@ class Engine:
             row.stats.propose_s += proposal.seconds
             row.draft, errors[i] = proposal.draft, proposal.error
         return errors
+
+
+def _masks(row: _Row, n: int) -> torch.Tensor | None:
+    """The grammar's allowed tokens [1+n, V] at the row's root and its draft's first n nodes (None: no grammar)."""
+    constraint = row.request.constraint
+    return None if constraint is None else constraint.masks(n, row.generator.device)

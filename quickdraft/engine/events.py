@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-FinishReason = Literal["stop", "length", "error"]  # error: the request's proposer or pass failed
+# error: the request's proposer or pass failed; grammar_dead_end: its grammar (grammar.py) allows no
+# token where the text is incomplete
+FinishReason = Literal["stop", "length", "error", "grammar_dead_end"]
 # Where a committed token came from: a draft token the target accepted (branch: a draft tree's
 # node that is not its parent's first child), the target's token after a rejection (recovered),
 # after a draft accepted to its end (bonus), or in a pass that verified no draft (target).
