@@ -9,7 +9,7 @@ import threading
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -19,6 +19,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import ModelLoadError, QuickdraftError
+from quickdraft.grammar import Constraint, Vocabulary, constrain, grammar_text
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.sampling import SamplingParams
@@ -138,6 +139,8 @@ class LLM:
         self._shared_lock = threading.Lock()  # proposers are made on engine threads and callers' threads
         self._service: EngineService | None = None
         self._service_lock = threading.Lock()
+        self._vocabulary: Vocabulary | None = None
+        self._vocabulary_lock = threading.Lock()
         if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
@@ -225,10 +228,25 @@ class LLM:
                 self._service = EngineService(Engine(self.model, config or ENGINE, cost, prefix=self.prefix))
             return self._service
 
-    def request(self, ids: list[int], params: SamplingParams, spec: SpecConfig) -> tuple[Request, Callable[[], Proposer | None]]:
+    def request(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None = None
+                ) -> tuple[Request, Callable[[], Proposer | None]]:
         """A request for the engine, and the call that builds its proposer (on the driving thread)."""
-        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0, spec.adaptive)
+        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0, spec.adaptive,
+                          constraint)
         return request, lambda: self.proposer(ids, params, spec)
+
+    def grammar_vocabulary(self) -> Vocabulary:
+        """This model's vocabulary as the grammar library walks it, built on first use (~1 s)."""
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary(self.tokenizer, self.model.config.vocab_size)
+            return self._vocabulary
+
+    def constraint(self, response_format: Mapping[str, Any]) -> Constraint:
+        """A new request's grammar for OpenAI's response_format ({"type": "json_object"}, or
+        {"type": "json_schema", "json_schema": {"schema": {...}, "strict": true}}); an invalid or
+        uncompilable schema is a GrammarError (grammar.py)."""
+        return constrain(self.grammar_vocabulary(), grammar_text(response_format))
 
     def proposer_name(self, spec: SpecConfig | None = None) -> str | None:
         """The registered name of the proposer `spec` (None: this model's default) runs on this model,
@@ -249,12 +267,17 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-               params: SamplingParams | None = None, spec: SpecConfig | None = None) -> Iterator[Chunk]:
-        """Text chunks as tokens are committed; `spec` overrides the model's default speculation."""
+               params: SamplingParams | None = None, spec: SpecConfig | None = None,
+               response_format: Mapping[str, Any] | None = None) -> Iterator[Chunk]:
+        """Text chunks as tokens are committed; `spec` overrides the model's default speculation;
+        `response_format` (OpenAI's: json_object or json_schema) constrains the text to JSON (its
+        finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on)."""
         params, spec = params or SamplingParams(), spec or self.spec
         ids = self.prompt_ids(prompt, messages)
+        constraint = None if response_format is None or response_format.get("type") == "text" else \
+            self.constraint(response_format)
         text = TextAssembler(self.tokenizer, params)
-        with closing(self.engine_service().stream(*self.request(ids, params, spec))) as events:
+        with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
                 if event.error is not None:
                     raise event.error
@@ -264,9 +287,11 @@ class LLM:
                     return
 
     def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-                 params: SamplingParams | None = None, spec: SpecConfig | None = None) -> Completion:
+                 params: SamplingParams | None = None, spec: SpecConfig | None = None,
+                 response_format: Mapping[str, Any] | None = None) -> Completion:
+        """The whole text; the arguments as stream()'s."""
         text, ids = [], []
-        for chunk in self.stream(prompt, messages, params, spec):
+        for chunk in self.stream(prompt, messages, params, spec, response_format):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
         return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats)

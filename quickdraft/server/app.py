@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
@@ -22,6 +23,7 @@ from quickdraft.engine.batch import EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import ContextTooLong, QuickdraftError
+from quickdraft.grammar import Constraint, GrammarError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import openapi, responses as out
 from quickdraft.server.connections import ConnectionLimits
@@ -39,6 +41,8 @@ MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this s
 MAX_WAITING = 64  # requests waiting for a batch row; more get a 429
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 CONTEXT = "context_length_exceeded"
+GRAMMAR_TIMEOUT_S = 10.0  # a response_format's schema compiled for longer is a 400 (other requests go on meanwhile)
+GRAMMAR_THREADS = 2       # schemas compiled at once: a pathological one holds one thread, never the event loop
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     metrics = Metrics(llm.prefix)
     worker = EngineWorker(service, metrics)
     prompts = Prompts(llm.tokenizer)
+    compiler = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="quickdraft-grammar")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,6 +88,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             worker.start()
         yield
         worker.stop()
+        compiler.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="quickdraft", lifespan=lifespan)
     # the last added runs first: count errors, check Host, the key, the body's size; the route takes
@@ -125,6 +131,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         arrived = time.perf_counter()
         _check_model(body)
         spec = _spec(body)
+        constraint = await _constraint(body)
         budget = {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS}
         if isinstance(body.prompt, str):
             ids = await _tokenized(body.prompt, budget, "prompt", http, add_special_tokens=True)
@@ -135,13 +142,14 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             if not all(0 <= t < vocab for t in ids):
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
             http.scope[ADMIT]()
-        return await _respond("completion", body, spec, ids, budget, http, arrived)
+        return await _respond("completion", body, spec, constraint, ids, budget, http, arrived)
 
     @app.post("/v1/chat/completions", max_body_size=body_limit, responses=generation)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrived = time.perf_counter()
         _check_model(body)
         spec = _spec(body)
+        constraint = await _constraint(body)
         # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
         budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
         try:
@@ -149,7 +157,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         except QuickdraftError as e:
             raise BadRequest(400, str(e), "messages") from None
         ids = await _tokenized(text, budget, "messages", http, add_special_tokens=False)
-        return await _respond("chat", body, spec, ids, budget, http, arrived)
+        return await _respond("chat", body, spec, constraint, ids, budget, http, arrived)
 
     async def _tokenized(text: str, budget: dict[str, int | None], param: str, http: HTTPRequest,
                          add_special_tokens: bool) -> list[int]:
@@ -225,8 +233,24 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, problem, "speculative", "invalid_speculation")
         return spec
 
-    def _prepare(body: _Common, spec: SpecConfig, ids: list[int], budget: dict[str, int | None]
-                 ) -> tuple[Request, Callable[[], Proposer | None], SamplingParams]:
+    async def _constraint(body: _Common) -> Constraint | None:
+        """The request's response_format compiled (off the event loop, within GRAMMAR_TIMEOUT_S), or
+        a 400 naming it; None without one."""
+        fmt = body.response_format.constrains() if body.response_format is not None else None
+        if fmt is None:
+            return None
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(compiler, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's time
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(compiler, llm.constraint, fmt), GRAMMAR_TIMEOUT_S)
+        except GrammarError as e:
+            raise BadRequest(400, str(e), "response_format", "invalid_response_format") from None
+        except TimeoutError:
+            raise BadRequest(400, f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
+                             "response_format", "invalid_response_format") from None
+
+    def _prepare(body: _Common, spec: SpecConfig, constraint: Constraint | None, ids: list[int],
+                 budget: dict[str, int | None]) -> tuple[Request, Callable[[], Proposer | None], SamplingParams]:
         """budget: the fields that bound the new tokens, the first one given deciding."""
         limit = engine.max_seq_len
         _fits(len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
@@ -234,11 +258,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         stop = tuple(body.stop or ())
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
-        return *llm.request(ids, params, spec), params
+        return *llm.request(ids, params, spec, constraint), params
 
-    async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, ids: list[int],
+    async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, constraint: Constraint | None, ids: list[int],
                        budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
-        request, make_proposer, params = _prepare(body, spec, ids, budget)
+        request, make_proposer, params = _prepare(body, spec, constraint, ids, budget)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
         worker.submit(request, _sink(loop, events), make_proposer)

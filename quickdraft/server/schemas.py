@@ -81,6 +81,7 @@ MAX_NAME_CHARS = 256      # model, names, ids, the user field
 MAX_MESSAGES = 2048       # OpenAI's own limit
 MAX_CONTENT_PARTS = 256   # text parts of one message
 MAX_TOOL_CALLS = 128      # earlier tool calls of one assistant message
+MAX_DESCRIPTION_CHARS = 4096  # a json_schema's description (it changes nothing generated)
 MAX_METADATA = 16         # OpenAI's: 16 pairs, keys up to 64 characters, values up to 512
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
 ModelName = Name
@@ -125,6 +126,39 @@ Json = dict[str, Any]
 IGNORED = "accepted and ignored"  # identifiers and metadata: they change nothing generated
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the output is JSON valid under `schema` (grammar.py)."""
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    schema_: Json = Field(default_factory=dict, alias="schema")  # {} (unset): any JSON value
+    strict: bool | None = Field(default=None, description="true or unset: keywords the grammar library does not "
+                                "implement are a 400; false: they pass unchecked")
+
+
+JSON_SCHEMA_WITH_ITS_TYPE = {  # the published schema states the check of _with_type
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+    "else": {"properties": {"json_schema": {"type": "null"}}}}
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=JSON_SCHEMA_WITH_ITS_TYPE)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(default=None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_type(cls, spec: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if (spec is None) == (info.data.get("type") == "json_schema"):
+            raise ValueError("required with type json_schema, and only then")
+        return spec
+
+    def constrains(self) -> dict[str, Any] | None:
+        """The format as grammar.grammar_text takes it; None for text (no grammar)."""
+        return None if self.type == "text" else self.model_dump(by_alias=True, exclude_none=True)
+
+
 STREAM_OPTIONS_NEED_STREAM = {  # the published schema states the check of _streams_only
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
@@ -143,6 +177,8 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[Int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
     speculative: Speculative | None = None
+    response_format: ResponseFormat | None = Field(default=None, description=(
+        "json_object or json_schema: the output is JSON (under the schema), exact under speculation"))
     user: Name | None = Field(default=None, description=IGNORED)
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
@@ -255,8 +291,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
     functions: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
     function_call: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
-    response_format: Annotated[Json | None, only(None, {"type": "text"}, why="only {\"type\": \"text\"}: "
-                                                 "quickdraft does not constrain output to JSON")] = None
     modalities: Annotated[list[str] | None, only(None, ["text"], why="only [\"text\"]")] = None
     audio: Annotated[Json | None, only(None, why="not supported: quickdraft generates text only")] = None
     prediction: Annotated[Json | None, only(None, why="not supported (predicted outputs)")] = None
