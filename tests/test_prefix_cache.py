@@ -16,7 +16,7 @@ from quickdraft.cache import KVCache
 from quickdraft.engine import batch
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
-from quickdraft.engine.prefill import MIN_CHUNK, STALL, step_allowance
+from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, STALL, next_admitted, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import Committed, Draft
@@ -233,6 +233,37 @@ def test_the_step_allowance_follows_the_last_prefill_pass() -> None:
     assert step_allowance(1, step, (1900, 3.0), None) == int(1900 * STALL * 0.010 / 3.0)
 
 
+def test_the_shortest_remaining_prompt_is_admitted_first_and_none_waits_forever() -> None:
+    assert next_admitted([300, 20, 40], [0, 0, 0]) == 1
+    assert next_admitted([30, 20, 20], [0, 0, 0]) == 1                      # equals: arrival order
+    assert next_admitted([300, 20, 40], [PASSED_OVER, 0, PASSED_OVER]) == 0  # overdue: the oldest first
+
+
+def test_sessions_behind_a_shared_prefix_are_admitted_by_what_they_have_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three prompts wait while a stream decodes: the one whose long prefix is cached goes first,
+    then the short one, then the long uncached one; every output is the request's alone."""
+    model = tiny(MODEL)
+    prefix = prefix_for(model)
+    system = tokens(50, 96)
+    engine = Engine(model, EngineConfig(max_batch=4), prefix=prefix)
+    run_to_end(engine, Request(system + tokens(51, 5), greedy(2)))      # leaves the system prompt cached
+    jobs = {"long": Job(tokens(52, 90), greedy(6), None, 0), "short": Job(tokens(53, 30), greedy(6), None, 0),
+            "shared": Job(system + tokens(54, 8), greedy(6), None, 0)}
+    admitted: list[str] = []
+    admit = Engine._admit
+    monkeypatch.setattr(Engine, "_admit", lambda self, request: admitted.append(request.id) or admit(self, request))
+    engine.add(Job(tokens(55, 6), greedy(60), None, 0).request("stream"))
+    engine.step()
+    for name, job in jobs.items():
+        engine.add(job.request(name))
+    out = {name: [] for name in jobs}
+    while engine.has_work():
+        for rid, event in engine.step():
+            out.setdefault(rid, []).extend(event.token_ids)
+    assert admitted[1:] == ["shared", "short", "long"]
+    assert all(out[name] == job.alone(model) for name, job in jobs.items())
+
+
 def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """While a 200-token prompt is prefilled, a running stream still gets a token every step, and
     the prompt's passes in each such step feed no more than the step's allowance; both outputs
@@ -391,5 +422,6 @@ def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pyt
         for rid, event in engine.step():
             out[rid] += event.token_ids
     monkeypatch.undo()
-    assert max(widths) <= model.invariant_rows and 25 in widths  # the premise: 24-token drafts, split off
+    # the premise: rows padded to 25 (24-token drafts) ran in passes of one or two rows, split off the three
+    assert max(widths) <= model.invariant_rows and {25, 50} & set(widths)
     assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]

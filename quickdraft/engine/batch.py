@@ -21,7 +21,7 @@ from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
-from quickdraft.engine.prefill import step_allowance
+from quickdraft.engine.prefill import next_admitted, step_allowance
 from quickdraft.errors import ContextTooLong
 from quickdraft.grammar import Constraint
 from quickdraft.model.llama import Transformer
@@ -142,6 +142,7 @@ class Engine:
         self.rows: list[_Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.filling: _Row | None = None    # the row whose prompt is being prefilled: cache row n
         self.waiting: list[Request] = []
+        self._passed: dict[str, int] = {}  # request id -> admissions it waited through (prefill.next_admitted)
         self.finished: list[_Row] = []       # rows that ended in the last step, freed at the next
         # rows that go on after the last step, with what it committed: their proposers are told
         # and asked for the next draft at the start of the next step, after the step's tokens
@@ -163,6 +164,7 @@ class Engine:
         for i, request in enumerate(self.waiting):
             if request.id == request_id:
                 del self.waiting[i]
+                self._passed.pop(request_id, None)
                 return True
         for i, row in enumerate(self.rows):
             if row.request.id == request_id and row not in self.finished:
@@ -325,7 +327,7 @@ class Engine:
             if self.filling is None:
                 if not self.waiting or len(self.rows) >= self.config.max_batch:
                     break
-                request = self.waiting.pop(0)
+                request = self._next_waiting()
                 try:
                     self.filling = self._admit(request)
                 except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
@@ -339,6 +341,19 @@ class Engine:
             events += self._prefill_chunk(row, size)
             allowance = None if allowance is None else allowance - size
         return events
+
+    def _next_waiting(self) -> Request:
+        """Take the waiting request to admit now (engine/prefill.py: shortest remaining prefill first,
+        none passed over forever)."""
+        limit = [len(r.prompt_ids) - 1 for r in self.waiting]  # the last prompt token is always fed
+        left = [len(r.prompt_ids) - (self.prefix.hit(r.prompt_ids, n) if self.prefix is not None else 0)
+                for r, n in zip(self.waiting, limit)]
+        i = next_admitted(left, [self._passed.get(r.id, 0) for r in self.waiting])
+        for earlier in self.waiting[:i]:
+            self._passed[earlier.id] = self._passed.get(earlier.id, 0) + 1
+        request = self.waiting.pop(i)
+        self._passed.pop(request.id, None)
+        return request
 
     def _admit(self, request: Request) -> _Row:
         """A row for `request` in cache row n, holding the K/V of the longest prefix of its prompt

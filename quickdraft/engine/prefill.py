@@ -1,4 +1,11 @@
-"""How many prompt tokens one engine step prefills: all while no row decodes; while rows decode,
+"""Which waiting prompt is admitted next, and how many prompt tokens one engine step prefills.
+
+Admission: the prompt with the fewest tokens left to prefill once its cached prefix is copied in
+(shortest remaining first: sessions arriving together behind a shared system prompt each wait for
+the short remainders before theirs, not for whichever long one came first), unless one has been
+passed over PASSED_OVER times: then the oldest such goes first, so none waits forever.
+
+Prefill: all while no row decodes; while rows decode,
 as many as stall them at most STALL decode steps more (a stream's gap between tokens is then at
 most 1 + STALL of its usual steps). The engine also keeps each pass within
 `Transformer.invariant_rows`, so a prompt prefilled in chunks, or after a prefix-cache hit, gives
@@ -19,6 +26,7 @@ STALL = 1.5      # a chunk costs at most this many of the running rows' decode s
                  # stays within 3 of its steps with room to spare, as chunk costs are estimated from
                  # the last pass and the context grows under them
 MIN_CHUNK = 4    # at least this many tokens a pass, however slow, so a prompt always advances
+PASSED_OVER = 4  # admissions a waiting prompt may be passed over for shorter ones before it goes first
 GROWTH = 2.0     # a chunk at most this many times the last one: a size's cost is known only near
                  # the last size measured
 
@@ -38,3 +46,12 @@ def step_allowance(decoding: int, step: StepCost, last: tuple[int, float] | None
     # while reading the weights dominates), so this errs small and the next pass corrects it.
     fit = int(n * STALL * step.estimate(decoding) / max(seconds, 1e-9))
     return max(MIN_CHUNK, min(fit, int(GROWTH * n)))
+
+
+def next_admitted(left: list[int], passed: list[int]) -> int:
+    """Index of the waiting prompt to admit: left[i] its tokens still to prefill, passed[i] how often
+    it was passed over (both in arrival order)."""
+    overdue = [i for i, n in enumerate(passed) if n >= PASSED_OVER]
+    if overdue:
+        return overdue[0]
+    return min(range(len(left)), key=lambda i: left[i])  # the first of equals: arrival order
