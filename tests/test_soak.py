@@ -16,10 +16,10 @@ def test_a_short_soak_passes_and_sends_every_kind(dirs, capsys: pytest.CaptureFi
     assert main(["bench", "soak", "--model", str(dirs[0]), "--duration", "6", "--concurrency", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["failures"] == 0 and report["server_errors"] == 0, report
-    assert set(report["sent"]) == {"valid", "malformed", "cancelled", "oversized", "slow_body", "stalled",
+    assert set(report["sent"]) == {"valid", "conversation", "malformed", "cancelled", "oversized", "slow_body", "stalled",
                                    "huge_prompt", "flood"}
     assert set(report["statuses"]) <= {"200", "400", "404", "405", "408", "413"} and report["statuses"]["413"] > 0
-    assert report["left_running"] == 0 and len(report["rss_mb"]) >= 3
+    assert report["left_running"] == 0 and len(report["rss_mb"]) >= 3 and report["prefix_over_budget"] == 0
 
 
 def test_the_soak_reports_an_answer_it_did_not_expect(llm) -> None:  # noqa: F811

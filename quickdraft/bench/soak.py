@@ -5,10 +5,13 @@ chats, streaming or not, greedy, seeded sampling, stop strings), malformed ones 
 status it must get), requests whose client leaves mid-answer, bodies past the size limit, and the
 hostile clients of issue 35: bodies sent slowly (then whole: served as any other), requests that
 stop half-way (headers, body, or a list Content-Length: a 408 within the timeout, or for a
-connection that sends nothing, closed), prompts of ~1 MiB (a 400 at once) and bursts of idle
-connections (each then served). Passes when no answer is a 5xx, every well-formed request gets a
+connection that sends nothing, closed), prompts of ~1 MiB (a 400 at once), bursts of idle
+connections (each then served), and chat conversations resending their history turn after turn
+(a few fixed ones, whose answers are checked, and ones under a system prompt of their own, which
+keep the prefix cache evicting). Passes when no answer is a 5xx, every well-formed request gets a
 200 and the text it gets alone (asked before the load starts), every bad one its 4xx, no row is
-left running, and the server's memory grows less than 5% after a warm-up.
+left running, the prefix cache never holds more than its budget, and the server's memory grows
+less than 5% after a warm-up.
 
 Knows the server only over HTTP; `rss()` reads the memory of the process that serves.
 """
@@ -28,10 +31,12 @@ from typing import Any
 import httpx
 
 MAX_RSS_GROWTH = 0.05
-WEIGHTS = {"valid": 0.45, "malformed": 0.15, "cancelled": 0.1, "oversized": 0.05,
+WEIGHTS = {"valid": 0.35, "conversation": 0.1, "malformed": 0.15, "cancelled": 0.1, "oversized": 0.05,
            "slow_body": 0.08, "stalled": 0.07, "huge_prompt": 0.05, "flood": 0.05}
 SLACK_S = 2.0  # past a timeout, for the server's answer to arrive on a busy machine
 FLOOD = 24     # idle connections opened at once by a "flood"
+TURNS = ["Name three rivers.", "Which of them is the longest?", "Say it again in French."]
+SYSTEMS = ["You are a terse geography tutor.", "You answer in one short sentence. " * 12]  # the fixed conversations'
 
 
 def own_rss() -> int:
@@ -93,6 +98,7 @@ class SoakReport:
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds in, MiB)
     rss_growth: float = 0.0  # end over the warm-up's end, minus 1
     left_running: float = 0.0
+    prefix_over_budget: int = 0  # samples of /metrics where the prefix cache held more than its budget
 
     @property
     def server_errors(self) -> int:
@@ -101,13 +107,14 @@ class SoakReport:
     @property
     def passed(self) -> bool:
         return (self.failure_count == 0 and self.server_errors == 0 and self.rss_growth < MAX_RSS_GROWTH
-                and self.left_running == 0)
+                and self.left_running == 0 and self.prefix_over_budget == 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {"duration_s": self.duration_s, "concurrency": self.concurrency, "sent": dict(self.sent),
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())}, "server_errors": self.server_errors,
                 "failures": self.failure_count, "first_failures": self.failures[:10], "rss_mb": self.rss_mb,
-                "rss_growth": self.rss_growth, "left_running": self.left_running, "passed": self.passed}
+                "rss_growth": self.rss_growth, "left_running": self.left_running,
+                "prefix_over_budget": self.prefix_over_budget, "passed": self.passed}
 
     def summary(self) -> str:
         sent = ", ".join(f"{n} {kind}" for kind, n in sorted(self.sent.items()))
@@ -115,7 +122,8 @@ class SoakReport:
         return (f"{sum(self.sent.values())} requests in {self.duration_s:.0f} s at concurrency {self.concurrency} "
                 f"({sent})\nstatuses: {statuses}\n5xx: {self.server_errors}, failures: {self.failure_count}, rows "
                 f"left running: {self.left_running:g}, RSS {self.rss_mb[0][1]:.0f} -> {self.rss_mb[-1][1]:.0f} MiB "
-                f"(growth after warm-up {100 * self.rss_growth:+.2f}%)\n" + ("PASS" if self.passed else "FAIL"))
+                f"(growth after warm-up {100 * self.rss_growth:+.2f}%), prefix cache over its budget in "
+                f"{self.prefix_over_budget} samples\n" + ("PASS" if self.passed else "FAIL"))
 
 
 class Soak:
@@ -136,12 +144,14 @@ class Soak:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.expected: list[str] = []
+        self.conversations: list[list[str]] = []  # per fixed conversation, its answers turn by turn, alone
 
     def run(self, duration_s: float, concurrency: int, warmup_s: float | None = None,
             progress: Callable[[str], None] | None = None) -> SoakReport:
         report = SoakReport(duration_s, concurrency)
         with httpx.Client(timeout=120, headers=self.headers) as client:
             self.expected = [self._text(client, r, report) for r in self.valid]  # each alone, before the load
+            self.conversations = [self._converse(client, system, report) for system in SYSTEMS]
         warmup_s = duration_s / 10 if warmup_s is None else warmup_s
         start = time.monotonic()
         deadline = start + duration_s
@@ -152,6 +162,7 @@ class Soak:
         while any(t.is_alive() for t in threads):
             now = time.monotonic() - start
             report.rss_mb.append((round(now, 1), self.rss() / 2**20))
+            report.prefix_over_budget += self._prefix_over_budget()
             if baseline is None and now >= warmup_s:
                 baseline = report.rss_mb[-1][1]
             if progress:
@@ -187,6 +198,27 @@ class Soak:
         text = self._text(client, self.valid[i], report)
         if text != self.expected[i]:
             self._fail(report, f"valid request {i}: {text!r} differs from its answer alone {self.expected[i]!r}")
+
+    def _conversation(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
+        """A chat resending its history each turn: one of the fixed ones (each answer as alone), or
+        one under a system prompt no other request has (its blocks push others out of the cache)."""
+        i = rng.randrange(len(SYSTEMS) + 1)
+        if i == len(SYSTEMS):
+            self._converse(client, f"Session {rng.random()}: you are a patient teacher. " * 6, report)
+            return
+        answers = self._converse(client, SYSTEMS[i], report)
+        if answers != self.conversations[i]:
+            self._fail(report, f"conversation {i}: {answers!r} differ from its answers alone {self.conversations[i]!r}")
+
+    def _converse(self, client: httpx.Client, system: str, report: SoakReport) -> list[str]:
+        """The answers to TURNS under `system`, each turn sent with the whole history before it."""
+        messages, answers = [{"role": "system", "content": system}], []
+        for turn in TURNS:
+            messages.append({"role": "user", "content": turn})
+            body = {"model": self.model, "messages": messages, "max_tokens": 16, "temperature": 0}
+            answers.append(self._text(client, {"route": "chat/completions", "body": body}, report))
+            messages.append({"role": "assistant", "content": answers[-1]})
+        return answers
 
     def _malformed(self, client: httpx.Client, rng: random.Random, report: SoakReport) -> None:
         method, route, body, status = rng.choice(self.malformed)
@@ -340,6 +372,14 @@ class Soak:
             report.failure_count += 1
             if len(report.failures) < 50:
                 report.failures.append(what)
+
+    def _prefix_over_budget(self) -> int:
+        """1 if /metrics says the prefix cache holds more than its budget, else 0 (also with none)."""
+        values = {line.split()[0]: float(line.split()[1])
+                  for line in httpx.get(f"{self.url}/metrics", headers=self.headers).text.splitlines()
+                  if line.startswith("quickdraft_prefix_cache_")}
+        held, budget = values.get("quickdraft_prefix_cache_bytes"), values.get("quickdraft_prefix_cache_budget_bytes")
+        return int(held is not None and budget is not None and held > budget)
 
     def _drained(self, timeout_s: float = 10.0) -> float:
         """Requests still holding a row once every client is done (cancelled ones are freed at the
