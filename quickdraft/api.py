@@ -222,6 +222,10 @@ class LLM:
             service = self._service
             if service is None or (config is not None and config != service.engine.config) or \
                     (cost is not None and cost is not service.engine.cost):
+                if service is not None and service.loops:
+                    raise QuickdraftError("a server already runs this model's engine with other settings (rows, "
+                                          "context or step costs); one model has one engine: stop that server "
+                                          "first, or load the model again for a second one")
                 if service is not None and service.busy():
                     raise QuickdraftError("this model's engine is running requests; it can be set up anew "
                                           "(another server's rows or context) only while idle")

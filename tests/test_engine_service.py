@@ -118,3 +118,22 @@ def test_setting_up_a_busy_engine_anew_is_refused(llm: quickdraft.LLM) -> None:
     finally:
         stream.close()
     assert llm.engine_service(EngineConfig(max_batch=3)).engine.config.max_batch == 3
+
+
+def test_a_second_server_with_other_settings_is_refused_while_the_first_runs(llm: quickdraft.LLM) -> None:
+    """One model, one engine: a second server over the same LLM shares the first's engine when its
+    settings agree, and is refused, naming the way out, when they differ (its port freed)."""
+    first = BackgroundServer(llm, ServerConfig("tiny", engine=EngineConfig(max_batch=4, max_seq_len=256)))
+    try:
+        same = BackgroundServer(llm, ServerConfig("tiny", engine=EngineConfig(max_batch=4, max_seq_len=256)))
+        assert same.worker.service is first.worker.service
+        same.stop()
+        with pytest.raises(QuickdraftError, match="already runs this model's engine"):
+            BackgroundServer(llm, ServerConfig("tiny", engine=EngineConfig(max_batch=2, max_seq_len=256)))
+    finally:
+        first.stop()
+    other = BackgroundServer(llm, ServerConfig("tiny", engine=EngineConfig(max_batch=2, max_seq_len=256)))
+    try:
+        assert other.worker.engine.config.max_batch == 2  # the first has stopped: the engine is set up anew
+    finally:
+        other.stop()

@@ -585,10 +585,11 @@ def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None
     assert run.returncode == 1 and "the API key is empty" in run.stderr, run.stderr
 
 
-def test_a_full_queue_is_a_429_with_retry_after(llm) -> None:  # noqa: F811
+def test_a_full_queue_is_a_429_with_retry_after(llm, dirs) -> None:  # noqa: F811
     """One row and one waiting place: with both taken a third request is refused at once, the two
-    get what they get alone, and once they are done requests are admitted again."""
-    s = Server(llm, max_batch=1, max_waiting=1)
+    get what they get alone, and once they are done requests are admitted again. (A model of its
+    own: the module's server runs `llm`'s one engine with four rows.)"""
+    s = Server(quickdraft.load(str(dirs[0]), spec=llm.spec), max_batch=1, max_waiting=1)
     try:
         n = 400
         with ThreadPoolExecutor(2) as pool:

@@ -33,6 +33,7 @@ class EngineService:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.step_observers: list[Callable[[float], None]] = []  # told each step's seconds (server metrics)
+        self.loops = 0  # servers' loops driving it now: while one runs, the engine is theirs to set up
         self._inbox: deque[tuple[str, object]] = deque()
         self._ready = threading.Condition()  # the inbox got something
         self._drive = threading.Lock()       # held by the thread driving the engine

@@ -58,7 +58,11 @@ class BackgroundServer:
         import uvicorn
         sock = sock or listen(host, port)
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
-        self.app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
+        try:
+            self.app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
+        except BaseException:  # refused (the model's engine is another server's): the port is free again
+            sock.close()
+            raise
         self.worker = self.app.state.worker
         self.shutdown_timeout_s = shutdown_timeout_s
         # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way. Its h11

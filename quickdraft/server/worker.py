@@ -39,12 +39,19 @@ class EngineWorker:
         self._sinks: dict[str, Sink] = {}  # this server's requests in flight
         self._lock = threading.Lock()      # _sinks and _closed: handlers' threads and the driving one
         self._stopping = threading.Event()
+        self._attached = False  # counted in service.loops
         self._closed: ShuttingDown | None = None  # set by close(): every request, new ones too, ends with it
         self._thread = threading.Thread(target=self.run, name="quickdraft-engine", daemon=True)
 
     def start(self) -> None:
         """Drive the engine from a thread of its own."""
+        self._attach()  # now: a second server asking for the model's engine must see this one has it
         self._thread.start()
+
+    def _attach(self) -> None:
+        if not self._attached:
+            self._attached = True
+            self.service.loops += 1
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is left and end the loop (called once the HTTP side has drained)."""
@@ -57,6 +64,7 @@ class EngineWorker:
         """Drive the engine on the calling thread until stop() or stop_when() (checked twice a
         second when idle)."""
         self.service.step_observers.append(self.metrics.observe_step)
+        self._attach()
         try:
             while not (self._stopping.is_set() or stop_when()):
                 self.service.wait(0.5)
@@ -68,6 +76,8 @@ class EngineWorker:
                 self.cancel(request_id)
             self.service.drive(step=False)  # the cancels, now: nothing may hold rows after the server
         finally:
+            self.service.loops -= 1
+            self._attached = False
             self.service.step_observers.remove(self.metrics.observe_step)
         self.metrics.set_queue(0, 0)
 
