@@ -186,7 +186,10 @@ def test_cli_compare_json(spec_args: tuple[str, ...], llm: quickdraft.LLM, dirs:
     assert STATS_KEYS <= set(obj["stats"]) and STATS_KEYS <= set(plain["stats"]) and STATS_KEYS <= set(spec["stats"])
     assert obj["stats"] == spec["stats"]
     assert plain["stats"]["drafted_tokens"] == 0 and plain["stats"]["target_passes"] == 12
-    assert spec["stats"]["drafted_tokens"] > 0
+    # how much it drafts is the policy's call from measured step times (none, on a loaded machine,
+    # can be right): the figures must agree with one another
+    assert 0 <= spec["stats"]["accepted_tokens"] <= spec["stats"]["drafted_tokens"]
+    assert spec["stats"]["target_passes"] + spec["stats"]["accepted_tokens"] >= spec["stats"]["new_tokens"]
     assert spec["stats"]["new_tokens"] == plain["stats"]["new_tokens"] == 12
     assert obj["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"])
 

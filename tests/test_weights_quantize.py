@@ -79,24 +79,44 @@ def test_activation_precision_is_chosen_at_load(tmp_path):
         quickdraft.load(path, activations="int8")
 
 
-def test_int8_is_the_default_for_measured_files_wherever_they_lie(tmp_path, monkeypatch):
-    """The measured default follows the file (by its size), not the name it was found by; a draft
-    loads with the precision asked for its target."""
+def test_the_activation_precision_is_measured_once_per_file_and_follows_its_content(tmp_path, monkeypatch):
+    """A GGUF's int8/int16 choice is measured at its first load against the rule's thresholds,
+    recorded by content (a copy elsewhere reuses it, measuring nothing), and the packaged files'
+    are known; a draft loads with the precision asked for its target."""
+    monkeypatch.setattr(activations, "_records", lambda: tmp_path / "activations.json")
     hf = hf_model("llama-gqa-untied")
     target = tiny_tokenizer.write_llama_gguf(hf, tmp_path / "target.gguf")
-    quantized, draft = tmp_path / "q.gguf", tmp_path / "draft.gguf"
-    write_gguf(hf, quantized, GGMLQuantizationType.Q4_1,
-               metadata=lambda w: tiny_tokenizer._add_tokenizer(w, hf.config.vocab_size))
-    draft.write_bytes(quantized.read_bytes())
-    source = resolve_model(quantized)
-    assert activation_bits(source, None) == 16 and activation_bits(source, "int8") == 8
-    assert load_model(quantized).model.weight_format == "Q4_1, int16 activations"
-    monkeypatch.setattr(activations, "INT8_MEASURED_SIZES", frozenset({quantized.stat().st_size}))
-    assert activation_bits(source, None) == 8 and activation_bits(source, "int16") == 16
+    quantized, copy, other = tmp_path / "q.gguf", tmp_path / "elsewhere.gguf", tmp_path / "other.gguf"
+    for path, model in ((quantized, hf), (other, hf_model("llama-gqa-untied", seed=1))):
+        write_gguf(model, path, GGMLQuantizationType.Q4_1,
+                   metadata=lambda w: tiny_tokenizer._add_tokenizer(w, hf.config.vocab_size))
+    copy.write_bytes(quantized.read_bytes())
+    assert activation_bits(resolve_model(quantized), None) is None  # not measured yet
+    assert activation_bits(resolve_model(quantized), "int8") == 8
+    monkeypatch.setattr(activations, "TOP1", 0.0)                    # any agreement passes: int8
     assert load_model(quantized).model.weight_format == "Q4_1, int8 activations"
+    monkeypatch.setattr(activations, "TOP1", 1.01)                   # none does: int16
+    assert load_model(other).model.weight_format == "Q4_1, int16 activations"
+    monkeypatch.setattr(activations, "choose_bits", lambda *a: pytest.fail("measured again"))
+    assert activation_bits(resolve_model(copy), None) == 8 and activation_bits(resolve_model(other), None) == 16
+    assert load_model(copy).model.weight_format == "Q4_1, int8 activations"
+    assert activation_bits(resolve_model("smollm2-135m"), None) == 16  # measured with bench quality
     llm = quickdraft.load(quantized, activations="int16")
-    assert llm.draft_model(str(draft)).model.weight_format == "Q4_1, int16 activations"  # not its int8 default
+    assert llm.draft_model(str(copy)).model.weight_format == "Q4_1, int16 activations"  # not its int8 choice
     assert quickdraft.load(target, quantize="int4", activations="int8").draft_model(str(target)).model.quantized is False
+
+
+def test_set_activation_bits_switches_every_matrix_and_repacks_the_fused_layers(tmp_path):
+    hf = hf_model("llama-gqa-untied")
+    path = tmp_path / "q.gguf"
+    write_gguf(hf, path, GGMLQuantizationType.Q8_0, metadata=lambda w: tiny_tokenizer._add_tokenizer(w, hf.config.vocab_size))
+    int16, int8 = load_model(path, activations="int16").model, load_model(path, activations="int8").model
+    tokens, positions = torch.arange(3, 15)[None], torch.arange(12)[None]
+    expected = int8(tokens, positions, int8.new_cache(1, 12)).logits
+    int16(tokens, positions, int16.new_cache(1, 12))  # packs its fused layers with int16
+    activations.set_activation_bits(int16, 8)
+    assert int16.weight_format == "Q8_0, int8 activations"
+    assert torch.equal(int16(tokens, positions, int16.new_cache(1, 12)).logits, expected)
 
 
 def test_info_reports_the_active_kernel(capsys):

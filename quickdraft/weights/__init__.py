@@ -12,7 +12,7 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
 from quickdraft.tokenizer import Tokenizer, gguf_tokenizer, load_hf_tokenizer
 from quickdraft.weights import gguf_file, hf_dir
-from quickdraft.weights.activations import activation_bits, with_activation_bits
+from quickdraft.weights.activations import CALIBRATION, activation_bits, choose_bits, with_activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from quickdraft.weights.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 
@@ -39,7 +39,7 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
     on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
     `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py).
     `activations` ('int16' or 'int8') is what the integer kernel rounds activations to for
-    matrices kept quantized; None: the model's measured default (weights/activations.py)."""
+    matrices kept quantized; None: the file's measured choice (weights/activations.py)."""
     if quantize is not None and (dequantize or torch.device(device).type != "cpu"):
         raise ModelLoadError("--quantize runs on CPU and cannot be combined with --dequantize")
     source = resolve_model(name_or_path)
@@ -54,6 +54,8 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
         tokenizer = load_hf_tokenizer(source.path, config.eos_token_ids)
     if quantize is not None:
         tensors = quantize_tensors(tensors, quantize, progress=progress)
-    tensors = with_activation_bits(tensors, bits)
+    tensors = with_activation_bits(tensors, bits or 16)
     model = build_transformer(config, tensors, device=device, dtype=dtype, rope_freq_factors=freq_factors)
+    if bits is None and model.quantized:  # a file not measured yet: once, now (weights/activations.py)
+        choose_bits(model, tokenizer.encode(CALIBRATION), source)
     return LoadedModel(model, tokenizer, source, activations)
