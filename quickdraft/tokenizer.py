@@ -218,9 +218,9 @@ def gguf_tokenizer(metadata: dict[str, Any], extra_eos_ids: Sequence[int] = ()) 
         tokenizer_object=backend, bos_token=special("bos_token_id"), eos_token=special("eos_token_id"),
         unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
         chat_template=metadata.get("tokenizer.chat_template"))
-    # GGUF says whether a BOS is prepended; the rebuilt backend must not guess.
-    if not metadata.get("tokenizer.ggml.add_bos_token", False):
-        hf.add_bos_token = False
+    # GGUF says whether a BOS is prepended (Gemma's files: yes, as llama.cpp tokenizes them); the
+    # rebuilt backend must not guess, and transformers' default (none) is not the file's word.
+    hf.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     return Tokenizer(hf, extra_eos_ids)
 
 

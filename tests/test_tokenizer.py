@@ -218,3 +218,33 @@ def test_long_stop_strings_cost_linear_time() -> None:
     assert emitted == "a" * (5000 - 1023) and f.pending == "a" * 1023  # the longest possible start held
     assert f.feed("7") == ("", True)  # the held tail was the start of the stop "a..a7"
     assert time.perf_counter() - start < 3
+
+
+# -- rebuilt from GGUF metadata --------------------------------------------------------------------
+
+def gguf_metadata(**extra) -> dict:
+    """The tiny tokenizer as a GGUF file's metadata reads (read_metadata's dict)."""
+    import json
+
+    from tiny_tokenizer import MERGES
+    vocab = json.loads(build_tokenizer().to_str())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    return {"general.architecture": "llama", "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [3 if t in SPECIAL else 1 for t in tokens],
+            "tokenizer.ggml.merges": [f"{a} {b}" for a, b in MERGES], "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": EOS_ID, **extra}
+
+
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_gguf_add_bos_token_is_the_files_word(add_bos: bool | None) -> None:
+    """Gemma's GGUFs say add_bos_token true and llama.cpp prepends <bos>: without it Gemma 3 270M
+    greedy-decoded " France. The The The ..." (transformers' rebuilt backend adds none by default).
+    False or absent: no BOS, as llama.cpp's BPE vocabularies."""
+    from quickdraft.tokenizer import gguf_tokenizer
+
+    extra = {} if add_bos is None else {"tokenizer.ggml.add_bos_token": add_bos}
+    tok = gguf_tokenizer(gguf_metadata(**extra))
+    text = "héllo wörld"
+    body = build_tokenizer().encode(text).ids
+    assert tok.encode(text) == ([1] + body if add_bos else body)
+    assert tok.encode(text, add_special_tokens=False) == body

