@@ -9,7 +9,6 @@ the server's usage (prompt, cached, completion tokens). Knows nothing of how the
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import httpx
+
+from quickdraft.bench.sse import sse_chunks
 
 from quickdraft.tokenizer import Message
 
@@ -108,15 +109,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
     start = time.perf_counter()
     ttft, parts, usage = None, [], None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: server error: {chunk['error']}")
+        for chunk in sse_chunks(r, url):
             usage = chunk.get("usage") or usage
             delta = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
             if delta:

@@ -9,7 +9,6 @@ whether every request's text is identical in both modes.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ import httpx
 from tqdm import tqdm
 
 from quickdraft.bench.questions import Question
+from quickdraft.bench.sse import sse_chunks
 
 MODES = ("plain", "speculative")
 
@@ -43,15 +43,7 @@ def stream_chat(url: str, model: str, question: str, max_tokens: int, speculativ
     start = time.perf_counter()
     ttft, parts, last = 0.0, [], {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"server answered {r.status_code}: {r.text}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            last = json.loads(line[6:])
-            if "error" in last:
-                raise RuntimeError(f"server error: {last['error']['message']}")
+        for last in sse_chunks(r, "server"):
             delta = last["choices"][0]["delta"].get("content") or ""
             if delta and not ttft:
                 ttft = time.perf_counter() - start
