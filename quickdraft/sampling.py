@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -17,6 +18,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string; matching is incremental (tokenizer.StopStringFilter), this bounds memory
 TOP_P_CANDIDATES = 256  # top-p looks here first: enough mass for almost every real distribution
 F32_TINIEST = 2.0 ** -149  # the smallest positive float32: temperatures below it are 0 there
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: each bias in [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs, ids
+                                                    # ascending; a {id: bias} mapping is taken too
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str, found: object) -> None:
@@ -62,6 +67,7 @@ class SamplingParams:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             fail("stop_token_ids", "non-negative integers", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -73,12 +79,39 @@ class SamplingParams:
         return torch.Generator(device=device).manual_seed(seed)
 
 
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or (id, bias) pairs -> pairs by ascending id, or InvalidSamplingParams."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias) if isinstance(bias, (list, tuple)) else None
+    ok = pairs is not None and len(pairs) <= MAX_LOGIT_BIAS and all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and type(pair[0]) is int and pair[0] >= 0
+        and type(pair[1]) in (int, float) and abs(pair[1]) <= LOGIT_BIAS_RANGE for pair in pairs)
+    if not ok or len({t for t, _ in pairs}) != len(pairs):
+        shown = repr(bias)
+        raise InvalidSamplingParams(f"logit_bias must map at most {MAX_LOGIT_BIAS} distinct token ids >= 0 to biases "
+                                    f"in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], found {shown[:200]}")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
+
+
+def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] plus the request's logit_bias (the same tensor when it has none)."""
+    if not params.logit_bias:
+        return logits
+    ids = [t for t, _ in params.logit_bias]
+    if ids[-1] >= logits.shape[-1]:
+        raise InvalidSamplingParams(f"logit_bias names token {ids[-1]}, but the vocabulary has {logits.shape[-1]} "
+                                    f"(ids 0..{logits.shape[-1] - 1})")
+    out = logits.clone()
+    out[..., ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+    return out
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] float32 after temperature, top-k and top-p.
+    """logits [..., V] -> probabilities [..., V] float32 after the logit bias, temperature, top-k
+    and top-p.
 
     Greedy gives one-hot(argmax). Apply the same call to target and proposer logits.
     """
-    logits = logits.float()
+    logits = biased(logits, params).float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
     # Dividing the gaps to the largest logit, not the logits, is the same softmax, but nothing can

@@ -30,7 +30,7 @@ import torch
 
 from quickdraft.kernels import argmax
 from quickdraft.proposers.base import Draft
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.sampling import SamplingParams, biased, probabilities, sample
 
 
 @dataclass(frozen=True)
@@ -105,11 +105,13 @@ def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequenc
     """drafts: per row, the tree to verify (n_b nodes; q per node, or None for deterministic);
     target_logits: [B, 1+W, V] with W >= every n_b: position 0 scores the token after the row's
     root, position 1+i the token after node i (padding past 1+n_b is ignored);
-    params / generators: per row (each request has its own settings and RNG);
+    params / generators: per row (each request has its own settings and RNG; a logit bias is added
+    to p's logits, greedy rows' too);
     masks: per row, a grammar's allowed tokens [1+n_b, V] bool at the root and after each node,
     or None (unconstrained)."""
     masks = masks or [None] * len(drafts)
-    tests = [_greedy_tests(d, _masked(target_logits[b, :len(d.tokens) + 1], masks[b])) if params[b].greedy else
+    tests = [_greedy_tests(d, _masked(biased(target_logits[b, :len(d.tokens) + 1], params[b]), masks[b]))
+             if params[b].greedy else
              _sampled_tests(d, target_logits[b, :len(d.tokens) + 1], params[b], generators[b], masks[b])
              for b, d in enumerate(drafts)]
     if not tests:

@@ -265,7 +265,7 @@ def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None
 FIELD_ERRORS = [  # (body fields, param, the message exactly)
     ({"n": 2}, "n", "n: must be 1 (quickdraft returns one choice per request)"),
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty: not supported; leave it unset or 0"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias", "logit_bias: not supported; leave it unset or {}"),
+    ({"logit_bias": {"100000": 1.0}}, "logit_bias", "logit_bias names token 100000; token ids are 0..299"),
     ({"logprobs": 2}, "logprobs", "logprobs: not supported; leave it unset, false or 0"),
     ({"best_of": 3}, "best_of", "best_of: must be 1"),
     ({"echo": True}, "echo", "echo: not supported; leave it unset or false"),

@@ -243,6 +243,14 @@ class HeadProposer:
         self.cached = pairs
         return self._chain(predicted, pairs, k) if self.width == 1 else self._tree(predicted, pairs, k)
 
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's logits [1, Vd] on the draft vocabulary -> q [1, V] on the target's."""
+        V = self.target.config.vocab_size
+        if self.params.logit_bias:
+            return probabilities(logits.new_full((1, V), float("-inf")).index_copy_(1, self.vocab, logits), self.params)
+        q_draft = probabilities(logits, self.params)
+        return torch.zeros(1, V, device=q_draft.device).index_copy_(1, self.vocab, q_draft)
+
     def _chain(self, predicted: torch.Tensor, pairs: int, k: int) -> Draft:
         drafted, qs, estimates, reach = [], [], [], 1.0
         for i in range(k):
@@ -253,9 +261,8 @@ class HeadProposer:
                 x, estimate = int(self.vocab[best]), float(confidence)
             else:
                 # the target's processing on the draft vocabulary = on the whole one with -inf elsewhere
-                q_draft = probabilities(logits, self.params)
-                q = torch.zeros(1, self.target.config.vocab_size, device=q_draft.device).index_copy_(
-                    1, self.vocab, q_draft)  # [1, V]
+                # (there, where a logit bias names the target's ids)
+                q = self._q(logits)  # [1, V]
                 x, estimate = int(torch.multinomial(q, 1, generator=self.generator)), self.agreement.rate
                 qs.append(q)
             drafted.append(x)

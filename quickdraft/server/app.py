@@ -256,8 +256,13 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         _fits(len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
         stop = tuple(body.stop or ())
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        vocab = llm.model.config.vocab_size
+        if any(token >= vocab for token in bias):
+            raise BadRequest(400, f"logit_bias names token {max(bias)}; token ids are 0..{vocab - 1}", "logit_bias")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop)
+                                seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop,
+                                logit_bias=bias)
         return *llm.request(ids, params, spec, constraint), params
 
     async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, constraint: Constraint | None, ids: list[int],

@@ -16,7 +16,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from quickdraft.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from quickdraft.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from quickdraft.proposers import MAX_K
 from quickdraft.proposers.registry import option_fields
 from quickdraft.tokenizer import unicode_error
@@ -183,7 +183,10 @@ class _Common(BaseModel):
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
-    logit_bias: Annotated[dict[str, float] | None, only(None, {}, why="not supported; leave it unset or {}")] = None
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+                               Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(default=None, description=(
+        "token id (a string) -> a bias added to its logit, in the target's and the proposer's distributions"))
     logprobs: Annotated[bool | Int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
 
     @field_validator("stream_options")
