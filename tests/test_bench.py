@@ -416,3 +416,18 @@ def test_bench_serve_runs_both_modes_at_each_level(model_dir: Path, tmp_path: Pa
         assert level["plain"]["tokens_per_pass"] == 1.0
         assert level["throughput_ratio"] == pytest.approx(level["speculative"]["tokens_per_s"] / level["plain"]["tokens_per_s"])
     assert "| 3 | speculative |" in (out / "serve.md").read_text()
+
+
+def test_built_in_prompts_are_raw_text_for_a_model_without_a_chat_template(tmp_path) -> None:
+    """A base model (Gemma 3 270M's GGUF has no chat template) is benchmarked on the prompts' text,
+    and the run says so; a chat model on a user turn of its template."""
+    from quickdraft.bench.plain import PROMPTS, prompt_format, prompt_ids
+    from quickdraft.tokenizer import load_hf_tokenizer
+    from tiny_tokenizer import save_tokenizer
+
+    chat = load_hf_tokenizer(save_tokenizer(tmp_path / "chat"))
+    base = load_hf_tokenizer(save_tokenizer(tmp_path / "base", chat_template=None))
+    text = PROMPTS[0]
+    assert prompt_ids(chat, text) == chat.apply_chat_template([{"role": "user", "content": text}]) != chat.encode(text)
+    assert prompt_ids(base, text) == base.encode(text)
+    assert (prompt_format(chat), prompt_format(base)) == ("chat template", "raw text (the model has no chat template)")

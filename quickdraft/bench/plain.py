@@ -14,6 +14,7 @@ from quickdraft.api import load, parse_dtype
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.engine import generate_tokens
 from quickdraft.sampling import SamplingParams
+from quickdraft.tokenizer import Tokenizer
 
 PROMPTS = [
     "What is the capital of France? Tell me about its history.",
@@ -25,6 +26,18 @@ PROMPTS = [
     "Write a haiku about autumn leaves, then explain its imagery.",
     "How do I make a good cup of tea?",
 ]
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A built-in prompt as the model takes it: a user turn of its chat template, or the text itself
+    where the model has none (a base model, such as Gemma 3 270M; said by prompt_format)."""
+    if tokenizer.has_chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(text)
+
+
+def prompt_format(tokenizer: Tokenizer) -> str:
+    return "chat template" if tokenizer.has_chat_template else "raw text (the model has no chat template)"
 
 
 def _ours_tokens_per_s(llm, ids: list[int], n: int) -> float:
@@ -41,8 +54,7 @@ def run_plain_bench(model: str, dtypes: list[str], n_prompts: int, max_new_token
         dtype = parse_dtype(dtype_name)
         llm = load(model, device=device, dtype=dtype, prefix_cache_mb=0)  # each prompt timed from scratch
         hf = load_hf_model(llm.loaded.source, dtype, device)
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in PROMPTS[:max(1, min(n_prompts, len(PROMPTS)))]]
+        prompts = [prompt_ids(llm.tokenizer, p) for p in PROMPTS[:max(1, min(n_prompts, len(PROMPTS)))]]
         _ours_tokens_per_s(llm, prompts[0], 8)  # warm-up both sides
         hf_greedy(hf, prompts[0], 8, ignore_eos=True)
         ours, theirs, ratios = [], [], []

@@ -16,7 +16,7 @@ import torch
 from quickdraft.api import parse_dtype
 from quickdraft.bench.compare import CompareConfig, Comparison, load_engines, run_comparison
 from quickdraft.bench.llamacpp_engine import LlamaCppEngine, import_llama_cpp, worker_environment
-from quickdraft.bench.plain import PROMPTS
+from quickdraft.bench.plain import PROMPTS, prompt_format, prompt_ids
 from quickdraft.bench.qd_engine import QuickdraftEngine
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import kernel_info
@@ -28,10 +28,10 @@ PROMPT_ROOM = 128  # tokens kept for a built-in chat prompt (with any template's
 
 def compare_config(tokenizer: Tokenizer, n_prompts: int, max_new_tokens: int, prefill_tokens: int,
                    context: int, max_q: int, repeats: int) -> CompareConfig:
-    """Chat prompts for decoding; for prefill and t(q), the first tokens of the prompts' text run
-    together (any text: a pass costs the same whatever the tokens)."""
-    prompts = tuple(tuple(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-                    for p in PROMPTS[:n_prompts])
+    """Chat prompts for decoding (the text alone for a model without a chat template); for prefill
+    and t(q), the first tokens of the prompts' text run together (any text: a pass costs the same
+    whatever the tokens)."""
+    prompts = tuple(tuple(prompt_ids(tokenizer, p)) for p in PROMPTS[:n_prompts])
     text, ids = "", []
     while len(ids) < max(prefill_tokens, context + max_q):
         text += " ".join(PROMPTS) + "\n"
@@ -77,7 +77,8 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
     config = {"command": command, "model": model, "model_file": str(source.path),
               "weights": ours.model.weight_format, "device": device,
               "dtype": dtype, "threads": threads, "torch_threads": torch.get_num_threads(),
-              "prompts": len(cfg.prompts), "prompt_tokens": [len(p) for p in cfg.prompts],
+              "prompts": len(cfg.prompts), "prompt_format": prompt_format(ours.loaded.tokenizer),
+              "prompt_tokens": [len(p) for p in cfg.prompts],
               "max_new_tokens": max_new_tokens, "repeats": repeats, "context": context,
               "torch": torch.__version__, "quickdraft_kernel": kernel_info().as_dict(), "llama_cpp_python": lc.__version__,
               "llama_cpp_system_info": theirs.system_info(), "llama_cpp_flash_attn": True,
