@@ -5,6 +5,7 @@ second code path. Knows nothing of models or proposers.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -32,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0      # tokens under min_p times the likeliest one's probability are cut (0 = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs, ids
                                                     # ascending; a {id: bias} mapping is taken too
 
@@ -46,6 +48,8 @@ class SamplingParams:
             fail("top_k", "an integer >= 0 (0 = disabled)", self.top_k)
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             fail("top_p", "a number in (0, 1]", self.top_p)
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "a number in [0, 1] (0 = disabled)", self.min_p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             fail("seed", "None or an integer in [0, 2**63)", self.seed)
@@ -106,8 +110,8 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] float32 after the logit bias, temperature, top-k
-    and top-p.
+    """logits [..., V] -> probabilities [..., V] float32 after the logit bias, temperature, min-p,
+    top-k and top-p.
 
     Greedy gives one-hot(argmax). Apply the same call to target and proposer logits.
     """
@@ -121,6 +125,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = shifted / params.temperature
     if params.temperature < F32_TINIEST:  # T is 0 in float32: the max's 0 / 0 is NaN, its limit 0
         logits = logits.masked_fill(shifted == 0, 0.0)
+    if params.min_p > 0.0:  # p / p_max = exp(logit - 0) >= min_p: the likeliest token always stays
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -60,7 +60,8 @@ def vocabulary() -> Vocabulary:
 
 
 def schema_constraint(schema: dict) -> Constraint:
-    return constrain(vocabulary(), grammar_text({"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}))
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    return constrain(vocabulary(), grammar_text(fmt))
 
 
 def target():

@@ -316,7 +316,7 @@ REFUSED = [  # (route, fields, param)
     ("chat", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
     ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),  # not OpenAI's: unknown, never ignored
     ("completions", {"suffix": "def f():"}, "suffix"),
-    ("completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"min_tokens": 4}, "min_tokens"),  # vLLM's, not OpenAI's: unknown
 ]
 
 

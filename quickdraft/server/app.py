@@ -260,7 +260,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         vocab = llm.model.config.vocab_size
         if any(token >= vocab for token in bias):
             raise BadRequest(400, f"logit_bias names token {max(bias)}; token ids are 0..{vocab - 1}", "logit_bias")
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop,
                                 logit_bias=bias)
         return *llm.request(ids, params, spec, constraint), params

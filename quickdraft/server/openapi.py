@@ -104,6 +104,9 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
                 if form.get("items", {}).get("type") == "integer":
                     form["items"].update(minimum=0, maximum=vocab_size - 1)
                     form["maxItems"] = max_seq_len - 1
+            for request in ("CompletionRequest", "ChatCompletionRequest"):  # logit_bias's keys: token ids
+                bias = components[request]["properties"]["logit_bias"]["anyOf"][0]
+                bias["propertyNames"] = {"pattern": ids_up_to(vocab_size - 1)}
             _text_bounds(components, max_body_bytes)
             if bearer:
                 schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
@@ -115,6 +118,19 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
             app.openapi_schema = schema
         return app.openapi_schema
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def ids_up_to(m: int) -> str:
+    """A regular expression for the decimal numbers 0..m, written without leading zeros."""
+    digits = str(m)
+    forms = ["0", *("[1-9]" + (f"[0-9]{{{d - 1}}}" if d > 1 else "") for d in range(1, len(digits)))]
+    for i, top in enumerate(digits):  # as long as m: equal to it up to digit i, then below it there
+        low = 1 if i == 0 else 0
+        if int(top) > low:
+            rest = len(digits) - i - 1
+            forms.append(f"{digits[:i]}[{low}-{int(top) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    forms.append(digits)
+    return "^(" + "|".join(forms) + ")$"
 
 
 def _text_bounds(components: dict[str, Any], max_body_bytes: int) -> None:

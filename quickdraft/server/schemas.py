@@ -171,6 +171,8 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: NonNegative = 0   # not OpenAI's, but common in compatible servers
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description=(  # vLLM's and llama.cpp's
+        "tokens less likely than min_p times the likeliest one are cut (0 = off)"))
     seed: Seed | None = None
     stop: Stop | None = None
     stream: bool = False
@@ -183,7 +185,7 @@ class _Common(BaseModel):
     # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
     presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
-    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")],
+    logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")],
                                Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(default=None, description=(
         "token id (a string) -> a bias added to its logit, in the target's and the proposer's distributions"))

@@ -1,12 +1,15 @@
-"""logit_bias (issue 36 item 4): added to the target's logits (p) and the proposer's (q) alike, so
-speculation stays exact with it.
+"""logit_bias and min_p (issue 36 item 4): applied to the target's logits (p) and the proposer's (q)
+alike, so speculation stays exact with them.
 
-Oracles: softmax(logits + bias) by hand; plain decoding through the same engine
-with the same bias (greedy, token for token); the exact law of the first tokens under plain
-sampling with the bias (chi-square, ALPHA 1e-6, seeded), with a negative control (the law without
-the bias) the same draws must fail; the Python API's output for the server's.
+Oracles: the processed distribution by hand; plain decoding through the same engine with the same
+settings (greedy, token for token); the exact law of the first tokens under plain sampling with the
+settings (chi-square, ALPHA 1e-6, seeded), with a negative control (the law without them) the same
+draws must fail; the Python API's output for the server's.
 """
 from __future__ import annotations
+
+import re
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -14,10 +17,11 @@ import torch
 
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.errors import InvalidSamplingParams
-from quickdraft.proposers.base import Draft
+from quickdraft.proposers.base import Draft, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import MAX_LOGIT_BIAS, SamplingParams, probabilities
+from quickdraft.server.openapi import ids_up_to
 from quickdraft.verify import verify
 from test_batch_engine import Job, draft_same, first_tokens_in_batches, ngram, run_batched, target
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
@@ -60,12 +64,12 @@ def test_greedy_with_a_bias_speculation_equals_plain(policy: str) -> None:
     assert out["0"] == out["1"] == out["2"] != out["3"]
 
 
-def biased_draws(params: SamplingParams) -> tuple[torch.Tensor, int, int]:
+def draws(params: SamplingParams) -> tuple[torch.Tensor, int, int]:
+    """The first tokens of N_SAMPLES seeded requests drafting with a draft model (q is not p)."""
     drafter = Drafter(tiny16_draft())
     requests = []
     for seed in range(N_SAMPLES):
-        p = SamplingParams(temperature=params.temperature, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True,
-                           logit_bias=params.logit_bias)
+        p = replace(params, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
         requests.append(Request(PROMPT16, p, frozenset(), DraftModelProposer(
             drafter, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1), SAMPLE_K, id=str(seed)))
     return first_tokens_in_batches(tiny16(), requests)
@@ -73,10 +77,17 @@ def biased_draws(params: SamplingParams) -> tuple[torch.Tensor, int, int]:
 
 def test_sampling_with_a_bias_follows_the_biased_law_and_not_the_plain_one() -> None:
     params = SamplingParams(temperature=1.0, logit_bias=BIAS16)
-    counts, drafted, accepted = biased_draws(params)
+    counts, drafted, accepted = draws(params)
     assert_plain_sampling_law(tiny16(), counts, drafted, accepted, params)
     # negative control: the same draws against the law without the bias
     assert chi_square_p_value(counts, plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), 3)) < ALPHA
+
+
+@pytest.mark.parametrize("m", [0, 1, 9, 10, 99, 100, 299, 1000, 49151, 151935])
+def test_the_published_bound_on_logit_bias_ids_holds_exactly_the_vocabulary(m: int) -> None:
+    pattern = re.compile(ids_up_to(m))
+    assert all(bool(pattern.fullmatch(str(x))) == (x <= m) for x in range(m + 1000))
+    assert not any(pattern.fullmatch(text) for text in ("", "01", "-1", "1.0", " 1"))
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +106,10 @@ def test_the_server_takes_logit_bias(server: Server, llm) -> None:  # noqa: F811
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": NAME, "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias")
+    published = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        assert published[request]["properties"]["logit_bias"]["anyOf"][0]["propertyNames"] == {
+            "pattern": ids_up_to(llm.model.config.vocab_size - 1)}
 
 
 def test_a_heads_q_on_its_draft_vocabulary_takes_the_bias_by_the_targets_ids() -> None:
@@ -115,3 +130,33 @@ def test_a_heads_q_on_its_draft_vocabulary_takes_the_bias_by_the_targets_ids() -
     assert torch.allclose(q, expected, atol=1e-6) and q[0, 4] == 0
     unbiased = HeadProposer(random_head(model, 2, vocab), model, PROMPT16, SamplingParams(temperature=1.0), 64)
     assert torch.allclose(unbiased._q(logits)[0, vocab], torch.softmax(logits, -1)[0], atol=1e-6)
+
+
+# -- min_p ----------------------------------------------------------------------------------------------------
+
+def test_min_p_cuts_what_is_less_likely_than_a_share_of_the_likeliest() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.12, 0.08]]))
+    q = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.2))  # cut below 0.2 * 0.5 = 0.1
+    assert torch.allclose(q, torch.tensor([[0.5, 0.3, 0.12, 0.0]]) / 0.92)
+    only_max = probabilities(logits, SamplingParams(temperature=1.0, min_p=1.0))
+    assert torch.equal(only_max, torch.tensor([[1.0, 0, 0, 0]]))
+    for bad in (-0.1, 1.5, True, "0.1"):
+        with pytest.raises(InvalidSamplingParams, match="min_p must be"):
+            SamplingParams(min_p=bad)
+
+
+def test_sampling_with_min_p_follows_its_law_and_not_the_plain_one() -> None:
+    params = SamplingParams(temperature=1.0, min_p=0.15)
+    counts, drafted, accepted = draws(params)
+    assert_plain_sampling_law(tiny16(), counts, drafted, accepted, params)
+    assert chi_square_p_value(counts, plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), 3)) < ALPHA
+
+
+def test_the_server_takes_min_p(server: Server, llm) -> None:  # noqa: F811
+    r = server.client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=1.0, seed=7,
+                                         extra_body={"min_p": 0.3, "speculative": {"method": "ngram", "k": 4}})
+    alone = llm.generate("abc", params=SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, min_p=0.3),
+                         spec=SpecConfig("ngram", k=4))  # seeded: the same draws as the server's request
+    assert r.choices[0].text == alone.text
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={"model": NAME, "prompt": "hi", "min_p": 1.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p"
