@@ -51,7 +51,10 @@ def measure_round(llm: LLM, stream_ids: list[int], long_ids: list[int], usual_to
         times.extend([time.perf_counter()] * bool(event.token_ids))
         ended.extend([event] * (event.finish_reason is not None))
 
-    stream, make = llm.request(stream_ids, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True), SpecConfig())
+    # room for a token a step while the long prompt is prefilled, at least a token a step (its K/V
+    # cache is reserved for all of it at admission: not the whole context)
+    budget = SETTLE + usual_tokens + len(long_ids) + 64
+    stream, make = llm.request(stream_ids, SamplingParams(max_new_tokens=budget, ignore_eos=True), SpecConfig())
     service.submit(stream, stream_sink, make)
     while len(times) < SETTLE + usual_tokens + 1 and not ended:
         service.drive()
