@@ -82,12 +82,6 @@ class EngineService:
             self._drive.release()
         return True
 
-    def run(self, stop_when: Callable[[], bool]) -> None:
-        """Drive on the calling thread until stop_when() (checked twice a second when idle)."""
-        while not stop_when():
-            self.wait(0.5)
-            self.drive()
-
     def stream(self, request: Request, make_proposer: MakeProposer | None = None) -> Iterator[TokenEvent]:
         """The request's events, driving the engine (for every request in it) whenever no other
         thread does. A consumer that stops early cancels the request."""
