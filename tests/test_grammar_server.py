@@ -117,3 +117,19 @@ def test_a_schema_slow_to_compile_is_a_400_and_stalls_no_one(server: Server, llm
     other.join()
     assert e.value.body["param"] == "response_format" and "did not compile within 1 s" in e.value.body["message"]
     assert answered["plain"] < refused
+
+
+def test_the_openai_clients_parse_with_a_pydantic_model(server: Server) -> None:
+    """client.chat.completions.parse sends the model's strict JSON schema and parses the reply."""
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=8)
+        rain: bool
+        days: list[int] = Field(max_length=3)
+
+    r = server.client.chat.completions.parse(model=NAME, messages=USER, max_tokens=200, temperature=0,
+                                             response_format=Weather)
+    parsed = r.choices[0].message.parsed
+    assert r.choices[0].finish_reason == "stop" and isinstance(parsed, Weather)
+    assert parsed == Weather.model_validate_json(r.choices[0].message.content)
