@@ -236,6 +236,15 @@ def test_bad_schemas_are_refused_by_name() -> None:
         grammar_text({"type": "json_schema", "json_schema": {"schema": [1, 2]}})
 
 
+def test_strict_refuses_keywords_the_library_does_not_implement_and_lenient_lets_them_pass() -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        schema_constraint(schema)
+    lenient = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": False}}
+    assert constrain(vocabulary(), grammar_text(lenient)).shape(Draft([]), 4).tokens == \
+        tokenizer().encode("[", add_special_tokens=False)
+
+
 def test_json_object_gives_an_object() -> None:
     c = constrain(vocabulary(), grammar_text({"type": "json_object"}))
     (out,), (reason,) = run([(prompt_for({}), SamplingParams(max_new_tokens=400, temperature=0.8, seed=3),

@@ -44,3 +44,57 @@ def test_json_schema_answers_validate_and_speculation_changes_nothing(llm: quick
     jsonschema.validate(json.loads(plain.text), schema)
     assert spec.text == plain.text
     assert spec.stats.target_passes < plain.stats.target_passes  # forced keys and punctuation: drafted
+
+
+VARIED = [  # (prompt, schema): nesting, arrays of objects, enums, unions, bounds, patterns, formats
+    ("List two fruits with their colors as JSON.",
+     {"type": "object", "properties": {"fruits": {"type": "array", "maxItems": 3, "items": {
+         "type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                          "color": {"enum": ["red", "yellow", "green", "orange", "purple"]}},
+         "required": ["name", "color"], "additionalProperties": False}}},
+      "required": ["fruits"], "additionalProperties": False}),
+    ("Is the sky blue? Answer as JSON.",
+     {"type": "object", "properties": {"answer": {"type": "boolean"}, "confidence": {"type": "number", "minimum": 0,
+                                                                                    "maximum": 1}},
+      "required": ["answer", "confidence"], "additionalProperties": False}),
+    ("Give a US phone number and a zip code as JSON.",
+     {"type": "object", "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{3}-[0-9]{4}$"},
+                                       "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+      "required": ["phone", "zip"], "additionalProperties": False}),
+    ("Three prime numbers as a JSON array.",
+     {"type": "array", "minItems": 3, "maxItems": 3, "items": {"type": "integer", "minimum": 2, "maximum": 100}}),
+    ("Describe a book as JSON, with its author.",
+     {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                       "author": {"type": "object", "properties": {
+                                           "name": {"type": "string", "maxLength": 30},
+                                           "born": {"type": ["integer", "null"]}},
+                                           "required": ["name", "born"], "additionalProperties": False},
+                                       "pages": {"type": "integer", "minimum": 1, "maximum": 5000}},
+      "required": ["title", "author", "pages"], "additionalProperties": False}),
+    ("Give a date and a time for a meeting as JSON.",
+     {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                                       "room": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 99},
+                                                          {"const": "remote"}]}},
+      "required": ["date", "room"], "additionalProperties": False}),
+    ("Rate this movie from 1 to 5 as JSON, with tags.",
+     {"type": "object", "properties": {"stars": {"enum": [1, 2, 3, 4, 5]},
+                                       "tags": {"type": "array", "maxItems": 4,
+                                                "items": {"type": "string", "maxLength": 12}}},
+      "required": ["stars", "tags"], "additionalProperties": False}),
+]
+
+
+@pytest.mark.parametrize("prompt,schema", VARIED, ids=[f"schema{i}" for i in range(len(VARIED))])
+def test_varied_schemas_validate_plain_and_speculative(llm: quickdraft.LLM, prompt: str, schema: dict) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    messages = [{"role": "user", "content": prompt}]
+    params = SamplingParams(max_new_tokens=200)
+    plain = llm.generate(messages=messages, params=params, spec=SpecConfig(method="none"), response_format=fmt)
+    assert plain.finish_reason == "stop", plain.text
+    jsonschema.validate(json.loads(plain.text), schema)
+    for spec in (SpecConfig(method="ngram", k=8), SpecConfig(method="ngram-tree", k=8)):
+        assert llm.generate(messages=messages, params=params, spec=spec, response_format=fmt).text == plain.text
+    sampled = llm.generate(messages=messages, params=SamplingParams(max_new_tokens=200, temperature=0.8, seed=1),
+                           spec=SpecConfig(method="ngram", k=8), response_format=fmt)
+    assert sampled.finish_reason == "stop", sampled.text
+    jsonschema.validate(json.loads(sampled.text), schema)
