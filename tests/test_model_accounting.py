@@ -263,3 +263,21 @@ def test_a_mixture_of_experts_gguf_is_refused_before_its_tensors_are_read(tmp_pa
                metadata=lambda w: (w.add_expert_count(8), w.add_expert_used_count(2)))
     with pytest.raises(UnsupportedArchitecture, match="mixture of experts"):
         read_gguf(path)
+
+
+@pytest.mark.parametrize("name", ["gemma3-sandwich", "gemma2-softcap", "llama-gqa-untied"])
+def test_gguf_end_tokens_of_the_family_end_generation(name, tmp_path):
+    """A Gemma GGUF holds one eos_token_id (<eos>); Gemma's generation_config ends on <end_of_turn>
+    too, and so does llama.cpp: the family row names it, found in the vocabulary by its string.
+    Other families gain nothing from a token of that name."""
+    path, hf = tmp_path / "m.gguf", hf_model(name)
+    write_gguf(hf, path)
+    reader = open_reader(path)
+    meta, names = read_metadata(reader), {t.name for t in reader.tensors}
+    tokens = [f"<t{i}>" for i in range(hf.config.vocab_size)]
+    tokens[40] = "<end_of_turn>"
+    meta = {**meta, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 1}
+    gemma = name.startswith("gemma")
+    assert config_from_metadata(meta, names).eos_token_ids == ((1, 40) if gemma else (1,))
+    tokens[40] = "<t40>"  # a vocabulary without it: the file's eos alone
+    assert config_from_metadata(meta, names).eos_token_ids == (1,)

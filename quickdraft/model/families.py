@@ -98,6 +98,9 @@ class Family:
     window: Literal["none", "all", "layer_types", "pattern"] = "none"
     defaults: tuple[tuple[str, Any], ...] = ()  # what the config class assumes for keys a config.json leaves out
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its interleaved RoPE
+    # tokens that end generation beside the GGUF's eos_token_id (which holds one): the ones the
+    # family's generation_config.json lists, which llama.cpp also ends on (Gemma: <end_of_turn>)
+    gguf_end_tokens: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         roles = {role for role, _, _ in self.tensors}
@@ -133,6 +136,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
     Family("gemma2", "gemma2", _GEMMA_TENSORS, qkv_bias="attention_bias", o_bias="attention_bias", norm="sandwich",
            hf_norm_offset=1.0, activation_key="hidden_activation", embed_scale=True,
            attn_scale_key="query_pre_attn_scalar", window="pattern", softcaps=True, gguf_unscaled_layers=46,
+           gguf_end_tokens=("<end_of_turn>",),
            defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
                      ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 2),
                      ("tie_word_embeddings", True), ("final_logit_softcapping", 30.0),
@@ -141,7 +145,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
     Family("gemma3_text", "gemma3", _GEMMA_TENSORS + _QK_NORMS, qkv_bias="attention_bias", o_bias="attention_bias",
            norm="sandwich", hf_norm_offset=1.0, qk_norm="head", activation_key="hidden_activation",
            embed_scale=True, attn_scale_key="query_pre_attn_scalar", rope_per_layer_type=True, window="pattern",
-           gguf_unscaled_layers=62,
+           gguf_unscaled_layers=62, gguf_end_tokens=("<end_of_turn>",),
            defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
                      ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 6),
                      ("tie_word_embeddings", True), ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),

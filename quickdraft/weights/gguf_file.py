@@ -117,8 +117,14 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         layer_windows=_layer_windows(meta, arch, int(get("block_count")), spec),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
+        eos_token_ids=((int(eos),) if eos is not None else ()) + _end_token_ids(tokens, spec),
     )
+
+
+def _end_token_ids(tokens: list[str], spec: Family) -> tuple[int, ...]:
+    """The ids of the family's other end-of-generation tokens this vocabulary holds."""
+    index = {token: i for i, token in enumerate(tokens) if token in spec.gguf_end_tokens}
+    return tuple(index[t] for t in spec.gguf_end_tokens if t in index)
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling | None:
