@@ -79,3 +79,19 @@ def test_prompt_lookup_equals_plain(llm: quickdraft.LLM, prompt: str, k: int) ->
     spec = llm.generate(prompt, params=params, spec=SpecConfig(method="ngram", k=k))
     assert spec.token_ids == plain.token_ids
     assert spec.stats.accepted_tokens > 0 and spec.stats.target_passes < plain.stats.target_passes
+
+
+def test_a_prompt_past_the_sliding_window_matches_transformers(llm: quickdraft.LLM, hf: torch.nn.Module) -> None:
+    """678 tokens: five of every six layers see only the last 512 positions (llama.cpp's greedy
+    tokens are these too, measured); prompt lookup keeps plain's tokens there."""
+    from quickdraft.bench.plain import PROMPTS as QUESTIONS
+
+    text = ("Here are some questions and answers.\n" + "\n".join(f"Q{i}: {q}" for i, q in enumerate(QUESTIONS * 5))
+            + "\nThe first question was")
+    ids = llm.prompt_ids(text)
+    assert len(ids) > 512 == llm.model.config.layer_windows[0]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ours = llm.generate(text, params=params)
+    theirs, _ = hf_greedy(hf, ids, 16, ignore_eos=True)
+    assert ours.token_ids == theirs
+    assert llm.generate(text, params=params, spec=SpecConfig(method="ngram")).token_ids == ours.token_ids
