@@ -115,11 +115,13 @@ def test_bench_specbench_method_draft(pair: dict[str, Path], tmp_path: Path, cap
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [PROMPT]}) + "\n")
     argv = ["bench", "specbench", "--questions", str(qfile), "--groups", "qa", "-n", "12", "--no-progress", "--json",
-            "--methods", "plain,draft:3"]
+            "--methods", "plain,draft:3", "--verify-all"]
     assert main(argv + ["-m", "tiny-target"]) == 0
     res = json.loads(capsys.readouterr().out)
-    draft = res["summary"]["overall"]["draft:tiny-draft k=3"]
-    assert draft["identical_pct"] == 100.0 and draft["drafted_tokens"] > 0
+    # a random draft: the policy may rightly verify none of it (its call from the engine's measured
+    # step times), so the premise that drafts were made and checked is the policy-off row's
+    adaptive, every = (res["summary"]["overall"][f"draft:tiny-draft k=3{all_}"] for all_ in ("", " all"))
+    assert adaptive["identical_pct"] == every["identical_pct"] == 100.0 and every["drafted_tokens"] > 0
     assert res["methods"][1]["spec"]["draft_model"] == "tiny-draft"
     assert main(argv + ["-m", str(pair["target"])]) == 1
     assert "draft:NAME|PATH[:K]" in capsys.readouterr().err
