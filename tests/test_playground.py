@@ -124,7 +124,7 @@ def test_chat_marks_each_token_by_origin_and_a_race_is_identical(server: Backgro
         assert page.get_attribute(f"#fig-origins li[data-origin='{origin}']", "data-count") == str(counts[origin])
     assert page.get_attribute("#fig-sources li[data-source='ngram']", "data-count") == \
         str(counts["accepted"] + counts["branch"])
-    assert page.text_content("#fig-tpp") == f"{stats['new_tokens'] / stats['target_passes']:.2f}"
+    assert page.text_content("#fig-tpp") == f"{stats['tokens_per_pass']:.2f}"  # the stop token counted, as in stats
     assert page.text_content("#fig-passes") == str(stats["target_passes"])
     bars = page.eval_on_selector_all("#fig-bars .bar span", "spans => spans.map(s => s.textContent)")
     # the page rounds as JavaScript's Math.round does (halves up), not as Python's round (halves to even)
@@ -141,6 +141,8 @@ def test_chat_marks_each_token_by_origin_and_a_race_is_identical(server: Backgro
     assert {m["origin"] for m in plain} == {"target"} and DRAFT_ORIGINS & {m["origin"] for m in spec}
     assert [m["id"] for m in plain] == [m["id"] for m in spec] and len(plain) > 0
     assert page.text_content("#fig-of") == "of the race's ngram, k = 8 run"
+    # the race card and the live figures count one way: the speculative pane's tokens per pass
+    assert f"{page.text_content('#fig-tpp')} tokens per pass" in page.text_content("#pane-spec .meta")
     assert errors == []
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     page.close()

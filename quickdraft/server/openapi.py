@@ -48,7 +48,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _COUNTS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 # quickdraft's extension of each stream chunk (docs/server.md, "Token origins"); OpenAI clients ignore it
 TOKEN_ORIGINS = {
-    "type": "object", "required": ["pass", "tokens", "new_tokens", "elapsed_s", "ttft_s", "drafted_at", "accepted_at"],
+    "type": "object", "required": ["pass", "tokens", "new_tokens", "committed_tokens", "elapsed_s", "ttft_s", "drafted_at", "accepted_at"],
     "description": "Where each token of this chunk came from, and the request's running statistics",
     "properties": {
         "pass": {"type": "integer", "minimum": 1, "description": "target passes so far, the prefill being 1"},
@@ -63,6 +63,8 @@ TOKEN_ORIGINS = {
                            "description": "for a draft token, the part of the proposer that drafted it "
                                           "(ngram, head, draft) where the proposer has several; else null"}}}},
         "new_tokens": {"type": "integer", "minimum": 0},
+        "committed_tokens": {"type": "integer", "minimum": 0,
+                             "description": "tokens the passes committed: new_tokens and a stop token's"},
         "elapsed_s": {"type": "number"}, "ttft_s": {"type": "number"},
         "drafted_at": _COUNTS, "accepted_at": _COUNTS}}
 # each event's data: a chunk, an error, or the closing "[DONE]"

@@ -56,7 +56,7 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
     return {"pass": stats.target_passes,
             "tokens": [{"id": t, "text": text, "origin": o.kind, "depth": o.depth, "source": o.source}
                        for t, text, o in zip(chunk.token_ids, pieces, chunk.origins)],
-            "new_tokens": stats.new_tokens, "elapsed_s": stats.total_s, "ttft_s": stats.ttft_s,
+            "new_tokens": stats.new_tokens, "committed_tokens": stats.committed_tokens, "elapsed_s": stats.total_s, "ttft_s": stats.ttft_s,
             "drafted_at": stats.drafted_at, "accepted_at": stats.accepted_at}
 
 

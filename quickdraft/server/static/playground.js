@@ -140,7 +140,7 @@ function drawFigures(run) {
   const ext = run.last;
   $("fig-of").textContent = `of ${run.label}`;
   $("fig-tps").textContent = fixed(ext.elapsed_s > 0 ? ext.new_tokens / ext.elapsed_s : NaN);
-  $("fig-tpp").textContent = fixed(run.ids.length / ext.pass, 2);
+  $("fig-tpp").textContent = fixed(ext.committed_tokens / ext.pass, 2); // as stats.tokens_per_pass: a stop token counts
   $("fig-ttft").textContent = `${fixed(ext.ttft_s * 1000, 0)} ms`;
   $("fig-passes").textContent = ext.pass;
   $("fig-origins").replaceChildren(...ORIGINS.map((o) => {
