@@ -371,8 +371,10 @@ def sampled_in_batches(kind: str, device: str = "cpu") -> tuple[torch.Tensor, in
 def first_tokens_in_batches(model: Transformer, requests: Sequence[Request], n: int = N_TOKENS
                             ) -> tuple[torch.Tensor, int, int]:
     """Runs the requests through one engine, 8 rows at a time: counts [V16]*n of their first n
-    tokens, and the drafted and accepted tokens in all."""
-    engine = Engine(model, EngineConfig(max_batch=8))
+    tokens, and the drafted and accepted tokens in all. Prompts are admitted with a fixed prefill
+    allowance, so that rows decode side by side whatever the machine's step times (measured ones
+    would stagger them, and the premises of batched drafting with them)."""
+    engine = Engine(model, EngineConfig(max_batch=8, prefill_chunk=256))
     for request in requests:
         engine.add(request)
     counts = torch.zeros([V16] * n, dtype=torch.long)

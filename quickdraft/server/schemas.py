@@ -122,7 +122,8 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # accepted, no effect: quickdraft pads no chunks
 
 
-Json = dict[str, Any]
+MAX_SCHEMA_KEYS = 64  # a JSON schema's top-level keywords (type, properties, $defs, ...): a few in practice
+Json = Annotated[dict[str, Any], Field(max_length=MAX_SCHEMA_KEYS)]
 IGNORED = "accepted and ignored"  # identifiers and metadata: they change nothing generated
 
 
