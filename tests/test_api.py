@@ -346,7 +346,7 @@ def test_cli_help_lists_commands() -> None:
 
 
 def test_default_proposers_of_the_commands() -> None:
-    """Both draft with prompt lookup: the shipped head does not pay on a CPU yet (docs/benchmarks.md)."""
+    """Both draft with prompt lookup: the shipped head does not pay on a CPU yet (docs/results.md)."""
     from quickdraft.cli import build_parser
     parser = build_parser()
     gen, srv = parser.parse_args(["generate", "--prompt", "x"]), parser.parse_args(["serve"])

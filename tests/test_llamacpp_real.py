@@ -84,7 +84,7 @@ def test_compare_command_on_the_default_model(capsys) -> None:
 
 # Gemma 3 270M Q4_K_M (packaged name gemma3-270m): short raw prompts on which the two engines'
 # greedy tokens agree throughout (measured). On others they part on a near tie, where transformers'
-# float32 on the same weights sides with quickdraft (test_gemma_real.py; docs/benchmarks.md).
+# float32 on the same weights sides with quickdraft (test_gemma_real.py; docs/results.md).
 GEMMA_PROMPTS = ["def fibonacci(n):", "Water boils at a temperature of", "The quick brown fox"]
 
 

@@ -40,7 +40,7 @@ def add_model_args(p: argparse.ArgumentParser, weight_formats: bool = True) -> N
     p.add_argument("--activations", choices=list(ACTIVATIONS),
                    help="what the integer kernel rounds activations to for quantized weights: int8 halves "
                         "the multiplies of verification and prefill, int16 tracks float32 more closely "
-                        "(default: int8 where measured within the quality bar, see docs/benchmarks.md)")
+                        "(default: int8 where measured within the quality bar, see docs/results.md)")
 
 
 def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress: bool = False,

@@ -23,7 +23,7 @@ T = TypeVar("T")
 MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
 DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
 # The proposer when none is named, in Python (SpecConfig()), the CLI and the server alike: prompt
-# lookup, the fastest measured on a CPU (docs/benchmarks.md, Spec-Bench and bench serve: the shipped
+# lookup, the fastest measured on a CPU (docs/notes/smollm2.md, Spec-Bench and bench serve: the shipped
 # head does not pay for its drafting yet, alone or in the hybrid); "none" is plain decoding.
 DEFAULT_METHOD = "ngram"
 

@@ -11,7 +11,7 @@ It is measured at the file's first load (a message says so; a few seconds) and r
 user's cache, keyed by the file's content (its size and the hashes of its first and last MiB),
 so a copy of a file loaded by another path gets the same answer. The packaged files were
 measured against their float32 dequantization with `quickdraft bench quality` over 2,048
-ShareGPT tokens (docs/benchmarks.md) and are known here by the same key.
+ShareGPT tokens (docs/results.md) and are known here by the same key.
 """
 from __future__ import annotations
 

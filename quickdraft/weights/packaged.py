@@ -60,7 +60,7 @@ CHUNKED_MODELS = {
 
 
 # A target's draft: the packaged model of its family, sharing its tokenizer, that `--spec draft`
-# uses when no --draft-model is named (measured on this pair in docs/benchmarks.md).
+# uses when no --draft-model is named (measured on this pair in docs/results.md).
 PACKAGED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 
 
