@@ -19,7 +19,7 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin, token_origins
-from quickdraft.engine.inputs import build_inputs
+from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import next_admitted, step_allowance
 from quickdraft.errors import ContextTooLong
@@ -239,12 +239,26 @@ class Engine:
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
+        left = None  # prompt tokens this step may still prefill (None: _fill decides)
         if self.rows:
-            events += self._decode(0, len(self.rows))
-        return events + self._fill()
+            admitted, ride = self._rider()
+            events += admitted
+            if ride is not None:
+                row, most = ride
+                before = row.length
+                events += self._decode(0, len(self.rows), ride)
+                if self.filling is not row:  # its prompt is in: the rest of the allowance to the next
+                    left = max(most - (len(row.tokens) - before), 0) if row in self.rows else 0
+                elif row.length != before:  # it rode: its chunk was the step's allowance
+                    left = 0
+            else:
+                events += self._decode(0, len(self.rows))
+        return events + self._fill(left)
 
-    def _decode(self, lo: int, hi: int) -> Events:
-        """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe.
+    def _decode(self, lo: int, hi: int, ride: tuple[_Row, int] | None = None) -> Events:
+        """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe. `ride`: the
+        filling row (cache row hi) and at most how many of its prompt tokens ride along in the pass
+        (ragged passes only; _rider).
 
         A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
         rows' generators are rewound), so each half of the rows is decoded again on its own, down
@@ -254,43 +268,70 @@ class Engine:
         rows = self.rows[lo:hi]
         t0 = time.perf_counter()
         drafts = self._choose_drafts(rows)
-        width = 1 + max(len(d.tokens) for d in drafts)  # rows are padded to the widest
-        if self.invariant_rows is not None and len(rows) > 1 and len(rows) * width > self.invariant_rows:
+        sizes = [1 + len(d.tokens) for d in drafts]
+        # a ragged pass feeds each row's tokens, a padded one every row padded to the widest
+        fed = sum(sizes) if self.model.ragged else len(rows) * max(sizes)
+        if self.invariant_rows is not None and len(rows) > 1 and fed > self.invariant_rows:
             # wider, the pass would give each row other bits than it has alone (and leave them to the
-            # prefix cache): halves, each with drafts of its own
+            # prefix cache): halves, each with drafts of its own (the prompt's chunk waits: _fill)
             mid = (lo + hi) // 2
             return self._decode(lo, mid) + self._decode(mid, hi)
+        if ride is not None:
+            row, most = ride
+            size = min(most, len(row.tokens) - row.length, (self.invariant_rows or 1 << 62) - fed)
+            ride = (row, size) if size > 0 else None
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
-            out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask,
-                             inputs.width, inputs.slots)  # ONE pass: logits [B, 1+W, V], hidden [B, 1+W, D]
-            verdict = verify(drafts, out.logits, [r.request.params for r in rows], [r.generator for r in rows],
+            logits, hidden, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
+            verdict = verify(drafts, logits, [r.request.params for r in rows], [r.generator for r in rows],
                              [_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)])
         except Exception as e:  # noqa: BLE001 - found and reported per row below
             for row, state in zip(rows, rng):
                 if state is not None:
                     row.generator.set_state(state)
-            if len(rows) == 1:
-                return self._fail(rows[0], e)
-            mid = (lo + hi) // 2
-            return self._decode(lo, mid) + self._decode(mid, hi)
+            events = self._fail(rows[0], e) if len(rows) == 1 else \
+                self._decode(lo, (lo + hi) // 2) + self._decode((lo + hi) // 2, hi)
+            return events if ride is None else events + self._prefill_chunk(*ride)  # the chunk in a pass of its own
         step_s = time.perf_counter() - t0
-        self.cost.observe(len(rows) + sum(len(d.tokens) for d in drafts), step_s)
+        if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
+            self.cost.observe(sum(sizes), step_s)
         steps, origins = [], []
-        top = TopTokens(out.logits, [1 + len(d.tokens) for d in drafts])  # made only if a proposer asks
+        top = TopTokens(logits, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
             row.length += 1 + len(kept)
             row.tokens += tokens
             row.stats.record_draft(draft.depths(), len(kept))
-            steps.append(Committed(tokens, len(kept), len(draft.tokens), out.hidden[b, [0, *(1 + i for i in kept)]],
+            steps.append(Committed(tokens, len(kept), len(draft.tokens), hidden[b, [0, *(1 + i for i in kept)]],
                                    top.row(b)))
             if self.prefix is not None:
                 row.features.append(steps[-1].features)
             origins.append(token_origins(draft.tree, kept, draft.source))
-        return self._emit(rows, steps, step_s, origins)
+        events = self._emit(rows, steps, step_s, origins)
+        if ride is None:
+            return events
+        # the chunk's share of the pass: what it added to the decode rows' usual step
+        extra = max(step_s - self.cost.estimate(sum(sizes)), 0.0)
+        return events + self._prefilled(ride[0], ride[1], chunk, extra)
+
+    def _pass(self, lo: int, hi: int, inputs: StepInputs, sizes: list[int], ride: tuple[_Row, int] | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The target's pass over rows lo..hi-1 -> logits [B, 1+W, V], hidden [B, 1+W, D] (padding's
+        are junk) and the riding chunk's hidden [n, D] (None: no chunk). Ragged where the model
+        feeds them: each row's tokens only, and the chunk's, in one sequence (inputs.ragged)."""
+        if not self.model.ragged:
+            out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask, inputs.width,
+                             inputs.slots)
+            return out.logits, out.hidden, None
+        chunk = None if ride is None else (ride[0].length, ride[0].tokens[ride[0].length:ride[0].length + ride[1]])
+        flat = ragged(inputs, sizes, chunk)
+        out = self.model(flat.ids, flat.positions, self.cache.rows(lo, hi + (ride is not None)), flat.mask,
+                         last_n=0, slots=flat.slots, rows=flat.rows)
+        hidden = out.hidden[0]  # [M, D]
+        logits = self.model.logits(hidden[:flat.decoded])  # the chunk's only where it ends a prompt: _prefilled
+        return logits[flat.index], hidden[flat.index], None if ride is None else hidden[flat.decoded:]
 
     def _choose_drafts(self, rows: list[_Row]) -> list[Draft]:
         """The part of each row's offered draft to verify (engine/policy.py)."""
@@ -317,23 +358,43 @@ class Engine:
         return _Row(request, budget, stop_ids, params.make_generator(self.model.device),
                     GenerationStats(prompt_tokens=len(request.prompt_ids)), time.perf_counter())
 
-    def _fill(self) -> Events:
-        """Admit waiting requests into free rows and prefill their prompts, one row at a time: while
-        rows decode, only as many prompt tokens a step as stall them little (engine/prefill.py);
-        while none does, whole prompts. A prompt's passes draft nothing, exactly like plain decoding."""
+    def _rider(self) -> tuple[Events, tuple[_Row, int] | None]:
+        """The prompt whose next tokens ride along with this step's decode pass (ragged passes
+        only), admitted now if none is being prefilled, and at most how many tokens: as many as
+        stall the decoding rows little (engine/prefill.py). Events: admissions that failed."""
+        if not self.model.ragged:
+            return [], None
         events: Events = []
-        allowance: int | None = None  # prompt tokens this step may still feed (None: as yet unlimited)
+        while self.filling is None and self.waiting and len(self.rows) < self.config.max_batch:
+            events += self._take_waiting()
+        if self.filling is None:
+            return events, None
+        return events, (self.filling, step_allowance(len(self.rows), self.cost, self.last_prefill,
+                                                     self.config.prefill_chunk))
+
+    def _take_waiting(self) -> Events:
+        """Admit the next waiting request into the filling row; its error event if that fails."""
+        request = self._next_waiting()
+        try:
+            self.filling = self._admit(request)
+        except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
+            return [(request.id, TokenEvent([], "error", GenerationStats(prompt_tokens=len(request.prompt_ids)), e))]
+        return []
+
+    def _fill(self, allowance: int | None = None) -> Events:
+        """Admit waiting requests into free rows and prefill their prompts, one row at a time: while
+        rows decode, only as many prompt tokens a step as stall them little (engine/prefill.py), in
+        the decode pass where they can ride along (`allowance`: what that left), else in passes of
+        their own; while none decodes, whole prompts. A prompt's passes draft nothing, exactly like
+        plain decoding."""
+        events: Events = []
+        # allowance: prompt tokens this step may still feed (None: as yet unlimited)
         while allowance != 0:
             if self.filling is None:
                 if not self.waiting or len(self.rows) >= self.config.max_batch:
                     break
-                request = self._next_waiting()
-                try:
-                    self.filling = self._admit(request)
-                except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
-                    stats = GenerationStats(prompt_tokens=len(request.prompt_ids))
-                    events.append((request.id, TokenEvent([], "error", stats, e)))
-                    continue
+                events += self._take_waiting()
+                continue
             if allowance is None and (self.rows or self.config.prefill_chunk):
                 allowance = step_allowance(len(self.rows), self.cost, self.last_prefill, self.config.prefill_chunk)
             row = self.filling
@@ -385,34 +446,48 @@ class Engine:
     def _prefill_chunk(self, row: _Row, size: int) -> Events:
         """Feed the next `size` tokens of the filling row's prompt; after the last, it decodes from
         the next step on (it joins the running rows, whose cache row it already sits in)."""
-        index, n = len(self.rows), len(row.tokens)
-        end, device = row.length + size, self.model.device
+        index, end, device = len(self.rows), row.length + size, self.model.device
         t0 = time.perf_counter()
         try:
             out = self.model(torch.tensor([row.tokens[row.length:end]], device=device),
                              torch.arange(row.length, end, device=device)[None], self.cache.rows(index, index + 1),
-                             last_n=1 if end == n else 0)  # the prompt's last token alone is scored
-            verdict = verify([NO_DRAFT], out.logits, [row.request.params], [row.generator],
-                             [_masks(row, 0)]) if end == n else None
+                             last_n=0)
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
-            self.filling = None
-            row.stats.total_s = time.perf_counter() - row.start
-            return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), e))]
-        seconds = time.perf_counter() - t0
+            return self._fill_failed(row, e)
+        return self._prefilled(row, size, out.hidden[0], time.perf_counter() - t0)
+
+    def _prefilled(self, row: _Row, size: int, hidden: torch.Tensor, seconds: float) -> Events:
+        """The filling row's next `size` prompt tokens went through the model (their K/V are in its
+        cache row; hidden [size, D]), in a pass of their own or riding along, adding `seconds` to
+        the step. After the prompt's last token, the row decodes from the next step on (it joins
+        the running rows, whose cache row it already sits in); its first token is sampled here from
+        that token's logits alone, as a one-pass prefill scores it."""
+        index, n, end = len(self.rows), len(row.tokens), row.length + size
         self.last_prefill = (size, seconds)
         row.length = end
-        row.features.append(out.hidden[0])
-        if verdict is None:
+        row.features.append(hidden)
+        if end < n:
             row.stats.verify_s += seconds
             return []
+        try:
+            logits = self.model.logits(hidden[-1:])[None]  # [1, 1, V]
+            verdict = verify([NO_DRAFT], logits, [row.request.params], [row.generator], [_masks(row, 0)])
+        except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
+            return self._fill_failed(row, e)
         self.filling = None
         self.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if self.prefix is not None else []
         self._offer(row, index, features)  # now: sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
-        step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(out.logits, [1]).row(0))
+        step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
         return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]])
+
+    def _fill_failed(self, row: _Row, error: Exception) -> Events:
+        """The filling row's prompt pass raised: only its request ends."""
+        self.filling = None
+        row.stats.total_s = time.perf_counter() - row.start
+        return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
     def _fail(self, row: _Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

@@ -62,3 +62,43 @@ def build_inputs(lengths: Sequence[int], roots: Sequence[int], drafts: Sequence[
     depths = [[0] + d.depths() + list(range(len(d.tokens) + 1, width)) for d in drafts]
     positions = starts + torch.tensor(depths, device=device)
     return StepInputs(ids, positions, slots, _visible(lengths, drafts, width, device))
+
+
+@dataclass(frozen=True)
+class RaggedInputs:
+    """A step's rows unpadded, one sequence of every row's tokens (each in its own cache row), and
+    maybe a prompt's chunk riding along: where the model feeds ragged passes (Transformer.ragged),
+    padding costs nothing and a prompt's chunk shares the pass over the weights with the decode rows."""
+    ids: torch.Tensor        # [1, M]
+    positions: torch.Tensor  # [1, M] rotary positions
+    slots: torch.Tensor      # [1, M] cache slots
+    mask: torch.Tensor       # [1, M, kv_len] True = may attend (within the token's own cache row)
+    rows: torch.Tensor       # [M] each token's cache row
+    index: torch.Tensor      # [B, 1+W] the pass's token at each of StepInputs' places (padding: its row's root)
+    decoded: int             # the decode rows' tokens come first, the chunk's (if any) after them
+
+
+def ragged(step: StepInputs, sizes: Sequence[int], chunk: tuple[int, Sequence[int]] | None = None) -> RaggedInputs:
+    """`step`'s rows without their padding (row b: its first sizes[b] tokens, in cache row b), then
+    `chunk` = (start, tokens): a prompt's tokens at positions and slots start, start+1, ... of
+    cache row B, seeing that row's slots up to their own (causal), as a prefill pass of their own."""
+    device = step.ids.device
+    B, W = step.ids.shape
+    keep = torch.arange(W, device=device)[None, :] < torch.tensor(sizes, device=device)[:, None]  # [B, W]
+    slots = step.positions if step.slots is None else step.slots
+    ids, positions, flat_slots = step.ids[keep], step.positions[keep], slots[keep]
+    rows = torch.arange(B, device=device)[:, None].expand(B, W)[keep]
+    decoded = ids.shape[0]
+    if chunk is not None:
+        start, tokens = chunk
+        span = torch.arange(start, start + len(tokens), device=device)
+        ids = torch.cat((ids, torch.tensor(tokens, device=device, dtype=ids.dtype)))
+        positions, flat_slots = torch.cat((positions, span)), torch.cat((flat_slots, span))
+        rows = torch.cat((rows, torch.full_like(span, B)))
+    kv_len = int(flat_slots.max()) + 1
+    mask = torch.arange(kv_len, device=device)[None, :] <= flat_slots[:, None]  # [M, kv_len] causal
+    if step.mask is not None:  # trees: each node sees its row's committed slots and its ancestors
+        mask[:decoded, :step.mask.shape[-1]] &= step.mask[keep]
+    index = torch.cumsum(keep.flatten(), 0).view(B, W) - 1  # padding: the last kept token before it
+    index = torch.where(keep, index, index[:, :1])
+    return RaggedInputs(ids[None], positions[None], flat_slots[None], mask[None], rows, index, decoded)

@@ -192,14 +192,16 @@ def rope_attention_usable(qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
-                   n_q: int, n_kv: int, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                   n_q: int, n_kv: int, scale: float | None = None, softcap: float | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """The attention half of a layer in one C call (attention.c): rotary embedding of q and k, k and v
     written to the cache buffers at `positions`, each query attending alone over the keys it may
     see, so its output does not depend on the batch it is in.
     qkv [B, T, (n_q + 2 n_kv) * D]; cos, sin [B, 1, T, D]; positions [B, T]; k_cache, v_cache
     [B, n_kv, max_len, D] (a layer's buffers); visible [B, T, kv_len] (True = may attend) or None
     (every key below kv_len); scale: the scores' (None: D ** -0.5); softcap: scores become
-    softcap * tanh(score / softcap) (None: not capped) -> [B, T, n_q * D]."""
+    softcap * tanh(score / softcap) (None: not capped); rows [B * T] int64: each token's cache row
+    (a ragged pass, B = 1), None: its batch row -> [B, T, n_q * D]."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (D, 1) and kv_len <= k_cache.shape[2]
@@ -209,8 +211,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     threads = torch.get_num_threads()
     scratch = torch.empty(B * T * n_q * D, dtype=torch.float32)
     active_library().qd_rope_attention(
-        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), None if rows is None else rows.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
         k_cache.stride(0), k_cache.stride(1), D ** -0.5 if scale is None else scale, softcap or 0.0, scratch.data_ptr(),
         threads)
     return out

@@ -192,6 +192,7 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
 
 typedef struct {
     const float *q, *k, *v;
+    const int64_t *rows;  /* each token's cache row, or NULL: token bt's is bt / T */
     const uint8_t *visible;
     float *out;
     int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
@@ -202,7 +203,7 @@ typedef struct {
 static void attention_task(void *ctx, int64_t task) {
     const AttentionJob *j = ctx;
     const int64_t group = j->Hq / j->Hkv, part = task % j->parts, bt = task / j->parts / j->Hkv;
-    const int64_t g = task / j->parts % j->Hkv, b = bt / j->T;
+    const int64_t g = task / j->parts % j->Hkv, b = j->rows ? j->rows[bt] : bt / j->T;
     const int64_t h0 = g * group + part * group / j->parts, h1 = g * group + (part + 1) * group / j->parts;
     if (h1 == h0) return;
     float *scores = malloc((size_t)((h1 - h0) * j->kv_len) * sizeof(float));
@@ -213,34 +214,36 @@ static void attention_task(void *ctx, int64_t task) {
     free(scores);
 }
 
-/* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of batch row b at
- * b * kv_batch + g * kv_head + j * D; visible: [B, T, kv_len] (1 = may attend) or NULL (every key
- * < kv_len); out: [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
+/* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of cache row b at
+ * b * kv_batch + g * kv_head + j * D, where b is the token's batch row, or rows[token] (a ragged
+ * pass: tokens of several cache rows fed as one sequence); visible: [B, T, kv_len] (1 = may
+ * attend) or NULL (every key < kv_len); out: [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
  * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
-static void attention(const float *q, const float *k, const float *v, const uint8_t *visible, float *out,
+static void attention(const float *q, const float *k, const float *v, const int64_t *rows, const uint8_t *visible,
+                      float *out,
                       int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
                       int64_t kv_batch, int64_t kv_head, float scale, float softcap, int threads) {
     const int64_t groups = B * T * Hkv, group = Hq / Hkv;
     int64_t parts = 1;
     while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
-    AttentionJob job = {q, k, v, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
+    AttentionJob job = {q, k, v, rows, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
     qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
 /* The attention half of a layer after its q|k|v matmul, in one call: rotary embedding of q and k
  * (Hugging Face's rotate-half form; cos/sin [B, T, D] hold each half twice), k and v written to the
  * cache at their positions, then every query attends as qd_attention does. qkv: [B, T, (Hq + 2Hkv)
- * * D]; positions: [B, T]; k, v: the layer's cache buffers (strides as in qd_attention, slot p of a
+ * * D]; positions: [B, T]; rows: [B * T] each token's cache row, or NULL (its batch row); k, v: the layer's cache buffers (strides as in qd_attention, slot p of a
  * head at p * D); scratch: B * T * Hq * D floats (the rotated queries); softcap: scores capped at
  * softcap tanh(score / softcap) before the softmax (0: none). */
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
-                       float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
+                       const int64_t *rows, float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
                        int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t kv_batch, int64_t kv_head,
                        float scale, float softcap, float *scratch, int threads) {
     const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
     float *q = scratch;
     for (int64_t bt = 0; bt < B * T; bt++) {
-        const int64_t b = bt / T, pos = positions[bt];
+        const int64_t b = rows ? rows[bt] : bt / T, pos = positions[bt];
         const float *row = qkv + bt * width, *c = cos + bt * D, *sn = sin + bt * D;
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             const float *x = row + h * D;
@@ -256,5 +259,5 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
             for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
     }
-    attention(q, k, v, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
+    attention(q, k, v, rows, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
 }

@@ -72,16 +72,18 @@ def fused_layer_usable(x: torch.Tensor, cache_dtype: torch.dtype, *weights: obje
 
 
 def run_layer(x: torch.Tensor, fused: FusedLayer, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+              k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, hidden] -> the layer's output (a new tensor); K/V written to the cache buffers
     [B, n_kv, max_len, head_dim] at `positions` [B, T] (int64); cos, sin [B, 1, T, head_dim];
-    visible [B, T, kv_len] or None (every key below kv_len)."""
+    visible [B, T, kv_len] or None (every key below kv_len); rows [B * T] int64: each token's
+    cache row (a ragged pass, B = 1), None: its batch row."""
     B, T, _ = x.shape
     assert k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]
     out = x.contiguous().clone()
     status = active_library().qd_layer(
         out.data_ptr(), ctypes.addressof(fused.layer), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-        positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        positions.data_ptr(), None if rows is None else rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         None if visible is None else visible.data_ptr(), B, T, kv_len, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"a layer over {B * T} rows could not allocate its buffers")

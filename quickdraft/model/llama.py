@@ -42,6 +42,7 @@ class AttentionInputs:
     positions: torch.Tensor    # [B, T] int64: the cache slot each token's K/V go to (the kernels' name)
     rotary: torch.Tensor       # [B, T] each token's position (trees: its depth), what windows count in
     local: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of sliding layers with a base of their own
+    rows: torch.Tensor | None = None  # [T] int64 each token's cache row (a ragged pass, B = 1); None: its batch row
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @functools.cached_property
@@ -58,10 +59,15 @@ class AttentionInputs:
             return self.mask, self.visible
         if window not in self.windowed:
             B, T = self.rotary.shape
-            # a key's position: its slot's, except the slots this pass writes (a tree's nodes)
-            key_pos = torch.arange(self.kv_len, device=self.rotary.device).expand(B, -1).clone()
-            key_pos.scatter_(1, self.positions, self.rotary.to(torch.int64))
-            near = key_pos[:, None, :] > self.rotary[..., None] - window  # [B, T, kv_len]
+            # a key's position: its slot's, except the slots this pass writes (a tree's nodes), as
+            # the query's own cache row wrote them (a ragged pass: other rows' writes land in column
+            # kv_len, dropped; they may share a slot number)
+            own = torch.ones(1, T, dtype=torch.bool, device=self.rotary.device) if self.rows is None \
+                else self.rows[:, None] == self.rows[None, :]  # [Q, T]: which writes a query's row sees
+            key_pos = torch.arange(self.kv_len + 1, device=self.rotary.device).expand(B, own.shape[0], -1).clone()
+            writes = torch.where(own, self.positions[:, None, :], self.kv_len)  # [B, Q, T]
+            key_pos.scatter_(2, writes, self.rotary.to(torch.int64)[:, None, :].expand_as(writes))
+            near = key_pos[..., :self.kv_len] > self.rotary[..., None] - window  # [B, T, kv_len]
             mask = near & (self.mask[:, 0] if self.mask is not None else True)
             self.windowed[window] = (mask.unsqueeze(1), mask.contiguous())
         return self.windowed[window]
@@ -69,23 +75,25 @@ class AttentionInputs:
 
 def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                      attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                     local: tuple[RotaryTable, torch.Tensor] | None = None) -> AttentionInputs:
+                     local: tuple[RotaryTable, torch.Tensor] | None = None,
+                     rows: torch.Tensor | None = None) -> AttentionInputs:
     """A token's K/V go to cache slot `slots` [B, T] (default: its position; a tree's siblings share
     a position, not a slot); a query at slot s sees the cached keys at slots 0..s of its row, and
     `attn_mask` [B, T, kv_len] narrows that further (trees). `local`: the table and frequencies of
-    sliding layers that rotate with a base of their own (Gemma 3)."""
+    sliding layers that rotate with a base of their own (Gemma 3). `rows` [T]: each token's cache row
+    (a ragged pass, B = 1)."""
     slots = positions if slots is None else slots
     kv_len = int(slots.max()) + 1
     cos, sin = rope(inv_freq, positions, cache.dtype)
     mask = None  # one query at the last slot of one row sees every key: no mask needed
-    if slots.shape != (1, 1) or attn_mask is not None:
+    if slots.shape != (1, 1) or attn_mask is not None or rows is not None:
         mask = torch.arange(kv_len, device=slots.device) <= slots.unsqueeze(-1)  # [B, T, kv_len]
         if attn_mask is not None:
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
     local_rope = None if local is None else local[0](local[1], positions, cache.dtype)
     return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous(), positions,
-                           local_rope)
+                           local_rope, None if rows is None else rows.to(torch.int64).contiguous())
 
 
 class RMSNorm(nn.Module):
@@ -164,7 +172,8 @@ class Block(nn.Module):
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
                                            self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
-            return run_layer(x, self.fused, cos, sin, at.positions, *cache.buffers(layer, at.kv_len), visible, at.kv_len)
+            return run_layer(x, self.fused, cos, sin, at.positions, *cache.buffers(layer, at.kv_len), visible, at.kv_len,
+                             at.rows)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused if self.pre else None)
@@ -172,8 +181,10 @@ class Block(nn.Module):
             qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
             attn = kernels.rope_attention(qkv, cos, sin, at.positions, *cache.buffers(layer, at.kv_len),
-                                          visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap)
+                                          visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap, at.rows)
         else:
+            if at.rows is not None:
+                raise ValueError("a ragged pass needs the C attention kernel (Transformer.ragged)")
             qkv = qkv.to(cache.dtype).view(B, T, n_q + 2 * self.n_kv, hd)
             qk = apply_rope(qkv[:, :, :n_q + self.n_kv].transpose(1, 2), cos, sin)  # q and k in one go
             q, k = qk.split((n_q, self.n_kv), dim=1)
@@ -278,22 +289,31 @@ class Transformer(nn.Module):
         stored = all(isinstance(getattr(block, name).weight, QuantizedWeight) for block in self.blocks for name in names)
         return None if stored else kernels.MAX_ROWS
 
+    @property
+    def ragged(self) -> bool:
+        """Whether one pass may feed tokens of several cache rows as one sequence (forward's `rows`):
+        the C attention kernel reads each token's keys from its own row; torch's attention cannot."""
+        return (self.device.type == "cpu" and self.compute_dtype == torch.float32
+                and kernels.active_library() is not None)
+
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_len, self.device, self.compute_dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 attn_mask: torch.Tensor | None = None, last_n: int | None = None,
-                slots: torch.Tensor | None = None) -> ForwardOutput:
+                slots: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> ForwardOutput:
         """tokens, positions (rotary): [B, T]. K/V go to cache `slots` [B, T] (default: the
         positions); a query at slot s sees the cached keys at slots 0..s of its row; `attn_mask`
         [B, T, kv_len] (True = may attend) narrows that further (trees).
         `last_n` limits the LM head to the last n positions (prefill needs only the last; 0: none,
-        for a caller that applies its own head to `hidden`)."""
+        for a caller that applies its own head to `hidden`). `rows` [T] (B = 1, where `ragged`): each
+        token's cache row, so one pass feeds several rows' tokens unpadded (decode rows and a prompt's
+        chunk); a token's results are bitwise those of the same token in a pass of its row alone."""
         x = self.embed(tokens).to(self.compute_dtype)
         if self.config.embed_scale != 1.0:  # in the embeddings' dtype, as transformers' Gemma
             x = x * torch.tensor(self.config.embed_scale, dtype=self.embed.weight.dtype).to(x.dtype)
         local = None if self.inv_freq_local is None else (self.rope_local, self.inv_freq_local)
-        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots, local)
+        at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots, local, rows)
         for layer, block in enumerate(self.blocks):
             x = block(x, cache, layer, at)
         if last_n == 0:
