@@ -2,8 +2,11 @@
 
 A trie of fixed-size blocks (SGLang's radix tree with edges cut into BLOCK tokens): a node holds
 the K/V of BLOCK tokens whose whole prefix is the path to it, so any request that starts with the
-same tokens (a resent chat history, a system prompt shared by many sessions) finds them. Matching
-is on token ids only. Unused leaves are evicted least recently used first.
+same tokens (a resent chat history, a system prompt shared by many sessions) finds them. A stored
+sequence's last, shorter piece is a leaf of fewer tokens (a tail), and a match goes on into the
+child that shares the most next tokens, a tail or a block: a chat's next turn finds every token of
+the last one, not all but its last 0-15 (they were a tenth of a turn's new tokens). Matching is on
+token ids only. Unused leaves are evicted least recently used first; a tail counts as a block.
 
 Rows copy a matched prefix into their own cache row at admission (`fetch`) and copy their tokens'
 K/V out when their prompt is in and when they end (`store`), so a row never reads a block in
@@ -31,7 +34,7 @@ import torch
 from quickdraft.cache import KVCache
 from quickdraft.model.config import ModelConfig
 
-BLOCK = 16  # tokens per node: a hit re-prefills at most BLOCK - 1 tokens of a matched prompt
+BLOCK = 16  # tokens per node (a tail: fewer)
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory
 
 
@@ -45,11 +48,12 @@ def default_budget_mb() -> int:
 
 @dataclass(eq=False)
 class _Node:
-    kv: torch.Tensor | None                       # [L, 2, Hkv, BLOCK, hd]; None at the root
-    features: torch.Tensor | None                 # [BLOCK, D] the last layer's outputs (draft heads read
+    kv: torch.Tensor | None                       # [L, 2, Hkv, n, hd], n = len(key); None at the root
+    features: torch.Tensor | None                 # [n, D] the last layer's outputs (draft heads read
                                                   # them); None at the root and in a cache of K/V only
     parent: "_Node | None"
-    key: tuple[int, ...]                          # the BLOCK token ids this node holds
+    key: tuple[int, ...]                          # the token ids this node holds: BLOCK, or fewer (a tail,
+                                                  # always a leaf)
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     used: int = 0                                 # tick of its last match or store (LRU)
 
@@ -96,46 +100,57 @@ class PrefixCache:
 
     def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> torch.Tensor | None:
         """Copy the K/V of the longest cached prefix of `tokens[:limit]` into slots 0.. of `row`
-        and count the hit; its features [n, D] (n a multiple of BLOCK), None if nothing matched."""
+        and count the hit; its features [n, D], None if nothing matched."""
         with self._locked():
             path = self._copy_in(tokens, limit, cache, row)
-            return torch.cat([node.features for node in path]) if path else None
+            return torch.cat([node.features[:n] for node, n in path]) if path else None
 
     def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> int:
-        """`fetch` for a cache without features: how many tokens' K/V it copied (a multiple of BLOCK)."""
+        """`fetch` for a cache without features: how many tokens' K/V it copied."""
         with self._locked():
-            return len(self._copy_in(tokens, limit, cache, row)) * BLOCK
+            return sum(n for _, n in self._copy_in(tokens, limit, cache, row))
 
     def hit(self, tokens: Sequence[int], limit: int) -> int:
-        """How many tokens of `tokens[:limit]` a fetch would give now (a multiple of BLOCK); copies nothing."""
+        """How many tokens of `tokens[:limit]` a fetch would give now; copies nothing."""
         with self._locked():
-            return len(self.match(tokens, limit)) * BLOCK
+            return sum(n for _, n in self.match(tokens, limit))
 
-    def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> list[_Node]:
+    def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> list[tuple[_Node, int]]:
         """Match, copy the path's K/V into `row`, count the hit (the lock held)."""
         path = self.match(tokens, limit)
         if path:
             self.copy(path, cache, row)
-        self.stats.hit_tokens += len(path) * BLOCK
-        self.stats.miss_tokens += len(tokens) - len(path) * BLOCK
+        hit = sum(n for _, n in path)
+        self.stats.hit_tokens += hit
+        self.stats.miss_tokens += len(tokens) - hit
         return path
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[_Node]:
-        """The longest chain of cached blocks that starts `tokens`, within its first `limit` tokens."""
+    def match(self, tokens: Sequence[int], limit: int) -> list[tuple[_Node, int]]:
+        """The longest cached prefix of `tokens[:limit]`: whole blocks, then the first n tokens of
+        the child that shares the most next ones (a tail, or a block that goes another way), as
+        (node, tokens of it matched)."""
         path, node = [], self.root
         tick = next(self._tick)
-        for start in range(0, limit - BLOCK + 1, BLOCK):
-            node = node.children.get(tuple(tokens[start:start + BLOCK]))
-            if node is None:
-                break
+        start = 0
+        while start + BLOCK <= limit and (child := node.children.get(tuple(tokens[start:start + BLOCK]))):
+            node, start = child, start + BLOCK
             node.used = tick
-            path.append(node)
+            path.append((node, BLOCK))
+        ahead = tokens[start:limit]
+        best, shared = None, 0
+        for child in node.children.values():
+            n = _shared(child.key, ahead)
+            if n > shared:
+                best, shared = child, n
+        if best is not None:
+            best.used = tick
+            path.append((best, shared))
         return path
 
-    def copy(self, path: Sequence[_Node], cache: KVCache, row: int) -> None:
+    def copy(self, path: Sequence[tuple[_Node, int]], cache: KVCache, row: int) -> None:
         """Copy a matched path's K/V into slots 0.. of `row`."""
         assert path, "nothing to load"
-        kv = torch.cat([node.kv for node in path], dim=3)  # [L, 2, Hkv, n, hd]
+        kv = torch.cat([node.kv[:, :, :, :n] for node, n in path], dim=3)  # [L, 2, Hkv, n, hd]
         n = kv.shape[3]
         for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
             k[row, :, :n] = kv[layer, 0]
@@ -143,7 +158,7 @@ class PrefixCache:
 
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None) -> None:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
-        features [n, D], in whole blocks (a cache without features: of all `tokens`); blocks
+        features [n, D] (a cache without features: of all `tokens`), in blocks and a tail; blocks
         already held are only marked used. Less is kept where the budget cannot make room; none
         where this thread is inside a call already (a stream that the garbage collector closes in
         the middle of one offers its tokens: waiting for the lock would wait for itself)."""
@@ -159,14 +174,32 @@ class PrefixCache:
         while start + BLOCK <= length and tuple(tokens[start:start + BLOCK]) in node.children:
             node = node.children[tuple(tokens[start:start + BLOCK])]
             node.used, start = tick, start + BLOCK
-        for start in range(start, start + BLOCK * self._make_room((length - start) // BLOCK, node), BLOCK):
-            key = tuple(tokens[start:start + BLOCK])
-            kv = torch.stack([torch.stack((k[row, :, start:start + BLOCK], v[row, :, start:start + BLOCK]))
-                              for k, v in zip(cache.k, cache.v)])  # [L, 2, Hkv, BLOCK, hd], a copy
-            kept = None if features is None else features[start:start + BLOCK].clone()
-            node.children[key] = node = _Node(kv, kept, node, key, used=tick)
-            self.stats.blocks += 1
-            self.stats.bytes += self.block_bytes
+        blocks = (length - start) // BLOCK
+        tail = length - start - blocks * BLOCK
+        for child in node.children.values() if tail and not blocks else ():
+            if _shared(child.key, tokens[start:length]) == tail:  # held already, in a tail or a block
+                child.used, tail = tick, 0
+                break
+        room = self._make_room(blocks + (tail > 0), node)
+        for _ in range(min(blocks, room)):
+            node, start = self._add(node, tokens[start:start + BLOCK], cache, row, start, features, tick), start + BLOCK
+        if tail and room > blocks:
+            self._add(node, tokens[start:start + tail], cache, row, start, features, tick)
+
+    def _add(self, parent: _Node, key: Sequence[int], cache: KVCache, row: int, start: int,
+             features: torch.Tensor | None, tick: int) -> _Node:
+        """A child of `parent` holding slots start.. of `row` for tokens `key`; tails it covers go."""
+        key = tuple(key)
+        for other in [c for c in parent.children.values() if len(c.key) < len(key) and c.key == key[:len(c.key)]]:
+            self._drop(other)
+        end = start + len(key)
+        kv = torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
+                          for k, v in zip(cache.k, cache.v)])  # [L, 2, Hkv, n, hd], a copy
+        kept = None if features is None else features[start:end].clone()
+        parent.children[key] = node = _Node(kv, kept, parent, key, used=tick)
+        self.stats.blocks += 1
+        self.stats.bytes += self.block_bytes
+        return node
 
     def _make_room(self, blocks: int, protect: _Node) -> int:
         """Evict least recently used leaves until `blocks` more fit, never `protect` or its
@@ -190,11 +223,14 @@ class PrefixCache:
         return fit()
 
     def _evict(self, node: _Node) -> None:
+        self._drop(node)
+        self.stats.evictions += 1
+
+    def _drop(self, node: _Node) -> None:
         del node.parent.children[node.key]
         node.kv = node.features = None
         self.stats.blocks -= 1
         self.stats.bytes -= self.block_bytes
-        self.stats.evictions += 1
 
     def _nodes(self) -> list[_Node]:
         out, todo = [], list(self.root.children.values())
@@ -203,3 +239,13 @@ class PrefixCache:
             out.append(node)
             todo.extend(node.children.values())
         return out
+
+
+def _shared(key: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens `key` and `tokens` have in common."""
+    n = 0
+    for a, b in zip(key, tokens):
+        if a != b:
+            break
+        n += 1
+    return n

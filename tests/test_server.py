@@ -133,7 +133,7 @@ def test_a_resent_history_reuses_the_cached_prefix(server: Server, dirs) -> None
     chunks = list(server.client.chat.completions.create(model=NAME, messages=history, max_tokens=24, temperature=0,
                                                         stream=True, stream_options={"include_usage": True}))
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens  # the first turn's prompt, at least
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
     cold = quickdraft.load(str(dirs[0]), prefix_cache_mb=0)
     expected = cold.generate(messages=history, params=SamplingParams(max_new_tokens=24)).text

@@ -121,4 +121,4 @@ class _Derived:
             yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_budget_bytes", "The prefix cache's budget",
                                     value=m.prefix.budget_bytes)
             yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_blocks", "Blocks of "
-                                      f"{BLOCK} tokens evicted to stay within the budget", value=stats.evictions)
+                                      f"{BLOCK} tokens (or a sequence's shorter last piece) evicted to stay within the budget", value=stats.evictions)
