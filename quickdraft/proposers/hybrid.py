@@ -118,7 +118,7 @@ def make_lookup_draft(ctx: ProposerContext) -> HybridProposer:
 class Measured:
     """The proposer that won the benchmark for one packaged target, and where that is recorded."""
     method: str    # a registered proposer name
-    evidence: str  # the table and command in docs/benchmarks.md
+    evidence: str  # the file under docs/ and the section with the table and command
 
 
 # What `auto` runs for a packaged target: measured, never guessed (each entry names its benchmark).
@@ -126,7 +126,7 @@ class Measured:
 AUTO_MEASURED: dict[str, Measured] = {
     # prompt lookup 1.13x on HumanEval dev and 1.11x over Spec-Bench's groups and code_edit, where
     # its 0.5B draft (3.6-4.0 tokens per pass) was 1.03x and 0.90x, prompt lookup first 1.04x and 0.92x
-    "qwen2.5-coder-1.5b": Measured("ngram", "docs/benchmarks.md, 'The Qwen pair on HumanEval and Spec-Bench'"),
+    "qwen2.5-coder-1.5b": Measured("ngram", "docs/notes/qwen-pair.md, 'The Qwen pair on HumanEval and Spec-Bench'"),
 }
 
 
@@ -145,7 +145,7 @@ def auto_pick(target: Target, config: SpecConfig) -> str:
 
 
 @register("auto", NgramOptions, loads="head", picks=auto_pick,
-          about="the proposer measured best for the model (docs/benchmarks.md); else the hybrid where a "
+          about="the proposer measured best for the model (docs/results.md); else the hybrid where a "
                 "draft head ships for it (or one is named), else prompt lookup")
 def make_auto(ctx: ProposerContext) -> Proposer:
     picked = auto_pick(ctx.target, ctx.config)
