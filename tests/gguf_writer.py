@@ -55,6 +55,39 @@ def llama3_rope_factors(cfg) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+def write_rope_scaling(writer: gguf.GGUFWriter, cfg, arch: str) -> dict[str, np.ndarray]:
+    """The RoPE scaling keys and tensors the converter writes (conversion/base.py's
+    set_gguf_parameters; llama.py's rope_freqs for llama3; phi.py's LongRoPE factors); dynamic NTK
+    it writes nothing for. Returns the tensors written."""
+    rope = rope_parameters(cfg)
+    kind = rope.get("rope_type") or rope.get("type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+    tensors = {}
+    if kind == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(cfg)
+    if kind in ("longrope", "su") and arch == "phi3":
+        original = rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    return tensors
+
+
 def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: str | None = None,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None,
                window: int | None = None) -> dict[str, np.ndarray]:
@@ -119,12 +152,7 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
             data = np.ascontiguousarray(w, dtype=np.float32)
             writer.add_tensor(gguf_name, data)
         stored[gguf_name] = data
-    if rope_parameters(cfg).get("rope_type") == "linear":  # as the converter writes it
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope_parameters(cfg)["factor"])
-    if rope_parameters(cfg).get("rope_type") == "llama3":
-        stored["rope_freqs.weight"] = llama3_rope_factors(cfg)
-        writer.add_tensor("rope_freqs.weight", stored["rope_freqs.weight"])
+    stored |= write_rope_scaling(writer, cfg, arch)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -129,8 +129,8 @@ def test_unsupported_architecture(broken: Path) -> None:
 
 
 def test_unsupported_rope_scaling(broken: Path) -> None:
-    edit_config(broken, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
-    with pytest.raises(UnsupportedArchitecture, match="'dynamic'.*'llama3'"):
+    edit_config(broken, rope_scaling={"rope_type": "mrope", "mrope_section": [2, 3, 3]})
+    with pytest.raises(UnsupportedArchitecture, match="'mrope'.*'dynamic'.*'longrope'"):
         quickdraft.load(broken)
 
 

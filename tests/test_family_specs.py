@@ -4,19 +4,14 @@ logits, the tensor names both ways, and RoPE scaling's frequencies bitwise trans
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from quickdraft import UnsupportedArchitecture
 from quickdraft.errors import ModelLoadError
-from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.families import FAMILIES
-from quickdraft.weights.gguf_file import read_gguf
-from gguf_writer import write_gguf
 from tiny_models import BASE, hf_model
-from tiny_tokenizer import tiny_model
 
 
 # -- what each row reads, and what is refused ----------------------------------------------------
@@ -86,8 +81,8 @@ def hf_config(model_type: str, **changes) -> dict:
     ("phi3", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     ("qwen3", dict(use_sliding_window=True, layer_types=["chunked_attention", "full_attention"]),
      "layer_types .*chunked_attention"),
-    ("qwen3", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)),
-     "rope scaling type 'dynamic'"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="proportional", factor=4.0, rope_theta=1e4)),
+     "rope scaling type 'proportional'"),
     ("olmo2", dict(hidden_act="relu"), "hidden_act 'relu'"),
     ("mistral", dict(sliding_window=-3), "sliding_window must be a positive integer"),
     ("gemma", {}, "model_type 'gemma' is not supported; expected one of llama, mistral, qwen2, qwen3"),
@@ -115,17 +110,6 @@ def test_every_family_row_names_each_part_once_and_both_ways():
             assert gguf_name_for_hf(hf0, family) == gguf0 and hf_name_for_gguf(gguf0, family) == hf0, (role, family)
 
 
-def test_a_phi3_gguf_with_longrope_factors_is_refused_naming_them(tmp_path):
-    """llama.cpp's converter writes LongRoPE's factors as two tensors: left over, refused by name."""
-    path = tmp_path / "m.gguf"
-    extra = {"rope_factors_long.weight": np.ones(8, np.float32), "rope_factors_short.weight": np.ones(8, np.float32)}
-    write_gguf(tiny_model("phi3-fused-window"), path, metadata=lambda w: [w.add_tensor(n, v) for n, v in extra.items()])
-    ckpt = read_gguf(path)
-    assert ckpt.config.model_type == "phi3"
-    with pytest.raises(UnsupportedArchitecture, match="'rope_factors_long.weight', 'rope_factors_short.weight'"):
-        build_transformer(ckpt.config, ckpt.tensors)
-
-
 # -- RoPE scaling ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rope", [
@@ -136,6 +120,7 @@ def test_a_phi3_gguf_with_longrope_factors_is_refused_naming_them(tmp_path):
          mscale_all_dim=0.707),
     dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=1024, rope_theta=5e5, attention_factor=1.25),
     dict(rope_type="linear", factor=3.0, rope_theta=1e4),
+    dict(rope_type="dynamic", factor=4.0, rope_theta=1e4),  # within max_position_embeddings: default RoPE
 ])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rope_frequencies_and_attention_factor_equal_transformers(rope, head_dim):

@@ -28,7 +28,7 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.kernels import QuantizedWeight
 from tiny_models import (BASE, CONFIGS, NEW_FAMILIES, hf_model, ours_from_hf, quantized_tensors, save_hf_dir,
                          transformers_greedy)
-from tiny_tokenizer import save_tokenizer, tiny_model, write_llama_gguf
+from tiny_tokenizer import assert_plain_and_speculative, both_formats, save_tokenizer, tiny_model, write_llama_gguf
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
 PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
@@ -44,10 +44,7 @@ def window_of(name: str) -> int | None:
 def files(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """A family's tiny model as a safetensors directory and as a float32 GGUF (with its window)."""
     name = request.param
-    root = tmp_path_factory.mktemp(name)
-    hf = tiny_model(name)
-    directory = save_tokenizer(save_hf_dir(hf, root / "hf"))
-    return name, directory, write_llama_gguf(hf, root / "model.gguf", window=window_of(name))
+    return name, *both_formats(name, tmp_path_factory.mktemp(name), window=window_of(name))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +59,8 @@ def expected(files) -> dict[str, list[int]]:
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected, fmt):
     name, directory, gguf = files
-    llm = quickdraft.load(directory if fmt == "safetensors" else gguf)
+    path = directory if fmt == "safetensors" else gguf
+    llm = quickdraft.load(path)
     config = llm.model.config
     assert config.model_type == (CONFIGS[name]["model_type"] if fmt == "safetensors" or name != "mistral-window"
                                  else "llama")
@@ -70,15 +68,7 @@ def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected,
     ids = llm.tokenizer.encode(PROMPT)
     if window:  # the premise: queries see fewer keys than the prompt has
         assert max(w or 0 for w in config.layer_windows) == window < len(ids)
-    assert len(set(expected[PROMPT])) > 3  # a model repeating one token would prove little
-    assert llm.generate(PROMPT, params=GREEDY).token_ids == expected[PROMPT]
-    for spec in (SpecConfig("ngram", k=4, adaptive=False), SpecConfig("ngram-tree", k=6, adaptive=False),
-                 SpecConfig("draft", k=4, draft_model=str(directory if fmt == "safetensors" else gguf),
-                            adaptive=False)):
-        out = llm.generate(PROMPT, params=GREEDY, spec=spec)
-        assert out.token_ids == expected[PROMPT], spec.method
-        if spec.method == "draft":  # the target as its own draft: speculation really ran
-            assert out.stats.accepted_tokens >= 8
+    assert_plain_and_speculative(llm, path, PROMPT, N, expected[PROMPT])
 
 
 def test_every_proposer_without_a_trained_head_gives_plain_greedy_tokens(files, expected):

@@ -33,6 +33,13 @@ CONFIGS = {
     # YaRN over an original context of 16 (the tests' sequences are longer); its attention factor 1.14
     "llama-yarn": dict(model_type="llama", rope_scaling=dict(rope_type="yarn", factor=4.0,
                                                              original_max_position_embeddings=16)),
+    # YaRN with its own ramp and attention factor (written to GGUF as yarn_beta_* and yarn_attn_factor)
+    "llama-yarn-betas": dict(model_type="llama", rope_scaling=dict(rope_type="yarn", factor=8.0, beta_fast=8.0,
+                                                                   beta_slow=2.0, attention_factor=1.3,
+                                                                   original_max_position_embeddings=16)),
+    # dynamic NTK: default RoPE within its 48 positions (the tests' sequences fit), another base past them
+    "llama-dynamic": dict(model_type="llama", max_position_embeddings=48,
+                          rope_scaling=dict(rope_type="dynamic", factor=4.0)),
     "qwen2-qkv-bias": dict(model_type="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
     "llama-attention-bias": dict(model_type="llama", attention_bias=True),  # q, k, v and o biases
     "llama-mlp-bias": dict(model_type="llama", mlp_bias=True, tie_word_embeddings=True),

@@ -131,3 +131,27 @@ def _add_tokenizer(w, vocab_size: int) -> None:
     w.add_chat_template(CHATML)
 
 
+
+
+def both_formats(name: str, root: Path, window: int | None = None) -> tuple[Path, Path]:
+    """A tiny model as a safetensors directory with the tiny tokenizer, and as a float32 GGUF
+    written as llama.cpp's converter writes it (`window`: its sliding window)."""
+    hf = tiny_model(name)
+    return save_tokenizer(save_hf_dir(hf, root / "hf")), write_llama_gguf(hf, root / "model.gguf", window=window)
+
+
+def assert_plain_and_speculative(llm, path: Path, prompt: str, n: int, expected: list[int]) -> None:
+    """n greedy tokens of `prompt` are `expected` plain and under speculation: prompt lookup as a
+    chain and as a tree, and the model at `path` as its own draft (every draft accepted)."""
+    from quickdraft import SamplingParams
+    from quickdraft.proposers import SpecConfig
+
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    assert len(set(expected)) > 3  # a model repeating one token would prove little
+    assert llm.generate(prompt, params=params).token_ids == expected
+    for spec in (SpecConfig("ngram", k=4, adaptive=False), SpecConfig("ngram-tree", k=6, adaptive=False),
+                 SpecConfig("draft", k=4, draft_model=str(path), adaptive=False)):
+        out = llm.generate(prompt, params=params, spec=spec)
+        assert out.token_ids == expected, spec.method
+        if spec.method == "draft":  # the target as its own draft: speculation really ran
+            assert out.stats.accepted_tokens >= n // 2

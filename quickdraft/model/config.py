@@ -15,6 +15,9 @@ from typing import Any
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.model.families import HIDDEN_ACTS, Family, family
 
+ROPE_KINDS = ("linear", "dynamic", "llama3", "yarn", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: `linear` (every frequency divided by `factor`: positions stretched),
@@ -23,7 +26,11 @@ class RopeScaling:
     dimensions set by beta_fast / beta_slow, cos and sin times attention_factor), as transformers
     computes them; or `longrope` (Phi-3: each frequency divided by its `short_factor`, cos and sin
     times attention_factor; transformers switches a whole sequence to `long_factor` past the original
-    context, which a KV cache cannot follow, so such a model runs within its original context)."""
+    context, which a KV cache cannot follow, so such a model runs within its original context); or
+    `dynamic` (dynamic NTK: transformers keeps default RoPE up to max_position_embeddings and past it
+    raises the base for each new sequence length, rotating every cached position anew, which a KV
+    cache cannot follow either: such a model runs within max_position_embeddings, where it is
+    default RoPE exactly)."""
 
     kind: str
     factor: float
@@ -37,9 +44,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in ("linear", "llama3", "yarn", "longrope") or not self.factor > 0:
-            raise ModelLoadError(f"rope scaling: expected kind 'linear', 'llama3', 'yarn' or 'longrope' and a positive factor, "
-                                 f"found {self.kind!r}, {self.factor!r}")
+        if self.kind not in ROPE_KINDS or not self.factor > 0:
+            raise ModelLoadError(f"rope scaling: expected kind {', '.join(map(repr, ROPE_KINDS))} and a positive "
+                                 f"factor, found {self.kind!r}, {self.factor!r}")
 
 
 @dataclass(frozen=True)
@@ -257,15 +264,15 @@ def _rope_scaling_from_hf(rope: dict[str, Any], cfg: dict[str, Any] | None = Non
     kind = rope.get("rope_type") or rope.get("type")
     if kind in (None, "default"):
         return None
-    if kind == "linear":
-        return RopeScaling("linear", float(rope["factor"]))
+    if kind in ("linear", "dynamic"):
+        return RopeScaling(kind, float(rope["factor"]))
     if kind == "yarn":
         return _yarn(rope, cfg or {})
     if kind == "longrope":
         return _longrope(rope, cfg or {})
     if kind != "llama3":
         raise UnsupportedArchitecture(
-            f"rope scaling type {kind!r} is not supported; expected 'default', 'linear', 'llama3', 'yarn' or 'longrope'")
+            f"rope scaling type {kind!r} is not supported; expected 'default' or one of {', '.join(map(repr, ROPE_KINDS))}")
     return RopeScaling(
         "llama3",
         factor=float(rope["factor"]),
@@ -280,17 +287,21 @@ def _yarn(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:
     original), the attention factor (else 0.1 ln(factor) + 1, or DeepSeek's mscale ratio)."""
     original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
     factor = float(rope.get("factor") or int(cfg["max_position_embeddings"]) / original)
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention = rope.get("attention_factor")
     if attention is None:
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention = yarn_attention_factor(factor, rope.get("mscale"), rope.get("mscale_all_dim"))
     return RopeScaling("yarn", factor, original_max_position_embeddings=original,
                        beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                        attention_factor=float(attention), truncate=bool(rope.get("truncate", True)))
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's cos/sin scale where the config gives none, as transformers computes it: 0.1 ln(factor)
+    + 1, or (DeepSeek) the ratio of two such with mscale and mscale_all_dim as multipliers."""
+    def scale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return scale(mscale) / scale(mscale_all_dim) if mscale and mscale_all_dim else scale(1.0)
 
 
 def _longrope(rope: dict[str, Any], cfg: dict[str, Any]) -> RopeScaling:

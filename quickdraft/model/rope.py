@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies (linear, llama3, YaRN or LongRoPE scaling) and their application.
+"""Rotary position embeddings: inverse frequencies (linear, dynamic NTK, llama3, YaRN or LongRoPE scaling) and their
+application.
 
 Uses the Hugging Face "rotate half" layout; the GGUF loader un-permutes llama.cpp's interleaved
 q/k weights into it, so one rotation serves every checkpoint.
@@ -27,8 +28,8 @@ def inverse_frequencies(config: ModelConfig, freq_factors: torch.Tensor | None =
     scaling = config.rope_scaling
     if freq_factors is not None:  # llama.cpp applies a linear factor on top
         inv_freq = inv_freq / freq_factors.float()
-    if scaling is None or freq_factors is not None and scaling.kind != "linear":
-        return inv_freq
+    if scaling is None or scaling.kind == "dynamic" or freq_factors is not None and scaling.kind != "linear":
+        return inv_freq  # dynamic NTK within max_position_embeddings, the only context it runs in: default
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":

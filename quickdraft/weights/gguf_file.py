@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels.quantized import KERNEL_TYPES, Part, QuantizedWeight
-from quickdraft.model.config import ModelConfig, RopeScaling
+from quickdraft.model.config import ModelConfig
 from quickdraft.model.families import HIDDEN_ACTS, Family, gguf_family
 from quickdraft.weights.gguf_reader import GGUFFile
+from quickdraft.weights.gguf_rope import ROPE_TENSORS, rope_scaling
 from quickdraft.weights.names import hf_name_for_gguf
 
 
@@ -68,9 +69,11 @@ NEUTRAL_KEYS: dict[str, tuple[Any, str]] = {
 }
 
 
-def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
+def config_from_metadata(meta: dict[str, Any], names: set[str],
+                         rope_tensors: Mapping[str, np.ndarray] | None = None) -> ModelConfig:
     """The config from a file's metadata and its tensor names (biases and the output matrix are
-    there or not); keys that change the math and are not implemented are refused by name."""
+    there or not) and values of its rope tensors (gguf_rope.ROPE_TENSORS: LongRoPE's factors);
+    keys that change the math and are not implemented are refused by name."""
     arch = meta.get("general.architecture")
     spec = gguf_family(arch)
     gguf_names = {role: gguf for role, (_, gguf) in spec.names.items()}
@@ -88,6 +91,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
     hidden = int(get("embedding_length"))
     head_dim = int(get("attention.key_length", hidden // heads))
     _refuse_unsupported_keys(meta, arch, head_dim, spec)
+    scaling, context = rope_scaling(meta, arch, spec, int(get("context_length")), rope_tensors or {})
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
@@ -99,10 +103,10 @@ def config_from_metadata(meta: dict[str, Any], names: set[str]) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length")),
+        max_position_embeddings=context,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(meta, arch),
+        rope_scaling=scaling,
         qkv_bias=has("q.bias") or has("qkv.bias"),
         o_bias=has("o.bias"),
         mlp_bias=has("gate.bias") or has("down.bias"),
@@ -125,21 +129,6 @@ def _end_token_ids(tokens: list[str], spec: Family) -> tuple[int, ...]:
     """The ids of the family's other end-of-generation tokens this vocabulary holds."""
     index = {token: i for i, token in enumerate(tokens) if token in spec.gguf_end_tokens}
     return tuple(index[t] for t in spec.gguf_end_tokens if t in index)
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str) -> RopeScaling | None:
-    """llama.cpp scales positions by 1 / `rope.scaling.factor` (or the older `rope.scale_linear`)
-    when the type is linear or unsaid: linear scaling. Llama 3's comes as a rope_freqs tensor."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = next((float(meta[f"{arch}.{k}"]) for k in ("rope.scaling.factor", "rope.scale_linear")
-                   if meta.get(f"{arch}.{k}", 0.0) not in (0.0, 1.0)), None)
-    if kind in (None, "linear") and factor is not None:
-        return RopeScaling("linear", factor)
-    if kind not in (None, "none", "linear") or factor is not None:
-        raise UnsupportedArchitecture(
-            f"GGUF rope scaling type {kind!r} with factor {factor!r} is not supported; expected none or linear "
-            f"(llama3-style scaling comes as a rope_freqs tensor)")
-    return None
 
 
 def _layer_windows(meta: dict[str, Any], arch: str, layers: int, spec: Family) -> tuple[int | None, ...]:
@@ -213,14 +202,14 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
     everything else (and everything when False) is dequantized to float32."""
     reader = open_reader(path)
     meta = read_metadata(reader)
-    config = config_from_metadata(meta, {t.name for t in reader.tensors})
+    rope = {t.name: dequantize_tensor(t) for t in reader.tensors if t.name in ROPE_TENSORS}
+    config = config_from_metadata(meta, {t.name for t in reader.tensors}, rope)
     spec = config.family
     tensors: dict[str, torch.Tensor | QuantizedWeight] = {}
-    freq_factors = None
+    freq_factors = torch.from_numpy(rope["rope_freqs.weight"].copy()) if "rope_freqs.weight" in rope else None
     verb = "reading" if quantized else "dequantizing"
     for t in tqdm(reader.tensors, desc=f"{verb} GGUF", unit="tensor", disable=not progress, leave=False):
-        if t.name == "rope_freqs.weight":
-            freq_factors = torch.from_numpy(dequantize_tensor(t).copy())
+        if t.name in rope:  # read into the config (LongRoPE's factors) or passed on (rope_freqs)
             continue
         hf = hf_name_for_gguf(t.name, spec) or t.name  # a name outside the table stays: the model refuses it by name
         heads = _permuted_heads(spec, config, hf)
