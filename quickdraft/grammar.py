@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -53,6 +53,14 @@ class Vocabulary:
         self.words = (size + 31) // 32  # int32 words of a bitmask
         self.eos = sorted(tokenizer.eos_token_ids)
         self.tokenizer = ll.hf.from_tokenizer(tokenizer.hf, n_vocab=size, eos_token=self.eos or None)
+        self._encode = tokenizer.encode
+
+    def special(self, texts: Iterable[str]) -> frozenset[str]:
+        """Those of `texts` that are one token llguidance holds as special (written <text> in Lark,
+        never matched by a string)."""
+        tokens = {text: self._encode(text, add_special_tokens=False) for text in texts}
+        return frozenset(text for text, ids in tokens.items()
+                         if len(ids) == 1 and self.tokenizer.is_special_token(ids[0]))
 
 
 def grammar_text(response_format: Mapping[str, Any]) -> str:
@@ -75,6 +83,15 @@ def grammar_text(response_format: Mapping[str, Any]) -> str:
                                                      overrides=None if strict else {"lenient": True})
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the schema is not valid JSON: {e}") from None
+
+
+def lark_grammar(lark: str) -> str:
+    """llguidance's grammar for Lark source in its dialect (tools.grammar writes it); refused with a
+    GrammarError."""
+    try:
+        return _llguidance().LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the grammar is not valid Lark: {e}") from None
 
 
 def constrain(vocabulary: Vocabulary, grammar: str) -> Constraint:

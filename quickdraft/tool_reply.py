@@ -1,0 +1,172 @@
+"""A reply under tools (tools.py) read back into its text and its calls, as it streams: each call's
+name once whole, then its arguments' JSON text piece by piece, as OpenAI's stream deltas carry them.
+
+The grammar wrote the reply, so each piece stands where the syntax says; a reply cut short (the
+token budget, a stop string) leaves its last call unfinished, and text that is not where the
+syntax says is passed on as text, never dropped. Knows tools.py's syntaxes, nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quickdraft.tools import Syntax, Tools
+
+HEAD = '{"name": "'
+NAME_END = '", "arguments": '
+
+
+@dataclass
+class CallPiece:
+    index: int            # the call's place in the reply
+    name: str | None      # on its first piece only
+    arguments: str        # the next piece of its arguments' JSON text
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class Reader:
+    """feed() the reply's text as it comes; each call returns the new text and call pieces (text that
+    may still turn out to begin a call is held back until it does or does not)."""
+
+    def __init__(self, tools: Tools, syntax: Syntax) -> None:
+        self.syntax = syntax
+        self.pending = ""   # text not yet read
+        self.state = "text" if tools.choice == "auto" else "first"
+        self.calls = 0      # calls begun
+        self.depth, self.in_string, self.escaped = 0, False, False  # the arguments' JSON, read so far
+
+    @property
+    def complete(self) -> bool:
+        """Whether every call begun is finished (and one was)."""
+        return self.state == "done"
+
+    def feed(self, text: str, end: bool = False) -> tuple[str, list[CallPiece]]:
+        """(text, call pieces) read from `text`; end: the reply is over (nothing is held back)."""
+        self.pending += text
+        content: list[str] = []
+        pieces: list[CallPiece] = []
+        while self.pending and self._step(content, pieces, end):
+            pass
+        if end and self.pending:
+            content.append(self.pending)  # an unfinished call's head or tail: text, not lost
+            self.pending = ""
+        merged: list[CallPiece] = []
+        for piece in pieces:  # one piece per call per feed
+            if merged and merged[-1].index == piece.index:
+                merged[-1].arguments += piece.arguments
+            else:
+                merged.append(piece)
+        return "".join(content), merged
+
+    def _step(self, content: list[str], pieces: list[CallPiece], end: bool) -> bool:
+        """Read what the pending text allows in the current state; False: wait for more."""
+        syntax, pending = self.syntax, self.pending
+        if self.state == "text":
+            return self._text(content, end)
+        if self.state in ("content", "done"):
+            content.append(pending)
+            self.pending = ""
+            return False
+        if self.state == "first":
+            return self._literal(syntax.first, "name", end)
+        if self.state == "name":
+            if not pending.startswith(HEAD[:len(pending)]):
+                self.state = "content"
+                return True
+            stop = pending.find(NAME_END, len(HEAD))
+            if stop < 0:
+                return False
+            pieces.append(CallPiece(self.calls, pending[len(HEAD):stop], ""))
+            self.calls += 1
+            self.pending, self.state = pending[stop + len(NAME_END):], "arguments"
+            self.depth, self.in_string, self.escaped = 0, False, False
+            return True
+        if self.state == "arguments":
+            done = self._scan()
+            pieces.append(CallPiece(self.calls - 1, None, self.pending[:done]))
+            self.pending = self.pending[done:]
+            if self.state == "arguments":
+                return False
+            return True
+        # "after" a call's arguments: its closing brace, then the next call or the end
+        after, last = "}" + syntax.between, "}" + syntax.last
+        if pending.startswith(after):
+            self.pending, self.state = pending[len(after):], "name"
+            return True
+        if pending.startswith(last) and (end or not after.startswith(pending)):
+            self.pending, self.state = pending[len(last):], "done"
+            return True
+        if not end and (after.startswith(pending) or last.startswith(pending)):
+            return False
+        self.state = "content"
+        return True
+
+    def _text(self, content: list[str], end: bool) -> bool:
+        """Under `auto`: text, until the calls begin."""
+        syntax, pending = self.syntax, self.pending
+        if syntax.trigger is None:  # text or calls, told apart by the first character
+            self.state = "first" if pending[0] == syntax.first[0] else "content"
+            return True
+        at = pending.find(syntax.first)
+        if at >= 0:
+            content.append(pending[:at])
+            self.pending, self.state = pending[at:], "first"
+            return True
+        held = 0 if end else next((n for n in range(min(len(pending), len(syntax.first) - 1), 0, -1)
+                                   if syntax.first.startswith(pending[-n:])), 0)
+        content.append(pending[:len(pending) - held])
+        self.pending = pending[len(pending) - held:]
+        return False
+
+    def _literal(self, literal: str, then: str, end: bool) -> bool:
+        if self.pending.startswith(literal):
+            self.pending, self.state = self.pending[len(literal):], then
+            return True
+        if literal.startswith(self.pending) and not end:
+            return False
+        self.state = "content"
+        return True
+
+    def _scan(self) -> int:
+        """How much of the pending text belongs to the arguments' JSON value; state "after" once it
+        is whole (a container or string closed at depth 0, or a bare value ended by what follows)."""
+        for i, char in enumerate(self.pending):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        self.state = "after"
+                        return i + 1
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]" and self.depth > 0:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.state = "after"
+                    return i + 1
+            elif self.depth == 0 and char in ",}]":
+                self.state = "after"
+                return i
+        return len(self.pending)
+
+
+def calls_of(pieces: list[CallPiece]) -> list[Call]:
+    """The calls a whole reply's pieces spell (Reader.feed(text, end=True))."""
+    names: list[str] = []
+    arguments: list[str] = []
+    for piece in pieces:
+        if piece.name is not None:
+            names.append(piece.name)
+            arguments.append("")
+        arguments[piece.index] += piece.arguments
+    return [Call(n, a) for n, a in zip(names, arguments)]
