@@ -95,3 +95,27 @@ def test_a_prompt_past_the_sliding_window_matches_transformers(llm: quickdraft.L
     theirs, _ = hf_greedy(hf, ids, 16, ignore_eos=True)
     assert ours.token_ids == theirs
     assert llm.generate(text, params=params, spec=SpecConfig(method="ngram")).token_ids == ours.token_ids
+
+
+def test_the_rebuilt_tokenizer_is_cached_and_read_back_identical(llm: quickdraft.LLM, tmp_path, monkeypatch) -> None:
+    """The 262k vocabulary's rebuild (8.5 s a load) is kept in the user's cache: a second load reads
+    it back without the converter, and tokenizes and decodes as the rebuilt one, specials included."""
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+    from quickdraft.tokenizer import gguf_tokenizer
+    from quickdraft.weights.gguf_file import open_reader, read_metadata
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    meta = read_metadata(open_reader(llm.loaded.source.path))
+    rebuilt = gguf_tokenizer(meta)
+    assert len(list((tmp_path / "quickdraft" / "tokenizers").glob("*.json"))) == 1
+
+    def no_rebuild(*args):
+        raise AssertionError("rebuilt although cached")
+    monkeypatch.setattr(gguf_tokenizer_mapping, "convert_gguf_tokenizer", no_rebuild)
+    cached = gguf_tokenizer(meta)
+    for text in ("The café's 中文 text 😀 costs $3.50\n\twith  spaces and <start_of_turn> inside.",
+                 "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+                 "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n", "   ", ""):
+        ids = rebuilt.encode(text)
+        assert cached.encode(text) == ids and cached.decode(ids) == rebuilt.decode(ids), text
+    assert cached.token_strings() == rebuilt.token_strings() and cached.hf.add_bos_token is True
