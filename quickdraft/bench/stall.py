@@ -54,12 +54,13 @@ def measure_round(llm: LLM, stream_ids: list[int], long_ids: list[int], usual_to
     # room for a token a step while the long prompt is prefilled, at least a token a step (its K/V
     # cache is reserved for all of it at admission: not the whole context)
     budget = SETTLE + usual_tokens + len(long_ids) + 64
-    stream, make = llm.request(stream_ids, SamplingParams(max_new_tokens=budget, ignore_eos=True), SpecConfig())
+    plain = SpecConfig(method="none")  # a token a step (SpecConfig() drafts with prompt lookup)
+    stream, make = llm.request(stream_ids, SamplingParams(max_new_tokens=budget, ignore_eos=True), plain)
     service.submit(stream, stream_sink, make)
     while len(times) < SETTLE + usual_tokens + 1 and not ended:
         service.drive()
     arrived = time.perf_counter()
-    long, make_long = llm.request(long_ids, SamplingParams(max_new_tokens=1), SpecConfig())
+    long, make_long = llm.request(long_ids, SamplingParams(max_new_tokens=1), plain)
     service.submit(long, first.append, make_long)
     while not first:
         service.drive()
