@@ -78,10 +78,11 @@ def measure_round(llm: LLM, stream_ids: list[int], long_ids: list[int], usual_to
 
 
 def long_prompt(llm: LLM, tokens: int, salt: int) -> list[int]:
-    """`tokens` ids of plain prose, different for every salt (no prefix-cache hit between rounds)."""
+    """`tokens` ids of plain prose, different for every salt from the first token on (no prefix-cache
+    hit between rounds or with the stream's prompt)."""
     words = ("the river bends past the old mill where nobody has worked for years and the water runs "
              "slow and brown under the bridge").split()
-    text = f"Note {salt}. " + " ".join(f"{words[(i * 7 + salt) % len(words)]}" for i in range(2 * tokens))
+    text = f"{salt}: note {salt}. " + " ".join(f"{words[(i * 7 + salt) % len(words)]}" for i in range(2 * tokens))
     ids = llm.tokenizer.encode(text)
     if len(ids) < tokens:
         raise ValueError(f"could not make a prompt of {tokens} tokens")
