@@ -81,7 +81,11 @@ def test_past_the_context_every_position_rotates_anew_so_the_context_ends_there(
     for path in both_formats(name, tmp_path):
         llm = quickdraft.load(path)
         assert llm.model.config.max_position_embeddings == context
-        with pytest.raises(ContextTooLong, match=f"the context holds {context}"):
+        why = {"dynamic": " \\(dynamic NTK RoPE: past max_position_embeddings",
+               "longrope": " \\(LongRoPE: past its original context .* the checkpoint names 256\\)",
+               None: ";"}[llm.model.config.rope_scaling and llm.model.config.rope_scaling.kind]
+        assert (why == ";") == (name == "llama-dynamic" and path.suffix == ".gguf")  # its GGUF: default RoPE
+        with pytest.raises(ContextTooLong, match=f"the context holds {context}{why}"):
             llm.generate(" ".join(["cat"] * context), params=SamplingParams(max_new_tokens=1))
         prompt = "the cat sat on the mat; " * 2
         out = llm.generate(prompt, params=SamplingParams(max_new_tokens=context, ignore_eos=True))

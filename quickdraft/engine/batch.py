@@ -95,12 +95,13 @@ class _Row:
         return not self.request.adaptive or (not p.greedy and p.seed is not None)
 
 
-def check_context(prompt_len: int, context: int) -> None:
+def check_context(prompt_len: int, context: int, note: str = "") -> None:
+    """`note`: why the context ends there, where the model says (ModelConfig.context_note)."""
     if prompt_len == 0:
         raise ContextTooLong("the prompt is empty; expected at least one token")
     if prompt_len >= context:
         raise ContextTooLong(
-            f"the prompt has {prompt_len} tokens but the context holds {context}; "
+            f"the prompt has {prompt_len} tokens but the context holds {context}{note}; "
             f"expected at most {context - 1} so at least one token can be generated")
 
 
@@ -154,7 +155,7 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request; it is admitted at the next step with a free row. Raises ContextTooLong
         for a prompt that cannot fit (nothing is queued then)."""
-        check_context(len(request.prompt_ids), self.max_seq_len)
+        check_context(len(request.prompt_ids), self.max_seq_len, self.model.config.context_note(self.max_seq_len))
         if isinstance(request.k, bool) or not isinstance(request.k, int) or not 0 <= request.k <= MAX_K:
             raise ValueError(f"k must be an integer in 0..{MAX_K}, found {request.k!r}")
         self.waiting.append(request)

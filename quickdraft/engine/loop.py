@@ -30,7 +30,7 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
     `prefix`: the model's prefix cache, which the prompt is matched against and its tokens left to.
     The exception that ended the request (its proposer's or its pass's) is raised here."""
     context = model.config.max_position_embeddings
-    check_context(len(prompt_ids), context)
+    check_context(len(prompt_ids), context, model.config.context_note(context))
     max_seq_len = len(prompt_ids) + min(params.max_new_tokens, context - len(prompt_ids))
     if cache is not None and (cache.batch_size != 1 or cache.max_len < max_seq_len):
         raise ValueError(f"cache needs batch 1 and room for {max_seq_len} tokens")

@@ -112,6 +112,19 @@ class ModelConfig:
         """How many of the latest keys a query of `layer` sees (itself included); None: all."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def context_note(self, context: int) -> str:
+        """Why a context of `context` tokens ends there, where its RoPE is what ends it ('' elsewhere):
+        for the ContextTooLong message of a prompt that does not fit."""
+        s = self.rope_scaling
+        if context != self.max_position_embeddings or s is None or s.kind not in ("dynamic", "longrope"):
+            return ""
+        if s.kind == "dynamic":
+            return (" (dynamic NTK RoPE: past max_position_embeddings transformers raises the RoPE base for each "
+                    "new length, rotating every cached position anew, which a K/V cache cannot follow)")
+        return (f" (LongRoPE: past its original context transformers rotates every position with the long factors, "
+                f"which K/V cached with the short ones cannot follow; the checkpoint names "
+                f"{round(s.factor * context)})")
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """From a Hugging Face config.json dict; keys that do not change the computation are ignored."""
