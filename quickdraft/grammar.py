@@ -8,9 +8,11 @@ Knows nothing of models, HTTP or the engine's loop; compiling is the caller's to
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
+import time
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -115,6 +117,18 @@ def allowed(bits: torch.Tensor, size: int) -> torch.Tensor:
     return torch.from_numpy(unpacked.view(np.bool_))[:, :size]
 
 
+def _timed(method: Callable) -> Callable:
+    """The call's time added to the constraint's `seconds`."""
+    @functools.wraps(method)
+    def timed(self: Constraint, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+    return timed
+
+
 class Constraint:
     """One request's grammar state. The engine calls, per step: `shape` (the next draft: forced
     tokens first, the proposer's continuation, cut at forbidden tokens), `masks` (the allowed tokens
@@ -131,10 +145,12 @@ class Constraint:
         self.offered: Draft | None = None  # the proposer's last draft (None: none shaped since translate)
         self.own: dict[int, int] = {}    # its nodes in the shaped draft: proposer node -> shaped node
         self.verified = 0                # shaped nodes the engine verified (masks' n)
+        self.seconds = 0.0               # in the engine's calls below: the grammar's share of the steps
         self._fill(0)
 
     # -- the engine's calls ----------------------------------------------------------------------
 
+    @_timed
     def shape(self, offered: Draft, limit: int) -> Draft:
         """The draft to verify, at most `limit` nodes: the tokens the grammar forces from the
         committed text (llguidance's tokenization of the bytes it forces; each still verified), then
@@ -180,12 +196,14 @@ class Constraint:
         return Draft([tokens[m] for m in kept], q, estimates, [-1 if parents[m] < 0 else index[parents[m]]
                                                                 for m in kept], source)
 
+    @_timed
     def masks(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1+n, V] bool: the tokens allowed after the root and after each of the shaped draft's
         first n nodes (the ones verified)."""
         self.verified = n
         return allowed(self.bits[:1 + n], self.size).to(device)
 
+    @_timed
     def advance(self, tokens: Sequence[int]) -> Ended:
         """The engine committed `tokens` (each allowed where it stands): "stop" once the text is
         complete and the grammar allows nothing but the end, DEAD_END when the text is incomplete
@@ -207,6 +225,7 @@ class Constraint:
         # token fits an incomplete one, a dead end
         return "stop" if self.matcher.is_accepting() else DEAD_END
 
+    @_timed
     def translate(self, step: Committed) -> Committed:
         """`step` as the proposer must hear it, which drafted `offered`, not the shaped draft: how many
         of the tokens its own draft's path spells, how many of its nodes were verified, the target's
