@@ -98,7 +98,10 @@ def ragged(step: StepInputs, sizes: Sequence[int], chunk: tuple[int, Sequence[in
     kv_len = int(flat_slots.max()) + 1
     mask = torch.arange(kv_len, device=device)[None, :] <= flat_slots[:, None]  # [M, kv_len] causal
     if step.mask is not None:  # trees: each node sees its row's committed slots and its ancestors
-        mask[:decoded, :step.mask.shape[-1]] &= step.mask[keep]
+        # the padded step's mask is as wide as the longest row plus the widest draft, which may be
+        # more than the slots fed here (a shorter row drafted the widest): nothing past them is seen
+        tree = step.mask[keep][:, :kv_len]
+        mask[:decoded, :tree.shape[-1]] &= tree
     index = torch.cumsum(keep.flatten(), 0).view(B, W) - 1  # padding: the last kept token before it
     index = torch.where(keep, index, index[:, :1])
     return RaggedInputs(ids[None], positions[None], flat_slots[None], mask[None], rows, index, decoded)
