@@ -27,7 +27,7 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from quickdraft.model.config import ModelConfig
 
 BLOCK = 16  # tokens per node (a tail: fewer)
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory
+T = TypeVar("T")
 
 
 def default_budget_mb() -> int:
@@ -231,6 +232,17 @@ class PrefixCache:
         node.kv = node.features = None
         self.stats.blocks -= 1
         self.stats.bytes -= self.block_bytes
+
+    def fold(self, step: Callable[[T, tuple[int, ...]], T], root: T) -> list[T]:
+        """`step` folded down every cached path from `root`: one value per node held (blocks and tails),
+        each from its parent's value and its token ids (a replica's summary of what it holds, cluster/)."""
+        with self._locked():
+            out, todo = [], [(node, root) for node in self.root.children.values()]
+            while todo:
+                node, above = todo.pop()
+                out.append(value := step(above, node.key))
+                todo.extend((child, value) for child in node.children.values())
+            return out
 
     def _nodes(self) -> list[_Node]:
         out, todo = [], list(self.root.children.values())

@@ -47,9 +47,14 @@ def load_llm(args: argparse.Namespace, spec: SpecConfig | None = None, progress:
              prefix_cache: bool = True) -> LLM:
     """The model the flags of add_model_args name, loaded as they ask (`prefix_cache`: False for a
     benchmark that times the same prompts again)."""
-    return load(args.model, device=args.device, dtype=args.dtype, progress=progress, spec=spec,
-                dequantize=args.dequantize, quantize=args.quantize, activations=args.activations,
-                prefix_cache_mb=args.prefix_cache_mb if prefix_cache and not args.no_prefix_cache else 0)
+    return load(progress=progress, **load_kwargs(args, spec, prefix_cache))
+
+
+def load_kwargs(args: argparse.Namespace, spec: SpecConfig | None = None, prefix_cache: bool = True) -> dict[str, Any]:
+    """quickdraft.load's arguments from the flags of add_model_args (a cluster's replicas load with them)."""
+    return {"model": args.model, "device": args.device, "dtype": args.dtype, "spec": spec,
+            "dequantize": args.dequantize, "quantize": args.quantize, "activations": args.activations,
+            "prefix_cache_mb": args.prefix_cache_mb if prefix_cache and not args.no_prefix_cache else 0}
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

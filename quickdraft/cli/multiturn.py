@@ -15,7 +15,6 @@ from quickdraft.proposers import DEFAULT_K
 
 if TYPE_CHECKING:
     from quickdraft.bench.multiturn import SessionPlan
-    from quickdraft.tokenizer import Tokenizer
     from quickdraft.weights.resolve import ModelSource
 
 
@@ -34,22 +33,14 @@ def _multiturn_plans(args: argparse.Namespace, source: ModelSource) -> list[Sess
                               f"without a benchmark question; lower --sessions or --turns")
     if not args.shared_system_tokens:
         return plans
-    tokenizer = _tokenizer(source)
+    from quickdraft.weights import load_tokenizer
+    tokenizer = load_tokenizer(source)
     try:
         system = shared_system_prompt(spare, args.shared_system_tokens,
                                       lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     except ValueError as e:
         raise QuickdraftError(f"--shared-system-tokens {args.shared_system_tokens}: {e}") from None
     return [replace(p, system=system) for p in plans]
-
-
-def _tokenizer(source: ModelSource) -> Tokenizer:
-    """The model's tokenizer alone (a GGUF file's metadata or a directory's tokenizer files), no weights."""
-    from quickdraft.tokenizer import gguf_tokenizer, load_hf_tokenizer
-    from quickdraft.weights.gguf_file import open_reader, read_metadata
-    if source.kind == "gguf":
-        return gguf_tokenizer(read_metadata(open_reader(source.path)))
-    return load_hf_tokenizer(source.path)
 
 
 def _multiturn_check(args: argparse.Namespace) -> list[int]:

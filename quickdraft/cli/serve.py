@@ -5,11 +5,17 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from quickdraft.cli.common import add_model_args, add_spec_args, load_llm, set_threads, spec_from_args
+from quickdraft.cli.common import add_model_args, add_spec_args, load_kwargs, load_llm, set_threads, spec_from_args
+from quickdraft.cluster import ROUTER_NAMES
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import POLICIES, StepCost
 from quickdraft.errors import QuickdraftError
+from quickdraft.extras import require
+
+if TYPE_CHECKING:
+    from quickdraft.server import ServerConfig
 
 COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
 API_KEY_ENV = "QUICKDRAFT_API_KEY"  # the key, when not given by --api-key (which would show in `ps`)
@@ -45,16 +51,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise QuickdraftError(str(e)) from None
     if not 0 < args.port < 65536:
         raise QuickdraftError(f"--port must be in 1..65535, found {args.port}")
+    name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
+    if args.replicas != 1 or args.ray_address is not None:
+        return serve_replicas(args, ServerConfig(name, spec, engine, **limits))
     sock = listen(args.host, args.port)  # before the model loads: a port in use is an error at once
     set_threads(args.threads)
     llm = load_llm(args, spec, progress=sys.stderr.isatty())
-    name = args.served_model_name or (args.model if not Path(args.model).exists() else Path(args.model).name)
     cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy}"
           f"{', API key required' if limits.get('api_key') else ''})", file=sys.stderr)
     serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
           args.log_level, sock)
+    return 0
+
+
+def serve_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
+    """--replicas N / --ray-address: the same server as N engine replicas on Ray Serve (quickdraft/cluster/)."""
+    if args.replicas < 1 or (args.threads is not None and args.threads < 1):
+        raise QuickdraftError(f"--replicas and --threads must be >= 1, found {args.replicas} and {args.threads}")
+    require("cluster", "ray", needed_for=f"quickdraft serve --replicas {args.replicas}")
+    from quickdraft.cluster.launch import ClusterPlan, serve_cluster
+    from quickdraft.cluster.replica import ReplicaSetup
+    from quickdraft.server import listen
+    sock = listen(args.host, args.port)
+    setup = ReplicaSetup(config, load_kwargs(args, config.spec), bind=args.host, policy=args.policy,
+                         measure_cost=not args.no_measure_cost)
+    plan = ClusterPlan(args.replicas, args.threads, args.ray_address, args.router)
+    print(f"quickdraft: starting {plan.replicas} replicas of {config.model_name!r} on Ray "
+          f"({plan.address or 'a local cluster'}, {plan.router} routing); serving on http://{args.host}:{args.port}/v1 "
+          f"once every replica has loaded", file=sys.stderr)
+    serve_cluster(setup, plan, args.model, sock, args.shutdown_timeout, args.log_level)
     return 0
 
 
@@ -96,6 +123,17 @@ def add_serve(sub) -> None:
                          "these (repeatable)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM, seconds in-flight requests get to finish before they are cancelled")
-    sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice); with --replicas, each "
+                                                "replica's (its CPUs in Ray; default: the cluster's CPUs shared out)")
+    sv.add_argument("--replicas", type=int, default=1,
+                    help="engine replicas on Ray Serve behind this process, each prompt routed to the replica "
+                         "holding its longest cached prefix (needs quickdraft[cluster]; default 1: this process "
+                         "alone, no Ray)")
+    sv.add_argument("--ray-address", metavar="ADDR",
+                    help="join this Ray cluster (`ray start --head` on one machine, `ray start --address ADDR` on "
+                         "the others) instead of starting one on this machine (docs/cluster.md)")
+    sv.add_argument("--router", default="prefix", choices=ROUTER_NAMES,
+                    help="with --replicas: prefix = the replica holding the prompt's longest cached prefix, "
+                         "balanced against queues; round-robin = each in turn (default prefix)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sv.set_defaults(func=cmd_serve)

@@ -12,9 +12,9 @@ from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.app import ServerConfig, create_app
-from quickdraft.server.connections import MAX_HEADER_BYTES, guarded_protocol
+from quickdraft.server.connections import MAX_HEADER_BYTES, ConnectionLimits, guarded_protocol
 
-__all__ = ["BackgroundServer", "ServerConfig", "create_app", "listen", "serve"]
+__all__ = ["BackgroundServer", "HttpFront", "ServerConfig", "create_app", "listen", "serve"]
 
 
 SHUTDOWN_GRACE_S = 10.0  # after the shutdown timeout: for the cancelled requests' final answers to go out
@@ -42,35 +42,25 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-class BackgroundServer:
-    """The app served by uvicorn on a thread of this process, on a free port of `host`.
+class HttpFront:
+    """An ASGI app served by uvicorn on a thread of this process, from a bound socket. stop() shuts
+    it down as SIGTERM would: no new connections, in-flight requests get shutdown_timeout_s to
+    finish, then `close(reason)` ends the rest with a final answer (a 503 body, or an error event
+    and [DONE] for a stream). `count(status)` is told of the errors its connections answer."""
 
-    engine_thread=True also runs the engine on a thread of its own (tests); with False the caller
-    runs `self.worker.run(...)` on the thread that loaded the model (serve, bench serve: see
-    server/worker.py for why). stop() shuts the HTTP side down as SIGTERM would: no new
-    connections, in-flight requests get shutdown_timeout_s to finish, then the rest are cancelled
-    with a final answer (a 503 body, or an error event and [DONE] for a stream)."""
-
-    def __init__(self, llm: LLM, config: ServerConfig, cost: StepCost | None = None, host: str = "127.0.0.1",
-                 port: int = 0, engine_thread: bool = True, shutdown_timeout_s: float = 30.0,
-                 log_level: str = "warning", start_timeout_s: float = 60.0, sock: socket.socket | None = None) -> None:
-        """sock: already bound to host:port (serve binds before the model loads, to fail early)."""
+    def __init__(self, app: Callable, connections: ConnectionLimits, count: Callable[[int], None],
+                 close: Callable[[str], None], host: str, sock: socket.socket, shutdown_timeout_s: float = 30.0,
+                 log_level: str = "warning", start_timeout_s: float = 60.0) -> None:
         import uvicorn
-        sock = sock or listen(host, port)
+        self.app = app
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{sock.getsockname()[1]}"
-        try:
-            self.app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
-        except BaseException:  # refused (the model's engine is another server's): the port is free again
-            sock.close()
-            raise
-        self.worker = self.app.state.worker
         self.shutdown_timeout_s = shutdown_timeout_s
+        self._close = close
         # uvicorn's own deadline is only a backstop: its cancellation cuts responses off mid-way. Its h11
         # protocol, with the connection limits it lacks (connections.py); no websockets on this server.
-        protocol = guarded_protocol(config.connections, self.app.state.metrics.count_error)
         self._server = uvicorn.Server(uvicorn.Config(
-            self.app, log_level=log_level, http=protocol, ws="none", timeout_keep_alive=KEEP_ALIVE_S,
-            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            app, log_level=log_level, http=guarded_protocol(connections, count), ws="none",
+            timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             timeout_graceful_shutdown=shutdown_timeout_s + SHUTDOWN_GRACE_S))
         self._deadline: threading.Timer | None = None
         self.thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -80,6 +70,42 @@ class BackgroundServer:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.02)
+
+    def request_stop(self) -> None:
+        self._server.should_exit = True
+        if self._deadline is None:
+            reason = (f"the server is shutting down: this request was still running {self.shutdown_timeout_s:g} s "
+                      f"after the shutdown began (--shutdown-timeout) and was cancelled")
+            self._deadline = threading.Timer(self.shutdown_timeout_s, self._close, (reason,))
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def stop(self) -> None:
+        self.request_stop()
+        self.thread.join(120)
+        self._deadline.cancel()
+
+
+class BackgroundServer(HttpFront):
+    """The app over `llm` served on a free port of `host` (HttpFront says how it stops).
+
+    engine_thread=True also runs the engine on a thread of its own (tests); with False the caller
+    runs `self.worker.run(...)` on the thread that loaded the model (serve, bench serve: see
+    server/worker.py for why)."""
+
+    def __init__(self, llm: LLM, config: ServerConfig, cost: StepCost | None = None, host: str = "127.0.0.1",
+                 port: int = 0, engine_thread: bool = True, shutdown_timeout_s: float = 30.0,
+                 log_level: str = "warning", start_timeout_s: float = 60.0, sock: socket.socket | None = None) -> None:
+        """sock: already bound to host:port (serve binds before the model loads, to fail early)."""
+        sock = sock or listen(host, port)
+        try:
+            app = create_app(llm, config, cost, engine_thread=engine_thread, bind=host)
+        except BaseException:  # refused (the model's engine is another server's): the port is free again
+            sock.close()
+            raise
+        self.worker = app.state.worker
+        super().__init__(app, config.connections, app.state.metrics.count_error, self.worker.close, host, sock,
+                         shutdown_timeout_s, log_level, start_timeout_s)
 
     def run_clients(self, clients: Callable[[], None], name: str = "clients") -> None:
         """Run `clients` on a thread of their own against this server (engine_thread=False) while the
@@ -95,20 +121,6 @@ class BackgroundServer:
         self.worker.run()
         thread.join()
         self.stop()
-
-    def request_stop(self) -> None:
-        self._server.should_exit = True
-        if self._deadline is None:
-            reason = (f"the server is shutting down: this request was still running {self.shutdown_timeout_s:g} s "
-                      f"after the shutdown began (--shutdown-timeout) and was cancelled")
-            self._deadline = threading.Timer(self.shutdown_timeout_s, self.worker.close, (reason,))
-            self._deadline.daemon = True
-            self._deadline.start()
-
-    def stop(self) -> None:
-        self.request_stop()
-        self.thread.join(120)
-        self._deadline.cancel()
 
 
 def serve(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,

@@ -16,7 +16,7 @@ from quickdraft.weights.activations import CALIBRATION, activation_bits, choose_
 from quickdraft.weights.quantize import quantize_tensors
 from quickdraft.weights.resolve import DEFAULT_MODEL, ModelSource, resolve_model
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "load_model", "resolve_model"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "load_model", "load_tokenizer", "resolve_model"]
 
 
 @dataclass
@@ -59,3 +59,10 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
     if bits is None and model.quantized:  # a file not measured yet: once, now (weights/activations.py)
         choose_bits(model, tokenizer.encode(CALIBRATION), source)
     return LoadedModel(model, tokenizer, source, activations)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """The model's tokenizer alone (a GGUF file's metadata or a directory's tokenizer files), no weights."""
+    if source.kind == "gguf":
+        return gguf_tokenizer(gguf_file.read_metadata(gguf_file.open_reader(source.path)))
+    return load_hf_tokenizer(source.path)

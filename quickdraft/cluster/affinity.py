@@ -1,0 +1,78 @@
+"""Which replica a prompt goes to: the one holding the longest cached prefix of it, within a slack
+of the shortest queue, so a conversation returns to the replica that has its history while one
+hot prefix cannot pile every request on one replica (SGLang's and vLLM's routers balance the same
+way, with thresholds on the queues).
+
+What the router believes a replica holds: the digests (digests.py) it last advertised, and those of
+the prompts routed to it since, for `horizon_s` (a reply's prompt is cached as soon as its prefill
+ends, well before the next summary; afterwards the replica's own word is the truth, evictions
+included). Pure: knows digests and queue lengths, nothing of Ray.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SLACK = 4  # requests a replica's queue may exceed the shortest by and still win on its prefix
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    load: int     # requests running or queued there
+    matched: int  # leading blocks of the prompt it holds
+
+
+def rank(candidates: Sequence[Candidate], slack: int = SLACK, turn: int = 0) -> list[list[str]]:
+    """Names, most preferred first, one per rank: the longest match among those within `slack` of
+    the shortest queue (ties: the shorter queue, then in turn, so that idle replicas alternate),
+    then the rest by queue."""
+    assert candidates, "no replica to rank"
+    least = min(c.load for c in candidates)
+    near = [c for c in candidates if c.load <= least + slack]
+    start = turn % len(near)
+    best = max(near[start:] + near[:start], key=lambda c: (c.matched, -c.load))  # max keeps the first of ties
+    rest = sorted((c for c in candidates if c is not best), key=lambda c: (c.load, -c.matched))
+    return [[best.name], *([c.name] for c in rest)]
+
+
+class PrefixMap:
+    """Each replica's cached prefixes as the router knows them."""
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self._advertised: dict[str, frozenset[int]] = {}
+        self._sent: dict[str, OrderedDict[int, float]] = {}  # digest -> when routed there, oldest first
+
+    def advertise(self, replica: str, digests: Sequence[int]) -> None:
+        self._advertised[replica] = frozenset(digests)
+
+    def routed(self, replica: str, digests: Sequence[int], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        sent = self._sent.setdefault(replica, OrderedDict())
+        for digest in digests:
+            sent[digest] = now
+            sent.move_to_end(digest)
+        while sent and next(iter(sent.values())) < now - self.horizon_s:
+            sent.popitem(last=False)
+
+    def matched(self, replica: str, digests: Sequence[int], now: float | None = None) -> int:
+        """Leading blocks of `digests` the replica is believed to hold."""
+        now = time.monotonic() if now is None else now
+        held = self._advertised.get(replica, frozenset())
+        sent = self._sent.get(replica, {})
+        fresh = now - self.horizon_s
+        for n, digest in enumerate(digests):
+            if digest not in held and sent.get(digest, float("-inf")) < fresh:
+                return n
+        return len(digests)
+
+    def forget(self, replica: str) -> None:
+        """A replica gone (died, restarted: its successor starts with an empty cache)."""
+        self._advertised.pop(replica, None)
+        self._sent.pop(replica, None)
+
+    def replicas(self) -> set[str]:
+        return set(self._advertised) | set(self._sent)

@@ -1,0 +1,150 @@
+"""`quickdraft serve --replicas N`: engine replicas as a Ray Serve application, this process their
+HTTP front.
+
+Joins the Ray cluster at --ray-address, or starts a local one; deploys N replicas (replica.py),
+each with --threads CPUs, routed by a request router (router.py); then serves the ingress
+(ingress.py) with the same connection limits and shutdown as one process (server.HttpFront):
+on SIGTERM no new connections, in-flight requests get --shutdown-timeout to finish, the replicas
+then end the rest with a 503, and the application is deleted (Ray drains and stops its replicas).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import ray
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from starlette.types import Message
+
+from quickdraft.cluster.asgi import HttpCall
+from quickdraft.cluster.ingress import Ingress, ReplicaLost
+from quickdraft.cluster.replica import EngineReplica, ReplicaSetup
+from quickdraft.cluster.router import ROUTERS, ROUTING_STATS_S
+from quickdraft.errors import QuickdraftError
+from quickdraft.server import HttpFront
+from quickdraft.server.guards import HostCheck, answered_hosts
+from quickdraft.server.prompts import Prompts
+from quickdraft.weights import load_tokenizer, resolve_model
+
+log = logging.getLogger("quickdraft.cluster")
+
+APP = "quickdraft"
+DEPLOYMENT = "engine"
+HEALTH_CHECK_S = 2.0    # how often Ray asks each replica whether its engine runs
+REPORT_TIMEOUT_S = 2.0  # a replica slower than this to report is not counted healthy by /health
+HEADROOM = 8            # calls a replica takes beyond its rows and queue (reports, routing probes)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    replicas: int
+    threads: int | None = None     # CPUs per replica; None: the cluster's CPUs shared out
+    address: str | None = None     # a Ray cluster to join; None: start one on this machine
+    router: str = "prefix"
+
+
+class RayReplicas:
+    """The ingress's `Replicas` over a Ray Serve deployment handle."""
+
+    def __init__(self, handle: Any, wanted: int) -> None:
+        self._streaming = handle.options(stream=True)
+        self._handle = handle
+        self._wanted = wanted
+
+    async def stream(self, call: HttpCall, digests: list[int]) -> AsyncIterator[Message]:
+        answer = self._streaming.forward.remote(call, digests=digests)
+        finished = False
+        try:
+            async for message in answer:
+                yield message
+            finished = True
+        except (RayActorError, ActorUnavailableError) as e:
+            finished = True
+            raise ReplicaLost(f"{type(e).__name__}: {e}") from None
+        finally:
+            if not finished:  # the client left: the replica's app hears it and cancels the request
+                answer.cancel()
+
+    async def reports(self) -> list[dict[str, Any]]:
+        """Those of the replicas that answer within REPORT_TIMEOUT_S (none if one of them is slower)."""
+        try:
+            answers = await self._handle.broadcast("report").results_async(timeout_s=REPORT_TIMEOUT_S,
+                                                                           return_exceptions=True)
+        except TimeoutError:
+            return []
+        return [a for a in answers if isinstance(a, dict)]
+
+    def wanted(self) -> int:
+        return self._wanted
+
+    def close(self, reason: str) -> None:
+        """On a thread of its own (the shutdown's deadline): every replica ends its requests with `reason`."""
+        self._handle.broadcast("close", reason).results(timeout_s=REPORT_TIMEOUT_S * 5, return_exceptions=True)
+
+
+def start_ray(plan: ClusterPlan) -> tuple[bool, int]:
+    """Join or start the cluster: (whether this process started it, the threads each replica gets)."""
+    started = not ray.is_initialized() and plan.address is None
+    ray.init(address=plan.address, ignore_reinit_error=True, include_dashboard=False,
+             logging_level=logging.WARNING, log_to_driver=False)
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    threads = plan.threads or max(1, cpus // plan.replicas)
+    if plan.replicas * threads > cpus:
+        raise QuickdraftError(f"--replicas {plan.replicas} x --threads {threads} needs {plan.replicas * threads} CPUs; "
+                              f"the Ray cluster has {cpus} (add machines with `ray start --address`, or ask for fewer)")
+    return started, threads
+
+
+def deploy(setup: ReplicaSetup, plan: ClusterPlan) -> Any:
+    """Deploy the replicas and wait until every one has loaded its model; their deployment handle."""
+    serve.start(proxy_location="Disabled")  # this process is the HTTP front
+    server = setup.server
+    deployment = serve.deployment(
+        EngineReplica, name=DEPLOYMENT, num_replicas=plan.replicas,
+        ray_actor_options={"num_cpus": setup.threads},
+        max_ongoing_requests=server.engine.max_batch + server.max_waiting + HEADROOM,
+        health_check_period_s=HEALTH_CHECK_S, graceful_shutdown_timeout_s=60.0, max_constructor_retry_count=1,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[plan.router],
+                                                  request_routing_stats_period_s=ROUTING_STATS_S))
+    return serve.run(deployment.bind(setup), name=APP, route_prefix=None)
+
+
+@contextmanager
+def running(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.socket,
+            shutdown_timeout_s: float = 30.0, log_level: str = "warning") -> Iterator[HttpFront]:
+    """The replicas deployed and the front serving on `sock`, until the block ends: then the front
+    stops (HttpFront.stop), the application is deleted and a cluster started here shut down."""
+    tokenizer = load_tokenizer(resolve_model(model))  # a model that is not there fails here, not in N replicas
+    started, threads = start_ray(plan)
+    try:
+        setup = replace(setup, threads=threads)
+        replicas = RayReplicas(deploy(setup, plan), plan.replicas)
+        ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes)
+        hosts = answered_hosts(setup.bind, setup.server.allowed_hosts)
+        front = HttpFront(ingress if hosts is None else HostCheck(ingress, hosts), setup.server.connections,
+                          ingress.count_error, replicas.close, setup.bind, sock, shutdown_timeout_s, log_level)
+        try:
+            yield front
+        finally:
+            front.stop()
+    finally:
+        serve.delete(APP)
+        if started:
+            ray.shutdown()
+
+
+def serve_cluster(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.socket,
+                  shutdown_timeout_s: float = 30.0, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (server.serve's shutdown, over every replica)."""
+    with running(setup, plan, model, sock, shutdown_timeout_s, log_level) as front:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: front.request_stop())
+        while front.thread.is_alive():
+            front.thread.join(0.5)

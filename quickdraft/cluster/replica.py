@@ -1,0 +1,102 @@
+"""One replica of a cluster: a loaded model, its engine service and the unchanged server app over
+it, as a Ray Serve deployment (serve.py deploys it).
+
+A thread of its own loads the model and then drives the engine (server/worker.py says why torch
+work stays on the thread that loaded the model); requests reach the app through `forward`
+(asgi.py), the router learns what the prefix cache holds from `record_routing_stats` (Ray Serve
+polls it), the front reads `report` for /health and /metrics, and Ray restarts a replica whose
+`check_health` fails or whose process dies.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+from starlette.types import Message
+
+from quickdraft import kernels
+from quickdraft.cluster.asgi import HttpCall, call_app
+from quickdraft.cluster.digests import held_digests
+from quickdraft.cluster.ingress import REPLICA_HEADER
+from quickdraft.server.app import ServerConfig
+
+
+@dataclass(frozen=True)
+class ReplicaSetup:
+    """What a replica needs to build what `quickdraft serve` builds in one process."""
+    server: ServerConfig
+    model: dict[str, Any] = field(default_factory=dict)  # quickdraft.load's keyword arguments
+    threads: int = 1             # torch's and the kernels' threads (the replica's CPUs in Ray)
+    bind: str = "127.0.0.1"      # the address the front serves: decides the Host names answered
+    policy: str = "goodput"
+    measure_cost: bool = True    # the forward-cost curve at start-up (serve's --no-measure-cost)
+
+
+class EngineReplica:
+    def __init__(self, setup: ReplicaSetup) -> None:
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.app: Any = None
+        self._error: BaseException | None = None
+        loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(setup, loaded), name="quickdraft-engine",
+                                        daemon=True)
+        self._thread.start()
+        loaded.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self, setup: ReplicaSetup, loaded: threading.Event) -> None:
+        from quickdraft.api import load
+        from quickdraft.cli.common import set_threads
+        from quickdraft.cli.serve import startup_cost
+        from quickdraft.server import create_app
+        try:
+            set_threads(setup.threads)
+            llm = load(**setup.model)
+            self.app = create_app(llm, setup.server, startup_cost(llm, setup.policy, setup.measure_cost),
+                                  engine_thread=False, bind=setup.bind)
+            self.prefix = llm.prefix
+            self.runtime = {"weights": llm.model.weight_format, "threads": setup.threads,
+                            "kernel": kernels.kernel_info().isa or "none (torch path)",
+                            "node": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        except BaseException as e:  # noqa: BLE001 - raised by __init__: Ray reports the deployment failed with it
+            self._error = e
+            return
+        finally:
+            loaded.set()
+        self.app.state.worker.run()
+
+    async def forward(self, call: HttpCall, digests: Sequence[int] = ()) -> AsyncIterator[Message]:
+        """The app's answer to `call`, message by message, its head naming this replica. `digests`
+        are the prompt's, read by the router before this replica was chosen."""
+        async for message in call_app(self.app, call):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(),
+                                                                                 self.name.encode())]}
+            yield message
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the router reads (Ray Serve polls it): the digests of every prefix cached here."""
+        return {"prefix": held_digests(self.prefix)}
+
+    def report(self) -> dict[str, Any]:
+        """For the front's /health and /metrics: this replica's name, its metrics text, how it runs."""
+        return {"replica": self.name, "metrics": self.app.state.metrics.render(), "runtime": self.runtime}
+
+    def close(self, reason: str) -> None:
+        """End every request here with a 503 (or an error event) saying `reason` (a shutdown's deadline)."""
+        self.app.state.worker.close(reason)
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine thread has stopped."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the replica's engine thread has stopped")
+
+    def __del__(self) -> None:  # Ray's graceful shutdown of the replica, once its requests are done
+        if self.app is not None:
+            self.app.state.worker.stop()
