@@ -66,7 +66,16 @@ NEUTRAL_KEYS: dict[str, tuple[Any, str]] = {
     "attention.max_alibi_bias": (0.0, "ALiBi attention biases"),
     "attention.causal": (True, "non-causal attention"),
     "use_parallel_residual": (False, "parallel attention and MLP"),
+    "expert_used_count": (0, "experts per token"),
 }
+# The other `{arch}.*` keys the families' files hold, each read by config_from_metadata (or checked
+# by _refuse_unsupported_keys; `{arch}.rope.*`: gguf_rope.py). A key outside these and NEUTRAL_KEYS
+# may change the math in a way this loader cannot tell: refused by name.
+READ_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "attention.key_length_swa", "attention.value_length_swa", "attention.layer_norm_rms_epsilon",
+    "attention.layer_norm_epsilon", "attention.sliding_window", "attention.sliding_window_pattern"})
 
 
 def config_from_metadata(meta: dict[str, Any], names: set[str],
@@ -153,6 +162,14 @@ def _layer_windows(meta: dict[str, Any], arch: str, layers: int, spec: Family) -
 
 def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spec: Family) -> None:
     """Metadata asking for math this decoder does not do is an UnsupportedArchitecture naming it."""
+    if meta.get("general.type", "model") != "model":
+        raise UnsupportedArchitecture(f"GGUF general.type {meta['general.type']!r} is not supported; expected a model "
+                                      f"(a LoRA adapter's file holds no model of its own)")
+    unknown = sorted(k for k in meta if k.startswith(f"{arch}.") and not k.startswith(f"{arch}.rope.")
+                     and k[len(arch) + 1:] not in READ_KEYS | NEUTRAL_KEYS.keys())
+    if unknown:
+        raise UnsupportedArchitecture(f"GGUF key {unknown[0]!r} = {meta[unknown[0]]!r} is not supported (not a "
+                                      f"setting this loader reads or knows to change nothing)")
     layers = int(meta.get(f"{arch}.block_count", 0))
     if layers == spec.gguf_unscaled_layers and f"{arch}.attention.scale" not in meta:
         raise UnsupportedArchitecture(  # llama.cpp knows Gemma's 27B by its layer count; we do not guess
