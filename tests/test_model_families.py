@@ -1,4 +1,4 @@
-"""The families beyond Llama and Qwen2 (issue 31), each a row of model/families.py: Mistral with
+"""Every family (issue 31), each a row of model/families.py: Llama, Qwen2 (q/k/v biases), Mistral with
 a true sliding window, Qwen3 (QK-norm per head), OLMo 2 (post-norms, QK-norm over the
 projection), Phi-3 (fused q|k|v and gate|up, a window), Gemma 2 (sandwich norms, soft-caps,
 alternating windows) and Gemma 3 (sandwich norms, QK-norm, a RoPE base per layer type), and GELU
@@ -40,7 +40,7 @@ def window_of(name: str) -> int | None:
     return CONFIGS[name].get("sliding_window")
 
 
-@pytest.fixture(scope="module", params=NEW_FAMILIES)
+@pytest.fixture(scope="module", params=["llama-gqa-untied", "qwen2-qkv-bias", *NEW_FAMILIES])
 def files(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """A family's tiny model as a safetensors directory and as a float32 GGUF (with its window)."""
     name = request.param
