@@ -57,7 +57,7 @@ class FakeEngine:
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.log.append((self.name, "prefill", len(tokens)))
-        self.clock.now += self.prefill_s.pop(0) if len(tokens) == 64 else 0.0
+        self.clock.now += self.prefill_s.pop(0) if len(tokens) == 64 else 0.001 * len(tokens)
         self.n = len(tokens)
 
     def feed(self, tokens: Sequence[int]) -> None:
@@ -70,9 +70,9 @@ class FakeEngine:
         self.n = n
 
 
-def config(repeats: int = 3, prompts: int = 2, n: int = 5) -> CompareConfig:
+def config(repeats: int = 3, prompts: int = 2, n: int = 5, prefill: tuple[int, ...] = (64,)) -> CompareConfig:
     return CompareConfig(prompts=tuple((10 + i, 11 + i) for i in range(prompts)), max_new_tokens=n,
-                         prefill_ids=tuple(range(64)), context_ids=tuple(range(8)), fed_ids=tuple(range(100, 104)),
+                         prefill_ids=tuple(tuple(range(k)) for k in prefill), context_ids=tuple(range(8)), fed_ids=tuple(range(100, 104)),
                          q_values=(1, 2, 3, 4), repeats=repeats)
 
 
@@ -95,17 +95,17 @@ def test_medians_leave_out_the_warm_up_the_first_token_and_outliers() -> None:
     a, b = result.ours, result.theirs
     assert (a.load_s, b.load_s) == (3.0, 0.25)
     assert a.decode_tok_s == pytest.approx([50.0] * 6) and b.decode_median == pytest.approx(100.0)
-    assert a.prefill_s == (2.0, 1.0, 1.5) and b.prefill_s == (0.5, 0.5, 4.0)  # the 99 s warm-ups are not there
+    assert a.prefill_s == {64: (2.0, 1.0, 1.5)} and b.prefill_s == {64: (0.5, 0.5, 4.0)}  # the 99 s warm-ups are not there
     assert a.prefill_tok_s(64) == pytest.approx(64 / 1.5) and b.prefill_tok_s(64) == pytest.approx(128)
     for q in (1, 2, 3, 4):
         assert len(a.t_q_s[q]) == 3
         assert a.t_q_ratio(q) == pytest.approx(1 + 0.1 * (q - 1)) and b.t_q_ratio(q) == pytest.approx(q)
     j = comparison_json(result)
     assert j["ratios"]["decode"] == pytest.approx(0.5) and j["ratios"]["load"] == pytest.approx(12.0)
-    assert j["ratios"]["prefill"] == pytest.approx((64 / 1.5) / 128)
+    assert j["ratios"]["prefill"] == {"64": pytest.approx((64 / 1.5) / 128)}
     assert j["ratios"]["t_q"]["4"] == pytest.approx(0.013 / 0.08)
     assert j["engines"]["ref"]["t_q_ratio"]["3"] == pytest.approx(3.0)
-    assert j["engines"]["ours"]["runs"]["prefill_s"] == [2.0, 1.0, 1.5]
+    assert j["engines"]["ours"]["runs"]["prefill_s"] == {"64": [2.0, 1.0, 1.5]}
     json.dumps(j)  # plain data only
 
 
@@ -139,6 +139,18 @@ def test_table_and_agreement() -> None:
     assert re.search(r"^\| 4 \| 13\.00 \| 1\.30 \| 80\.00 \| 4\.00 \| 0\.16x \|$", table, re.M)
     assert len(re.findall(r"^\| \d+ \|", table, re.M)) == 4
     assert "per prompt: 3, 5 of 5" in table
+
+
+def test_each_prefill_length_is_timed_in_every_round_on_both_engines() -> None:
+    clock, log = Clock(), []
+    result = run_comparison(*engines(log, clock), config(repeats=2, prefill=(64, 20)), clock=clock)
+    assert result.prefill_tokens == (64, 20)
+    assert result.ours.prefill_s[20] == pytest.approx((0.02, 0.02)) and result.theirs.prefill_s[64] == (0.5, 0.5)
+    assert comparison_json(result)["ratios"]["prefill"] == {"64": pytest.approx((64 / 1.5) / 128), "20": pytest.approx(1.0)}
+    timed = [(e, n) for e, what, n in log if what == "prefill" and n != 8][4:]  # after each engine's warm-up
+    assert timed == [("ours", 64), ("ref", 64), ("ours", 20), ("ref", 20), ("ref", 64), ("ours", 64), ("ref", 20), ("ours", 20)]
+    table = markdown_tables(result)
+    assert "| prefill tok/s (20 tokens) | 1000.00 | 1000.00 | 1.00x |" in table
 
 
 @pytest.mark.parametrize("change, message", [
@@ -194,11 +206,12 @@ def test_command_end_to_end_on_a_tiny_gguf(tmp_path: Path, monkeypatch, capsys) 
     monkeypatch.setattr(vs_llamacpp, "import_llama_cpp", lambda: type("lc", (), {"__version__": "fake"}))
     monkeypatch.setattr(vs_llamacpp, "LlamaCppEngine", lambda p, threads, n_ctx, n_batch: GreedyLoop(p, n_ctx))
     args = ["bench", "plain", "--compare-llamacpp", "-m", str(path), "--prompts", "2", "-n", "6", "--repeats", "2",
-            "--prefill-tokens", "64", "--context", "32", "--max-q", "5", "--threads", "1"]
+            "--prefill-tokens", "64,16", "--context", "32", "--max-q", "5", "--threads", "1"]
     assert main(args + ["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["greedy_same_prefix"] == [6, 6]  # the engine's plain path decodes the model's greedy tokens
-    assert res["q_values"] == [1, 2, 3, 4, 5] and res["prefill_tokens"] == 64
+    assert res["q_values"] == [1, 2, 3, 4, 5] and res["prefill_tokens"] == [16, 64]
+    assert set(res["ratios"]["prefill"]) == {"16", "64"} and "--prefill-tokens 16,64" in res["config"]["command"]
     for engine in ("quickdraft", "loop"):
         e = res["engines"][engine]
         assert e["t_q_ratio"]["1"] == 1.0 and len(e["runs"]["decode_tok_s"]) == 4 and e["load_s"] > 0

@@ -76,7 +76,7 @@ def test_compare_command_on_the_default_model(capsys) -> None:
     res = json.loads(capsys.readouterr().out)
     assert set(res["engines"]) == {"quickdraft", "llama.cpp"}
     for e in res["engines"].values():
-        assert e["decode_tok_s"] > 0 and e["prefill_tok_s"] > 0 and e["t_q_ratio"]["1"] == 1.0
+        assert e["decode_tok_s"] > 0 and e["prefill_tok_s"]["64"] > 0 and e["t_q_ratio"]["1"] == 1.0
     # same prompts and same weights: the greedy tokens agree at least at the start (later the two
     # engines' arithmetic may part ways on a near tie)
     assert min(res["greedy_same_prefix"]) >= 4

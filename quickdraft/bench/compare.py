@@ -36,7 +36,7 @@ class BenchEngine(Protocol):
 class CompareConfig:
     prompts: tuple[tuple[int, ...], ...]   # token ids, the same for both engines
     max_new_tokens: int                    # per decode run
-    prefill_ids: tuple[int, ...]           # the prompt of the prefill measurement
+    prefill_ids: tuple[tuple[int, ...], ...]  # the prompts of the prefill measurements, one per length
     context_ids: tuple[int, ...]           # cached before each t(q) pass
     fed_ids: tuple[int, ...]               # a pass for q feeds the first q of these
     q_values: tuple[int, ...]
@@ -47,8 +47,10 @@ class CompareConfig:
             raise ValueError("expected at least one prompt, none of them empty")
         if self.max_new_tokens < 2:  # the decode rate is timed from the first token to the last
             raise ValueError(f"max_new_tokens must be >= 2, found {self.max_new_tokens}")
-        if not self.prefill_ids or not self.context_ids or self.repeats < 1:
+        if not self.prefill_ids or not all(self.prefill_ids) or not self.context_ids or self.repeats < 1:
             raise ValueError("expected prefill and context tokens and repeats >= 1")
+        if len({len(p) for p in self.prefill_ids}) != len(self.prefill_ids):
+            raise ValueError("expected prefill prompts of distinct lengths")
         if not self.q_values or 1 not in self.q_values or max(self.q_values) > len(self.fed_ids):
             raise ValueError(f"q values must include 1 and be at most {len(self.fed_ids)} (the fed tokens), "
                              f"found {list(self.q_values)}")
@@ -59,7 +61,7 @@ class EngineResult:
     name: str
     load_s: float
     decode_tok_s: tuple[float, ...]   # one per (round, prompt)
-    prefill_s: tuple[float, ...]      # one per round
+    prefill_s: dict[int, tuple[float, ...]]  # prompt length -> one per round
     t_q_s: dict[int, tuple[float, ...]]  # q -> one per round
     outputs: tuple[tuple[int, ...], ...]  # the greedy tokens per prompt (first timed round)
 
@@ -68,7 +70,7 @@ class EngineResult:
         return statistics.median(self.decode_tok_s)
 
     def prefill_tok_s(self, n_tokens: int) -> float:
-        return n_tokens / statistics.median(self.prefill_s)
+        return n_tokens / statistics.median(self.prefill_s[n_tokens])
 
     def t_q_median(self, q: int) -> float:
         return statistics.median(self.t_q_s[q])
@@ -81,7 +83,7 @@ class EngineResult:
 @dataclass(frozen=True)
 class Comparison:
     config: dict            # what was run (model, threads, command, ...), echoed in the report
-    prefill_tokens: int
+    prefill_tokens: tuple[int, ...]
     q_values: tuple[int, ...]
     ours: EngineResult
     theirs: EngineResult
@@ -140,11 +142,11 @@ class _Samples:
     """One engine's measurements as the rounds produce them."""
     decode: list[float] = field(default_factory=list)
     outputs: list[tuple[int, ...]] = field(default_factory=list)
-    prefill: list[float] = field(default_factory=list)
+    prefill: dict[int, list[float]] = field(default_factory=dict)
     t_q: dict[int, list[float]] = field(default_factory=dict)
 
     def result(self, name: str, load_s: float) -> EngineResult:
-        return EngineResult(name, load_s, tuple(self.decode), tuple(self.prefill),
+        return EngineResult(name, load_s, tuple(self.decode), {n: tuple(ts) for n, ts in sorted(self.prefill.items())},
                             {q: tuple(ts) for q, ts in sorted(self.t_q.items())}, tuple(self.outputs))
 
 
@@ -157,8 +159,9 @@ def _round(engines: Sequence[BenchEngine], samples: Sequence[_Samples], cfg: Com
             samples[i].decode.append(rate)
             if r == 0:
                 samples[i].outputs.append(tuple(tokens))
-    for i in order:
-        samples[i].prefill.append(_timed(clock, lambda: engines[i].prefill(cfg.prefill_ids)))
+    for ids in cfg.prefill_ids:
+        for i in order:
+            samples[i].prefill.setdefault(len(ids), []).append(_timed(clock, lambda: engines[i].prefill(ids)))
     for i in order:
         for q, s in _q_sweep(engines[i], cfg, r % 2 == 1, clock).items():
             samples[i].t_q.setdefault(q, []).append(s)
@@ -174,21 +177,22 @@ def run_comparison(engines: Sequence[BenchEngine], load_s: Sequence[float], cfg:
     for e in engines:
         log(f"warming up {e.name}")
         _decode_rate(e, cfg.prompts[0], min(8, cfg.max_new_tokens), clock)
-        e.prefill(cfg.prefill_ids)
+        for ids in cfg.prefill_ids:
+            e.prefill(ids)
         _q_sweep(e, cfg, False, clock)
     samples = [_Samples(), _Samples()]
     for r in range(cfg.repeats):
         log(f"round {r + 1}/{cfg.repeats}")
         _round(engines, samples, cfg, r, clock)
     ours, theirs = (s.result(e.name, t) for s, e, t in zip(samples, engines, load_s))
-    return Comparison(dict(config or {}), len(cfg.prefill_ids), tuple(sorted(cfg.q_values)), ours, theirs)
+    return Comparison(dict(config or {}), tuple(len(p) for p in cfg.prefill_ids), tuple(sorted(cfg.q_values)), ours,
+                      theirs)
 
 
 def markdown_tables(c: Comparison) -> str:
     a, b = c.ours, c.theirs
     rows = [("decode tok/s (greedy, after the first token)", a.decode_median, b.decode_median),
-            (f"prefill tok/s ({c.prefill_tokens} tokens)", a.prefill_tok_s(c.prefill_tokens),
-             b.prefill_tok_s(c.prefill_tokens)),
+            *((f"prefill tok/s ({n} tokens)", a.prefill_tok_s(n), b.prefill_tok_s(n)) for n in c.prefill_tokens),
             ("load s", a.load_s, b.load_s)]
     lines = [f"| | {a.name} | {b.name} | {a.name} / {b.name} |", "|---|---:|---:|---:|"]
     lines += [f"| {label} | {x:.2f} | {y:.2f} | {x / y:.2f}x |" for label, x, y in rows]
@@ -200,27 +204,28 @@ def markdown_tables(c: Comparison) -> str:
                      f"{b.t_q_ratio(q):.2f} | {ta / tb:.2f}x |")
     same = c.same_prefix()
     lines += ["", f"Medians: decode of {len(a.decode_tok_s)} runs per engine, prefill and t(q) of "
-                  f"{len(a.prefill_s)}; load once each. Greedy tokens identical before the first "
+                  f"{len(a.t_q_s[1])}; load once each. Greedy tokens identical before the first "
                   f"difference, per prompt: {', '.join(map(str, same))} of {len(a.outputs[0])}. "
                   f"A ratio is {a.name}'s figure over {b.name}'s: above 1 is better for tok/s, worse for "
                   f"seconds and t(q)."]
     return "\n".join(lines) + "\n"
 
 
-def _engine_json(e: EngineResult, prefill_tokens: int) -> dict:
-    return {"load_s": e.load_s, "decode_tok_s": e.decode_median, "prefill_tok_s": e.prefill_tok_s(prefill_tokens),
+def _engine_json(e: EngineResult) -> dict:
+    return {"load_s": e.load_s, "decode_tok_s": e.decode_median,
+            "prefill_tok_s": {str(n): e.prefill_tok_s(n) for n in e.prefill_s},
             "t_q_ms": {str(q): e.t_q_median(q) * 1000 for q in e.t_q_s},
             "t_q_ratio": {str(q): e.t_q_ratio(q) for q in e.t_q_s},
-            "runs": {"decode_tok_s": list(e.decode_tok_s), "prefill_s": list(e.prefill_s),
+            "runs": {"decode_tok_s": list(e.decode_tok_s), "prefill_s": {str(n): list(ts) for n, ts in e.prefill_s.items()},
                      "t_q_s": {str(q): list(ts) for q, ts in e.t_q_s.items()}}}
 
 
 def comparison_json(c: Comparison) -> dict:
     a, b = c.ours, c.theirs
-    return {"config": c.config, "prefill_tokens": c.prefill_tokens, "q_values": list(c.q_values),
-            "engines": {a.name: _engine_json(a, c.prefill_tokens), b.name: _engine_json(b, c.prefill_tokens)},
+    return {"config": c.config, "prefill_tokens": list(c.prefill_tokens), "q_values": list(c.q_values),
+            "engines": {a.name: _engine_json(a), b.name: _engine_json(b)},
             "ratios": {"decode": a.decode_median / b.decode_median,
-                       "prefill": a.prefill_tok_s(c.prefill_tokens) / b.prefill_tok_s(c.prefill_tokens),
+                       "prefill": {str(n): a.prefill_tok_s(n) / b.prefill_tok_s(n) for n in c.prefill_tokens},
                        "load": a.load_s / b.load_s,
                        "t_q": {str(q): a.t_q_median(q) / b.t_q_median(q) for q in c.q_values}},
             "greedy_same_prefix": c.same_prefix()}

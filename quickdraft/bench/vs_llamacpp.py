@@ -10,6 +10,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -26,17 +27,17 @@ from quickdraft.weights.resolve import resolve_model
 PROMPT_ROOM = 128  # tokens kept for a built-in chat prompt (with any template's system turn) in n_ctx
 
 
-def compare_config(tokenizer: Tokenizer, n_prompts: int, max_new_tokens: int, prefill_tokens: int,
+def compare_config(tokenizer: Tokenizer, n_prompts: int, max_new_tokens: int, prefill_tokens: Sequence[int],
                    context: int, max_q: int, repeats: int) -> CompareConfig:
     """Chat prompts for decoding (the text alone for a model without a chat template); for prefill
     and t(q), the first tokens of the prompts' text run together (any text: a pass costs the same
     whatever the tokens)."""
     prompts = tuple(tuple(prompt_ids(tokenizer, p)) for p in PROMPTS[:n_prompts])
     text, ids = "", []
-    while len(ids) < max(prefill_tokens, context + max_q):
+    while len(ids) < max(*prefill_tokens, context + max_q):
         text += " ".join(PROMPTS) + "\n"
         ids = tokenizer.encode(text)
-    return CompareConfig(prompts, max_new_tokens, tuple(ids[:prefill_tokens]), tuple(ids[:context]),
+    return CompareConfig(prompts, max_new_tokens, tuple(tuple(ids[:n]) for n in prefill_tokens), tuple(ids[:context]),
                          tuple(ids[context:context + max_q]), tuple(range(1, max_q + 1)), repeats)
 
 
@@ -49,7 +50,7 @@ def _read_through(path: Path) -> None:
 
 
 def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n_prompts: int,
-                            max_new_tokens: int, repeats: int, prefill_tokens: int = 512, context: int = 256,
+                            max_new_tokens: int, repeats: int, prefill_tokens: Sequence[int] = (512,), context: int = 256,
                             max_q: int = 17, command: str = "") -> Comparison:
     if not 1 <= n_prompts <= len(PROMPTS):
         raise QuickdraftError(f"--prompts must be 1..{len(PROMPTS)}, found {n_prompts}")
@@ -61,11 +62,11 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
     torch.set_num_threads(threads)
     torch_dtype = parse_dtype(dtype)
     _read_through(source.path)
-    n_ctx = max(prefill_tokens, context + max_q, PROMPT_ROOM + max_new_tokens)
+    n_ctx = max(*prefill_tokens, context + max_q, PROMPT_ROOM + max_new_tokens)
     log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     engines, load_s = load_engines(
         [("quickdraft", lambda: QuickdraftEngine.load(str(source.path), device, torch_dtype, n_ctx)),
-         ("llama.cpp", lambda: LlamaCppEngine(source.path, threads, n_ctx, n_batch=max(512, prefill_tokens)))],
+         ("llama.cpp", lambda: LlamaCppEngine(source.path, threads, n_ctx, n_batch=max(512, *prefill_tokens)))],
         log=log)
     ours, theirs = engines
     room = ours.model.config.max_position_embeddings

@@ -40,15 +40,19 @@ def _bench_plain_llamacpp(args: argparse.Namespace) -> int:
                               f"found {args.dtypes!r}")
     threads = 2 if args.threads is None else args.threads
     repeats = 3 if args.repeats is None else args.repeats
-    if min(threads, repeats, args.context, args.max_q, args.prefill_tokens) < 1 or args.max_new_tokens < 2:
+    try:
+        prefill = sorted({int(n) for n in args.prefill_tokens.split(",")})
+    except ValueError:
+        raise QuickdraftError(f"--prefill-tokens takes comma-separated token counts, found {args.prefill_tokens!r}") from None
+    if min(threads, repeats, args.context, args.max_q, *prefill) < 1 or args.max_new_tokens < 2:
         raise QuickdraftError("--threads, --repeats, --context, --max-q and --prefill-tokens must be >= 1 and "
                               "--max-new-tokens >= 2")
     command = shlex.join(["quickdraft", "bench", "plain", "--compare-llamacpp", "-m", args.model, "--dtypes",
                           dtypes[0], "--threads", str(threads), "--prompts", str(args.prompts), "-n",
                           str(args.max_new_tokens), "--repeats", str(repeats), "--prefill-tokens",
-                          str(args.prefill_tokens), "--context", str(args.context), "--max-q", str(args.max_q)])
+                          ",".join(map(str, prefill)), "--context", str(args.context), "--max-q", str(args.max_q)])
     result = run_llamacpp_comparison(args.model, args.device, dtypes[0], threads, args.prompts, args.max_new_tokens,
-                                     repeats, args.prefill_tokens, args.context, args.max_q, command)
+                                     repeats, prefill, args.context, args.max_q, command)
     if args.json:
         print(json.dumps(comparison_json(result), indent=1))
     else:
@@ -74,7 +78,8 @@ def add_bench_plain(bsub) -> None:
     cmp.add_argument("--compare-llamacpp", action="store_true",
                      help="compare with llama.cpp instead of transformers: decode and prefill tok/s, t(q)/t(1) "
                           "and load seconds, interleaved, medians")
-    cmp.add_argument("--prefill-tokens", type=int, default=512, help="prompt length of the prefill measurement")
+    cmp.add_argument("--prefill-tokens", default="512",
+                     help="prompt lengths of the prefill measurement, comma-separated (default 512)")
     cmp.add_argument("--context", type=int, default=256, help="cached tokens before each t(q) pass (default 256)")
     cmp.add_argument("--max-q", type=int, default=17, help="t(q) for q = 1..max-q (default 17)")
     cmp.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
