@@ -157,19 +157,23 @@ class PrefixCache:
             k[row, :, :n] = kv[layer, 0]
             v[row, :, :n] = kv[layer, 1]
 
-    def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None) -> None:
+    def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None,
+              max_blocks: int | None = None) -> bool:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
         features [n, D] (a cache without features: of all `tokens`), in blocks and a tail; blocks
         already held are only marked used. Less is kept where the budget cannot make room; none
         where this thread is inside a call already (a stream that the garbage collector closes in
-        the middle of one offers its tokens: waiting for the lock would wait for itself)."""
+        the middle of one offers its tokens: waiting for the lock would wait for itself).
+        `max_blocks`: copy at most that many new blocks (a tail counts as one) now; whether all
+        were kept (a call with the same arguments goes on from the blocks held)."""
         assert (features is not None) == self.features, "features are kept by a cache made to keep them, only"
         if self._owner == threading.get_ident():
-            return
+            return True
         with self._locked():
-            self._store(tokens, cache, row, features)
+            return self._store(tokens, cache, row, features, max_blocks)
 
-    def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None) -> None:
+    def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None,
+               max_blocks: int | None = None) -> bool:
         length = len(tokens) if features is None else features.shape[0]
         node, tick, start = self.root, next(self._tick), 0
         while start + BLOCK <= length and tuple(tokens[start:start + BLOCK]) in node.children:
@@ -177,6 +181,10 @@ class PrefixCache:
             node.used, start = tick, start + BLOCK
         blocks = (length - start) // BLOCK
         tail = length - start - blocks * BLOCK
+        if max_blocks is not None and blocks + (tail > 0) > max_blocks:  # the rest at the next call
+            blocks, tail, done = max_blocks, 0, False
+        else:
+            done = True
         for child in node.children.values() if tail and not blocks else ():
             if _shared(child.key, tokens[start:length]) == tail:  # held already, in a tail or a block
                 child.used, tail = tick, 0
@@ -186,6 +194,7 @@ class PrefixCache:
             node, start = self._add(node, tokens[start:start + BLOCK], cache, row, start, features, tick), start + BLOCK
         if tail and room > blocks:
             self._add(node, tokens[start:start + tail], cache, row, start, features, tick)
+        return done or room < blocks + (tail > 0)  # what the budget cannot hold now is not kept
 
     def _add(self, parent: _Node, key: Sequence[int], cache: KVCache, row: int, start: int,
              features: torch.Tensor | None, tick: int) -> _Node:

@@ -447,3 +447,37 @@ def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pyt
     # the premise: rows padded to 25 (24-token drafts) ran in passes of one or two rows, split off the three
     assert max(widths) <= model.invariant_rows and {25, 50} & set(widths)
     assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]
+
+
+def test_a_store_in_parts_keeps_what_one_store_keeps() -> None:
+    """store(max_blocks=n) copies at most n new blocks and says whether all are in; called again it
+    goes on from the blocks held, until the same trie as one whole store holds."""
+    model = tiny(MODEL)
+    cache = random_cache(model, 1, 64, seed=2)
+    D = model.config.hidden_size
+    seq, features = tokens(7, 59), torch.randn(59, D)
+    whole, parts = prefix_for(model), prefix_for(model)
+    assert whole.store(seq, cache, 0, features)
+    done = [parts.store(seq, cache, 0, features, max_blocks=2) for _ in range(3)]
+    assert done == [False, True, True] and parts.stats.blocks == whole.stats.blocks == 4  # 3 blocks and a tail
+    into = model.new_cache(1, 64)
+    assert torch.equal(parts.fetch(seq + [1], 59, into, 0), features)
+    assert all(torch.equal(a[0, :, :59], b[0, :, :59]) for a, b in zip(into.k + into.v, cache.k + cache.v))
+
+
+def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> None:
+    """The step that ends a prompt copies OFFER_BLOCKS of its blocks into the prefix cache, each
+    later step as many more, so no step pays for the whole prompt; the tokens are the same."""
+    OFFER_BLOCKS = 4
+    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", OFFER_BLOCKS)
+    model = tiny(MODEL)
+    prompt = tokens(8, (OFFER_BLOCKS + 3) * BLOCK + 5)
+    engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
+    engine.add(Request(prompt, greedy(6), id="long"))
+    held, out = [], []
+    while engine.has_work():
+        out += [t for _, e in engine.step() for t in e.token_ids]
+        held.append(engine.prefix.stats.blocks)
+    assert held[:3] == [OFFER_BLOCKS, OFFER_BLOCKS + 4, OFFER_BLOCKS + 4]  # then 3 blocks and the prompt's tail
+    cold = Engine(model, EngineConfig(max_batch=2))
+    assert out == run_to_end(cold, Request(prompt, greedy(6), id="cold"))

@@ -32,6 +32,7 @@ from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCo
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]
+OFFER_BLOCKS = 16  # prefix-cache blocks a prompt's K/V are copied in per step (256 tokens: a few ms)
 log = logging.getLogger("quickdraft.engine")
 
 
@@ -149,6 +150,7 @@ class Engine:
         # and asked for the next draft at the start of the next step, after the step's tokens
         # went out (a draft model's forwards, or its prompt's prefill, delay no emitted token)
         self.to_propose: list[tuple[_Row, Committed]] = []
+        self.offering: list[_Row] = []  # decoding rows whose prompts are still being left to the prefix cache
 
     # -- requests joining and leaving ---------------------------------------------------------------
 
@@ -189,17 +191,28 @@ class Engine:
     def has_work(self) -> bool:
         return self.num_running > 0 or bool(self.waiting)
 
-    def _offer(self, row: _Row, i: int, features: torch.Tensor | None = None) -> None:
+    def _offer(self, row: _Row, i: int, features: torch.Tensor | None = None, max_blocks: int | None = None) -> bool:
         """Leave a row's K/V (cache row i) to the prefix cache, unless its pass failed: its tokens'
-        with `features` [n, D], else all it holds. A cache that fails (out of memory) loses only
-        the caching, never the request or the engine."""
+        with `features` [n, D], else all it holds; at most `max_blocks` new blocks now (whether all
+        are in). A cache that fails (out of memory) loses only the caching, never the request or
+        the engine."""
         if self.prefix is None or row.failed:
-            return
+            return True
         try:
-            self.prefix.store(row.tokens, self.cache, i,
-                              torch.cat(row.features)[:row.length] if features is None else features)
+            return self.prefix.store(row.tokens, self.cache, i,
+                                     torch.cat(row.features)[:row.length] if features is None else features, max_blocks)
         except Exception:  # noqa: BLE001
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
+            return True
+
+    def _offer_prompts(self) -> None:
+        """Go on leaving the prompts of rows that started decoding to the prefix cache, OFFER_BLOCKS
+        blocks a step each: a long prompt's K/V copied at once stalled every row (4,000 tokens of
+        the 1.5B: 254 MB, 6x a decode step)."""
+        for row in list(self.offering):
+            if row not in self.rows or row in self.finished or self._offer(
+                    row, self.rows.index(row), row.features[0], OFFER_BLOCKS):
+                self.offering.remove(row)  # offered whole, or gone (an ending row leaves all it holds)
 
     def _free(self, i: int) -> None:
         """Keep running rows in cache rows 0..n-1 (and the filling row in row n): the last row moves
@@ -240,6 +253,7 @@ class Engine:
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
+        self._offer_prompts()
         left = None  # prompt tokens this step may still prefill (None: _fill decides)
         if self.rows:
             admitted, ride = self._rider()
@@ -482,7 +496,8 @@ class Engine:
         self.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if self.prefix is not None else []
-        self._offer(row, index, features)  # now: sessions that share this prompt need not wait for its end
+        if not self._offer(row, index, features, OFFER_BLOCKS):  # now: sessions that share this prompt
+            self.offering.append(row)                             # need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
         return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]])
