@@ -6,6 +6,7 @@ token, with every row's K/V checked after each step), and the prefix cache's boo
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import quickdraft.engine.batch as batch_module
@@ -14,6 +15,7 @@ from quickdraft.engine.inputs import build_inputs, ragged
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import NO_DRAFT, Draft
 from test_batch_engine import OUT_OF_VOCAB, Job, greedy, run_batched, target
+from test_spec_exactness import tiny
 
 LONG = [(i * 7 + 3) % 90 + 1 for i in range(45)]
 
@@ -57,12 +59,19 @@ class FixedTree:
         pass
 
 
-def test_tree_rows_share_their_pass_with_longer_rows(monkeypatch) -> None:
+# windows of 6-12 tokens (Mistral, Gemma 2 with soft caps, Phi-3, Qwen3's windowed layer, Gemma 3's
+# local/global layers), whose masks a ragged pass builds per query's row; blocks as stored (any width)
+FAMILIES = ["llama-gqa-untied", "mistral-window", "gemma2-softcap", "phi3-fused-window", "qwen3-window-layer",
+            "gemma3-sandwich", "llama-gqa-untied@Q8_0"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tree_rows_share_their_pass_with_longer_rows(name, monkeypatch) -> None:
     """A long prompt decodes plainly beside a short one drafting a tree every step (verified whole:
     the fixed policy), and a third prompt's chunks ride along: every output equals its run alone,
     and no step's ragged inputs fail to build (a failure is caught and the rows halved, so outputs
     alone cannot show it: it costs a pass a row)."""
-    model = target()
+    model = target() if name == "llama-gqa-untied" else tiny(name, init=0.1)
     assert model.ragged
     failed = []
 
@@ -125,7 +134,6 @@ def test_tails_under_threads_stay_exact_and_within_the_budget() -> None:
     import threading
 
     from quickdraft.prefix_cache import BLOCK, PrefixCache
-    from test_spec_exactness import tiny
 
     model = tiny("llama-gqa-untied")
     base = [(i * 11 + 5) % 40 + 3 for i in range(70)]
@@ -191,3 +199,49 @@ def _depth(node) -> int:
     while node.parent is not None:
         n, node = n + len(node.key), node.parent
     return n
+
+
+def test_prompts_cut_at_blocks_and_tails_prefill_from_the_cache_bitwise() -> None:
+    """A finished request's tokens in the prefix cache (3 blocks and a tail); then prompts of 16
+    and 32 of its tokens (a match ends inside a block), of 1 token, and its whole text plus more
+    (a match into its tail) are prefilled, riding along with a long row's decode passes: each
+    prompt's K/V equal bitwise those of the same schedule without a prefix cache, and every output
+    equals its request's run alone."""
+    from quickdraft.engine.batch import Engine
+    from quickdraft.prefix_cache import BLOCK, PrefixCache
+
+    model = target()
+    assert model.ragged  # chunks ride along
+    seed = LONG[2:42]
+    answer = Job(seed, greedy(24), None, 0).alone(model)
+    jobs = [Job(seed, greedy(24), None, 0), Job(LONG, greedy(70), None, 0),
+            Job(seed[:16], greedy(6), None, 0, join_at=30), Job(seed[:32], greedy(6), None, 0, join_at=30),
+            Job(seed[:1], greedy(6), None, 0, join_at=31), Job(seed + answer[:12], greedy(6), None, 0, join_at=31)]
+
+    def run(prefix):
+        engine = Engine(model, EngineConfig(max_batch=3), prefix=prefix)
+        out, kv, cached = {str(i): [] for i in range(len(jobs))}, {}, {}
+        step = 0
+        while step <= 31 or engine.has_work():
+            for i, job in enumerate(jobs):
+                if job.join_at == step:
+                    engine.add(job.request(str(i)))
+            for rid, event in engine.step():
+                assert event.error is None, event.error
+                out[rid] += event.token_ids
+                cached[rid] = event.stats.cached_tokens
+                if rid not in kv:  # its prompt is in: its K/V as they are now
+                    index = next(i for i, r in enumerate(engine.rows) if r.request.id == rid)
+                    n = len(jobs[int(rid)].prompt)
+                    kv[rid] = [t[index, :, :n].clone() for t in engine.cache.k + engine.cache.v]
+            step += 1
+            assert step < 300
+        return out, kv, cached
+
+    prefix = PrefixCache(1 << 26, model.config, model.compute_dtype)
+    warm, warm_kv, cached = run(prefix)
+    cold, cold_kv, _ = run(None)
+    assert cached["3"] == 31 and cached["5"] == len(seed) + 11 > 3 * BLOCK  # the premise: into the tail
+    for rid in warm:
+        assert warm[rid] == cold[rid] == jobs[int(rid)].alone(model), f"request {rid} differs"
+        assert all(torch.equal(a, b) for a, b in zip(warm_kv[rid], cold_kv[rid])), f"request {rid}: K/V differ"
