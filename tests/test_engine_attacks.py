@@ -245,3 +245,57 @@ def test_prompts_cut_at_blocks_and_tails_prefill_from_the_cache_bitwise() -> Non
     for rid in warm:
         assert warm[rid] == cold[rid] == jobs[int(rid)].alone(model), f"request {rid} differs"
         assert all(torch.equal(a, b) for a, b in zip(warm_kv[rid], cold_kv[rid])), f"request {rid}: K/V differ"
+
+
+def test_a_full_pass_of_pinned_trees_leaves_the_chunk_only_the_rest_of_the_invariant_rows(monkeypatch) -> None:
+    """15 seeded rows verify a 3-node tree each (pinned: whole drafts), 60 tokens of the float
+    kernel's 64, while a long prompt's chunks ride along: no pass feeds more than 64 tokens, some
+    feed exactly 64 (a chunk of the 4 left), and every request equals its run alone."""
+    model = target()
+    assert model.ragged and model.invariant_rows == 64
+    fed = []
+    forward = model.forward
+
+    def counted(tokens, positions, cache, *args, rows=None, **kw):
+        if rows is not None:
+            fed.append(tokens.shape[1])
+        return forward(tokens, positions, cache, *args, rows=rows, **kw)
+    monkeypatch.setattr(model, "forward", counted)
+    jobs = [Job([1 + i, 17, 42, 8 + i], greedy(12, temperature=1.0, seed=i), FixedTree, 3) for i in range(15)]
+    jobs.append(Job(LONG, greedy(5), None, 0, join_at=2))
+    out, _, violations = run_batched(model, jobs, EngineConfig(max_batch=16), check_kv=False)
+    assert violations == []
+    for i, job in enumerate(jobs):
+        assert out[str(i)] == job.alone(model), f"request {i} differs from its run alone"
+    assert max(fed) == 64
+
+
+def test_rows_cancelled_or_ending_while_a_prompt_rides_in_chunks() -> None:
+    """A long prompt rides in chunks of 5 while the rows beside it end (a budget of 3) or are
+    cancelled (its cache row moves down under it), then it is cancelled itself mid-prompt and the
+    next prompt rides in its place: the rows that go on equal their runs alone, K/V checked."""
+    model = target()
+    assert model.ragged
+    jobs = [Job([1, 17, 42, 8, 77, 23], greedy(40), None, 0),
+            Job([9, 2, 9, 2, 9, 2, 9], greedy(30), None, 0),
+            Job([3, 3, 4, 5, 3, 3, 4], greedy(3), None, 0, join_at=1),  # ends while the prompt rides
+            Job(LONG, greedy(10), None, 0, join_at=2),
+            Job(LONG[::-1], greedy(10), None, 0, join_at=2)]
+    lengths = {}
+
+    def act(engine, step: int) -> None:
+        filling = engine.filling
+        if filling is not None:
+            lengths.setdefault(filling.request.id, []).append(filling.length)
+        if step == 9:
+            assert filling is not None and filling.request.id == "3" and 0 < filling.length < len(LONG)
+            assert engine.cancel("1")  # its cache row is freed: the prompt's row moves down
+        if step == 11:
+            assert engine.filling is filling and engine.cancel("3")
+
+    out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=4, prefill_chunk=5), on_step=act)
+    assert violations == []
+    for i in (0, 2, 4):
+        assert out[str(i)] == jobs[i].alone(model), f"request {i} differs from its run alone"
+    # the premise: "2" ended while "3" was in its prompt, which rode in several chunks, then went
+    assert len(lengths["3"]) >= 5 and out["3"] == [] and last["2"].finish_reason == "length"
