@@ -20,6 +20,7 @@ from quickdraft.engine.service import EngineService
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import ModelLoadError, QuickdraftError
 from quickdraft.grammar import Constraint, Vocabulary, constrain, grammar_text
+from quickdraft.logprobs import TokenLogprob
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.sampling import SamplingParams
@@ -48,6 +49,7 @@ class Chunk:
     stats: GenerationStats = field(default_factory=GenerationStats)
     origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
     pieces: list[str] | None = None  # [len(token_ids)] the text each released (TextAssembler(pieces=True))
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
 
 
 @dataclass
@@ -56,6 +58,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: GenerationStats
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -118,7 +121,7 @@ class TextAssembler:
             if kept and len(parts) > kept:
                 pieces[-1] += parts[kept]
         return Chunk("".join(parts), ids[:kept], "stop" if stopped else event.finish_reason, stats,
-                     event.origins[:kept], pieces)
+                     event.origins[:kept], pieces, event.logprobs[:kept])
 
 
 class LLM:
@@ -294,11 +297,12 @@ class LLM:
                  params: SamplingParams | None = None, spec: SpecConfig | None = None,
                  response_format: Mapping[str, Any] | None = None) -> Completion:
         """The whole text; the arguments as stream()'s."""
-        text, ids = [], []
+        text, ids, logprobs = [], [], []
         for chunk in self.stream(prompt, messages, params, spec, response_format):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
-        return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats)
+            logprobs.extend(chunk.logprobs)
+        return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats, logprobs)
 
 
 def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -21,6 +21,8 @@ TOP_P_CANDIDATES = 256  # top-p looks here first: enough mass for almost every r
 F32_TINIEST = 2.0 ** -149  # the smallest positive float32: temperatures below it are 0 there
 MAX_LOGIT_BIAS = 1024  # biased tokens per request
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: each bias in [-100, 100]
+PENALTY_RANGE = 2.0  # OpenAI's: presence_penalty and frequency_penalty in [-2, 2]
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class SamplingParams:
     min_p: float = 0.0      # tokens under min_p times the likeliest one's probability are cut (0 = off)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit) pairs, ids
                                                     # ascending; a {id: bias} mapping is taken too
+    presence_penalty: float = 0.0   # OpenAI's: subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated so far
+    logprobs: int | None = None     # report each new token's log-probability and this many likeliest
+                                    # alternatives' (0..MAX_TOP_LOGPROBS); None: no log-probabilities
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str, found: object) -> None:
@@ -50,6 +56,14 @@ class SamplingParams:
             fail("top_p", "a number in (0, 1]", self.top_p)
         if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "a number in [0, 1] (0 = disabled)", self.min_p)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= PENALTY_RANGE:
+                fail(name, f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off)", value)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            fail("logprobs", f"None or an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives reported)",
+                 self.logprobs)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             fail("seed", "None or an integer in [0, 2**63)", self.seed)
@@ -76,6 +90,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's own RNG: seeded requests reproduce whatever shares their batch."""
@@ -107,6 +125,17 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     out = logits.clone()
     out[..., ids] += torch.tensor([b for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
     return out
+
+
+def token_counts(tokens: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] float32: how often each token occurs in `tokens` (what the penalties count)."""
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab).float().to(device)
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] less OpenAI's penalties for counts [..., V] (times each token was generated
+    before that position): frequency_penalty * count + presence_penalty * (count > 0)."""
+    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

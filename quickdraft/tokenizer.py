@@ -35,6 +35,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's own bytes (OpenAI's logprobs bytes): a byte-level vocabulary's symbols mapped
+        back to bytes (half a UTF-8 character stays half), else its text decoded alone."""
+        piece = self.hf.convert_ids_to_tokens(int(token))
+        symbols = _byte_values()
+        if isinstance(piece, str) and piece and all(c in symbols for c in piece):
+            return bytes(symbols[c] for c in piece)
+        return self.hf.decode([int(token)], skip_special_tokens=False).encode("utf-8")
+
     def token_strings(self) -> list[str]:
         """Token id -> the string stored in the vocabulary (for checking two vocabularies agree)."""
         return self.hf.convert_ids_to_tokens(list(range(len(self.hf))))
@@ -136,6 +145,12 @@ def _byte_symbols() -> list[str]:
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """_byte_symbols inverted: a byte-level vocabulary's symbol -> its byte."""
+    return {symbol: b for b, symbol in enumerate(_byte_symbols())}
 
 
 def unicode_error(text: str) -> str | None:

@@ -19,7 +19,10 @@ A grammar's masks (grammar.py) restrict p at every position to the tokens allowe
 logits of the others become -inf before temperature, top-k and top-p), and q at each node to those
 allowed after its parent, renormalized: the engine cuts a draft at its forbidden tokens, so a kept
 node's token is distributed as q masked that way, and the walk stays exact for the masked p.
-Knows nothing of models or caches.
+OpenAI's presence and frequency penalties count the tokens generated before each position: at
+node i those committed so far and the tokens on the path from the root to node i (each node of a
+tree counts its own path), so every position is scored as plain decoding would score it after that
+path. Knows nothing of models or caches.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 
 from quickdraft.kernels import argmax
 from quickdraft.proposers.base import Draft
-from quickdraft.sampling import SamplingParams, biased, probabilities, sample
+from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample, token_counts
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,25 @@ def sibling_ranks(parents: Sequence[int]) -> list[list[int]]:
 def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """logits [n+1, V] with the tokens mask [n+1, V] forbids at -inf (None: as they are)."""
     return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+
+
+def path_counts(draft: Draft, generated: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[n+1, V]: per position (the root, then each node), how often each token was generated
+    before the token scored there: the committed `generated` ones and the draft's path to it."""
+    counts = token_counts(generated, vocab, device)
+    rows, cols = [], []
+    for i, p in enumerate(draft.tree):  # node i's path: its parent's, then its own token
+        while p >= 0:
+            rows.append(1 + i)
+            cols.append(draft.tokens[p])
+            p = draft.tree[p]
+        rows.append(1 + i)
+        cols.append(draft.tokens[i])
+    out = counts.expand(len(draft.tokens) + 1, vocab).clone()
+    if rows:
+        out.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                       torch.ones(len(rows), device=device), accumulate=True)
+    return out
 
 
 def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,19 +122,34 @@ def _sampled_tests(draft: Draft, logits: torch.Tensor, params: SamplingParams, g
     return ok, sample(residual, generator)
 
 
+def _scored(draft: Draft, logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] | None
+            ) -> torch.Tensor:
+    """A row's logits [1+W, V] -> [n+1, V] at its root and nodes, less its penalties where it has any."""
+    logits = logits[:len(draft.tokens) + 1]
+    if generated is None or not params.penalized:
+        return logits
+    return penalize(logits, params, path_counts(draft, generated, logits.shape[-1], logits.device))
+
+
 def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator], masks: Sequence[torch.Tensor | None] | None = None) -> Verdict:
+           generators: Sequence[torch.Generator], masks: Sequence[torch.Tensor | None] | None = None,
+           generated: Sequence[Sequence[int] | None] | None = None) -> Verdict:
     """drafts: per row, the tree to verify (n_b nodes; q per node, or None for deterministic);
     target_logits: [B, 1+W, V] with W >= every n_b: position 0 scores the token after the row's
     root, position 1+i the token after node i (padding past 1+n_b is ignored);
     params / generators: per row (each request has its own settings and RNG; a logit bias is added
     to p's logits, greedy rows' too);
     masks: per row, a grammar's allowed tokens [1+n_b, V] bool at the root and after each node,
-    or None (unconstrained)."""
+    or None (unconstrained);
+    generated: per row, the tokens it generated so far, which its presence and frequency penalties
+    count (None, or a row whose params have none: no penalties)."""
     masks = masks or [None] * len(drafts)
-    tests = [_greedy_tests(d, _masked(biased(target_logits[b, :len(d.tokens) + 1], params[b]), masks[b]))
+    generated = generated or [None] * len(drafts)
+    tests = [_greedy_tests(d, _masked(biased(_scored(d, target_logits[b], params[b], generated[b]), params[b]),
+                                      masks[b]))
              if params[b].greedy else
-             _sampled_tests(d, target_logits[b, :len(d.tokens) + 1], params[b], generators[b], masks[b])
+             _sampled_tests(d, _scored(d, target_logits[b], params[b], generated[b]), params[b], generators[b],
+                            masks[b])
              for b, d in enumerate(drafts)]
     if not tests:
         return Verdict([], [])

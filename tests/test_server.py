@@ -236,7 +236,7 @@ BAD = {
     "negative max_tokens": ({"model": NAME, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     "temperature out of range": ({"model": NAME, "prompt": "hi", "temperature": 7}, 400, "temperature"),
     "top_p zero": ({"model": NAME, "prompt": "hi", "top_p": 0}, 400, "top_p"),
-    "n = 2": ({"model": NAME, "prompt": "hi", "n": 2}, 400, "n: must be 1"),
+    "n too large": ({"model": NAME, "prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
     "unknown model": ({"model": "gpt-5", "prompt": "hi"}, 404, "not served"),
     "prompt too long": ({"model": NAME, "prompt": list(range(3, 200)) * 11}, 400, "context"),
     "max_tokens past context": ({"model": NAME, "prompt": "hi", "max_tokens": MAX_SEQ}, 400, "context holds"),
@@ -255,7 +255,7 @@ BAD = {
     "option of wrong type": ({"model": NAME, "prompt": "hi", "speculative": {"ngram_min": "2"}}, 400,
                              "speculative.ngram_min"),
     "stop wrong type": ({"model": NAME, "prompt": "hi", "stop": 5}, 400, "stop"),
-    "penalty": ({"model": NAME, "prompt": "hi", "presence_penalty": 1.0}, 400, "not supported"),
+    "penalty out of range": ({"model": NAME, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
 }
 
 

@@ -263,10 +263,10 @@ def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None
 # -- item 9: every error names its field and says no more than it must -------------------------------------
 
 FIELD_ERRORS = [  # (body fields, param, the message exactly)
-    ({"n": 2}, "n", "n: must be 1 (quickdraft returns one choice per request)"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty: not supported; leave it unset or 0"),
+    ({"n": 17}, "n", "n: Input should be less than or equal to 16"),
+    ({"presence_penalty": 2.5}, "presence_penalty", None),
     ({"logit_bias": {"100000": 1.0}}, "logit_bias", "logit_bias names token 100000; token ids are 0..299"),
-    ({"logprobs": 2}, "logprobs", "logprobs: not supported; leave it unset, false or 0"),
+    ({"logprobs": 21}, "logprobs", "logprobs: Input should be less than or equal to 20"),
     ({"best_of": 3}, "best_of", "best_of: must be 1"),
     ({"echo": True}, "echo", "echo: not supported; leave it unset or false"),
     ({"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
@@ -659,7 +659,7 @@ def test_latency_histograms_and_refusals_by_status_in_metrics(server: Server) ->
     assert count("quickdraft_time_to_first_token_seconds_count") == 2
     assert count("quickdraft_request_seconds_count") == 2
     assert 0 < count("quickdraft_time_to_first_token_seconds_sum") <= count("quickdraft_request_seconds_sum")
-    httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "n": 2})
+    httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "n": 17})
     httpx.post(f"{server.url}/v1/completions", json={"model": "other", "prompt": "hi"})
     httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "hi", "stop": 5})
     httpx.delete(f"{server.url}/v1/completions")

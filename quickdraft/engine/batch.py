@@ -24,6 +24,7 @@ from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, c
 from quickdraft.engine.prefill import next_admitted, step_allowance
 from quickdraft.errors import ContextTooLong
 from quickdraft.grammar import Constraint
+from quickdraft.logprobs import TokenLogprob, token_logprobs
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
@@ -301,7 +302,7 @@ class Engine:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
             logits, hidden, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
             verdict = verify(drafts, logits, [r.request.params for r in rows], [r.generator for r in rows],
-                             [_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)])
+                             [_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)], [_generated(r) for r in rows])
         except Exception as e:  # noqa: BLE001 - found and reported per row below
             for row, state in zip(rows, rng):
                 if state is not None:
@@ -314,7 +315,7 @@ class Engine:
         step_s = time.perf_counter() - t0
         if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
             self.cost.observe(sum(sizes), step_s)
-        steps, origins = [], []
+        steps, origins, logprobs = [], [], []
         top = TopTokens(logits, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
@@ -327,7 +328,8 @@ class Engine:
             if self.prefix is not None:
                 row.features.append(steps[-1].features)
             origins.append(token_origins(draft.tree, kept, draft.source))
-        events = self._emit(rows, steps, step_s, origins)
+            logprobs.append(_logprobs(row, logits[b], kept, tokens))
+        events = self._emit(rows, steps, step_s, origins, logprobs)
         if ride is None:
             return events
         # the chunk's share of the pass: what it added to the decode rows' usual step
@@ -500,7 +502,8 @@ class Engine:
             self.offering.append(row)                             # need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
-        return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]])
+        return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
+                          [_logprobs(row, logits[0], [], verdict.tokens[0])])
 
     def _fill_failed(self, row: _Row, error: Exception) -> Events:
         """The filling row's prompt pass raised: only its request ends."""
@@ -516,20 +519,21 @@ class Engine:
         return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
 
     def _emit(self, rows: list[_Row], steps: Sequence[Committed], step_s: float,
-              origins: Sequence[list[TokenOrigin]]) -> Events:
+              origins: Sequence[list[TokenOrigin]], logprobs: Sequence[list[TokenLogprob]]) -> Events:
         """The step's last phases over its rows: cut each row's new tokens at a stop token or its
-        budget; events (origins: per row, where each of its step's tokens came from). The rows
-        that go on tell their proposers and get their next drafts when the next step starts."""
+        budget; events (origins: per row, where each of its step's tokens came from; logprobs:
+        theirs, for rows that ask). The rows that go on tell their proposers and get their next
+        drafts when the next step starts."""
         cuts = [self._cut(row, step, step_s) for row, step in zip(rows, steps)]
         self.to_propose += [(row, step) for row, step, (_, finish) in zip(rows, steps, cuts) if finish is None]
         events, finished = [], []
-        for row, (emitted, finish), origin in zip(rows, cuts, origins):
+        for row, (emitted, finish), origin, logprob in zip(rows, cuts, origins, logprobs):
             stats = row.stats
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
             events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), None,
-                                                      origin[:len(emitted)])))
+                                                      origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)
                 self._offer(row, self.rows.index(row))
@@ -592,6 +596,18 @@ class Engine:
             row.stats.propose_s += proposal.seconds
             row.draft, errors[i] = proposal.draft, proposal.error
         return errors
+
+
+def _generated(row: _Row) -> list[int] | None:
+    """The tokens the row generated so far, where its penalties count them (None: it has none)."""
+    return row.tokens[len(row.request.prompt_ids):] if row.request.params.penalized else None
+
+
+def _logprobs(row: _Row, logits: torch.Tensor, kept: list[int], tokens: list[int]) -> list[TokenLogprob]:
+    """The log-probabilities of a step's committed `tokens` for a row that asks (logprobs.py), from
+    the pass's logits [1+W, V] where each was scored: the root's, then each kept node's; else []."""
+    top = row.request.params.logprobs
+    return [] if top is None else token_logprobs(logits[[0, *(1 + i for i in kept)]], tokens, top)
 
 
 def _masks(row: _Row, n: int) -> torch.Tensor | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
+from quickdraft.logprobs import TokenLogprob
+
 # error: the request's proposer or pass failed; grammar_dead_end: its grammar (grammar.py) allows no
 # token where the text is incomplete
 FinishReason = Literal["stop", "length", "error", "grammar_dead_end"]
@@ -104,3 +106,5 @@ class TokenEvent:
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: Exception | None = None           # why, when finish_reason is "error"
     origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] where the request's
+                                                                # params ask for them (logprobs.py)

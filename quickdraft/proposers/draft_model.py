@@ -37,6 +37,7 @@ class DraftModelProposer:
         self.horizon = len(prompt_ids) + params.max_new_tokens  # drafter.Member
         self.width = width
         self.tokens = list(prompt_ids)
+        self.prompt_len = len(prompt_ids)  # drafter.Member: what follows was generated
         self.cached = 0  # tokens[:cached] have K/V in the drafter's row
         self.nodes: list[tuple[int, int, int | None]] = []  # the last draft's nodes (drafter.Member)
         seed = None if params.seed is None else (params.seed ^ DRAFT_SEED_SALT) % 2**63

@@ -39,7 +39,7 @@ from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.proposers.growing_tree import GrowingTree
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.sampling import SamplingParams, penalize, probabilities, sample, token_counts
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
 
@@ -48,6 +48,7 @@ class Member(Protocol):
     """What the drafter reads and keeps of a proposer drafting with it (draft_model.py)."""
     row: int | None           # its row of the drafter's cache (None: not drafted yet)
     tokens: list[int]         # the committed sequence
+    prompt_len: int           # tokens[prompt_len:] were generated (what penalties count)
     cached: int               # tokens[:cached] have K/V in its row
     width: int                # 1: it drafts chains; more: trees, running this many nodes per level
     capacity: int             # slots it may use
@@ -399,16 +400,22 @@ class Drafter:
     @staticmethod
     def _draw(logits: torch.Tensor, members: Sequence[Member], qs: Sequence[list[torch.Tensor]]) -> list[tuple[int, float]]:
         """logits [n, V] -> per member a token and the draft's probability of it: the argmax for
-        greedy members, else a draw from q = probabilities(logits) (the target's processing),
-        appended to its qs."""
+        greedy members, else a draw from q = probabilities(logits) (the target's processing), appended
+        to its qs; a member's penalties count its generated tokens and its chain drafted so far, as
+        the verifier's count them at that position."""
         confidence, best = torch.softmax(logits.float(), -1).max(-1)
         best, confidence = best.tolist(), confidence.tolist()  # one host sync for the greedy rows
         out = []
         for j, (m, q_list) in enumerate(zip(members, qs)):
+            row = logits[j:j + 1]  # [1, V]
+            if m.params.penalized:
+                row = penalize(row, m.params, token_counts(m.tokens[m.prompt_len:] + m.offered, row.shape[-1],
+                                                           row.device))
             if m.params.greedy:
-                out.append((best[j], confidence[j]))
+                top, x = torch.softmax(row.float(), -1).max(-1) if m.params.penalized else (confidence[j], best[j])
+                out.append((int(x), float(top)))
                 continue
-            q = probabilities(logits[j:j + 1], m.params)  # [1, V]
+            q = probabilities(row, m.params)  # [1, V]
             q_list.append(q)
             x = int(sample(q, m.generator))
             out.append((x, float(q[0, x])))

@@ -33,6 +33,7 @@ from quickdraft.server.metrics import Metrics
 from quickdraft.server.playground import install_playground
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, CompletionRequest, _Common
+from quickdraft.server.choices import Choice, logprobs_asked, seeds
 from quickdraft.server.worker import EngineWorker, ShuttingDown
 from quickdraft.proposers import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
@@ -131,41 +132,41 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         arrived = time.perf_counter()
         _check_model(body)
         spec = _spec(body)
-        constraint = await _constraint(body)
+        constraints = await _constraint(body)
         budget = {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS}
         if isinstance(body.prompt, str):
-            ids = await _tokenized(body.prompt, budget, "prompt", http, add_special_tokens=True)
+            ids = await _tokenized(body.prompt, budget, "prompt", http, add_special_tokens=True, n=body.n)
         else:
             ids = list(body.prompt)
             _fits(len(ids), budget, "prompt")
             vocab = llm.model.config.vocab_size
             if not all(0 <= t < vocab for t in ids):
                 raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
-            http.scope[ADMIT]()
-        return await _respond("completion", body, spec, constraint, ids, budget, http, arrived)
+            http.scope[ADMIT](body.n)
+        return await _respond("completion", body, spec, constraints, ids, budget, http, arrived)
 
     @app.post("/v1/chat/completions", max_body_size=body_limit, responses=generation)
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         arrived = time.perf_counter()
         _check_model(body)
         spec = _spec(body)
-        constraint = await _constraint(body)
+        constraints = await _constraint(body)
         # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
         budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
         try:
             text = await prompts.chat_text(body.chat())
         except QuickdraftError as e:
             raise BadRequest(400, str(e), "messages") from None
-        ids = await _tokenized(text, budget, "messages", http, add_special_tokens=False)
-        return await _respond("chat", body, spec, constraint, ids, budget, http, arrived)
+        ids = await _tokenized(text, budget, "messages", http, add_special_tokens=False, n=body.n)
+        return await _respond("chat", body, spec, constraints, ids, budget, http, arrived)
 
     async def _tokenized(text: str, budget: dict[str, int | None], param: str, http: HTTPRequest,
-                         add_special_tokens: bool) -> list[int]:
-        """The text's token ids: refused first if its length alone says it cannot fit, then a place
-        in the queue, then the tokenizer (off the event loop, a few at a time)."""
+                         add_special_tokens: bool, n: int) -> list[int]:
+        """The text's token ids: refused first if its length alone says it cannot fit, then n places
+        in the queue (n choices), then the tokenizer (off the event loop, a few at a time)."""
         try:
             _fits(await prompts.min_tokens(text), budget, param, at_least=True)
-            http.scope[ADMIT]()
+            http.scope[ADMIT](n)
             return await prompts.encode(text, add_special_tokens)
         except QuickdraftError as e:
             raise BadRequest(400, str(e), param) from None
@@ -213,10 +214,15 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         return usable
 
     def _check_model(body: _Common) -> None:
-        """Before any work on the prompt: a request for another model costs nothing."""
+        """Before any work on the prompt: a request for another model costs nothing, nor one for
+        more choices than the server ever holds (each choice takes a place, Admission)."""
         if body.model != config.model_name:
             raise BadRequest(404, f"model {body.model!r} is not served here; this server serves "
                                   f"{config.model_name!r}", "model", "model_not_found")
+        if body.n > (places := config.engine.max_batch + config.max_waiting):
+            raise BadRequest(400, f"n asks for {body.n} choices, each a request of its own, but this server holds "
+                                  f"{places} requests at once (--max-batch + --max-waiting); expected at most "
+                                  f"{places}", "n")
 
     def _spec(body: _Common) -> SpecConfig:
         """The request's speculation, checked (before any work on its prompt)."""
@@ -233,25 +239,28 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, problem, "speculative", "invalid_speculation")
         return spec
 
-    async def _constraint(body: _Common) -> Constraint | None:
+    async def _constraint(body: _Common) -> list[Constraint | None]:
         """The request's response_format compiled (off the event loop, within GRAMMAR_TIMEOUT_S), or
-        a 400 naming it; None without one."""
+        a 400 naming it: one per choice (each follows its own text); Nones without one."""
         fmt = body.response_format.constrains() if body.response_format is not None else None
         if fmt is None:
-            return None
+            return [None] * body.n
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(compiler, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's time
         try:
-            return await asyncio.wait_for(loop.run_in_executor(compiler, llm.constraint, fmt), GRAMMAR_TIMEOUT_S)
+            return [await asyncio.wait_for(loop.run_in_executor(compiler, llm.constraint, fmt), GRAMMAR_TIMEOUT_S)
+                    for _ in range(body.n)]
         except GrammarError as e:
             raise BadRequest(400, str(e), "response_format", "invalid_response_format") from None
         except TimeoutError:
             raise BadRequest(400, f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
                              "response_format", "invalid_response_format") from None
 
-    def _prepare(body: _Common, spec: SpecConfig, constraint: Constraint | None, ids: list[int],
-                 budget: dict[str, int | None]) -> tuple[Request, Callable[[], Proposer | None], SamplingParams]:
-        """budget: the fields that bound the new tokens, the first one given deciding."""
+    def _prepare(body: _Common, spec: SpecConfig, constraints: list[Constraint | None], ids: list[int],
+                 budget: dict[str, int | None]) -> tuple[list[tuple[Request, Callable[[], Proposer | None]]],
+                                                         SamplingParams]:
+        """Per choice, its request and the call that builds its proposer; budget: the fields that
+        bound the new tokens, the first one given deciding."""
         limit = engine.max_seq_len
         _fits(len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
@@ -262,72 +271,91 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, f"logit_bias names token {max(bias)}; token ids are 0..{vocab - 1}", "logit_bias")
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
                                 seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=stop,
-                                logit_bias=bias)
-        return *llm.request(ids, params, spec, constraint), params
+                                logit_bias=bias, presence_penalty=body.presence_penalty or 0.0,
+                                frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs_asked(body))
+        return [llm.request(ids, replace(params, seed=seed), spec, constraint)
+                for seed, constraint in zip(seeds(params.seed, body.n), constraints)], params
 
-    async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, constraint: Constraint | None, ids: list[int],
-                       budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
-        request, make_proposer, params = _prepare(body, spec, constraint, ids, budget)
+    async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, constraints: list[Constraint | None],
+                       ids: list[int], budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
+        made, params = _prepare(body, spec, constraints, ids, budget)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
-        worker.submit(request, _sink(loop, events), make_proposer)
-        text = _Timed(TextAssembler(llm.tokenizer, params, pieces=body.stream), metrics, arrived)
+        events: asyncio.Queue[tuple[int, TokenEvent] | None] = asyncio.Queue()
+        choices = []
+        for index, (request, make_proposer) in enumerate(made):
+            worker.submit(request, _sink(loop, events, index), make_proposer)
+            assembler = TextAssembler(llm.tokenizer, params, pieces=body.stream or params.logprobs is not None)
+            choices.append(Choice(index, request, _Timed(assembler, metrics, arrived).feed, kind,
+                                  llm.tokenizer.token_bytes))
         if body.stream:
-            return StreamingResponse(_stream(kind, request, text, events, body.include_usage),
-                                     media_type="text/event-stream")
-        return await _whole(kind, request, text, events, http)
+            return StreamingResponse(_stream(kind, choices, events, body.include_usage), media_type="text/event-stream")
+        return await _whole(kind, choices, events, http)
 
-    async def _whole(kind: out.Kind, request: Request, text: _Timed,
-                     events: asyncio.Queue[TokenEvent | None], http: HTTPRequest) -> Response:
-        parts, engine_done = [], False
+    def _finished(choice: Choice) -> None:
+        """A choice whose text has ended: the engine stops its request too (a stop string ends the text first)."""
+        if not choice.engine_done:
+            choice.engine_done = True
+            worker.cancel(choice.request.id)
+
+    async def _whole(kind: out.Kind, choices: list[Choice], events: asyncio.Queue[tuple[int, TokenEvent] | None],
+                     http: HTTPRequest) -> Response:
         watcher = asyncio.create_task(_put_none_on_disconnect(http, events))
         try:
-            while True:
-                event = await events.get()
-                if event is None:  # the client left: nobody reads the answer (499, as nginx logs it)
+            left = len(choices)
+            while left:
+                item = await events.get()
+                if item is None:  # the client left: nobody reads the answer (499, as nginx logs it)
                     return Response(status_code=499)
-                engine_done = event.finish_reason is not None
+                choice, event = choices[item[0]], item[1]
+                if choice.finish_reason is not None:  # ended by a stop string; the engine's last steps
+                    continue
                 if isinstance(event.error, ShuttingDown):
                     return out.error_response(503, str(event.error), "server_error", code="server_shutting_down")
                 if event.error is not None:
                     return out.error_response(500, f"generation failed: {event.error}", "server_error")
-                chunk = text.feed(event)
-                parts.append(chunk.text)
-                if chunk.finish_reason is not None:
-                    return JSONResponse(out.whole(kind, request.id, config.model_name, "".join(parts),
-                                                  chunk.finish_reason, chunk.stats))
+                if choice.feed(event).finish_reason is not None:
+                    _finished(choice)
+                    left -= 1
+            return JSONResponse(out.whole(kind, choices[0].request.id, config.model_name, [c.body() for c in choices],
+                                          [c.stats for c in choices]))
         finally:
             watcher.cancel()
-            if not engine_done:
-                worker.cancel(request.id)
+            for choice in choices:
+                _finished(choice)
 
-    async def _stream(kind: out.Kind, request: Request, text: _Timed,
-                      events: asyncio.Queue[TokenEvent | None], include_usage: bool) -> AsyncIterator[str]:
-        engine_done, first = False, True
+    async def _stream(kind: out.Kind, choices: list[Choice], events: asyncio.Queue[tuple[int, TokenEvent] | None],
+                      include_usage: bool) -> AsyncIterator[str]:
+        request_id = choices[0].request.id  # one id for the whole stream, each chunk naming its choice
         try:
-            while True:
-                event = await events.get()
-                engine_done = event.finish_reason is not None
+            left = len(choices)
+            while left:
+                index, event = await events.get()
+                choice = choices[index]
+                if choice.finish_reason is not None:
+                    continue
                 if event.error is not None:
                     yield out.sse_error(str(event.error) if isinstance(event.error, ShuttingDown)
                                         else f"generation failed: {event.error}")
                     break
-                chunk = text.feed(event)
+                chunk = choice.feed(event)
                 if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
-                    yield out.sse_chunk(kind, request.id, config.model_name, chunk.text, chunk.finish_reason,
-                                        chunk.stats, first, out.token_origins(chunk))
-                    first = False
+                    yield out.sse_chunk(kind, request_id, config.model_name, chunk.text, chunk.finish_reason,
+                                        chunk.stats, choice.first, out.token_origins(chunk), index,
+                                        choice.chunk_logprobs(chunk))
+                    choice.first = False
                 if chunk.finish_reason is not None:
-                    if include_usage:
-                        yield out.sse_usage(kind, request.id, config.model_name, chunk.stats)
-                    break
+                    _finished(choice)
+                    left -= 1
+            if not left and include_usage:
+                yield out.sse_usage(kind, request_id, config.model_name, [c.stats for c in choices])
             yield out.SSE_DONE
         finally:  # also when the client disconnected and this generator was cancelled
-            if not engine_done:
-                worker.cancel(request.id)
+            for choice in choices:
+                _finished(choice)
 
     openapi.publish(app, config.model_name, llm.model.config.vocab_size, engine.max_seq_len, _methods,
-                    config.max_body_bytes, bearer=config.api_key is not None)
+                    config.max_body_bytes, bearer=config.api_key is not None,
+                    max_choices=config.engine.max_batch + config.max_waiting)
     default = {"method": config.spec.method if config.spec.enabled else "none", "k": config.spec.k}
     install_playground(app, lambda: {"model": config.model_name, "speculative": default, "methods": _methods(),
                                      "max_k": MAX_K, "context": engine.max_seq_len})
@@ -352,17 +380,18 @@ class _Timed:
         return chunk
 
 
-def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[TokenEvent | None]) -> Callable[[TokenEvent], None]:
-    """Hands the engine thread's events to a handler on the event loop."""
+def _sink(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[tuple[int, TokenEvent] | None],
+          index: int) -> Callable[[TokenEvent], None]:
+    """Hands the engine thread's events of choice `index` to a handler on the event loop."""
     def put(event: TokenEvent) -> None:
         try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            loop.call_soon_threadsafe(events.put_nowait, (index, event))
         except RuntimeError:  # the loop has closed (the server stopped): nobody is left to tell
             pass
     return put
 
 
-async def _put_none_on_disconnect(http: HTTPRequest, events: asyncio.Queue[TokenEvent | None]) -> None:
+async def _put_none_on_disconnect(http: HTTPRequest, events: asyncio.Queue[tuple[int, TokenEvent] | None]) -> None:
     """The body has been read, so the next ASGI message is the disconnect (as for Starlette's
     StreamingResponse, which cancels a stream's generator on it)."""
     while (await http.receive())["type"] != "http.disconnect":

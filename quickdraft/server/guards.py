@@ -110,9 +110,10 @@ class QueueFull(Exception):
 
 class Admission:
     """At most `rows + waiting` generation requests in the server at once. A request takes its
-    place only when its route calls `scope[ADMIT]()`, once its whole body has arrived and passed
-    every check (a slow or refused body holds none); past the limit that call raises QueueFull.
-    The place is held until the answer is sent or the client is gone."""
+    place only when its route calls `scope[ADMIT](n)`, once its whole body has arrived and passed
+    every check (a slow or refused body holds none); one asking for n choices takes n places, as n
+    requests would; past the limit that call raises QueueFull. The places are held until the
+    answer is sent or the client is gone."""
 
     def __init__(self, app: ASGIApp, paths: frozenset[str], rows: int, waiting: int, retry_after_s: int = 1) -> None:
         self.app, self.paths, self.rows, self.waiting = app, paths, rows, waiting
@@ -123,23 +124,22 @@ class Admission:
         if scope["type"] != "http" or scope["path"] not in self.paths or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        held = False
+        held = 0
 
-        def admit() -> None:
+        def admit(n: int = 1) -> None:
             nonlocal held
             if held:
                 return
-            if self.inside >= self.rows + self.waiting:
+            if self.inside + n > self.rows + self.waiting:
                 raise QueueFull(self.rows, self.waiting, self.retry_after_s)
-            self.inside += 1
-            held = True
+            self.inside += n
+            held = n
 
         scope[ADMIT] = admit
         try:
             await self.app(scope, receive, send)
         finally:
-            if held:
-                self.inside -= 1
+            self.inside -= held
 
 
 class CountErrors:

@@ -79,12 +79,13 @@ GENERATION: dict[int | str, dict[str, Any]] = {
 
 
 def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, methods: Callable[[], list[str]],
-            max_body_bytes: int, bearer: bool = False) -> None:
+            max_body_bytes: int, bearer: bool = False, max_choices: int | None = None) -> None:
     """Replace FastAPI's schema generation with one that drops the 422s the server never sends,
     names the one model served, bounds token ids by its vocabulary and new tokens by its context
     (the prompt takes at least one of them), text by the body limit and a prompt's token ids by the
     context, and lists the speculation methods this server can run (`methods()`, asked when the
-    schema is first requested); bearer: /v1 routes need an API key."""
+    schema is first requested); bearer: /v1 routes need an API key; max_choices: the most choices (n)
+    a request may ask for here (None: as the request model bounds them)."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -100,6 +101,8 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
                 for name in ("max_tokens", "max_completion_tokens"):
                     if name in fields:
                         fields[name]["anyOf"][0]["maximum"] = max_seq_len - 1
+                if max_choices is not None:
+                    fields["n"]["maximum"] = min(fields["n"]["maximum"], max_choices)
             method = components["Speculative"]["properties"]["method"]["anyOf"][0]
             method["enum"] = methods()
             for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
 from quickdraft.api import Chunk
 from quickdraft.engine.events import GenerationStats
+from quickdraft.logprobs import TokenLogprob
 
 Kind = Literal["completion", "chat"]
+Spell = Callable[[int], bytes]  # a token id -> its bytes (Tokenizer.token_bytes)
+LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a token the model rules out outright is reported this low (as vLLM)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -23,10 +26,40 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                         status_code=status, headers=headers)
 
 
-def usage(stats: GenerationStats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-            "total_tokens": stats.prompt_tokens + stats.new_tokens,
+def usage(stats: GenerationStats, *more: GenerationStats) -> dict:
+    """One request's usage; with `more` choices (n > 1), their completions added (the prompt is one)."""
+    completion = stats.new_tokens + sum(s.new_tokens for s in more)
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": stats.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # OpenAI's field
+
+
+def logprobs(kind: Kind, ids: Sequence[int], logprobs: Sequence[TokenLogprob], spell: Spell,
+             offsets: Sequence[int]) -> dict[str, Any]:
+    """A choice's logprobs in OpenAI's shape: chat's content list (token, logprob, bytes,
+    top_logprobs), or the completions' parallel lists (tokens, token_logprobs, top_logprobs,
+    text_offset: where each token's text starts in the choice's text)."""
+    def text(token: int) -> tuple[str, list[int]]:
+        raw = spell(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def value(logprob: float) -> float:
+        return max(logprob, LOWEST_LOGPROB)
+
+    if kind == "chat":
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            word, raw = text(token)
+            return {"token": word, "logprob": value(logprob), "bytes": raw}
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for t, lp in zip(ids, logprobs)], "refusal": None}
+    def top(lp: TokenLogprob) -> dict[str, float]:  # keyed by text: of tokens that spell alike, the likeliest
+        alternatives: dict[str, float] = {}
+        for i, v in lp.top:
+            alternatives.setdefault(text(i)[0], value(v))
+        return alternatives
+
+    return {"tokens": [text(t)[0] for t in ids], "token_logprobs": [value(lp.logprob) for lp in logprobs],
+            "top_logprobs": [top(lp) for lp in logprobs], "text_offset": list(offsets)}
 
 
 def _envelope(kind: Kind, request_id: str, model: str, chunk: bool) -> dict[str, Any]:
@@ -36,16 +69,25 @@ def _envelope(kind: Kind, request_id: str, model: str, chunk: bool) -> dict[str,
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model}
 
 
-def whole(kind: Kind, request_id: str, model: str, text: str, finish_reason: str,
-          stats: GenerationStats) -> dict[str, Any]:
-    """A non-streaming response; `stats` is quickdraft's per-request statistics (an extra field)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+def choice(kind: Kind, index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+           ) -> dict[str, Any]:
+    """One choice of a non-streaming response (logprobs: as logprobs() writes them, if asked for)."""
+    body: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
+        body["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = text
-    return {**_envelope(kind, request_id, model, chunk=False), "choices": [choice],
-            "usage": usage(stats), "stats": stats.to_dict()}
+        body["text"] = text
+    return body
+
+
+def whole(kind: Kind, request_id: str, model: str, choices: Sequence[dict[str, Any]],
+          stats: Sequence[GenerationStats]) -> dict[str, Any]:
+    """A non-streaming response; `stats` (per choice) are quickdraft's statistics (an extra field:
+    the first choice's, and with n > 1 each choice's own in it too)."""
+    if len(choices) > 1:
+        choices = [{**c, "stats": s.to_dict()} for c, s in zip(choices, stats)]
+    return {**_envelope(kind, request_id, model, chunk=False), "choices": list(choices),
+            "usage": usage(*stats), "stats": stats[0].to_dict()}
 
 
 def token_origins(chunk: Chunk) -> dict[str, Any]:
@@ -62,10 +104,11 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
 
 def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason: str | None,
               stats: GenerationStats | None = None, first: bool = False,
-              origins: dict[str, Any] | None = None) -> str:
-    """One server-sent event; the last one (finish_reason set) carries usage and stats; origins:
-    the "quickdraft" extension field (token_origins)."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+              origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
+    """One server-sent event of choice `index`; its last one (finish_reason set) carries usage and
+    stats; origins: the "quickdraft" extension field (token_origins); logprobs: this chunk's
+    tokens', as logprobs() writes them."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
@@ -78,9 +121,10 @@ def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def sse_usage(kind: Kind, request_id: str, model: str, stats: GenerationStats) -> str:
-    """stream_options.include_usage: after the last choice chunk, one with no choices and the usage."""
-    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(stats)}
+def sse_usage(kind: Kind, request_id: str, model: str, stats: Sequence[GenerationStats]) -> str:
+    """stream_options.include_usage: after the last choice chunk, one with no choices and the usage
+    (of every choice: `stats`)."""
+    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(*stats)}
     return f"data: {json.dumps(body)}\n\n"
 
 

@@ -16,7 +16,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from quickdraft.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from quickdraft.sampling import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
+                                 PENALTY_RANGE)
 from quickdraft.proposers import MAX_K
 from quickdraft.proposers.registry import option_fields
 from quickdraft.tokenizer import unicode_error
@@ -34,6 +35,10 @@ Count = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 NonNegative = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=0, lt=2**63), BeforeValidator(_integral)]  # 2**63: exact as a float (openapi.py)
 DraftLength = Annotated[int, Field(ge=0, le=MAX_K), BeforeValidator(_integral)]
+MAX_CHOICES = 16  # n: each choice is a request of its own in the batch and in the server's limits
+Choices = Annotated[int, Field(ge=1, le=MAX_CHOICES), BeforeValidator(_integral)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)]
+Penalty = Annotated[float, Field(ge=-PENALTY_RANGE, le=PENALTY_RANGE)]
 
 
 def _unicode(text: str) -> str:
@@ -178,19 +183,20 @@ class _Common(BaseModel):
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[Int, only(1, why="must be 1 (quickdraft returns one choice per request)")] = 1
+    n: Choices = Field(default=1, description="choices generated (each a request of its own, sharing the "
+                       "prompt's prefill; seeded ones are seeded seed, seed + 1, ...)")
     speculative: Speculative | None = None
     response_format: ResponseFormat | None = Field(default=None, description=(
         "json_object or json_schema: the output is JSON (under the schema), exact under speculation"))
     user: Name | None = Field(default=None, description=IGNORED)
-    # OpenAI fields quickdraft does not implement: allowed only at their neutral values.
-    presence_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
-    frequency_penalty: Annotated[float | None, only(None, 0, why="not supported; leave it unset or 0")] = None
+    presence_penalty: Penalty | None = Field(default=None, description=(
+        "subtracted from the logit of each token generated so far, drafted ones on the verified path included"))
+    frequency_penalty: Penalty | None = Field(default=None, description=(
+        "subtracted from each token's logit once per time it was generated so far"))
     logit_bias: Annotated[dict[Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,8})$")],
                                Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(default=None, description=(
         "token id (a string) -> a bias added to its logit, in the target's and the proposer's distributions"))
-    logprobs: Annotated[bool | Int | None, only(None, False, 0, why="not supported; leave it unset, false or 0")] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -205,6 +211,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
+    logprobs: TopLogprobs | None = Field(default=None, description=(
+        "each token's log-probability and this many likeliest alternatives' (the model's raw distribution)"))
     # one prompt: a string, token ids, or a list holding one string (its length checked below)
     prompt: PromptText | Annotated[list[Int], Field(min_length=1)] | \
         Annotated[list[PromptText], Field(min_length=1, json_schema_extra={"maxItems": 1})]
@@ -277,11 +285,21 @@ class ChatMessage(BaseModel):
         return message
 
 
+TOP_LOGPROBS_NEED_LOGPROBS = {  # the published schema states the check of _with_logprobs
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 NO_TOOLS = "not supported: quickdraft generates text only (earlier tool calls in messages are fine)"
 
 
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, TOP_LOGPROBS_NEED_LOGPROBS]})
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    logprobs: bool | None = Field(default=None, description=(
+        "each token's log-probability (the model's raw distribution), and top_logprobs alternatives'"))
+    top_logprobs: TopLogprobs | None = Field(default=None, validate_default=True,
+                                             description="needs logprobs: true where above 0")
     max_completion_tokens: Count | None = None
     metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
                              Annotated[str, StringConstraints(max_length=512)]],
@@ -292,7 +310,6 @@ class ChatCompletionRequest(_Common):
     service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "
                                              "leave it unset, auto or default")] = None
     store: Annotated[bool | None, only(None, False, why="quickdraft stores nothing; leave it unset or false")] = None
-    top_logprobs: Annotated[Int | None, only(None, 0, why="not supported; leave it unset or 0")] = None
     tools: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
     tool_choice: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
     functions: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
@@ -303,6 +320,13 @@ class ChatCompletionRequest(_Common):
     reasoning_effort: Annotated[str | None, only(None, why="not supported: no reasoning models")] = None
     verbosity: Annotated[str | None, only(None, why="not supported")] = None
     web_search_options: Annotated[Json | None, only(None, why="not supported: quickdraft has no web search")] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
 
     def chat(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
