@@ -174,3 +174,32 @@ def test_sampling_with_penalties_through_a_draft_follows_the_penalized_law(width
     assert chi_square_p_value(counts, law) > ALPHA
     # negative control: the same draws against the law without penalties
     assert chi_square_p_value(counts, plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), N_TOKENS)) < ALPHA
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram-tree", "draft-same", "draft-random", "draft-tree"])
+def test_under_a_json_schema_tokens_and_logprobs_equal_constrained_plain_decodings(method: str) -> None:
+    """Issue 36's acceptance: under a grammar's masks (and penalties), every proposer, batch 1 and N."""
+    from test_grammar import EOS_ID, PROPOSERS as GRAMMAR_PROPOSERS, SCHEMAS, prompt_for, schema_constraint
+    from test_grammar import target as grammar_target
+    params = SamplingParams(max_new_tokens=60, logprobs=4, presence_penalty=0.3, frequency_penalty=0.2)
+
+    def constrained(jobs: list[tuple[dict, str]], max_batch: int) -> list[tuple[list[int], list]]:
+        engine = Engine(grammar_target(), EngineConfig(max_batch=max_batch))
+        for i, (schema, name) in enumerate(jobs):
+            make, k = GRAMMAR_PROPOSERS[name]
+            prompt = prompt_for(schema)
+            engine.add(Request(prompt, params, frozenset({EOS_ID}), make(prompt, params), k,
+                               constraint=schema_constraint(schema), id=str(i)))
+        out: dict[str, tuple[list[int], list]] = {str(i): ([], []) for i in range(len(jobs))}
+        while engine.has_work():
+            for rid, event in engine.step():
+                assert event.error is None, event.error
+                out[rid][0].extend(event.token_ids)
+                out[rid][1].extend(event.logprobs)
+        return [out[str(i)] for i in range(len(jobs))]
+
+    schemas = SCHEMAS[:3]
+    plain = constrained([(s, "plain") for s in schemas], 1)
+    assert all(len(ids) == len(lps) > 0 for ids, lps in plain)
+    assert constrained([(s, method) for s in schemas], 1) == plain
+    assert constrained([(s, m) for s in schemas for m in ("plain", method)], 3) == [p for p in plain for _ in "ab"]
