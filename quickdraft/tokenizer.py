@@ -9,7 +9,9 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+from jinja2 import TemplateError
 
 from quickdraft.errors import ModelLoadError, QuickdraftError
 
@@ -55,16 +57,21 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         return self.encode(self.chat_text(messages, add_generation_prompt), add_special_tokens=False)
 
-    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The conversation as the chat template writes it (apply_chat_template's text)."""
+    def chat_text(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The conversation as the chat template writes it (apply_chat_template's text); tools: OpenAI's
+        tools, for a template that shows them (tools.py decides)."""
         if not self.has_chat_template:
             raise ModelLoadError("this model's tokenizer has no chat template; pass a plain prompt instead")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"chat messages need string 'role' and 'content', found {m!r}")
             _check_text(m["content"], f"the content of a {m['role']!r} message")
-        return self.hf.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                           tokenize=False)
+        try:
+            return self.hf.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                               add_generation_prompt=add_generation_prompt, tokenize=False)
+        except TemplateError as e:  # the template's own refusal (raise_exception), or a message it cannot take
+            raise QuickdraftError(f"the chat template cannot write this conversation: {e}") from None
 
     def min_tokens(self, text: str, normalize: bool = True) -> int | None:
         """A lower bound on len(encode(text)) from the text's length, for no tokenizer work (0 where

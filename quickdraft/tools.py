@@ -78,7 +78,8 @@ GENERIC = Syntax(False, '{"tool_calls": [', ", ", "]}", None)
 HERMES = Syntax(True, "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", "<tool_call>",
                 ("<tool_call>", "</tool_call>"))
 
-Render = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], str]  # (messages, tools) -> the template's text
+# (messages, tools) -> the template's text
+Render = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], str]
 PROBE = Function("quickdraft_probe", {"type": "object", "properties": {"x": {"type": "string"}}})
 
 

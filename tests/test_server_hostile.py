@@ -408,9 +408,12 @@ def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> 
     for extra, param in cases:
         r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": NAME, "max_tokens": 2, **extra}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
-    history[1]["tool_calls"] = [call] * MAX_TOOL_CALLS
+    history[1]["tool_calls"] = [call] * MAX_TOOL_CALLS  # accepted: the calls are written into the prompt, ~4k
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": NAME, "max_tokens": 2, "messages": history},
-                   timeout=30)
+                   timeout=30)  # tokens with the tiny tokenizer, past this context
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": NAME, "max_tokens": 2, "messages": [*history[:1], {**history[1], "tool_calls": [call] * 32}, history[2]]})
     assert r.status_code == 200, r.text
     r = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": [1] * MAX_SEQ}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -34,6 +34,8 @@ from quickdraft.server.playground import install_playground
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, CompletionRequest, _Common
 from quickdraft.server.choices import Choice, logprobs_asked, seeds
+from quickdraft.server import tool_calls
+from quickdraft.tools import GENERIC, Tools, conversation, syntax_of
 from quickdraft.server.worker import EngineWorker, ShuttingDown
 from quickdraft.proposers import MAX_K, PROPOSERS, Proposer, SpecConfig, SpecConfigError
 
@@ -82,6 +84,9 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     worker = EngineWorker(service, metrics)
     prompts = Prompts(llm.tokenizer)
     compiler = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="quickdraft-grammar")
+    # how this model's template takes tools (tools.py), found once by rendering a probe
+    syntax = GENERIC if not llm.tokenizer.has_chat_template else \
+        syntax_of(lambda m, t: llm.tokenizer.chat_text(m, tools=t))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,15 +155,16 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
         arrived = time.perf_counter()
         _check_model(body)
         spec = _spec(body)
-        constraints = await _constraint(body)
+        tools = tool_calls.tools_of(body)  # checked: a 400 naming the field
+        constraints = await _constraint(body, tools)
         # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
         budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
         try:
-            text = await prompts.chat_text(body.chat())
+            text = await prompts.chat_text(*conversation(body.chat(), tools, syntax))
         except QuickdraftError as e:
             raise BadRequest(400, str(e), "messages") from None
         ids = await _tokenized(text, budget, "messages", http, add_special_tokens=False, n=body.n)
-        return await _respond("chat", body, spec, constraints, ids, budget, http, arrived)
+        return await _respond("chat", body, spec, constraints, ids, budget, http, arrived, tools)
 
     async def _tokenized(text: str, budget: dict[str, int | None], param: str, http: HTTPRequest,
                          add_special_tokens: bool, n: int) -> list[int]:
@@ -239,22 +245,28 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             raise BadRequest(400, problem, "speculative", "invalid_speculation")
         return spec
 
-    async def _constraint(body: _Common) -> list[Constraint | None]:
-        """The request's response_format compiled (off the event loop, within GRAMMAR_TIMEOUT_S), or
-        a 400 naming it: one per choice (each follows its own text); Nones without one."""
+    async def _constraint(body: _Common, tools: Tools | None = None) -> list[Constraint | None]:
+        """The request's response_format, or its tools' grammar, compiled (off the event loop, within
+        GRAMMAR_TIMEOUT_S), or a 400 naming it: one per choice (each follows its own text); Nones
+        without one."""
         fmt = body.response_format.constrains() if body.response_format is not None else None
-        if fmt is None:
+        if fmt is None and tools is None:
             return [None] * body.n
+        if tools is None:
+            make, param, code = (lambda: llm.constraint(fmt)), "response_format", "invalid_response_format"
+        else:
+            make, param, code = (lambda: tool_calls.compile_tools(llm.grammar_vocabulary(), tools, syntax)), "tools", \
+                tool_calls.CODE
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(compiler, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's time
         try:
-            return [await asyncio.wait_for(loop.run_in_executor(compiler, llm.constraint, fmt), GRAMMAR_TIMEOUT_S)
+            return [await asyncio.wait_for(loop.run_in_executor(compiler, make), GRAMMAR_TIMEOUT_S)
                     for _ in range(body.n)]
         except GrammarError as e:
-            raise BadRequest(400, str(e), "response_format", "invalid_response_format") from None
+            raise BadRequest(400, str(e), param, code) from None
         except TimeoutError:
             raise BadRequest(400, f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
-                             "response_format", "invalid_response_format") from None
+                             param, code) from None
 
     def _prepare(body: _Common, spec: SpecConfig, constraints: list[Constraint | None], ids: list[int],
                  budget: dict[str, int | None]) -> tuple[list[tuple[Request, Callable[[], Proposer | None]]],
@@ -277,8 +289,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 for seed, constraint in zip(seeds(params.seed, body.n), constraints)], params
 
     async def _respond(kind: out.Kind, body: _Common, spec: SpecConfig, constraints: list[Constraint | None],
-                       ids: list[int], budget: dict[str, int | None], http: HTTPRequest, arrived: float) -> Response:
+                       ids: list[int], budget: dict[str, int | None], http: HTTPRequest, arrived: float,
+                       tools: Tools | None = None) -> Response:
         made, params = _prepare(body, spec, constraints, ids, budget)
+        replies = [tool_calls.ToolReply(tools, syntax, request.id) if tools and tools.callable() else None
+                   for request, _ in made]  # none: free text, nothing to read
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, TokenEvent] | None] = asyncio.Queue()
         choices = []
@@ -288,8 +303,9 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             choices.append(Choice(index, request, _Timed(assembler, metrics, arrived).feed, kind,
                                   llm.tokenizer.token_bytes))
         if body.stream:
-            return StreamingResponse(_stream(kind, choices, events, body.include_usage), media_type="text/event-stream")
-        return await _whole(kind, choices, events, http)
+            return StreamingResponse(_stream(kind, choices, events, body.include_usage, replies),
+                                     media_type="text/event-stream")
+        return await _whole(kind, choices, events, http, replies)
 
     def _finished(choice: Choice) -> None:
         """A choice whose text has ended: the engine stops its request too (a stop string ends the text first)."""
@@ -298,7 +314,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
             worker.cancel(choice.request.id)
 
     async def _whole(kind: out.Kind, choices: list[Choice], events: asyncio.Queue[tuple[int, TokenEvent] | None],
-                     http: HTTPRequest) -> Response:
+                     http: HTTPRequest, replies: list[tool_calls.ToolReply | None]) -> Response:
         watcher = asyncio.create_task(_put_none_on_disconnect(http, events))
         try:
             left = len(choices)
@@ -316,7 +332,8 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 if choice.feed(event).finish_reason is not None:
                     _finished(choice)
                     left -= 1
-            return JSONResponse(out.whole(kind, choices[0].request.id, config.model_name, [c.body() for c in choices],
+            bodies = [tool_calls.rewritten(c.body(), reply) for c, reply in zip(choices, replies)]
+            return JSONResponse(out.whole(kind, choices[0].request.id, config.model_name, bodies,
                                           [c.stats for c in choices]))
         finally:
             watcher.cancel()
@@ -324,7 +341,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                 _finished(choice)
 
     async def _stream(kind: out.Kind, choices: list[Choice], events: asyncio.Queue[tuple[int, TokenEvent] | None],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, replies: list[tool_calls.ToolReply | None]) -> AsyncIterator[str]:
         request_id = choices[0].request.id  # one id for the whole stream, each chunk naming its choice
         try:
             left = len(choices)
@@ -339,9 +356,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
                     break
                 chunk = choice.feed(event)
                 if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
-                    yield out.sse_chunk(kind, request_id, config.model_name, chunk.text, chunk.finish_reason,
+                    content, calls, finish = tool_calls.delta(chunk.text, chunk.finish_reason, replies[index])
+                    yield out.sse_chunk(kind, request_id, config.model_name, content, finish,
                                         chunk.stats, choice.first, out.token_origins(chunk), index,
-                                        choice.chunk_logprobs(chunk))
+                                        choice.chunk_logprobs(chunk), tool_calls=calls)
                     choice.first = False
                 if chunk.finish_reason is not None:
                     _finished(choice)

@@ -51,9 +51,9 @@ class Prompts:
         bound = self.tokenizer.min_tokens(text, normalize=False)
         return bound if bound is not None else await self._run(len(text), self.tokenizer.min_tokens, text)
 
-    async def chat_text(self, messages: list[Message]) -> str:
+    async def chat_text(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template's text (rendering is fast next to tokenizing: a short task at any size)."""
-        return await self._run(0, self.tokenizer.chat_text, messages)
+        return await self._run(0, self.tokenizer.chat_text, messages, True, tools)
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(len(text), self.tokenizer.encode, text, add_special_tokens)

@@ -102,15 +102,18 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
             "drafted_at": stats.drafted_at, "accepted_at": stats.accepted_at}
 
 
-def sse_chunk(kind: Kind, request_id: str, model: str, text: str, finish_reason: str | None,
+def sse_chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_reason: str | None,
               stats: GenerationStats | None = None, first: bool = False,
-              origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None) -> str:
+              origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> str:
     """One server-sent event of choice `index`; its last one (finish_reason set) carries usage and
     stats; origins: the "quickdraft" extension field (token_origins); logprobs: this chunk's
-    tokens', as logprobs() writes them."""
+    tokens', as logprobs() writes them; tool_calls: the delta's calls (server/tool_calls.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        if tool_calls:
+            choice["delta"]["tool_calls"] = tool_calls
     else:
         choice["text"] = text
     body = {**_envelope(kind, request_id, model, chunk=True), "choices": [choice]}

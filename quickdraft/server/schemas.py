@@ -290,7 +290,39 @@ TOP_LOGPROBS_NEED_LOGPROBS = {  # the published schema states the check of _with
     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
 
 
-NO_TOOLS = "not supported: quickdraft generates text only (earlier tool calls in messages are fine)"
+MAX_TOOLS = 128  # OpenAI's limit
+FunctionName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call (docs/tools.md): its arguments are JSON under `parameters`."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: FunctionName
+    description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
+    parameters: Json | None = Field(default=None, description="the arguments' JSON schema (unset: no arguments)")
+    strict: bool | None = Field(default=None, description="true: schema keywords the grammar library does not "
+                                "implement are a 400; else they pass unchecked")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming one of the tools: the reply calls it."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+NO_FUNCTIONS = "not supported: OpenAI's deprecated form of tools and tool_choice; use those"
 
 
 class ChatCompletionRequest(_Common):
@@ -306,14 +338,16 @@ class ChatCompletionRequest(_Common):
                         Field(max_length=MAX_METADATA)] | None = Field(default=None, description=IGNORED)
     prompt_cache_key: Name | None = Field(default=None, description=IGNORED)
     safety_identifier: Name | None = Field(default=None, description=IGNORED)
-    parallel_tool_calls: bool | None = Field(default=None, description="accepted; no effect without tools")
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call in a reply")
     service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "
                                              "leave it unset, auto or default")] = None
     store: Annotated[bool | None, only(None, False, why="quickdraft stores nothing; leave it unset or false")] = None
-    tools: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
-    tool_choice: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
-    functions: Annotated[list[Json] | None, only(None, [], why=NO_TOOLS)] = None
-    function_call: Annotated[str | Json | None, only(None, "none", "auto", why=NO_TOOLS)] = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(default=None, description=(
+        "functions the model may call; their calls follow their parameters' schemas, exact under speculation"))
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(default=None, description=(
+        "none: text only; auto (the default with tools): text or calls; required: calls; a function: a call of it"))
+    functions: Annotated[list[Json] | None, only(None, [], why=NO_FUNCTIONS)] = None
+    function_call: Annotated[str | Json | None, only(None, "none", "auto", why=NO_FUNCTIONS)] = None
     modalities: Annotated[list[str] | None, only(None, ["text"], why="only [\"text\"]")] = None
     audio: Annotated[Json | None, only(None, why="not supported: quickdraft generates text only")] = None
     prediction: Annotated[Json | None, only(None, why="not supported (predicted outputs)")] = None

@@ -1,0 +1,113 @@
+"""A chat request's tools on their way in and its reply's calls on their way out: the request's tool
+fields checked (a 400 naming the field) into a tools.Tools and compiled into the reply's grammar; each
+choice's text read (tool_reply.Reader) into OpenAI's assistant message, or its stream deltas (a
+call's id, type and name, then its arguments piece by piece, as the openai client accumulates them).
+Knows OpenAI's shapes, not the engine's loop.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from quickdraft.grammar import Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar
+from quickdraft.server.errors import BadRequest
+from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
+from quickdraft.tool_reply import Reader, calls_of
+from quickdraft.tools import NO_ARGUMENTS, Function, Syntax, Tools, grammar
+
+CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
+
+
+def tools_of(body: ChatCompletionRequest) -> Tools | None:
+    """The request's tools, None where it has none (tool_choice may then be unset, none or auto)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise BadRequest(400, "tool_choice: there are no tools to call; give tools, or leave tool_choice unset",
+                             "tool_choice", CODE)
+        return None
+    if body.response_format is not None and body.response_format.type != "text":
+        raise BadRequest(400, "response_format: a reply under tools is text or tool calls, so it cannot also follow "
+                              "a response_format; give the schema as a tool's parameters instead", "response_format",
+                         CODE)
+    names = [tool.function.name for tool in body.tools]
+    if (twice := next((name for i, name in enumerate(names) if name in names[:i]), None)) is not None:
+        raise BadRequest(400, f"tools: two tools are named {twice!r}; expected each name once", "tools", CODE)
+    functions = tuple(Function(t.function.name, t.function.parameters if t.function.parameters is not None
+                               else NO_ARGUMENTS, t.function.description, t.function.strict is True)
+                      for t in body.tools)
+    parallel = body.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise BadRequest(400, f"tool_choice: names the function {choice.function.name!r}, which is not among "
+                                  f"the tools ({', '.join(names)})", "tool_choice", CODE)
+        return Tools(functions, "function", choice.function.name, parallel)
+    return Tools(functions, choice or "auto", None, parallel)
+
+
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
+    """The reply's constraint (None: free text): each function's schema compiled alone first, so that
+    one llguidance refuses is a 400 naming it. For the grammar threads: compiling takes time."""
+    for i, function in enumerate(tools.functions):
+        param = f"tools.{i}.function.parameters"
+        try:
+            constrain(vocabulary, grammar_text({"type": "json_schema", "json_schema": {
+                "schema": function.parameters, "strict": function.strict}}))
+        except GrammarError as e:
+            raise BadRequest(400, f"{param}: {e}", param, CODE) from None
+    lark = grammar(tools, syntax, vocabulary.special(syntax.markers))
+    return None if lark is None else constrain(vocabulary, lark_grammar(lark))
+
+
+class ToolReply:
+    """One choice's reply under tools, as it streams (delta) or whole (message)."""
+
+    def __init__(self, tools: Tools, syntax: Syntax, request_id: str) -> None:
+        self.tools, self.syntax, self.request_id = tools, syntax, request_id
+        self.reader = Reader(tools, syntax)
+
+    def call_id(self, index: int) -> str:
+        return f"call_{self.request_id}_{index}"
+
+    def delta(self, text: str, finished: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A stream chunk's (content, tool_calls) from its text; finished: the reply's last chunk."""
+        content, pieces = self.reader.feed(text, end=finished)
+        calls = []
+        for piece in pieces:
+            if piece.name is None:
+                calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+            else:
+                calls.append({"index": piece.index, "id": self.call_id(piece.index), "type": "function",
+                              "function": {"name": piece.name, "arguments": piece.arguments}})
+        return (content if content or not calls else None), calls or None
+
+    def finish_reason(self, reason: str) -> str:
+        """"tool_calls" where the reply's calls are whole (the grammar then ends it: "stop")."""
+        return "tool_calls" if reason == "stop" and self.reader.complete else reason
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply as OpenAI's assistant message (content null where it is all calls)."""
+        content, pieces = self.reader.feed(text, end=True)
+        calls = calls_of(pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
+        if calls:
+            message["tool_calls"] = [{"id": self.call_id(i), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for i, c in enumerate(calls)]
+        return message
+
+
+def rewritten(choice: dict[str, Any], reply: ToolReply | None) -> dict[str, Any]:
+    """A whole response's chat choice (responses.choice) with its text read into content and calls."""
+    if reply is None:
+        return choice
+    return {**choice, "message": reply.message(choice["message"]["content"]),
+            "finish_reason": reply.finish_reason(choice["finish_reason"])}
+
+
+def delta(text: str, finish_reason: str | None, reply: ToolReply | None
+          ) -> tuple[str | None, list[dict[str, Any]] | None, str | None]:
+    """A stream chunk's (content, tool_calls, finish_reason) from its text and the engine's reason."""
+    if reply is None:
+        return text, None, finish_reason
+    content, calls = reply.delta(text, finish_reason is not None)
+    return content, calls, None if finish_reason is None else reply.finish_reason(finish_reason)
