@@ -280,7 +280,8 @@ class Drafter:
             run: dict[int, list[int]] = {}
             for b in growing:
                 m, tree = members[b], grown[b]
-                top_p, top_i = torch.softmax(level_logits[b].float(), -1).topk(m.width, -1)
+                paths = [tree.path(n) for n in expanded[b]]  # penalties count each node's own path
+                top_p, top_i = torch.softmax(_penalized(level_logits[b], m, paths).float(), -1).topk(m.width, -1)
                 newest = tree.grow(expanded[b], top_p.tolist(), top_i.tolist(), calibration[b].estimate)
                 likeliest = sorted(newest, key=lambda n: -tree.reach[n])[:m.width]
                 kth = sorted(tree.reach, reverse=True)[ks[b] - 1] if len(tree.reach) >= ks[b] else 0.0
@@ -407,10 +408,7 @@ class Drafter:
         best, confidence = best.tolist(), confidence.tolist()  # one host sync for the greedy rows
         out = []
         for j, (m, q_list) in enumerate(zip(members, qs)):
-            row = logits[j:j + 1]  # [1, V]
-            if m.params.penalized:
-                row = penalize(row, m.params, token_counts(m.tokens[m.prompt_len:] + m.offered, row.shape[-1],
-                                                           row.device))
+            row = _penalized(logits[j:j + 1], m, [m.offered])  # [1, V]
             if m.params.greedy:
                 top, x = torch.softmax(row.float(), -1).max(-1) if m.params.penalized else (confidence[j], best[j])
                 out.append((int(x), float(top)))
@@ -453,3 +451,14 @@ class Drafter:
             return self.head(hidden[index])  # [n, width, V]
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
         return self.head(hidden[index, last])  # [n, V]: the head only where a draft reads it
+
+
+def _penalized(logits: torch.Tensor, m: Member, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits [E, V] after each of `paths` (the draft's tokens from the root) less m's presence and
+    frequency penalties, counted as the verifier counts them there: the generated tokens and the
+    path (verify.py); as they are where m has none."""
+    if not m.params.penalized:
+        return logits
+    generated = m.tokens[m.prompt_len:]
+    counts = torch.stack([token_counts([*generated, *path], logits.shape[-1], logits.device) for path in paths])
+    return penalize(logits, m.params, counts)

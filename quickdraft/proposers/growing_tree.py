@@ -49,6 +49,14 @@ class GrowingTree:
                 n = self.parents[n]
         return seen
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's first child down to `node` (-1, the root: none)."""
+        tokens = []
+        while node >= 0:
+            tokens.append(self.tokens[node])
+            node = self.parents[node]
+        return tokens[::-1]
+
     def likeliest(self, k: int) -> tuple[list[int], list[int]]:
         """The k nodes likeliest to be reached, likeliest first (a child is never likelier than its
         parent: every prefix is a tree), and each one's parent as an index into them (-1: the root)."""
