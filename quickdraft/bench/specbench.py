@@ -5,12 +5,16 @@ Turns a method list into runs and runs into per-question records; bench/report.p
 into tables, results.json and the chart. Multi-turn questions are run as Spec-Bench runs them:
 turn 1 with the chat template, its text appended as the assistant message, then turn 2; both
 turns' tokens and seconds count. HumanEval's prompts are raw text, continued without a template.
-transformers and llama.cpp rows decode the same prompt ids as quickdraft's rows.
+A question with a JSON schema (json_extraction) is answered under it by every row, plain too
+(response_format json_schema: constrained plain decoding is the baseline), and its records carry
+the grammar's own time. transformers and llama.cpp rows decode the same prompt ids as quickdraft's
+rows.
 """
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -119,17 +123,36 @@ def _prompt_kwargs(prompt: Prompt) -> dict[str, Any]:
     return {"prompt": prompt} if isinstance(prompt, str) else {"messages": prompt}
 
 
-def _quickdraft_turn(llm: LLM, spec: SpecConfig, prompt: Prompt, params: SamplingParams) -> dict:
+def response_format(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format for a question's schema, strict as agents send it."""
+    return {"type": "json_schema", "json_schema": {"name": "extraction", "schema": schema, "strict": True}}
+
+
+def _quickdraft_turn(llm: LLM, spec: SpecConfig, prompt: Prompt, params: SamplingParams,
+                     schema: Mapping[str, Any] | None = None) -> dict:
     # Through the public API, as users call it: the chat template, the proposer's set-up, decoding
-    # and detokenization are all timed (the same for every quickdraft row).
+    # and detokenization are all timed (the same for every quickdraft row). Under a schema the
+    # request goes to the engine as LLM.stream sends it, with a constraint made here so that its
+    # time can be read after (compiling the schema is timed too).
     start = time.perf_counter()
-    out = llm.generate(**_prompt_kwargs(prompt), params=params, spec=spec)
+    if schema is None:
+        out = llm.generate(**_prompt_kwargs(prompt), params=params, spec=spec)
+        ids, text, stats, finish, grammar_s = out.token_ids, out.text, out.stats, out.finish_reason, None
+    else:
+        constraint = llm.constraint(response_format(schema))
+        request = llm.request(llm.prompt_ids(**_prompt_kwargs(prompt)), params, spec, constraint)
+        ids = []
+        with closing(llm.engine_service().stream(*request)) as events:
+            for event in events:
+                if event.error is not None:
+                    raise event.error
+                ids += event.token_ids
+        text, stats, finish, grammar_s = llm.tokenizer.decode(ids), event.stats, event.finish_reason, constraint.seconds
     wall = time.perf_counter() - start
-    stats = out.stats
-    return {"token_ids": out.token_ids, "text": out.text, "prompt_tokens": stats.prompt_tokens,
-            "new_tokens": len(out.token_ids), "committed_tokens": stats.committed_tokens,
+    return {"token_ids": ids, "text": text, "prompt_tokens": stats.prompt_tokens,
+            "new_tokens": len(ids), "committed_tokens": stats.committed_tokens,
             "wall_s": wall, "target_passes": stats.target_passes, "drafted_tokens": stats.drafted_tokens,
-            "accepted_tokens": stats.accepted_tokens, "finish_reason": out.finish_reason}
+            "accepted_tokens": stats.accepted_tokens, "finish_reason": finish, "grammar_s": grammar_s}
 
 
 # Another engine's decoding of prompt ids: (ids, max_new_tokens, eos) -> (tokens through the first
@@ -150,7 +173,7 @@ def _other_engine_turn(llm: LLM, decode: Decoder, prompt: Prompt, params: Sampli
             "committed_tokens": committed, "wall_s": wall, "target_passes": passes, "drafted_tokens": drafted,
             # each pass commits the drafts it accepted and one token of its own
             "accepted_tokens": None if passes is None else committed - passes,
-            "finish_reason": "stop" if stop is not None else "length"}
+            "finish_reason": "stop" if stop is not None else "length", "grammar_s": None}
 
 
 def _hf_decoder(hf_model: torch.nn.Module, kind: str, lookup_tokens: int) -> Decoder:
@@ -177,22 +200,23 @@ def _llamacpp_decoder(engine: Any, kind: str) -> Decoder:
     return decode
 
 
-TurnRunner = Callable[[Prompt, SamplingParams], dict]
+# a turn: (prompt, params, the JSON schema its answer follows or None) -> its record
+TurnRunner = Callable[[Prompt, SamplingParams, Union[Mapping[str, Any], None]], dict]
 
 
 def run_conversation(llm: LLM, turns: Sequence[str], params: SamplingParams, run_turn: TurnRunner,
-                     chat: bool = True) -> list[dict]:
+                     chat: bool = True, schema: Mapping[str, Any] | None = None) -> list[dict]:
     """Every turn of one question: each turn's prompt is the chat so far (with the method's own
     earlier answers, as Spec-Bench does), formatted with the chat template; without `chat`, the
-    one turn is raw text the model continues (HumanEval)."""
+    one turn is raw text the model continues (HumanEval). `schema`: every answer's JSON schema."""
     if not chat:
         assert len(turns) == 1, "a raw-text question has one turn"
-        return [run_turn(turns[0], params)]
+        return [run_turn(turns[0], params, schema)]
     messages: list[Message] = []
     records = []
     for turn in turns:
         messages.append({"role": "user", "content": turn})
-        record = run_turn(list(messages), params)
+        record = run_turn(list(messages), params, schema)
         messages.append({"role": "assistant", "content": record["text"]})
         records.append(record)
     return records
@@ -213,6 +237,7 @@ def question_record(records: list[dict], plain_ids: list[int] | None) -> dict:
     drafted = None if passes is None else sum(r["drafted_tokens"] for r in records)
     accepted = None if passes is None else sum(r["accepted_tokens"] for r in records)
     committed = sum(r["committed_tokens"] for r in records)
+    grammar = [r["grammar_s"] for r in records]
     diff = None if plain_ids is None else _first_difference(ids, plain_ids)
     return {
         "new_tokens": new, "committed_tokens": committed, "wall_s": wall,
@@ -220,6 +245,7 @@ def question_record(records: list[dict], plain_ids: list[int] | None) -> dict:
         "tokens_per_pass": committed / passes if passes else None,
         "drafted_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
+        "grammar_s": None if None in grammar else sum(grammar),
         "identical_to_plain": None if plain_ids is None else diff is None, "first_difference": diff,
         "turns": [{k: v for k, v in r.items() if k not in ("token_ids", "text")} for r in records],
     }
@@ -256,7 +282,7 @@ def _runners(llm: LLM, methods: Sequence[Method], device: str, others: OtherEngi
     hf_model = None
     for m in methods:
         if m.engine == "quickdraft":
-            runners[m.label] = lambda prompt, p, spec=m.spec: _quickdraft_turn(llm, spec, prompt, p)
+            runners[m.label] = lambda prompt, p, schema, spec=m.spec: _quickdraft_turn(llm, spec, prompt, p, schema)
             continue
         if m.engine == "transformers":
             if hf_model is None:
@@ -270,7 +296,7 @@ def _runners(llm: LLM, methods: Sequence[Method], device: str, others: OtherEngi
                       LlamaCppPromptLookup(path, threads, n_ctx, others.llamacpp_lookup_tokens, others.llamacpp_ngram))
             closers.append(engine.close)
             decode = _llamacpp_decoder(engine, m.mode)
-        runners[m.label] = lambda prompt, p, decode=decode: _other_engine_turn(llm, decode, prompt, p)
+        runners[m.label] = lambda prompt, p, schema, decode=decode: _other_engine_turn(llm, decode, prompt, p)
     return runners, closers
 
 
@@ -279,6 +305,16 @@ def _check_greedy_comparators(methods: Sequence[Method], temperature: float) -> 
     if temperature > 0 and others:
         raise QuickdraftError(f"--compare-hf and --compare-llamacpp run {' and '.join(others)} greedily; "
                               f"use --temperature 0 with them")
+
+
+def check_schemas(questions: Sequence[Question], methods: Sequence[Method]) -> None:
+    """Questions with a JSON schema are answered under it; the other engines' rows cannot apply one."""
+    others = sorted({m.engine for m in methods if m.engine != "quickdraft"})
+    constrained = sorted({q.group for q in questions if q.schema is not None})
+    if others and constrained:
+        raise QuickdraftError(f"group {', '.join(constrained)} answers under a JSON schema, which the "
+                              f"{' and '.join(others)} rows cannot apply; leave out --compare-hf and "
+                              f"--compare-llamacpp, or that group")
 
 
 def check_llamacpp(model: str | None, methods: Sequence[Method]) -> None:
@@ -304,6 +340,7 @@ def run_questions(llm: LLM, questions: Sequence[Question], methods: Sequence[Met
     candidates, earlier responses) is then a server's after that traffic. Returns one record per
     question with a `runs` entry per method."""
     _check_greedy_comparators(methods, temperature)
+    check_schemas(questions, methods)
     n_ctx = llamacpp_context(llm, questions, max_new_tokens) if any(m.engine == "llama.cpp" for m in methods) else 0
     runners, closers = _runners(llm, methods, device, others, n_ctx)
     try:
@@ -332,7 +369,8 @@ def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], run
     warm = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=min(16, max_new_tokens))
     for m in methods:  # kernels built, draft models loaded, caches touched: none of it is timed
         with llm.shared_scope(("warm-up", m.label)):  # what a proposer learns here is not kept
-            run_conversation(llm, questions[0].turns[:1], warm, runners[m.label], questions[0].chat)
+            run_conversation(llm, questions[0].turns[:1], warm, runners[m.label], questions[0].chat,
+                             questions[0].schema)  # the grammar's vocabulary built too (~1-2 s)
     greedy = temperature == 0
     results = []
     bar = tqdm(total=len(questions) * len(methods), unit="run", file=sys.stderr, disable=not progress,
@@ -346,7 +384,7 @@ def _run(llm: LLM, questions: Sequence[Question], methods: Sequence[Method], run
         for m in order:
             bar.set_postfix_str(f"{q.group} #{q.question_id} {m.label}", refresh=False)
             with llm.shared_scope(m.label):  # state shared across requests: each method its own
-                turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label], q.chat)
+                turns[m.label] = run_conversation(llm, q.turns, params, runners[m.label], q.chat, q.schema)
             bar.update()
         plain_ids = [t for r in turns[PLAIN] for t in r["token_ids"]] if greedy else None
         runs = {m.label: question_record(turns[m.label], plain_ids) for m in methods}
@@ -363,6 +401,7 @@ def run_specbench(model: str | None, questions: Sequence[Question], methods: Seq
     SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)  # validate first
     parse_dtype(dtype)
     _check_greedy_comparators(methods, temperature)
+    check_schemas(questions, methods)
     check_llamacpp(model, methods)
     # every method answers the same questions: a prefix cache would time the later ones' prompts cached
     llm = load(model, device=device, dtype=dtype, prefix_cache_mb=0)

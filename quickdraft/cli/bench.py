@@ -217,8 +217,9 @@ def add_bench_specbench(bsub) -> None:
                          f"(default: plain,{DEFAULT_METHOD})")
     sb.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six: mt_bench, "
                                      "translation, summarization, qa, math_reasoning, rag; also code_edit, "
-                                     "quickdraft's own input-grounded group, and humaneval, HumanEval's code "
-                                     "completions)")
+                                     "quickdraft's own input-grounded group, json_extraction, its documents in "
+                                     "and JSON out under each one's schema (every row constrained, plain too), "
+                                     "and humaneval, HumanEval's code completions)")
     sb.add_argument("--humaneval-half", choices=["dev", "acceptance"], default="dev",
                     help="HumanEval problems for the humaneval group: dev = 0-81 (default; for development and "
                          "tuning), acceptance = 82-163 (reserved for acceptance measurements: never tune on them)")
