@@ -264,7 +264,7 @@ class Engine:
                 before = row.length
                 events += self._decode(0, len(self.rows), ride)
                 if self.filling is not row:  # its prompt is in: the rest of the allowance to the next
-                    left = max(most - (len(row.tokens) - before), 0) if row in self.rows else 0
+                    left = max(most - (len(row.request.prompt_ids) - before), 0) if row in self.rows else 0
                 elif row.length != before:  # it rode: its chunk was the step's allowance
                     left = 0
             else:
@@ -351,7 +351,10 @@ class Engine:
                          last_n=0, slots=flat.slots, rows=flat.rows)
         hidden = out.hidden[0]  # [M, D]
         logits = self.model.logits(hidden[:flat.decoded])  # the chunk's only where it ends a prompt: _prefilled
-        return logits[flat.index], hidden[flat.index], None if ride is None else hidden[flat.decoded:]
+        chunk = None if ride is None else hidden[flat.decoded:]
+        if len(set(sizes)) == 1:  # no padding: the rows' tokens are already in StepInputs' places
+            return logits.view(len(sizes), sizes[0], -1), hidden[:flat.decoded].view(len(sizes), sizes[0], -1), chunk
+        return logits[flat.index], hidden[flat.index], chunk
 
     def _choose_drafts(self, rows: list[_Row]) -> list[Draft]:
         """The part of each row's offered draft to verify (engine/policy.py)."""

@@ -72,7 +72,7 @@ class RaggedInputs:
     ids: torch.Tensor        # [1, M]
     positions: torch.Tensor  # [1, M] rotary positions
     slots: torch.Tensor      # [1, M] cache slots
-    mask: torch.Tensor       # [1, M, kv_len] True = may attend (within the token's own cache row)
+    mask: torch.Tensor | None  # [1, M, kv_len] True = may attend (within the token's own cache row); None: causal
     rows: torch.Tensor       # [M] each token's cache row
     index: torch.Tensor      # [B, 1+W] the pass's token at each of StepInputs' places (padding: its row's root)
     decoded: int             # the decode rows' tokens come first, the chunk's (if any) after them
@@ -95,13 +95,15 @@ def ragged(step: StepInputs, sizes: Sequence[int], chunk: tuple[int, Sequence[in
         ids = torch.cat((ids, torch.tensor(tokens, device=device, dtype=ids.dtype)))
         positions, flat_slots = torch.cat((positions, span)), torch.cat((flat_slots, span))
         rows = torch.cat((rows, torch.full_like(span, B)))
-    kv_len = int(flat_slots.max()) + 1
-    mask = torch.arange(kv_len, device=device)[None, :] <= flat_slots[:, None]  # [M, kv_len] causal
+    mask = None  # every row a chain: causal within each row (the model's mask)
     if step.mask is not None:  # trees: each node sees its row's committed slots and its ancestors
+        kv_len = int(flat_slots.max()) + 1
+        mask = torch.arange(kv_len, device=device)[None, :] <= flat_slots[:, None]  # [M, kv_len] causal
         # the padded step's mask is as wide as the longest row plus the widest draft, which may be
         # more than the slots fed here (a shorter row drafted the widest): nothing past them is seen
         tree = step.mask[keep][:, :kv_len]
         mask[:decoded, :tree.shape[-1]] &= tree
+        mask = mask[None]
     index = torch.cumsum(keep.flatten(), 0).view(B, W) - 1  # padding: the last kept token before it
     index = torch.where(keep, index, index[:, :1])
-    return RaggedInputs(ids[None], positions[None], flat_slots[None], mask[None], rows, index, decoded)
+    return RaggedInputs(ids[None], positions[None], flat_slots[None], mask, rows, index, decoded)

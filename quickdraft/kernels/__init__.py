@@ -199,7 +199,7 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     see, so its output does not depend on the batch it is in.
     qkv [B, T, (n_q + 2 n_kv) * D]; cos, sin [B, 1, T, D]; positions [B, T]; k_cache, v_cache
     [B, n_kv, max_len, D] (a layer's buffers); visible [B, T, kv_len] (True = may attend) or None
-    (every key below kv_len); scale: the scores' (None: D ** -0.5); softcap: scores become
+    (causal: each token sees its row's keys at slots 0..its position); scale: the scores' (None: D ** -0.5); softcap: scores become
     softcap * tanh(score / softcap) (None: not capped); rows [B * T] int64: each token's cache row
     (a ragged pass, B = 1), None: its batch row -> [B, T, n_q * D]."""
     B, T, _ = qkv.shape

@@ -193,6 +193,7 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
 typedef struct {
     const float *q, *k, *v;
     const int64_t *rows;  /* each token's cache row, or NULL: token bt's is bt / T */
+    const int64_t *slots; /* each token's cache slot: without `visible`, it sees keys 0..slot */
     const uint8_t *visible;
     float *out;
     int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
@@ -206,27 +207,31 @@ static void attention_task(void *ctx, int64_t task) {
     const int64_t g = task / j->parts % j->Hkv, b = j->rows ? j->rows[bt] : bt / j->T;
     const int64_t h0 = g * group + part * group / j->parts, h1 = g * group + (part + 1) * group / j->parts;
     if (h1 == h0) return;
-    float *scores = malloc((size_t)((h1 - h0) * j->kv_len) * sizeof(float));
+    /* causal (no mask): the keys up to the query's own slot, a kv_len of its own; the same bits as a
+     * mask that shows exactly those (a key's score and its lane in the sums do not depend on kv_len) */
+    const int64_t kv_len = j->visible ? j->kv_len : j->slots[bt] + 1;
+    float *scores = malloc((size_t)((h1 - h0) * kv_len) * sizeof(float));
     if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
     attend_group(j->q + (bt * j->Hq + h0) * j->D, j->k + b * j->kv_batch + g * j->kv_head,
                  j->v + b * j->kv_batch + g * j->kv_head, j->visible ? j->visible + bt * j->kv_len : 0,
-                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, j->kv_len, j->scale, j->softcap);
+                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, kv_len, j->scale, j->softcap);
     free(scores);
 }
 
 /* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of cache row b at
  * b * kv_batch + g * kv_head + j * D, where b is the token's batch row, or rows[token] (a ragged
  * pass: tokens of several cache rows fed as one sequence); visible: [B, T, kv_len] (1 = may
- * attend) or NULL (every key < kv_len); out: [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
+ * attend) or NULL (causal: a token sees the keys at slots 0..slots[token] of its row); out:
+ * [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
  * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
-static void attention(const float *q, const float *k, const float *v, const int64_t *rows, const uint8_t *visible,
-                      float *out,
+static void attention(const float *q, const float *k, const float *v, const int64_t *rows, const int64_t *slots,
+                      const uint8_t *visible, float *out,
                       int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
                       int64_t kv_batch, int64_t kv_head, float scale, float softcap, int threads) {
     const int64_t groups = B * T * Hkv, group = Hq / Hkv;
     int64_t parts = 1;
     while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
-    AttentionJob job = {q, k, v, rows, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
+    AttentionJob job = {q, k, v, rows, slots, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
     qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
@@ -259,5 +264,5 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
             for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
     }
-    attention(q, k, v, rows, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
+    attention(q, k, v, rows, positions, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
 }

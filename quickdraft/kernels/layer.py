@@ -76,7 +76,7 @@ def run_layer(x: torch.Tensor, fused: FusedLayer, cos: torch.Tensor, sin: torch.
               rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, T, hidden] -> the layer's output (a new tensor); K/V written to the cache buffers
     [B, n_kv, max_len, head_dim] at `positions` [B, T] (int64); cos, sin [B, 1, T, head_dim];
-    visible [B, T, kv_len] or None (every key below kv_len); rows [B * T] int64: each token's
+    visible [B, T, kv_len] or None (causal: each token sees its row's keys at slots 0..its own); rows [B * T] int64: each token's
     cache row (a ragged pass, B = 1), None: its batch row."""
     B, T, _ = x.shape
     assert k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]

@@ -43,12 +43,14 @@ class AttentionInputs:
     rotary: torch.Tensor       # [B, T] each token's position (trees: its depth), what windows count in
     local: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin of sliding layers with a base of their own
     rows: torch.Tensor | None = None  # [T] int64 each token's cache row (a ragged pass, B = 1); None: its batch row
+    narrowed: bool = False  # the mask hides more than the keys past each token's slot (trees)
     windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @functools.cached_property
     def visible(self) -> torch.Tensor | None:
-        """The mask as the C kernel reads it: [B, T, kv_len], contiguous."""
-        return None if self.mask is None else self.mask[:, 0].contiguous()
+        """The mask as the C kernel reads it: [B, T, kv_len], contiguous; None where it is causal
+        (the kernel then reads each token's keys up to its slot, faster and with the same bits)."""
+        return None if self.mask is None or not self.narrowed else self.mask[:, 0].contiguous()
 
     def masks(self, window: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The mask ([B, 1, T, kv_len]) and `visible` of a layer whose queries see only the last
@@ -93,7 +95,7 @@ def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch
         mask = mask.unsqueeze(1)
     local_rope = None if local is None else local[0](local[1], positions, cache.dtype)
     return AttentionInputs(cos, sin, mask, cache.slots(slots), kv_len, slots.to(torch.int64).contiguous(), positions,
-                           local_rope, None if rows is None else rows.to(torch.int64).contiguous())
+                           local_rope, None if rows is None else rows.to(torch.int64).contiguous(), attn_mask is not None)
 
 
 class RMSNorm(nn.Module):
