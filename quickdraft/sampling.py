@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -127,15 +128,26 @@ def biased(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return out
 
 
-def token_counts(tokens: Sequence[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[V] float32: how often each token occurs in `tokens` (what the penalties count)."""
-    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab).float().to(device)
-
-
-def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] less OpenAI's penalties for counts [..., V] (times each token was generated
-    before that position): frequency_penalty * count + presence_penalty * (count > 0)."""
-    return logits.float() - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+def penalize(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int],
+             paths: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits [P, V] at P positions -> float32 less OpenAI's penalties, frequency_penalty * c[t] +
+    presence_penalty * (c[t] > 0), c[t] counting token t in `generated` (the committed new tokens)
+    and in paths[i] (the tokens drafted before position i). Only the tokens counted are touched."""
+    base = Counter(generated)
+    ids = sorted(base.keys() | {t for path in paths for t in path})
+    out = logits.float().clone()
+    if not ids:
+        return out
+    device = logits.device
+    at = {t: j for j, t in enumerate(ids)}
+    counts = torch.tensor([float(base[t]) for t in ids], device=device).repeat(len(paths), 1)  # [P, U]
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    if rows:
+        cols = [at[t] for path in paths for t in path]
+        counts.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.ones(len(rows), device=device), accumulate=True)
+    out[:, torch.tensor(ids, device=device)] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return out
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -21,8 +21,8 @@ allowed after its parent, renormalized: the engine cuts a draft at its forbidden
 node's token is distributed as q masked that way, and the walk stays exact for the masked p.
 OpenAI's presence and frequency penalties count the tokens generated before each position: at
 node i those committed so far and the tokens on the path from the root to node i (each node of a
-tree counts its own path), so every position is scored as plain decoding would score it after that
-path. Knows nothing of models or caches.
+tree counts its own path: node_paths), so every position is scored as plain decoding would score
+it after that path. Knows nothing of models or caches.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import torch
 
 from quickdraft.kernels import argmax
 from quickdraft.proposers.base import Draft
-from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample, token_counts
+from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample
 
 
 @dataclass(frozen=True)
@@ -60,23 +60,13 @@ def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
 
 
-def path_counts(draft: Draft, generated: Sequence[int], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[n+1, V]: per position (the root, then each node), how often each token was generated
-    before the token scored there: the committed `generated` ones and the draft's path to it."""
-    counts = token_counts(generated, vocab, device)
-    rows, cols = [], []
-    for i, p in enumerate(draft.tree):  # node i's path: its parent's, then its own token
-        while p >= 0:
-            rows.append(1 + i)
-            cols.append(draft.tokens[p])
-            p = draft.tree[p]
-        rows.append(1 + i)
-        cols.append(draft.tokens[i])
-    out = counts.expand(len(draft.tokens) + 1, vocab).clone()
-    if rows:
-        out.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                       torch.ones(len(rows), device=device), accumulate=True)
-    return out
+def node_paths(draft: Draft) -> list[list[int]]:
+    """[n+1] per position the target scores (the root, then each node), the draft's tokens before
+    the token scored there: none at the root, node i's path (root to node, itself included) after it."""
+    paths: list[list[int]] = [[]]
+    for i, p in enumerate(draft.tree):
+        paths.append(paths[p + 1] + [draft.tokens[i]])
+    return paths
 
 
 def _greedy_tests(draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +118,7 @@ def _scored(draft: Draft, logits: torch.Tensor, params: SamplingParams, generate
     logits = logits[:len(draft.tokens) + 1]
     if generated is None or not params.penalized:
         return logits
-    return penalize(logits, params, path_counts(draft, generated, logits.shape[-1], logits.device))
+    return penalize(logits, params, generated, node_paths(draft))
 
 
 def verify(drafts: Sequence[Draft], target_logits: torch.Tensor, params: Sequence[SamplingParams],

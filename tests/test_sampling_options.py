@@ -23,8 +23,8 @@ from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams, penalize, probabilities, token_counts
-from quickdraft.verify import path_counts
+from quickdraft.sampling import SamplingParams, penalize, probabilities
+from quickdraft.verify import node_paths
 from test_batch_engine import Job, draft_random, draft_same, drafter, first_tokens_in_batches, ngram, target
 from test_spec_exactness import (N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, plain_law, tiny16,
                                  tiny16_draft)
@@ -44,21 +44,25 @@ def test_params_bound_penalties_and_logprobs() -> None:
 
 
 def test_penalties_subtract_openais_terms() -> None:
-    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
-    counts = torch.tensor([[0.0, 1.0, 3.0, 0.0]])
-    out = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), counts)
-    assert torch.equal(out, torch.tensor([[1.0, 2.0 - 0.25 - 0.5, 3.0 - 0.75 - 0.5, 4.0]]))
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    out = penalize(logits, params, [2, 1, 2], [[], [2, 0]])  # c = [0, 1, 2, 0], then [1, 1, 3, 0]
+    assert torch.equal(out, torch.tensor([[1.0, 2.0 - 0.25 - 0.5, 3.0 - 0.5 - 0.5, 4.0],
+                                          [1.0 - 0.25 - 0.5, 2.0 - 0.25 - 0.5, 3.0 - 0.75 - 0.5, 4.0]]))
+    assert torch.equal(penalize(logits, params, [], [[], []]), logits)
 
 
 def test_each_tree_node_counts_its_own_path() -> None:
     # root -> 0:a(5) -> 1:b(6) -> 3:d(5); root -> 2:c(7)
     draft = Draft([5, 6, 7, 5], parents=[-1, 0, -1, 1])
-    counts = path_counts(draft, [6, 6, 2], 10, "cpu")
-    base = token_counts([6, 6, 2], 10)
-    expected = base.expand(5, 10).clone()
+    assert node_paths(draft) == [[], [5], [5, 6], [7], [5, 6, 5]]  # c's path holds not a, its sibling
+    counts = -penalize(torch.zeros(5, 10), SamplingParams(frequency_penalty=1.0), [6, 6, 2], node_paths(draft))
+    expected = torch.zeros(5, 10)
+    expected[:, 6] += 2
+    expected[:, 2] += 1
     expected[1, 5] += 1                          # after node 0: a
     expected[2, 5] += 1; expected[2, 6] += 1     # after node 1: a b  # noqa: E702
-    expected[3, 7] += 1                          # after node 2: c (not a, its sibling)
+    expected[3, 7] += 1                          # after node 2: c
     expected[4, 5] += 2; expected[4, 6] += 1     # after node 3: a b a  # noqa: E702
     assert torch.equal(counts, expected)
 
@@ -152,8 +156,8 @@ def penalized_law(model: Transformer, prompt: Sequence[int], params: SamplingPar
         ids = torch.tensor([list(prompt) + list(p) for p in prefixes])
         B, L = ids.shape
         logits = model(ids, torch.arange(L).expand(B, L), model.new_cache(B, L), last_n=1).logits[:, -1]
-        counts = torch.stack([token_counts(list(p), V) for p in prefixes])
-        law = law[..., None] * probabilities(penalize(logits, params, counts), params).double().view(*([V] * depth), V)
+        penalized = penalize(logits, params, [], [list(p) for p in prefixes])  # the prompt is not counted
+        law = law[..., None] * probabilities(penalized, params).double().view(*([V] * depth), V)
     return law
 
 

@@ -39,7 +39,7 @@ from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.proposers.growing_tree import GrowingTree
-from quickdraft.sampling import SamplingParams, penalize, probabilities, sample, token_counts
+from quickdraft.sampling import SamplingParams, penalize, probabilities, sample
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
 
@@ -457,8 +457,4 @@ def _penalized(logits: torch.Tensor, m: Member, paths: Sequence[Sequence[int]]) 
     """logits [E, V] after each of `paths` (the draft's tokens from the root) less m's presence and
     frequency penalties, counted as the verifier counts them there: the generated tokens and the
     path (verify.py); as they are where m has none."""
-    if not m.params.penalized:
-        return logits
-    generated = m.tokens[m.prompt_len:]
-    counts = torch.stack([token_counts([*generated, *path], logits.shape[-1], logits.device) for path in paths])
-    return penalize(logits, m.params, counts)
+    return penalize(logits, m.params, m.tokens[m.prompt_len:], paths) if m.params.penalized else logits
