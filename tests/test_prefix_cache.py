@@ -481,3 +481,21 @@ def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> 
     assert held[:3] == [OFFER_BLOCKS, OFFER_BLOCKS + 4, OFFER_BLOCKS + 4]  # then 3 blocks and the prompt's tail
     cold = Engine(model, EngineConfig(max_batch=2))
     assert out == run_to_end(cold, Request(prompt, greedy(6), id="cold"))
+
+
+def test_a_prompt_admitted_behind_one_still_being_offered_finds_all_of_it(monkeypatch) -> None:
+    """Choices of one request (or sessions behind one system prompt) arrive together: the second is
+    admitted while the first's prompt is still going into the cache a few blocks a step, and finds
+    it whole (its offer is finished first), not only the blocks in so far."""
+    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", 2)
+    model = tiny(MODEL)
+    prompt = tokens(9, 7 * BLOCK + 3)
+    engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=8), prefix=prefix_for(model))
+    engine.add(Request(prompt, greedy(4), id="first"))
+    engine.add(Request(prompt, greedy(4), id="second"))
+    cached, out = {}, {"first": [], "second": []}
+    while engine.has_work():
+        for rid, event in engine.step():
+            out[rid] += event.token_ids
+            cached[rid] = event.stats.cached_tokens
+    assert cached == {"first": 0, "second": len(prompt) - 1} and out["first"] == out["second"]

@@ -26,7 +26,7 @@ from quickdraft.errors import ContextTooLong
 from quickdraft.grammar import Constraint
 from quickdraft.logprobs import TokenLogprob, token_logprobs
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
+from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, TopTokens,
                                       propose_together)
@@ -206,13 +206,18 @@ class Engine:
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
             return True
 
-    def _offer_prompts(self) -> None:
+    def _offer_prompts(self, admitting: Sequence[int] | None = None) -> None:
         """Go on leaving the prompts of rows that started decoding to the prefix cache, OFFER_BLOCKS
         blocks a step each: a long prompt's K/V copied at once stalled every row (4,000 tokens of
-        the 1.5B: 254 MB, 6x a decode step)."""
+        the 1.5B: 254 MB, 6x a decode step). `admitting`: a prompt about to look its prefix up;
+        the rows whose prompts start as it does are left whole now (n choices of one request, or
+        sessions behind one system prompt, would otherwise prefill again what is not in yet)."""
         for row in list(self.offering):
+            shares = admitting is not None and row.tokens[:BLOCK] == list(admitting[:BLOCK])
+            if admitting is not None and not shares:
+                continue
             if row not in self.rows or row in self.finished or self._offer(
-                    row, self.rows.index(row), row.features[0], OFFER_BLOCKS):
+                    row, self.rows.index(row), row.features[0], None if shares else OFFER_BLOCKS):
                 self.offering.remove(row)  # offered whole, or gone (an ending row leaves all it holds)
 
     def _free(self, i: int) -> None:
@@ -446,6 +451,7 @@ class Engine:
         row.tokens = list(request.prompt_ids)
         self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
         if self.prefix is not None:
+            self._offer_prompts(row.tokens)
             try:
                 features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
             except Exception:  # noqa: BLE001 - out of memory, say: a miss, the prompt is prefilled whole
