@@ -33,6 +33,7 @@ import torch
 
 from quickdraft.cache import KVCache
 from quickdraft.model.config import ModelConfig
+from quickdraft.sequences import common_prefix
 
 BLOCK = 16  # tokens per node (a tail: fewer)
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory
@@ -140,7 +141,7 @@ class PrefixCache:
         ahead = tokens[start:limit]
         best, shared = None, 0
         for child in node.children.values():
-            n = _shared(child.key, ahead)
+            n = common_prefix(child.key, ahead)
             if n > shared:
                 best, shared = child, n
         if best is not None:
@@ -186,7 +187,7 @@ class PrefixCache:
         else:
             done = True
         for child in node.children.values() if tail and not blocks else ():
-            if _shared(child.key, tokens[start:length]) == tail:  # held already, in a tail or a block
+            if common_prefix(child.key, tokens[start:length]) == tail:  # held already, in a tail or a block
                 child.used, tail = tick, 0
                 break
         room = self._make_room(blocks + (tail > 0), node)
@@ -260,13 +261,3 @@ class PrefixCache:
             out.append(node)
             todo.extend(node.children.values())
         return out
-
-
-def _shared(key: Sequence[int], tokens: Sequence[int]) -> int:
-    """How many leading tokens `key` and `tokens` have in common."""
-    n = 0
-    for a, b in zip(key, tokens):
-        if a != b:
-            break
-        n += 1
-    return n

@@ -45,9 +45,9 @@ from quickdraft.proposers.hybrid import (
     AUTO_MEASURED,
     HybridProposer,
     Measured,
-    agreed,
     make_auto,
 )
+from quickdraft.sequences import common_prefix
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import PROPOSERS
 from quickdraft.sampling import SamplingParams
@@ -92,7 +92,7 @@ class Counting(HybridProposer):
     kept_unchosen = 0
 
     def commit(self, step: Committed) -> None:
-        if self.chosen == "ngram" and agreed(self.offered.get("draft", []), step.tokens[:-1]):
+        if self.chosen == "ngram" and common_prefix(self.offered.get("draft", []), step.tokens[:-1]):
             self.kept_unchosen += 1
         super().commit(step)
 

@@ -17,6 +17,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
+from quickdraft.sequences import common_prefix
 
 T = TypeVar("T")
 
@@ -139,11 +140,7 @@ class Agreement:
         return self.agreed / (self.agreed + self.disagreed)
 
     def record(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
-        agreed = 0
-        for drafted, token in zip(proposal, committed):
-            if drafted != token:
-                break
-            agreed += 1
+        agreed = common_prefix(proposal, committed)
         self.agreed += agreed
         self.disagreed += agreed < min(len(proposal), len(committed))
 

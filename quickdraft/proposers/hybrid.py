@@ -35,6 +35,7 @@ from quickdraft.proposers.base import (
 from quickdraft.proposers.draft_model import DraftOptions, make_draft
 from quickdraft.proposers.head import make_head
 from quickdraft.proposers.ngram import NgramOptions, make_ngram
+from quickdraft.sequences import common_prefix
 
 NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a drafter's forwards not worth running
 LOOKUP = "ngram"    # Draft.source of the lookup's drafts
@@ -45,16 +46,6 @@ def expected_accepted(draft: Draft, rate: float = 0.0) -> float:
     without estimates: each token accepted with probability `rate` if its parent is)."""
     estimates = draft.accept_probs if draft.accept_probs is not None else [rate] * len(draft.tokens)
     return sum(accumulate(estimates, mul))
-
-
-def agreed(proposal: Sequence[int], committed: Sequence[int]) -> int:
-    """How many of a proposal's first tokens are the committed ones."""
-    n = 0
-    for a, b in zip(proposal, committed):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 class HybridProposer:
@@ -76,7 +67,7 @@ class HybridProposer:
             # aside: for the part not chosen, those it offered that the step committed all the same
             # (a draft model keeps their K/V)
             drafted = step.drafted if source == self.chosen else \
-                agreed(self.offered.get(source, []), step.tokens[:-1])
+                common_prefix(self.offered.get(source, []), step.tokens[:-1])
             part.commit(step if drafted == step.drafted else replace(step, drafted=drafted))
         self.offered, self.chosen = {}, None
 
