@@ -122,7 +122,8 @@ def forced_acceptance() -> Iterator[None]:
     """The engine's verify, then every draft node of each (chain) row kept: see the module docstring."""
     real = batch.verify
 
-    def forced(drafts: Sequence[Draft], logits: torch.Tensor, params: Any, generators: Any, masks: Any = None) -> Verdict:
+    def forced(drafts: Sequence[Draft], logits: torch.Tensor, params: Any, generators: Any, masks: Any = None,
+               generated: Any = None) -> Verdict:
         verdict = real(drafts, logits, params, generators, masks)
         assert all(d.is_chain for d in drafts)
         return Verdict([list(range(len(d.tokens))) for d in drafts],

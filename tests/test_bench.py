@@ -260,7 +260,7 @@ def test_shared_scopes_keep_state_apart(model_dir: Path) -> None:
 
 # -- the identity check --------------------------------------------------------------------------------
 
-def accept_everything(drafts, target_logits, params, generators, masks=None) -> Verdict:
+def accept_everything(drafts, target_logits, params, generators, masks=None, generated=None) -> Verdict:
     """A broken verifier: every draft token of a chain accepted, then the target's argmax after them."""
     return Verdict([list(range(len(d.tokens))) for d in drafts],
                    [d.tokens + [int(target_logits[b, len(d.tokens)].argmax())] for b, d in enumerate(drafts)])

@@ -71,7 +71,7 @@ def malformed_requests(model: str) -> list[tuple[str, str, bytes, int]]:
         ("POST", "completions", b"[1, 2]", 400),
         ("POST", "completions", body({"max_tokens": "ten"}), 400),
         ("POST", "completions", body({"temperature": 7}), 400),
-        ("POST", "completions", body({"n": 3}), 400),
+        ("POST", "completions", body({"n": 17}), 400),
         ("POST", "completions", body({"min_p": 1.5}), 400),
         ("POST", "completions", body({"stop": ["x" * 1025]}), 400),
         ("POST", "completions", body({"prompt": [1, 10**9]}), 400),
