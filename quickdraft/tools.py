@@ -109,8 +109,9 @@ def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syn
     listed = tools.functions if tools is not None and tools.choice != "none" else ()
     if syntax.native:
         return [_with_object_arguments(m) for m in messages], [f.as_tool() for f in listed] or None
-    names = {c.get("id"): c["function"]["name"] for m in messages for c in m.get("tool_calls") or ()}
-    turns = [_generic_turn(m, names) for m in messages]
+    calls = {c.get("id"): (c["function"]["name"], i if len(m["tool_calls"]) > 1 else None)
+             for m in messages for i, c in enumerate(m.get("tool_calls") or ())}
+    turns = [_generic_turn(m, calls) for m in messages]
     if listed:
         turns = _with_system(turns, instructions(tools))
     return turns, None
@@ -146,17 +147,20 @@ def _with_object_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
     return {**message, "tool_calls": calls}
 
 
-def _generic_turn(message: Mapping[str, Any], names: Mapping[Any, str]) -> dict[str, Any]:
+def _generic_turn(message: Mapping[str, Any], calls: Mapping[Any, tuple[str, int | None]]) -> dict[str, Any]:
     """A message as GENERIC writes it: calls as the reply's JSON after any text, a tool's result as a
-    user turn (a template without tools knows no tool role), named by its call."""
+    user turn (a template without tools knows no tool role), named by its call's function and, where
+    its turn made several calls, the call's position there. Never by the call's id: clients and our
+    server make ids at random, and a prompt that changes with them changes the answer and misses the
+    prefix cache."""
     if message.get("tool_calls"):
         calls = json.dumps({"tool_calls": [{"name": c["function"]["name"], "arguments": _arguments(c)}
                                            for c in message["tool_calls"]]})
         text = message.get("content") or ""
         return {"role": "assistant", "content": f"{text}\n{calls}" if text else calls}
     if message.get("role") == "tool":
-        response = {"name": names.get(message.get("tool_call_id"), message.get("name")),
-                    "tool_call_id": message.get("tool_call_id"), "content": message.get("content")}
+        name, index = calls.get(message.get("tool_call_id"), (message.get("name"), None))
+        response = {"name": name, "call": index, "content": message.get("content")}
         return {"role": "user", "content": json.dumps({"tool_response": {k: v for k, v in response.items()
                                                                          if v is not None}})}
     return dict(message)

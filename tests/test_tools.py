@@ -97,8 +97,7 @@ def test_generic_prompt_lists_the_tools_in_the_system_turn_and_writes_the_histor
     assert messages[0] == {"role": "system", "content": instructions(tools)}
     assert '"name": "get_weather"' in messages[0]["content"] and "The weather in a city" in messages[0]["content"]
     assert messages[2] == {"role": "assistant", "content": generic_reply(("get_weather", {"city": "Oslo", "unit": "c"}))}
-    assert json.loads(messages[3]["content"]) == {"tool_response": {"name": "get_weather", "tool_call_id": "call_1",
-                                                                    "content": "-3 and snow"}}
+    assert json.loads(messages[3]["content"]) == {"tool_response": {"name": "get_weather", "content": "-3 and snow"}}
     assert messages[3]["role"] == "user"
     system = [{"role": "system", "content": "Be brief."}, *HISTORY]
     assert conversation(system, tools, GENERIC)[0][0]["content"] == "Be brief.\n\n" + instructions(tools)
@@ -247,3 +246,16 @@ def test_greedy_speculation_under_tools_equals_constrained_plain_decoding(method
     jobs = [(prompt_for(t, s), GREEDY, m, tool_constraint(t, s)) for t, s in CASES for m in ("plain", method)]
     batched, _ = run(jobs, 3)
     assert batched == [p[0][0] for p in plain for _ in range(2)]
+
+
+def test_generic_prompt_names_tool_results_without_their_random_ids() -> None:
+    """Clients make call ids at random: the prompt (hence the answer and the prefix cache) must not
+    change with them; where one turn made several calls, results are told apart by position."""
+    renamed = json.loads(json.dumps(HISTORY).replace("call_1", "call_zq81"))
+    assert conversation(renamed, None, GENERIC)[0] == conversation(HISTORY, None, GENERIC)[0]
+    two = [HISTORY[0], {"role": "assistant", "content": "", "tool_calls": [
+               {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+               for i in (7, 3)]},
+           {"role": "tool", "tool_call_id": "c3", "content": "a"}, {"role": "tool", "tool_call_id": "c7", "content": "b"}]
+    turns = conversation(two, None, GENERIC)[0]
+    assert [json.loads(t["content"])["tool_response"]["call"] for t in turns[2:]] == [1, 0]
