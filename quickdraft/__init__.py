@@ -10,11 +10,22 @@ import os
 USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from quickdraft.api import LLM, Chunk, Completion, load
-from quickdraft.errors import (ContextTooLong, InvalidSamplingParams, ModelLoadError, QuickdraftError,
-                               UnsupportedArchitecture)
-from quickdraft.sampling import SamplingParams
-from quickdraft.proposers import SpecConfig, SpecConfigError
+# The public names load on first use (PEP 562), not with the package: a module that needs neither
+# the model nor the kernels (draft_contract.py, sequences.py) imports without them.
+_PUBLIC = {"LLM": "api", "Chunk": "api", "Completion": "api", "load": "api", "ContextTooLong": "errors",
+           "InvalidSamplingParams": "errors", "ModelLoadError": "errors", "QuickdraftError": "errors",
+           "UnsupportedArchitecture": "errors", "SamplingParams": "sampling", "SpecConfig": "proposers",
+           "SpecConfigError": "proposers"}
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'quickdraft' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f"quickdraft.{_PUBLIC[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["LLM", "Chunk", "Completion", "ContextTooLong", "InvalidSamplingParams", "ModelLoadError",
            "QuickdraftError", "SamplingParams", "SpecConfig", "SpecConfigError", "UnsupportedArchitecture", "load"]

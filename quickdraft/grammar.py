@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.proposers.base import MAX_K, NO_DRAFT, Committed, Draft
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("quickdraft.grammar")

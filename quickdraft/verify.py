@@ -32,7 +32,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.kernels import argmax
-from quickdraft.proposers.base import Draft
+from quickdraft.draft_contract import Draft
 from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample
 
 

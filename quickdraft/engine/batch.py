@@ -28,8 +28,8 @@ from quickdraft.logprobs import TokenLogprob, token_logprobs
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, TopTokens,
-                                      propose_together)
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer
+from quickdraft.proposers.base import TopTokens, propose_together
 from quickdraft.verify import verify
 
 Events = list[tuple[str, TokenEvent]]

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.proposers.base import Draft
+from quickdraft.draft_contract import Draft
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from quickdraft.engine.service import EngineService
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import Proposer
+from quickdraft.draft_contract import Proposer
 
 
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,

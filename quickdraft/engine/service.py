@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 from quickdraft.engine.batch import Engine, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
-from quickdraft.proposers.base import Proposer
+from quickdraft.draft_contract import Proposer
 
 log = logging.getLogger("quickdraft.engine")
 

@@ -1,4 +1,6 @@
-"""The proposer protocol: drafts (token trees), the record a proposer is committed, SpecConfig.
+"""The proposer wing's shared parts: SpecConfig, the Target and ProposerContext factories get,
+asking proposers together (propose_together), the target's top tokens (TopTokens). The contract
+types (Draft, Committed, Proposer) live in quickdraft/draft_contract.py, re-exported here.
 
 A proposer guesses the next tokens of one request; the engine verifies them with the target.
 It must not know the engine's loop: it is told what was committed and nothing else.
@@ -11,6 +13,7 @@ from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import topk_indices
 from quickdraft.model.llama import Transformer
@@ -21,7 +24,6 @@ from quickdraft.sequences import common_prefix
 
 T = TypeVar("T")
 
-MAX_K = 32     # verifying more than this many tokens per pass costs more than it can win here
 DEFAULT_K = 8  # draft tokens (tree nodes) per step at most, unless asked otherwise
 # The proposer when none is named, in Python (SpecConfig()), the CLI and the server alike: prompt
 # lookup, the fastest measured on a CPU (docs/notes/smollm2.md, Spec-Bench and bench serve: the shipped
@@ -31,81 +33,6 @@ DEFAULT_METHOD = "ngram"
 
 class SpecConfigError(QuickdraftError, ValueError):
     """Invalid speculative-decoding settings (unknown proposer, bad k, unusable draft model)."""
-
-
-@dataclass(frozen=True)
-class Draft:
-    """A tree of proposed tokens. Node i holds tokens[i] and hangs under node parents[i], -1 being
-    the root (the newest committed token, whose successor the target scores first). Parents come
-    before their children, so every prefix of the nodes is a tree too (the policy verifies a
-    prefix); siblings are verified in node order. A chain has parents i-1 (parents None)."""
-    tokens: list[int]            # [n] node tokens (may be empty: then the step is plain)
-    q: torch.Tensor | None = None  # [n, V] the distribution each node's token was drawn from (given
-                                   # its parent's path); None = deterministic (q = one-hot(token))
-    accept_probs: Sequence[float] | None = None  # [n] per node, the proposer's estimate that it is
-                                                 # accepted if its parent is; when given, the engine
-                                                 # may verify only a prefix (policy.py)
-    parents: list[int] | None = None  # [n] parent node per node, -1 = the root; None = a chain
-    source: str | None = None  # which part drafted it, where a proposer has several (the hybrid's
-                               # "ngram", "head", "draft"); token origins carry it
-
-    def __post_init__(self) -> None:
-        assert self.parents is None or (len(self.parents) == len(self.tokens) and
-                                        all(-1 <= p < i for i, p in enumerate(self.parents)))
-
-    @property
-    def tree(self) -> list[int]:
-        """parents, spelled out for a chain too."""
-        return list(range(-1, len(self.tokens) - 1)) if self.parents is None else self.parents
-
-    @property
-    def is_chain(self) -> bool:
-        return self.parents is None or all(p == i - 1 for i, p in enumerate(self.parents))
-
-    def depths(self) -> list[int]:
-        """[n] per node, its distance from the root (1 for the root's children)."""
-        depths: list[int] = []
-        for p in self.tree:
-            depths.append(1 if p < 0 else depths[p] + 1)
-        return depths
-
-    def prefix(self, n: int) -> Draft:
-        """The first n nodes (a tree: parents precede children)."""
-        if n == len(self.tokens):
-            return self
-        return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
-                     None if self.accept_probs is None else self.accept_probs[:n],
-                     None if self.parents is None else self.parents[:n], self.source)
-
-
-NO_DRAFT = Draft([])
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """What verifying costs in the step a proposer drafts for next, from the engine's measured
-    step times: for proposers whose drafting costs forwards (proposers/draft_cost.py)."""
-    seconds: float    # a target pass of the step's rows without drafts
-    per_token: float  # the pass's seconds per fed draft token more
-    rows: int         # rows in the pass (each commits one token at least)
-
-
-@dataclass(frozen=True)
-class Committed:
-    """What one engine step appended to a request's sequence, as its proposer is told."""
-    tokens: list[int]     # the accepted drafts (root to leaf), then the target's recovered or bonus token
-    drafted: int          # how many of `tokens` came from the proposer's last draft (the accepted ones)
-    verified: int         # draft nodes the target verified (0: the engine declined the draft, or none came)
-    features: torch.Tensor  # [n, D] the target's last-layer features at the positions the step ran and
-                            # kept: the whole prompt after the prefill, then the fed token and the
-                            # accepted drafts (draft heads read them; others ignore them)
-    top: Callable[[int], list[list[int]]] | None = None  # top(n): [m][n] the target's n likeliest next
-                            # tokens (likeliest first) at each of the m positions the step scored: the
-                            # fed token, then every verified draft node in node order, rejected ones
-                            # included (after the prefill: the prompt's last token); None: not kept
-    cost: PassCost | None = None  # what verifying costs the pass the next draft goes to, for the rows it
-                            # will have (set when the proposer is asked); None: the draft's length must
-                            # not depend on timing (the engine verifies whole drafts for this request)
 
 
 class TopTokens:
@@ -143,24 +70,6 @@ class Agreement:
         agreed = common_prefix(proposal, committed)
         self.agreed += agreed
         self.disagreed += agreed < min(len(proposal), len(committed))
-
-
-class Proposer(Protocol):
-    group: ProposerGroup | None  # proposers of one group are asked for their drafts in one call (a
-                                 # draft model runs one forward per draft step for all of them);
-                                 # None: this proposer drafts alone
-
-    def propose(self, k: int) -> Draft:
-        """A tree of at most k nodes that may follow the committed sequence."""
-
-    def commit(self, step: Committed) -> None:
-        """The engine appended step.tokens to the sequence (after the prefill: the first token)."""
-
-
-class ProposerGroup(Protocol):
-    def propose(self, members: Sequence[Any], ks: Sequence[int]) -> list[Draft]:
-        """What members[i].propose(ks[i]) gives, for every member at once (members are proposers
-        whose `group` is this one, each committed its step already)."""
 
 
 @dataclass(frozen=True)

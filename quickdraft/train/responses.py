@@ -20,7 +20,7 @@ from tqdm import tqdm
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import NO_DRAFT, Committed, Draft
+from quickdraft.draft_contract import NO_DRAFT, Committed, Draft
 
 STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, noise far below the head's error
 
