@@ -170,6 +170,47 @@ def test_targets_and_their_command_lines() -> None:
     assert llama[llama.index("--threads-batch") + 1] == "2" and llama[llama.index("--host") + 1] == "127.0.0.1"
 
 
+def test_replicas_run_one_quickdraft_target_per_router_and_llama_server_gets_every_thread() -> None:
+    targets = parse_targets("quickdraft,no-cache,llama-server", [2], ["prefix", "round-robin"])
+    assert [(t.name, t.router) for t in targets[:3]] == [("quickdraft-prefix", "prefix"),
+                                                         ("quickdraft-round-robin", "round-robin"),
+                                                         ("no-cache", "prefix")]
+    assert [t.name for t in parse_targets("quickdraft", [2], ["round-robin"])] == ["quickdraft"]
+    s = ServerSettings("smollm2-135m", Path("m.gguf"), threads=1, sessions=2, max_seq_len=1024, replicas=2)
+    cmd = quickdraft_command(s, targets[1], 9000)
+    assert cmd[cmd.index("--replicas") + 1] == "2" and cmd[cmd.index("--router") + 1] == "round-robin"
+    assert cmd[cmd.index("--threads") + 1] == "1"
+    llama = llama_server_command(Path("llama-server"), s, targets[3], 9001)
+    assert llama[llama.index("--threads") + 1] == "2" and llama[llama.index("--threads-batch") + 1] == "2"
+    one = ServerSettings("smollm2-135m", None, threads=2, sessions=2, max_seq_len=1024)
+    assert "--replicas" not in quickdraft_command(one, targets[0], 9000)
+
+
+def test_with_replicas_the_report_adds_the_late_cached_share_and_sessions_kept_on_a_replica() -> None:
+    def records(replicas: dict[tuple[int, int], str], cached: int) -> list[dict]:
+        rows = _records({key: 0.5 for key in replicas}, cached=cached)
+        return [{**r, "replica": replicas[(r["session"], r["turn"])]} for r in rows]
+
+    kept = records({(1, 1): "a", (1, 4): "a", (1, 5): "a", (2, 1): "b", (2, 4): "b", (2, 5): "b"}, cached=360)
+    moved = records({(1, 1): "a", (1, 4): "b", (1, 5): "a", (2, 1): "b", (2, 4): "b", (2, 5): "b"}, cached=90)
+    load = {"a": {"routed": 3, "requests": 3, "prefilled_tokens": 100, "cached_tokens": 300, "generated_tokens": 24,
+                  "cached_fraction": 0.75}}
+    results = build_results({"command": "quickdraft bench multiturn", "model": "m", "sessions": 2, "turns": 5,
+                             "max_tokens": 8, "threads": 1, "rounds": 1, "cpu": "a CPU", "date": "today"},
+                            {"quickdraft-prefix": {"rounds": [{"wall_s": 2.0, "records": kept, "replica_load": load}]},
+                             "quickdraft-round-robin": {"rounds": [{"wall_s": 2.0, "records": moved}]},
+                             "llama-server-2slots": {"rounds": [{"wall_s": 2.0, "records": _records({(1, 4): 1.0})}]}})
+    prefix, rr = results["summary"]["quickdraft-prefix"], results["summary"]["quickdraft-round-robin"]
+    # turns 4 and 5 of both sessions: 2 x 400 + 2 x 500 prompt tokens
+    assert prefix["cached_late_fraction"] == pytest.approx(4 * 360 / 1800) and rr["cached_late_fraction"] == 0.2
+    assert prefix["sessions_on_one_replica"] == [2, 2] and rr["sessions_on_one_replica"] == [1, 2]
+    assert results["summary"]["llama-server-2slots"]["sessions_on_one_replica"] is None
+    text = markdown_report(results)
+    assert "| quickdraft-prefix | 80.0% | 2 of 2 |" in text and "| quickdraft-round-robin | 20.0% | 1 of 2 |" in text
+    assert "quickdraft-prefix, round 1, per replica:" in text and "| a | 3 | 3 | 400 | 300 | 75.0% | 24 |" in text
+    assert "| llama-server-2slots | 2.5% | - |" in text
+
+
 def test_llama_server_starts_through_the_amx_guard_where_amx_is(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama_server, "has_amx", lambda: True)
     cmd = llama_server.launch_command(Path("bin/llama-server"), ["--threads", "2"])
@@ -230,8 +271,8 @@ def test_a_server_that_dies_mid_run_is_one_error_naming_it_and_its_log(tmp_path:
     script = tmp_path / "server.py"
     script.write_text('''import http.server, sys
 class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def do_GET(self):  # /health, and /metrics with no samples
+        self.send_response(200); self.end_headers(); self.wfile.write(b"" if self.path == "/metrics" else b"{}")
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         if self.path == "/v1/completions":

@@ -24,6 +24,7 @@ from quickdraft.cluster.affinity import Candidate, PrefixMap, rank
 from quickdraft.cluster.asgi import HttpCall, call_app
 from quickdraft.cluster.digests import held_digests, prompt_digests
 from quickdraft.cluster.ingress import REPLICA_HEADER, RETRIES, Ingress, ReplicaLost, merge_labelled
+from quickdraft.cluster.load import ONE_PROCESS, ReplicaLoad, load_between, load_table, replica_loads
 from quickdraft.prefix_cache import BLOCK
 from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
@@ -215,6 +216,43 @@ def test_metrics_of_every_replica_come_labelled_with_it() -> None:
     assert merged.count("# TYPE quickdraft_requests_total counter") == 1  # one family, samples of both
     parsed = {f.name: f for f in text_string_to_metric_families(merged)}
     assert {s.labels["replica"] for s in parsed["quickdraft_requests"].samples} == {"r1", "r2"}
+
+
+def test_each_replicas_load_is_read_back_from_the_merged_metrics(tmp_path: Path) -> None:
+    """What bench serve/multiturn report per replica: the front's /metrics over real Metrics, with its
+    routed counter, read back, and the difference of two readings (a replica new since the first
+    counts from zero)."""
+    replicas = {"r1": Metrics(), "r2": Metrics()}
+    replicas["r1"].finish("a", "stop")
+    replicas["r1"].prompt_tokens.inc(30)
+    replicas["r1"].cached_tokens.inc(90)
+    replicas["r1"].generated.inc(7)
+    for request in "bc":
+        replicas["r2"].finish(request, "length")
+    replicas["r2"].prompt_tokens.inc(50)
+    ingress = Ingress(FakeReplicas([], []), tiny_prompts(tmp_path), 1 << 20)
+    ingress.routed.labels(replica="r1").inc()
+    ingress.routed.labels(replica="r2").inc(3)
+
+    def text() -> str:  # the front's /metrics over the replicas' reports now
+        ingress.replicas._reports = [{"replica": n, "metrics": m.render(), "runtime": {}} for n, m in replicas.items()]
+        return ask(ingress, "GET", "/metrics").text
+
+    first = replica_loads(text())
+    assert first == {"r1": ReplicaLoad(routed=1, requests=1, prefilled_tokens=30, cached_tokens=90, generated_tokens=7),
+                     "r2": ReplicaLoad(routed=3, requests=2, prefilled_tokens=50)}
+    assert first["r1"].cached_fraction == 0.75 and first["r2"].cached_fraction == 0.0
+    replicas["r2"].finish("d", "stop")
+    replicas["r3"] = Metrics()
+    replicas["r3"].finish("e", "stop")
+    later = load_between(first, replica_loads(text()))
+    assert later["r1"] == ReplicaLoad() and later["r2"] == ReplicaLoad(requests=1)
+    assert later["r3"] == ReplicaLoad(requests=1) and later["r3"].cached_fraction is None
+    one = Metrics()
+    one.finish("x", "stop")
+    assert replica_loads(one.render().decode()) == {ONE_PROCESS: ReplicaLoad(requests=1)}
+    table = load_table({n: lo.as_dict() for n, lo in first.items()})
+    assert "| r1 | 1 | 1 | 120 | 90 | 75.0% | 7 |" in table and "| r2 | 3 | 2 | 50 | 0 | 0.0% | 0 |" in table
 
 
 # -- the replica's side: a request through an app in process --------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import httpx
 
 from quickdraft.bench.sse import sse_chunks
-
+from quickdraft.cluster import REPLICA_HEADER
 from quickdraft.tokenizer import Message
 
 SPARE_ANSWERS = 64  # ShareGPT answers average a few hundred tokens: a shared system prompt of 10k+
@@ -42,6 +42,7 @@ class TurnRecord:
     cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens; None: not reported
     completion_tokens: int
     answer_chars: int
+    replica: str | None = None  # the replica that answered (a cluster's x-quickdraft-replica header)
 
 
 def truncate(text: str, max_chars: int) -> str:
@@ -101,6 +102,7 @@ class Answer:
     ttft_s: float
     total_s: float
     usage: dict[str, Any]
+    replica: str | None = None
 
 
 def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
@@ -109,6 +111,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
     start = time.perf_counter()
     ttft, parts, usage = None, [], None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=1800) as r:
+        replica = r.headers.get(REPLICA_HEADER)
         for chunk in sse_chunks(r, url):
             usage = chunk.get("usage") or usage
             delta = (chunk["choices"][0].get("delta") or {}).get("content") if chunk.get("choices") else None
@@ -118,7 +121,7 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
     total = time.perf_counter() - start
     if usage is None:
         raise RuntimeError(f"{url} sent no usage (stream_options.include_usage)")
-    return Answer("".join(parts), total if ttft is None else ttft, total, usage)
+    return Answer("".join(parts), total if ttft is None else ttft, total, usage, replica)
 
 
 def cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -140,7 +143,7 @@ def run_session(url: str, plan: SessionPlan, index: int, body: dict[str, Any], t
             answers.append(a.text)
             u = a.usage
             records.append(TurnRecord(index, turn, sent, a.ttft_s, a.total_s, int(u["prompt_tokens"]),
-                                      cached_tokens(u), int(u["completion_tokens"]), len(a.text)))
+                                      cached_tokens(u), int(u["completion_tokens"]), len(a.text), a.replica))
             on_turn(records[-1])
     return records
 

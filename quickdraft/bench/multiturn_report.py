@@ -1,7 +1,9 @@
 """`quickdraft bench multiturn`'s numbers: per target, TTFT per turn (median over sessions and
 rounds), prompt and cached tokens per turn, total throughput, the first turn of session 1 against
 the others'; and the ratios of the first target (quickdraft with its prefix cache) to each other
-one, all from records measured in the same run. Markdown tables, the JSON object and the chart.
+one, all from records measured in the same run. With replicas: the share of the prompt cached from
+turn 4 on, the sessions that stayed on one replica, and each replica's load. Markdown tables, the
+JSON object and the chart.
 
 Knows records (multiturn.TurnRecord as dicts) and numbers, not servers.
 """
@@ -12,6 +14,8 @@ import platform
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
+
+from quickdraft.cluster.load import load_table
 
 LATE_TURN = 4  # issue 30's goals compare TTFT "from turn 4 on"
 
@@ -57,6 +61,24 @@ def first_turns(records: Sequence[dict]) -> dict[str, float | None]:
             "others_over_session1": median / lead_s if median is not None and lead_s else None}
 
 
+def cached_late_fraction(records: Sequence[dict]) -> float | None:
+    """Cached / prompt tokens over the turns from LATE_TURN on (None where not reported)."""
+    late = [r for r in records if r["turn"] >= LATE_TURN]
+    prompt, cached = sum(r["prompt_tokens"] for r in late), _sum_or_none([r["cached_tokens"] for r in late])
+    return None if cached is None or not prompt else cached / prompt
+
+
+def sessions_on_one_replica(records: Sequence[dict]) -> list[int] | None:
+    """[sessions whose every turn one replica answered, sessions], over rounds; None where no answer
+    named its replica (one process, llama-server)."""
+    replicas: dict[tuple[int, int], set[str | None]] = {}
+    for r in records:
+        replicas.setdefault((r.get("round", 1), r["session"]), set()).add(r.get("replica"))
+    if all(names == {None} for names in replicas.values()):
+        return None
+    return [sum(len(names) == 1 and None not in names for names in replicas.values()), len(replicas)]
+
+
 def summarize(rounds: Sequence[dict]) -> dict[str, Any]:
     """One target over its rounds ({"wall_s", "records"} each): TTFT and tokens over every record,
     wall time and output tokens/s as medians over rounds."""
@@ -73,6 +95,8 @@ def summarize(rounds: Sequence[dict]) -> dict[str, Any]:
                                                      for run in rounds),
             "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in records),
             "ttft_late_median_s": statistics.median(late) if late else None,
+            "cached_late_fraction": cached_late_fraction(records),
+            "sessions_on_one_replica": sessions_on_one_replica(records),
             "per_turn": per_turn(records), "first_turn": first_turns(records)}
 
 
@@ -149,7 +173,24 @@ def markdown_report(results: dict[str, Any]) -> str:
     f = summary[base]["first_turn"]
     if f["others_over_session1"] is not None:
         out.append(f"- {base}, turn 1: sessions 2+ / session 1 {_x(f['others_over_session1'])}")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + _replica_lines(results)) + "\n"
+
+
+def _replica_lines(results: dict[str, Any]) -> list[str]:
+    """With replicas: per target, the prompt cached from LATE_TURN on, the sessions that stayed on one
+    replica, and each round's per-replica load."""
+    if all(s["sessions_on_one_replica"] is None for s in results["summary"].values()):
+        return []
+    out = ["", f"| target | prompt cached from turn {LATE_TURN} on | sessions on one replica |", "|---|---:|---:|"]
+    for n, s in results["summary"].items():
+        cached = "-" if s["cached_late_fraction"] is None else f"{s['cached_late_fraction']:.1%}"
+        one = s["sessions_on_one_replica"]
+        out.append(f"| {n} | {cached} | {'-' if one is None else f'{one[0]} of {one[1]}'} |")
+    for n, run in results["runs"].items():
+        for i, r in enumerate(run["rounds"], 1):
+            if r.get("replica_load"):
+                out += ["", f"{n}, round {i}, per replica:", "", load_table(r["replica_load"]).rstrip("\n")]
+    return out
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> list[Path]:

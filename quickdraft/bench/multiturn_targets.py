@@ -1,7 +1,9 @@
 """The servers `quickdraft bench multiturn` measures, one at a time, each a process of its own on a
 free 127.0.0.1 port with the same model file and threads: `quickdraft serve` with its prefix cache
-and with `--no-prefix-cache`, and llama.cpp's llama-server (`cache_prompt` in every request) with
-as many slots as sessions and with fewer. Each is started, waited for (/health), measured, stopped.
+(with --replicas N: N replicas on Ray, one target per router) and with `--no-prefix-cache`, and
+llama.cpp's llama-server (`cache_prompt` in every request; every replica's threads) with as many
+slots as sessions and with fewer. Each is started, waited for (/health), measured (quickdraft's
+per-replica load from /metrics too), stopped.
 
 Knows command lines and process lifetimes; the sessions are multiturn.py's.
 """
@@ -21,6 +23,7 @@ import httpx
 
 from quickdraft.bench.llama_server import launch_command
 from quickdraft.bench.multiturn import SessionPlan, TurnRecord, run_sessions
+from quickdraft.cluster.load import ReplicaLoad, load_between, replica_loads
 from quickdraft.errors import QuickdraftError
 
 MODEL_NAME = "bench"  # the model id the clients send; quickdraft serves under it (llama-server takes any)
@@ -33,6 +36,7 @@ class Target:
     engine: Literal["quickdraft", "llama-server"]
     prefix_cache: bool = True  # quickdraft's
     slots: int = 0             # llama-server's
+    router: str = "prefix"     # quickdraft's, with replicas
 
     def request_fields(self) -> dict:
         """What this server's requests add to the chat body: llama-server keeps a slot's prompt
@@ -53,10 +57,12 @@ class ServerSettings:
     k: int = 8
     prefix_cache_mb: int | None = None
     llama_cache_ram_mb: int | None = None
+    replicas: int = 1          # quickdraft's, each of `threads` threads; llama-server gets them all
 
 
-def parse_targets(names: str, llama_slots: Sequence[int]) -> list[Target]:
-    """`names`: comma-separated TARGET_NAMES; llama-server stands for one target per slot count."""
+def parse_targets(names: str, llama_slots: Sequence[int], routers: Sequence[str] = ("prefix",)) -> list[Target]:
+    """`names`: comma-separated TARGET_NAMES; llama-server stands for one target per slot count,
+    quickdraft for one per router (named after it where there are several; the first is the base)."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in TARGET_NAMES]
     if unknown or not wanted:
@@ -69,8 +75,10 @@ def parse_targets(names: str, llama_slots: Sequence[int]) -> list[Target]:
         if name == "llama-server":
             targets += [Target(f"llama-server-{s}slot{'s' if s > 1 else ''}", "llama-server", slots=s)
                         for s in llama_slots]
+        elif name == "quickdraft" and len(routers) > 1:
+            targets += [Target(f"quickdraft-{r}", "quickdraft", router=r) for r in routers]
         else:
-            targets.append(Target(name, "quickdraft", prefix_cache=name == "quickdraft"))
+            targets.append(Target(name, "quickdraft", prefix_cache=name == "quickdraft", router=routers[0]))
     return targets
 
 
@@ -86,15 +94,16 @@ def quickdraft_command(s: ServerSettings, target: Target, port: int) -> list[str
         cmd.append("--no-prefix-cache")
     elif s.prefix_cache_mb is not None:
         cmd += ["--prefix-cache-mb", str(s.prefix_cache_mb)]
-    return cmd
+    return cmd + (["--replicas", str(s.replicas), "--router", target.router] if s.replicas > 1 else [])
 
 
 def llama_server_command(binary: Path, s: ServerSettings, target: Target, port: int) -> list[str]:
-    """llama-server on the same file and threads; its context split evenly between the slots, so
-    each slot holds max_seq_len tokens."""
+    """llama-server on the same file and threads (all replicas' together); its context split evenly
+    between the slots, so each slot holds max_seq_len tokens."""
     if s.model_file is None:
         raise QuickdraftError(f"llama-server needs a GGUF file; {s.model!r} is not one")
-    args = ["--model", str(s.model_file), "--threads", str(s.threads), "--threads-batch", str(s.threads),
+    threads = str(s.threads * s.replicas)
+    args = ["--model", str(s.model_file), "--threads", threads, "--threads-batch", threads,
             "--ctx-size", str(s.max_seq_len * target.slots), "--parallel", str(target.slots),
             "--host", "127.0.0.1", "--port", str(port), "--alias", MODEL_NAME]
     if s.llama_cache_ram_mb is not None:
@@ -206,20 +215,32 @@ def measure(target: Target, s: ServerSettings, plans: Sequence[SessionPlan], max
     def on_turn(r: TurnRecord) -> None:
         cached = "?" if r.cached_tokens is None else f"{r.cached_tokens:,}"
         log(f"{target.name}: session {r.session} turn {r.turn}: TTFT {r.ttft_s:.2f} s, {r.prompt_tokens:,} prompt "
-            f"tokens ({cached} cached), {r.completion_tokens} new in {r.total_s:.2f} s")
+            f"tokens ({cached} cached), {r.completion_tokens} new in {r.total_s:.2f} s"
+            f"{f' (replica {r.replica})' if r.replica else ''}")
 
     with ServerProcess(command, port, env, log_dir / f"{target.name}.log") as server:
         warm_up(server.url, len(plans))
         try:
+            before = replica_load(target, server)
             wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
-        except (httpx.HTTPError, RuntimeError) as e:  # a server that died or refused: say which, and its log
+            replicas = {r: lo.as_dict() for r, lo in load_between(before, replica_load(target, server)).items()}
+        except (httpx.HTTPError, RuntimeError, ValueError) as e:  # died, refused or garbled: which, and its log
             raise QuickdraftError(f"{target.name}: {type(e).__name__}: {e}; its log ends:\n"
                                   f"{server.log_tail()}") from None
         load = os.getloadavg()[0]  # the machine's 1-minute load as the run ends: its own threads and others'
         info = server_info(target, server)
     log(f"{target.name}: {len(records)} turns in {wall:.1f} s")
-    return {"command": command, "server": info, "wall_s": wall, "load_1min": load,
+    return {"command": command, "server": info, "wall_s": wall, "load_1min": load, "replica_load": replicas,
             "records": [asdict(r) for r in records]}
+
+
+def replica_load(target: Target, server: ServerProcess) -> dict[str, ReplicaLoad]:
+    """quickdraft's per-replica counters now (its /metrics); none for llama-server."""
+    if target.engine != "quickdraft":
+        return {}
+    r = httpx.get(f"{server.url}/metrics", timeout=60)
+    r.raise_for_status()
+    return replica_loads(r.text)
 
 
 def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target], dict]) -> dict[str, dict]:
@@ -233,5 +254,5 @@ def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target
             records = [{**rec, "round": r + 1} for rec in run["records"]]
             runs[t.name].update(command=run["command"], server=run["server"])
             runs[t.name]["rounds"].append({"wall_s": run["wall_s"], "load_1min": run.get("load_1min"),
-                                           "records": records})
+                                           "replica_load": run.get("replica_load", {}), "records": records})
     return runs

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
 from quickdraft.cli.serve import startup_cost
+from quickdraft.cluster import ROUTER_NAMES
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
@@ -317,8 +318,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not levels or min(levels) < 1 or args.requests < 1 or args.rounds < 1 or args.max_new_tokens < 1:
         raise QuickdraftError("--concurrency levels, --requests, --rounds and --max-new-tokens must be >= 1")
     spec = SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model)
-    if not spec.enabled:
-        raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k)")
+    if not spec.enabled and args.replicas is None:
+        raise QuickdraftError("bench serve compares against speculation: give --spec ngram (and -k), or "
+                              "--replicas to compare replica counts with plain waves only")
     groups = parse_groups(args.groups)
     if "humaneval" in groups:
         raise QuickdraftError("bench serve sends chat requests; the humaneval group (raw-text completions) "
@@ -326,6 +328,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     pool = select_questions(bench_questions(groups, args.questions)[0], groups, args.requests)
     by_group = [[q for q in pool if q.group == g] for g in groups]
     questions = [q for row in zip_longest(*by_group) for q in row if q is not None][:args.requests]
+    if args.replicas is not None:
+        from quickdraft.cli.bench_replicas import cmd_bench_serve_replicas
+        return cmd_bench_serve_replicas(args, levels, questions)
     set_threads(args.threads)
     # a draft model loads now, not in a timed wave; every round resends the same requests, so no prefix
     # cache (it would time later rounds' prompts cached against the first's)
@@ -381,6 +386,12 @@ def add_bench_serve(bsub) -> None:
     sv.add_argument("--questions", help="questions.jsonl (default: the Spec-Bench file beside the repository)")
     sv.add_argument("--groups", help="comma-separated task groups (default: Spec-Bench's six; code_edit too)")
     sv.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sv.add_argument("--replicas", metavar="N[,M...]",
+                    help="run the waves against `quickdraft serve --replicas N` (a process of its own; 1: one "
+                         "process, no Ray) for each count in turn, each replica --threads threads; report each "
+                         "replica's load and each count's tokens/s over the first's (e.g. 1,2)")
+    sv.add_argument("--router", default="prefix", choices=ROUTER_NAMES, help="with --replicas: the routing")
+    sv.add_argument("--json", action="store_true", help="with --replicas: print the JSON object, not the tables")
     sv.add_argument("--out", help="folder for serve.json and serve.md")
     sv.add_argument("--no-progress", action="store_true")
     sv.set_defaults(func=cmd_bench_serve)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args
+from quickdraft.cluster import ROUTER_NAMES
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K
@@ -46,9 +47,15 @@ def _multiturn_plans(args: argparse.Namespace, source: ModelSource) -> list[Sess
 def _multiturn_check(args: argparse.Namespace) -> list[int]:
     """Every flag checked before anything slow; the llama-server slot counts."""
     if min(args.sessions, args.turns, args.max_tokens, args.user_chars, args.threads, args.max_seq_len,
-           args.rounds) < 1:
-        raise QuickdraftError("--sessions, --turns, --max-tokens, --user-chars, --threads, --max-seq-len and "
-                              "--rounds must be >= 1")
+           args.rounds, args.replicas) < 1:
+        raise QuickdraftError("--sessions, --turns, --max-tokens, --user-chars, --threads, --max-seq-len, "
+                              "--rounds and --replicas must be >= 1")
+    unknown = [r for r in _routers(args) if r not in ROUTER_NAMES]
+    if unknown or not _routers(args):
+        raise QuickdraftError(f"--router takes a comma-separated list of {', '.join(ROUTER_NAMES)}; found "
+                              f"{args.router!r}")
+    if len(_routers(args)) > 1 and args.replicas < 2:
+        raise QuickdraftError("several --router values compare routers: give --replicas 2 or more")
     if args.shared_system_tokens < 0 or (args.prefix_cache_mb is not None and args.prefix_cache_mb < 1):
         raise QuickdraftError("--shared-system-tokens must be >= 0 and --prefix-cache-mb >= 1")
     try:
@@ -61,6 +68,10 @@ def _multiturn_check(args: argparse.Namespace) -> list[int]:
     return slots
 
 
+def _routers(args: argparse.Namespace) -> list[str]:
+    return [r.strip() for r in args.router.split(",") if r.strip()]
+
+
 def _multiturn_config(args: argparse.Namespace, model_file: Path, slots: list[int] | None) -> dict:
     """The run's settings as the report records them."""
     import time
@@ -71,6 +82,7 @@ def _multiturn_config(args: argparse.Namespace, model_file: Path, slots: list[in
             "cpu": cpu_name(), "threads": args.threads, "sessions": args.sessions, "turns": args.turns,
             "rounds": args.rounds, "max_tokens": args.max_tokens, "user_chars": args.user_chars, "max_seq_len": args.max_seq_len,
             "dtype": args.dtype, "device": args.device, "spec": args.spec, "k": args.k,
+            "replicas": args.replicas, "routers": _routers(args) if args.replicas > 1 else None,
             "prefix_cache_mb": args.prefix_cache_mb, "shared_system_tokens": args.shared_system_tokens,
             "lead_session": args.lead_session, "llama_slots": slots, "llama_cache_ram_mb": args.llama_cache_ram,
             "llama_cpp_python": pinned_version() if slots else None, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -88,7 +100,7 @@ def cmd_bench_multiturn(args: argparse.Namespace) -> int:
     from quickdraft.bench.multiturn_targets import ServerSettings, measure, measure_rounds, parse_targets
     from quickdraft.weights.resolve import resolve_model
     slots = _multiturn_check(args)
-    targets = parse_targets(args.targets, slots)
+    targets = parse_targets(args.targets, slots, _routers(args))
     source = resolve_model(args.model)
     log = lambda msg: print(f"[multiturn] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     uses_llama = any(t.engine == "llama-server" for t in targets)
@@ -99,7 +111,7 @@ def cmd_bench_multiturn(args: argparse.Namespace) -> int:
     plans = _multiturn_plans(args, source)
     settings = ServerSettings(args.model, source.path if source.kind == "gguf" else None, args.threads,
                               args.sessions, args.max_seq_len, args.dtype, args.device, args.spec, args.k,
-                              args.prefix_cache_mb, args.llama_cache_ram)
+                              args.prefix_cache_mb, args.llama_cache_ram, args.replicas)
     with tempfile.TemporaryDirectory(prefix="quickdraft-multiturn-") as tmp:
         log_dir = Path(args.out) / "logs" if args.out else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -127,7 +139,16 @@ def add_bench_multiturn(bsub) -> None:
     mt.add_argument("--max-seq-len", type=int, default=4096,
                     help="tokens per conversation: quickdraft's --max-seq-len, llama-server's context per slot "
                          "(default 4096)")
-    mt.add_argument("--threads", type=int, default=2, help="CPU threads of every server (default 2)")
+    mt.add_argument("--threads", type=int, default=2,
+                    help="CPU threads of every server, of each replica with --replicas (llama-server then gets "
+                         "all replicas' threads) (default 2)")
+    mt.add_argument("--replicas", type=int, default=1,
+                    help="quickdraft targets run `quickdraft serve --replicas N` (Ray; 1: one process); the report "
+                         "adds the prompt cached from turn 4 on, the sessions that stayed on one replica and each "
+                         "replica's load (default 1)")
+    mt.add_argument("--router", default="prefix",
+                    help="with --replicas: comma-separated routers, one quickdraft target each, side by side "
+                         f"(e.g. prefix,round-robin; of {', '.join(ROUTER_NAMES)}) (default prefix)")
     mt.add_argument("--rounds", type=int, default=1,
                     help="every target this many times, each on a fresh server, the order reversed every other "
                          "round; TTFT medians over sessions and rounds (default 1)")

@@ -6,3 +6,4 @@ import Ray. docs/cluster.md has the commands for one machine and many.
 from __future__ import annotations
 
 ROUTER_NAMES = ("prefix", "round-robin")  # router.ROUTERS' keys, for flags checked before Ray is imported
+REPLICA_HEADER = "x-quickdraft-replica"  # names the replica that answered (the front adds it; benchmarks read it)

@@ -26,6 +26,7 @@ from prometheus_client.samples import Sample
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.types import Message, Receive, Scope, Send
 
+from quickdraft.cluster import REPLICA_HEADER
 from quickdraft.cluster.asgi import HttpCall, response_messages
 from quickdraft.cluster.digests import prompt_digests
 from quickdraft.server import responses as out
@@ -37,7 +38,6 @@ log = logging.getLogger("quickdraft.cluster")
 
 RETRIES = 2            # other replicas a request that got nothing yet is sent to after its replica is lost
 RETRY_AFTER_S = 5      # a replica lost is back within about a model's load
-REPLICA_HEADER = "x-quickdraft-replica"  # names the replica that answered
 PREFIX = "quickdraft_cluster"
 
 
