@@ -18,6 +18,7 @@ from typing import Callable, Iterator, TypeVar
 
 import httpx
 import torch
+
 import pytest
 
 import quickdraft
@@ -109,15 +110,15 @@ def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monke
     for t in cache.k + cache.v:
         t.normal_()
     before = [t.clone() for t in cache.k + cache.v]
-    allocate, calls = torch.Tensor.new_zeros, []
+    allocate, calls = quickdraft.cache.zeros, []
 
-    def fails_third(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def fails_third(*args, **kwargs) -> torch.Tensor:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("out of memory")
-        return allocate(self, *args, **kwargs)
+        return allocate(*args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "new_zeros", fails_third)
+    monkeypatch.setattr(quickdraft.cache, "zeros", fails_third)
     with pytest.raises(RuntimeError, match="out of memory"):
         cache.reserve(2, 8)
     assert (cache.batch_size, cache.max_len) == (1, 4)
