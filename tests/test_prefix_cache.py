@@ -499,3 +499,29 @@ def test_a_prompt_admitted_behind_one_still_being_offered_finds_all_of_it(monkey
             out[rid] += event.token_ids
             cached[rid] = event.stats.cached_tokens
     assert cached == {"first": 0, "second": len(prompt) - 1} and out["first"] == out["second"]
+
+
+def test_a_row_that_ends_leaves_its_kv_a_few_blocks_a_step(monkeypatch) -> None:
+    """A request that ends at its first token after a long prompt (a classifier's, the stall
+    benchmark's) leaves its K/V to the cache over the next steps, OFFER_BLOCKS each, not all in the
+    step it ends (4,000 tokens of the 1.5B stalled every other row ~5 steps); the engine keeps
+    stepping until they are in, and a prompt admitted meanwhile finds all of them."""
+    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", 2)
+    model = tiny(MODEL)
+    prompt = tokens(10, 9 * BLOCK + 5)  # 9 blocks and a tail
+    engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
+    engine.add(Request(prompt, greedy(1), id="short"))
+    held = []
+    while engine.has_work() or engine.leaving():
+        engine.step()
+        held.append(engine.prefix.stats.blocks)
+    assert held == [2, 4, 6, 8, 10]  # 2 as its prompt ends (the request too), 2 a step after
+    again = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
+    again.add(Request(prompt, greedy(1), id="short"))
+    first = again.step()
+    assert [row.leaving for row in again.finished] == [True] and again.prefix.stats.blocks == 2
+    out = run_to_end(again, Request(prompt, greedy(5), id="same"))
+    assert again.prefix.stats.hit_tokens == len(prompt) - 1
+    cold = Engine(model, EngineConfig(max_batch=2))
+    assert out == run_to_end(cold, Request(prompt, greedy(5), id="cold"))
+    assert [t for _, e in first for t in e.token_ids] == out[:1]

@@ -88,6 +88,7 @@ class _Row:
     features: list[torch.Tensor] = field(default_factory=list)  # [n, D] pieces: the last layer's
                                 # outputs at tokens[:length] (kept for the prefix cache only)
     failed: bool = False        # its pass or proposer raised: its K/V are not offered to the prefix cache
+    leaving: bool = False       # it ended with K/V not yet all offered to the prefix cache (Engine.ended)
 
     @property
     def pinned(self) -> bool:
@@ -152,6 +153,9 @@ class Engine:
         # went out (a draft model's forwards, or its prompt's prefill, delay no emitted token)
         self.to_propose: list[tuple[_Row, Committed]] = []
         self.offering: list[_Row] = []  # decoding rows whose prompts are still being left to the prefix cache
+        # an ended row whose K/V are still being left to the prefix cache, OFFER_BLOCKS a step: they
+        # lie in the cache row past the running ones (it was the last) until a prompt is admitted there
+        self.ended: _Row | None = None
 
     # -- requests joining and leaving ---------------------------------------------------------------
 
@@ -172,7 +176,7 @@ class Engine:
                 return True
         for i, row in enumerate(self.rows):
             if row.request.id == request_id and row not in self.finished:
-                self._offer(row, i)
+                self._leave(row, i)
                 self._free(i)
                 return True
         if self.filling is not None and self.filling.request.id == request_id:
@@ -192,16 +196,19 @@ class Engine:
     def has_work(self) -> bool:
         return self.num_running > 0 or bool(self.waiting)
 
-    def _offer(self, row: _Row, i: int, features: torch.Tensor | None = None, max_blocks: int | None = None) -> bool:
+    def leaving(self) -> bool:
+        """An ended row's K/V are still on their way to the prefix cache: steps take them in, a few
+        blocks each, requests or none (or the next admission, all at once)."""
+        return self.ended is not None or any(row.leaving for row in self.finished)
+
+    def _offer(self, row: _Row, i: int, features: torch.Tensor, max_blocks: int | None = None) -> bool:
         """Leave a row's K/V (cache row i) to the prefix cache, unless its pass failed: its tokens'
-        with `features` [n, D], else all it holds; at most `max_blocks` new blocks now (whether all
-        are in). A cache that fails (out of memory) loses only the caching, never the request or
-        the engine."""
+        with `features` [n, D]; at most `max_blocks` new blocks now (whether all are in). A cache
+        that fails (out of memory) loses only the caching, never the request or the engine."""
         if self.prefix is None or row.failed:
             return True
         try:
-            return self.prefix.store(row.tokens, self.cache, i,
-                                     torch.cat(row.features)[:row.length] if features is None else features, max_blocks)
+            return self.prefix.store(row.tokens, self.cache, i, features, max_blocks)
         except Exception:  # noqa: BLE001
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
             return True
@@ -220,10 +227,29 @@ class Engine:
                     row, self.rows.index(row), row.features[0], None if shares else OFFER_BLOCKS):
                 self.offering.remove(row)  # offered whole, or gone (an ending row leaves all it holds)
 
+    def _leave(self, row: _Row, i: int, whole: bool = False) -> None:
+        """A row that ends (in cache row i) leaves its K/V to the prefix cache: OFFER_BLOCKS blocks
+        a step from the next (`ended`: its step has a prompt's offer already, maybe its own) or, where
+        rows must move first, all at its _free; `whole`: all now. Leaving a 4,000-token row's K/V at
+        once (254 MB of the 1.5B's) stalled every other row ~5 decode steps."""
+        if self.prefix is not None and not row.failed:
+            row.leaving = not whole or not self._offer(row, i, _features(row))
+
+    def _offer_ended(self, whole: bool = False) -> None:
+        """Go on leaving the ended row's K/V (cache row n) to the prefix cache; `whole`: all that is
+        left, now (a prompt is about to be admitted into that row, or rows to move)."""
+        row = self.ended
+        if row is not None and self._offer(row, len(self.rows), _features(row), None if whole else OFFER_BLOCKS):
+            self.ended = None
+
     def _free(self, i: int) -> None:
         """Keep running rows in cache rows 0..n-1 (and the filling row in row n): the last row moves
-        into the freed one."""
-        last = len(self.rows) - 1
+        into the freed one. A freed row still leaving its K/V stays where it is (the `ended` row)
+        if it was the last and no prompt is being filled, else leaves them all now."""
+        self._offer_ended(whole=True)
+        last, row = len(self.rows) - 1, self.rows[i]
+        if row.leaving and (i != last or self.filling is not None):
+            self._leave(row, i, whole=True)
         if i != last:
             self.cache.copy_row(last, i, self.rows[last].length)
             self.rows[i] = self.rows[last]
@@ -231,6 +257,8 @@ class Engine:
         if self.filling is not None:
             self.cache.copy_row(last + 1, last, self.filling.length)
         self._sync_cache_lengths()
+        if row.leaving:
+            self.ended = row
 
     def _sync_cache_lengths(self) -> None:
         lengths = [row.length for row in self.rows] + ([self.filling.length] if self.filling else [])
@@ -260,6 +288,7 @@ class Engine:
             self._free(self.rows.index(row))
         self.finished = []
         self._offer_prompts()
+        self._offer_ended()
         left = None  # prompt tokens this step may still prefill (None: _fill decides)
         if self.rows:
             admitted, ride = self._rider()
@@ -447,6 +476,7 @@ class Engine:
     def _admit(self, request: Request) -> _Row:
         """A row for `request` in cache row n, holding the K/V of the longest prefix of its prompt
         that the prefix cache has (its last token is always fed: its logits give the first token)."""
+        self._offer_ended(whole=True)  # its K/V lie where this row goes
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
         self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
@@ -545,7 +575,7 @@ class Engine:
                                                       origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)
-                self._offer(row, self.rows.index(row))
+                self._leave(row, self.rows.index(row))
         self.finished += finished  # freed at the next step: until then the cache shows their tokens
         self._sync_cache_lengths()
         return events
@@ -605,6 +635,13 @@ class Engine:
             row.stats.propose_s += proposal.seconds
             row.draft, errors[i] = proposal.draft, proposal.error
         return errors
+
+
+def _features(row: _Row) -> torch.Tensor:
+    """The row's features [length, D], in one piece from now on (an ended row's, offered in parts)."""
+    if row.features[0].shape[0] < row.length:
+        row.features = [torch.cat(row.features)]
+    return row.features[0][:row.length]
 
 
 def _generated(row: _Row) -> list[int] | None:

@@ -36,8 +36,12 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
         raise ValueError(f"cache needs batch 1 and room for {max_seq_len} tokens")
     engine = Engine(model, EngineConfig(max_batch=1, max_seq_len=max_seq_len), cache=cache, prefix=prefix)
     request = Request(list(prompt_ids), params, eos_token_ids, proposer, k, adaptive)
-    with closing(EngineService(engine).stream(request)) as events:  # closed now when our consumer stops
-        for event in events:
-            if event.error is not None:
-                raise event.error
-            yield event
+    try:
+        with closing(EngineService(engine).stream(request)) as events:  # closed now when our consumer stops
+            for event in events:
+                if event.error is not None:
+                    raise event.error
+                yield event
+    finally:  # the engine goes with this call: its K/V still on their way to the prefix cache go in now
+        while engine.leaving():
+            engine.step()

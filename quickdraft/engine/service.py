@@ -60,9 +60,9 @@ class EngineService:
 
     def wait(self, timeout: float) -> None:
         """Until something is submitted or cancelled, or `timeout` seconds (returns at once while the
-        engine has work)."""
+        engine has work, or K/V to leave to the prefix cache: an idle server's steps take them in)."""
         with self._ready:
-            if not self.busy():
+            if not self.busy() and not self.engine.leaving():
                 self._ready.wait(timeout)
 
     def wake(self) -> None:
@@ -76,7 +76,7 @@ class EngineService:
             return False
         try:
             self._drain()
-            if step and self.engine.has_work():
+            if step and (self.engine.has_work() or self.engine.leaving()):
                 self._step()
         finally:
             self._drive.release()
