@@ -19,6 +19,7 @@ import quickdraft
 import quickdraft.proposers.drafter as drafter_module
 from quickdraft.engine import generate_tokens
 import quickdraft.engine.batch as engine_batch
+import quickdraft.engine.rows as engine_rows
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
@@ -151,7 +152,7 @@ def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.Mo
     only when its own q(x) is high would bias the law). The rows here are seeded, for a
     reproducible test, and unpinned by hand; the drafter drafts whole ks, and every fed token costs
     a fiftieth of a pass, so the policy verifies some tokens and cuts others (counted as a premise)."""
-    monkeypatch.setattr(engine_batch._Row, "pinned", property(lambda self: False))
+    monkeypatch.setattr(engine_rows.Row, "pinned", property(lambda self: False))
     monkeypatch.setattr(Drafter, "_worth", staticmethod(lambda rows, *args, **kw: rows))
     cut = []
     choose = engine_batch.choose_draft_lengths

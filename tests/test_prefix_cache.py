@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.engine import batch
+from quickdraft.engine import admission
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, STALL, next_admitted, step_allowance
@@ -296,7 +296,7 @@ def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.Monke
         allowed.append(step_allowance(*args))
         return allowed[-1]
 
-    monkeypatch.setattr(batch, "step_allowance", recorded)
+    monkeypatch.setattr(admission, "step_allowance", recorded)
     model = tiny(MODEL, init=0.1)
     engine = Engine(model, EngineConfig(max_batch=2))
     stream, long = Job([1, 17, 42, 8], greedy(40), None, 0), Job(tokens(11, 200), greedy(5), None, 0)
@@ -469,7 +469,7 @@ def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> 
     """The step that ends a prompt copies OFFER_BLOCKS of its blocks into the prefix cache, each
     later step as many more, so no step pays for the whole prompt; the tokens are the same."""
     OFFER_BLOCKS = 4
-    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", OFFER_BLOCKS)
+    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", OFFER_BLOCKS)
     model = tiny(MODEL)
     prompt = tokens(8, (OFFER_BLOCKS + 3) * BLOCK + 5)
     engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
@@ -487,7 +487,7 @@ def test_a_prompt_admitted_behind_one_still_being_offered_finds_all_of_it(monkey
     """Choices of one request (or sessions behind one system prompt) arrive together: the second is
     admitted while the first's prompt is still going into the cache a few blocks a step, and finds
     it whole (its offer is finished first), not only the blocks in so far."""
-    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", 2)
+    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", 2)
     model = tiny(MODEL)
     prompt = tokens(9, 7 * BLOCK + 3)
     engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=8), prefix=prefix_for(model))
@@ -506,7 +506,7 @@ def test_a_row_that_ends_leaves_its_kv_a_few_blocks_a_step(monkeypatch) -> None:
     benchmark's) leaves its K/V to the cache over the next steps, OFFER_BLOCKS each, not all in the
     step it ends (4,000 tokens of the 1.5B stalled every other row ~5 steps); the engine keeps
     stepping until they are in, and a prompt admitted meanwhile finds all of them."""
-    monkeypatch.setattr("quickdraft.engine.batch.OFFER_BLOCKS", 2)
+    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", 2)
     model = tiny(MODEL)
     prompt = tokens(10, 9 * BLOCK + 5)  # 9 blocks and a tail
     engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
