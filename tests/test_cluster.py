@@ -255,6 +255,58 @@ def test_each_replicas_load_is_read_back_from_the_merged_metrics(tmp_path: Path)
     assert "| r1 | 1 | 1 | 120 | 90 | 75.0% | 7 |" in table and "| r2 | 3 | 2 | 50 | 0 | 0.0% | 0 |" in table
 
 
+def test_replicas_without_a_prefix_cache_are_routed_by_queue_alone() -> None:
+    """Under --no-prefix-cache the router gets no digests: it would count a prompt routed to a replica
+    as cached there and send every prompt starting alike (one chat template) to that replica."""
+    pytest.importorskip("ray")
+    from quickdraft.cluster.launch import RayReplicas
+    sent: list[list[int]] = []
+
+    class Answer:
+        def __aiter__(self) -> Answer:
+            return self
+
+        async def __anext__(self) -> dict[str, Any]:
+            raise StopAsyncIteration
+
+    class Handle:
+        def options(self, stream: bool) -> Handle:
+            return self
+
+        @property
+        def forward(self) -> Handle:
+            return self
+
+        def remote(self, call: HttpCall, digests: list[int]) -> Answer:
+            sent.append(digests)
+            return Answer()
+
+    call = HttpCall("POST", "/v1/completions", b"", (), b"{}")
+
+    async def relay(replicas: RayReplicas) -> None:
+        async for _ in replicas.stream(call, [1, 2, 3]):
+            pass
+
+    asyncio.run(relay(RayReplicas(Handle(), 2)))
+    asyncio.run(relay(RayReplicas(Handle(), 2, cached=False)))
+    assert sent == [[1, 2, 3], []]
+
+
+def test_a_request_keeps_its_turn_however_often_ray_asks_to_rank_for_it() -> None:
+    """Ray asks the router again for a request the first-ranked replica could not take; round robin
+    counted a turn per question and sent runs of requests to one replica on a loaded machine."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from quickdraft.cluster.router import Turns
+    request = lambda rid: SimpleNamespace(metadata=SimpleNamespace(request_id=rid))  # noqa: E731
+    turns = Turns(remembered=2)
+    a, b = request("a"), request("b")
+    assert [turns.of(a), turns.of(a), turns.of(b), turns.of(a), turns.of(b)] == [1, 1, 2, 1, 2]
+    assert turns.of(None) == 3 and turns.of(None) == 4      # a ranking for no request: a turn each
+    assert turns.of(request("c")) == 5 and turns.of(a) == 6  # only the last `remembered` kept
+
+
 # -- the replica's side: a request through an app in process --------------------------------------------
 
 def test_an_app_answers_in_process_and_hears_its_client_leave() -> None:

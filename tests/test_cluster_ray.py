@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +32,127 @@ MODEL = "smollm2-135m"
 TOKENS = 24
 RETRIED = 400  # tokens of the request that is on the replica killed: still running when it dies
 
+
+# -- SIGTERM: `quickdraft serve --replicas 2` as run, a process of its own (first: no other cluster runs yet) ----
+
+SHUTDOWN_S = 6.0  # --shutdown-timeout: the short streams finish within it, the long ones do not
+EXIT_BOUND_S = 60.0  # from SIGTERM to the process gone, Ray's processes with it
+SHORT = 48  # tokens of the chats that finish within --shutdown-timeout
+
+
+def serve_replicas(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`quickdraft serve --replicas 2 --threads 1` of SmolLM2 on a free port, /health ok (both replicas up)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--replicas", "2",
+                             "--threads", "1", "--port", str(port), "--served-model-name", "smollm2", "--spec", "none",
+                             "--no-measure-cost", "--max-batch", "4", "--log-level", "warning", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300  # two model loads beside Ray's start; minutes on a loaded machine
+    try:
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "the cluster did not come up"
+            try:
+                if httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok":
+                    return proc, url
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.5)
+    except BaseException:
+        stop(proc)
+        raise
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server stops the Ray cluster it started), SIGKILL if it is still there after a minute."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def stream_lines(url: str, route: str, fields: dict, began: threading.Event, out: dict) -> None:
+    """A streamed request; `out` gets its status, the replica that answers and every line, or the exception."""
+    try:
+        with httpx.stream("POST", f"{url}/v1/{route}", timeout=120, json={
+                "model": "smollm2", "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                **fields}) as r:
+            out["status"], out["replica"], out["lines"] = r.status_code, r.headers.get(REPLICA_HEADER), []
+            for line in r.iter_lines():
+                if line:
+                    out["lines"].append(line)
+                    began.set()
+    except Exception as e:  # noqa: BLE001 - a dropped connection is what the test looks for
+        out["error"] = e
+    finally:
+        began.set()
+
+
+def counting(i: int) -> dict:
+    """A completion that runs past --shutdown-timeout: greedy SmolLM2 goes on counting."""
+    return {"prompt": ", ".join(str(n) for n in range(i, i + 20)) + ",", "max_tokens": 1500}
+
+
+def question(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": QUESTIONS[i]}], "max_tokens": SHORT}
+
+
+def test_sigterm_drains_every_replica() -> None:
+    """Streams in flight on both replicas when SIGTERM comes: the short ones finish (a finish reason,
+    usage, [DONE]), the long ones end at --shutdown-timeout with an error event and [DONE], none cut
+    off; a request after the signal is refused (no listener, or a 503), never half-answered; the
+    process exits 0 within EXIT_BOUND_S and leaves none of Ray's processes behind."""
+    psutil = pytest.importorskip("psutil")
+    # round robin: prompts of one chat template would all go to the replica holding its system prompt
+    proc, url = serve_replicas("--shutdown-timeout", str(SHUTDOWN_S), "--router", "round-robin")
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        # two long completions, one on each replica, then two short chats
+        streams = [("completions", counting(1)), ("completions", counting(100)),
+                   ("chat/completions", question(0)), ("chat/completions", question(1))]
+        outs: list[dict] = [{} for _ in streams]
+        threads = []
+        for (route, fields), out in zip(streams, outs):
+            began = threading.Event()
+            threads.append(threading.Thread(target=stream_lines, args=(url, route, fields, began, out)))
+            threads[-1].start()
+            assert began.wait(120) and "error" not in out, out
+        assert outs[0]["replica"] != outs[1]["replica"]  # a long stream in flight on each replica
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        try:
+            late = chat(url, [{"role": "user", "content": "Are you there?"}])
+            assert late.status_code == 503 and late.headers.get("Retry-After"), late.text
+        except httpx.TransportError:
+            pass  # the front no longer listens
+        for t in threads:
+            t.join(60)
+        for (route, fields), o in zip(streams, outs):
+            lines = o["lines"]
+            assert "error" not in o and o["status"] == 200 and lines[-1] == "data: [DONE]", (fields, o)
+            events = [json.loads(line[6:]) for line in lines[:-1]]
+            if route == "chat/completions":  # finished within the timeout
+                assert events[-1]["usage"]["completion_tokens"] <= SHORT, events[-1]
+                assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length"), events[-2:]
+            else:  # cut at the timeout, with a last word
+                assert "shutting down" in events[-1].get("error", {}).get("message", ""), events[-3:]
+        assert proc.wait(EXIT_BOUND_S - (time.monotonic() - signalled)) == 0
+        output = proc.stdout.read().decode()
+        assert "Traceback" not in output, output
+        alive = psutil.wait_procs(children, timeout=10)[1]
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        stop(proc)
+
+
+# -- one cluster in this process, for the rest ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
@@ -139,3 +263,69 @@ def test_a_killed_replica_ends_its_requests_cleanly_and_comes_back(cluster: str)
     assert victim not in now["runtime"] and survivor in now["runtime"]
     again = chat(cluster, prompt, tokens=RETRIED)  # greedy: the retried answer is the answer
     assert again.json()["choices"][0]["message"] == answer.json()["choices"][0]["message"]
+
+
+def test_a_replica_killed_under_load_costs_no_5xx_beyond_its_requests_and_health_stays_honest(cluster: str) -> None:
+    """Clients keep 4 requests in flight (streamed and not) over both replicas while one replica's
+    process is killed: every answer is a 200 or, at most one per client in flight, a 503 with
+    Retry-After; a stream cut there ends with an error event and [DONE]; /health, polled throughout,
+    never names the dead replica once it is gone nor says ok before a new one answers, and is ok
+    again within 60 s."""
+    wait_for_ok = time.monotonic() + 60
+    while health(cluster)["status"] != "ok":  # the test before restarted a replica
+        assert time.monotonic() < wait_for_ok
+        time.sleep(0.5)
+    before = health(cluster)
+    victim, survivor = sorted(before["runtime"])
+    statuses: list[int] = []
+    cut_streams: list[list[str]] = []
+    healths: list[tuple[float, dict]] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            messages = [{"role": "user", "content": f"{QUESTIONS[i]} Answer {len(statuses)}."}]
+            if i % 2:
+                response = chat(cluster, messages, tokens=48)
+            else:
+                with httpx.stream("POST", f"{cluster}/v1/chat/completions", timeout=300, json={
+                        "model": "smollm2", "messages": messages, "max_tokens": 48, "temperature": 0,
+                        "stream": True}) as response:
+                    lines = [line for line in response.iter_lines() if line]
+                if response.status_code == 200:
+                    assert lines[-1] == "data: [DONE]", lines[-3:]
+                    if any('"error"' in line for line in lines):
+                        cut_streams.append(lines)
+            statuses.append(response.status_code)
+            if response.status_code != 200:
+                assert response.status_code == 503 and response.headers.get("Retry-After"), response.text
+
+    def poll() -> None:
+        while not stop.is_set():
+            healths.append((time.monotonic(), health(cluster)))
+            time.sleep(0.3)
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(4)] + [threading.Thread(target=poll)]
+    for w in workers:
+        w.start()
+    time.sleep(3.0)
+    killed = time.monotonic()
+    os.kill(before["runtime"][victim]["pid"], signal.SIGKILL)
+    back = None
+    while back is None and time.monotonic() - killed < 60:
+        time.sleep(0.5)
+        back = next((t for t, h in healths if t > killed + 1 and h["status"] == "ok"), None)
+    time.sleep(2.0)  # load on the restarted pair too
+    stop.set()
+    for w in workers:
+        w.join(300)
+    assert back is not None and back - killed < 60, healths[-1]
+    errors = [s for s in statuses if s != 200]
+    assert len(errors) + len(cut_streams) <= 4, (errors, len(cut_streams))  # at most what was in flight on it
+    assert len(statuses) > 8  # the load went on while the replica was gone
+    for t, h in healths:
+        assert h["status"] in ("ok", "degraded"), h  # the survivor answered throughout
+        assert survivor in h["runtime"] and h["replicas"]["healthy"] == len(h["runtime"]), h
+        if t > killed + 1:  # Ray's health check has had its chance to notice
+            assert victim not in h["runtime"], h
+    assert any(h["status"] == "degraded" for t, h in healths if t > killed)

@@ -51,15 +51,18 @@ class ClusterPlan:
 
 
 class RayReplicas:
-    """The ingress's `Replicas` over a Ray Serve deployment handle."""
+    """The ingress's `Replicas` over a Ray Serve deployment handle. `cached`: whether the replicas
+    keep a prefix cache; without one a prompt's digests name nothing a replica holds, and are not
+    passed to the router (it would send prompts that start alike to the replica they went to last)."""
 
-    def __init__(self, handle: Any, wanted: int) -> None:
+    def __init__(self, handle: Any, wanted: int, cached: bool = True) -> None:
         self._streaming = handle.options(stream=True)
         self._handle = handle
         self._wanted = wanted
+        self._cached = cached
 
     async def stream(self, call: HttpCall, digests: list[int]) -> AsyncIterator[Message]:
-        answer = self._streaming.forward.remote(call, digests=digests)
+        answer = self._streaming.forward.remote(call, digests=digests if self._cached else [])
         finished = False
         try:
             async for message in answer:
@@ -125,7 +128,7 @@ def running(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.soc
     started, threads = start_ray(plan)
     try:
         setup = replace(setup, threads=threads)
-        replicas = RayReplicas(deploy(setup, plan), plan.replicas)
+        replicas = RayReplicas(deploy(setup, plan), plan.replicas, cached=setup.model.get("prefix_cache_mb") != 0)
         ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes)
         hosts = answered_hosts(setup.bind, setup.server.allowed_hosts)
         front = HttpFront(ingress if hosts is None else HostCheck(ingress, hosts), setup.server.connections,

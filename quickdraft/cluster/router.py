@@ -9,6 +9,7 @@ it since.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -27,12 +28,35 @@ def _name(replica_id: ReplicaID) -> str:
     return replica_id.unique_id
 
 
+class Turns:
+    """One turn per request, however often Ray asks to rank the replicas for it: it asks again for
+    the same request when the replica ranked first could not take it (a queue probe timed out,
+    its queue was full), and a turn counted per question alternated such a request's first choice,
+    so round robin sent runs of requests to one replica on a loaded machine."""
+
+    def __init__(self, remembered: int = 1024) -> None:
+        self._turns: OrderedDict[str, int] = OrderedDict()
+        self._next = 0
+        self._remembered = remembered
+
+    def of(self, request: PendingRequest | None) -> int:
+        key = request.metadata.request_id if request is not None else None
+        if key is None or key not in self._turns:
+            self._next += 1
+            if key is None:
+                return self._next
+            self._turns[key] = self._next
+            if len(self._turns) > self._remembered:
+                self._turns.popitem(last=False)
+        return self._turns[key]
+
+
 class PrefixAffinityRouter(RequestRouter):
     def initialize_state(self, slack: int = SLACK, horizon_s: float = HORIZON_S) -> None:
         self.slack = slack
         self.prefixes = PrefixMap(horizon_s)
         self._advertised: dict[str, object] = {}  # the routing stats last read, per replica
-        self._turn = 0
+        self._turns = Turns()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -48,9 +72,8 @@ class PrefixAffinityRouter(RequestRouter):
                 self._advertised[name] = stats
                 self.prefixes.advertise(name, stats.get("prefix", ()))
             candidates.append(Candidate(name, loads[name], self.prefixes.matched(name, digests)))
-        self._turn += 1
         by_name = {_name(r.replica_id): r for r in candidate_replicas}
-        return [[by_name[n] for n in names] for names in rank(candidates, self.slack, self._turn)]
+        return [[by_name[n] for n in names] for names in rank(candidates, self.slack, self._turns.of(pending_request))]
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests on each replica: the router's cache of queue lengths, a probe where it has none."""
@@ -86,15 +109,14 @@ class RoundRobinRouter(RequestRouter):
     """Each replica in turn, whatever the prompt (the baseline prefix affinity is measured against)."""
 
     def initialize_state(self) -> None:
-        self._turn = 0
+        self._turns = Turns()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ordered = sorted(candidate_replicas, key=lambda r: _name(r.replica_id))
         if not ordered:
             return []
-        self._turn += 1
-        start = self._turn % len(ordered)
+        start = self._turns.of(pending_request) % len(ordered)
         return [[r] for r in ordered[start:] + ordered[:start]]
 
 
