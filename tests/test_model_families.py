@@ -306,3 +306,22 @@ def test_rmsnorm_over_the_last_dim_gives_a_row_the_same_bits_in_any_batch():
         for rows in (2, 7, 64, 130):
             assert torch.equal(norm(x[:rows]), alone[:rows]), (dim, rows)
         assert torch.equal(norm(x.view(10, 13, dim)).view(130, dim), alone)
+
+
+@pytest.mark.parametrize("name, layers", [("gemma2-softcap", 46), ("gemma3-sandwich", 62)])
+def test_a_gemma_27b_gguf_scales_scores_as_llama_cpp_does(name, layers, tmp_path):
+    """Gemma's 27B scores by query_pre_attn_scalar = hidden / heads (144), not head_dim (128), and
+    its GGUF does not record it: at that layer count the loader takes hidden / heads, as llama.cpp
+    does for those files. A tiny model of the same shape (head_dim 8, hidden / heads 16) agrees
+    with transformers; its layer count with head_dim's scale would not."""
+    hf = tiny_model(name, num_hidden_layers=layers, head_dim=8, query_pre_attn_scalar=16)
+    llm = quickdraft.load(write_llama_gguf(hf, tmp_path / "m.gguf", window=window_of(name)))
+    assert llm.model.config.attn_scale == 16 ** -0.5
+    tokens = torch.randint(3, BASE["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    ours = llm.model(tokens, torch.arange(24)[None], llm.model.new_cache(1, 32)).logits
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    unscaled = tiny_model(name, num_hidden_layers=layers, head_dim=8, query_pre_attn_scalar=8)
+    with torch.no_grad():  # the premise: head_dim's scale gives other logits
+        assert (unscaled(tokens).logits - ref).abs().max() > 1e-2

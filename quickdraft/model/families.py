@@ -91,7 +91,7 @@ class Family:
     rope_per_layer_type: bool = False  # sliding layers rotate with their own base, unscaled (Gemma 3)
     softcaps: bool = False          # attn_logit_softcapping / final_logit_softcapping are read (Gemma 2), not refused
     gguf_unscaled_layers: int | None = None  # the layer count of the size whose attention scale GGUF does not hold
-                                             # (llama.cpp knows Gemma's 27B by it): refused
+                                             # (Gemma's 27B): (hidden / heads) ** -0.5 there, as llama.cpp
     # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
     # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`; pattern:
     # `layer_types`, else every `sliding_window_pattern`-th layer full and the others sliding (Gemma 3)

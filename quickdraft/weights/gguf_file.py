@@ -122,7 +122,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
         activation=HIDDEN_ACTS[dict(spec.defaults).get(spec.activation_key, "silu")],
         norm=spec.norm,  # Gemma's converter stores its norms' gains (1 + w): no offset
         embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
-        attn_scale=float(meta.get(f"{arch}.attention.scale") or 0.0) or None,
+        attn_scale=_attn_scale(meta, arch, spec, hidden, heads),
         attn_softcap=float(meta.get(f"{arch}.attn_logit_softcapping") or 0.0) or None if spec.softcaps else None,
         logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0) or None if spec.softcaps else None,
         rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.rope_per_layer_type else None,
@@ -170,11 +170,6 @@ def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spe
     if unknown:
         raise UnsupportedArchitecture(f"GGUF key {unknown[0]!r} = {meta[unknown[0]]!r} is not supported (not a "
                                       f"setting this loader reads or knows to change nothing)")
-    layers = int(meta.get(f"{arch}.block_count", 0))
-    if layers == spec.gguf_unscaled_layers and f"{arch}.attention.scale" not in meta:
-        raise UnsupportedArchitecture(  # llama.cpp knows Gemma's 27B by its layer count; we do not guess
-            f"GGUF '{arch}' with {layers} layers (Gemma 27B) is not supported: its attention scale "
-            f"(query_pre_attn_scalar) is not in the file")
     for key, (neutral, what) in NEUTRAL_KEYS.items():
         if key == "attention.scale" and spec.attn_scale_key or key.endswith("softcapping") and spec.softcaps:
             continue  # read: the family's own scale and soft-caps
@@ -257,3 +252,16 @@ def _as_stored(t: Any, heads: int | None) -> QuantizedWeight:
         return QuantizedWeight([Part(GGMLQuantizationType(t.tensor_type), blocks)], int(t.shape[0]))
     except ValueError as e:
         raise ModelLoadError(f"GGUF tensor {t.name!r}: {e}") from None
+
+
+def _attn_scale(meta: Mapping[str, Any], arch: str, spec: Family, hidden: int, heads: int) -> float | None:
+    """The scores' scale: the file's `attention.scale`, else, at the layer count of Gemma's 27B
+    (whose query_pre_attn_scalar, hidden / heads, differs from head_dim and which the converter does
+    not record), (hidden / heads) ** -0.5 as llama.cpp computes it for those files; else None
+    (head_dim ** -0.5)."""
+    scale = float(meta.get(f"{arch}.attention.scale") or 0.0)
+    if scale:
+        return scale
+    if int(meta.get(f"{arch}.block_count", 0)) == spec.gguf_unscaled_layers:
+        return (hidden / heads) ** -0.5
+    return None
