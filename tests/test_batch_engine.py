@@ -91,6 +91,28 @@ JOBS = [
 ]
 
 
+def drive(engine: Engine, jobs: Sequence[Job], after: Callable[[Engine, list], None] = lambda engine, events: None,
+          limit: int = 1000) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Adds each job (request id: its index) before its join_at step and steps the engine until all
+    are done, `after(engine, events)` each step; tokens and cached prompt tokens per request id."""
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
+    cached: dict[str, int] = {}
+    step = 0
+    while step <= max(job.join_at for job in jobs) or engine.has_work():
+        for i, job in enumerate(jobs):
+            if job.join_at == step:
+                engine.add(job.request(str(i)))
+        events = engine.step()
+        for rid, event in events:
+            assert event.error is None, event.error
+            out[rid] += event.token_ids
+            cached[rid] = event.stats.cached_tokens
+        after(engine, events)
+        step += 1
+        assert step < limit
+    return out, cached
+
+
 def run_batched(model: Transformer, jobs: Sequence[Job], config: EngineConfig, check_kv: bool = True,
                 on_step: Callable[[Engine, int], None] | None = None) -> tuple[dict[str, list[int]], dict, list[str]]:
     """Runs jobs through one engine; returns tokens and last events per request id and a list of

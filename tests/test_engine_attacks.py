@@ -14,7 +14,7 @@ from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.inputs import build_inputs, ragged
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import NO_DRAFT, Draft
-from test_batch_engine import OUT_OF_VOCAB, Job, greedy, run_batched, target
+from test_batch_engine import OUT_OF_VOCAB, Job, drive, greedy, run_batched, target
 from test_spec_exactness import tiny
 
 LONG = [(i * 7 + 3) % 90 + 1 for i in range(45)]
@@ -219,23 +219,15 @@ def test_prompts_cut_at_blocks_and_tails_prefill_from_the_cache_bitwise() -> Non
             Job(seed[:1], greedy(6), None, 0, join_at=31), Job(seed + answer[:12], greedy(6), None, 0, join_at=31)]
 
     def run(prefix):
-        engine = Engine(model, EngineConfig(max_batch=3), prefix=prefix)
-        out, kv, cached = {str(i): [] for i in range(len(jobs))}, {}, {}
-        step = 0
-        while step <= 31 or engine.has_work():
-            for i, job in enumerate(jobs):
-                if job.join_at == step:
-                    engine.add(job.request(str(i)))
-            for rid, event in engine.step():
-                assert event.error is None, event.error
-                out[rid] += event.token_ids
-                cached[rid] = event.stats.cached_tokens
+        kv = {}
+
+        def keep_kv(engine, events):
+            for rid, _ in events:
                 if rid not in kv:  # its prompt is in: its K/V as they are now
                     index = next(i for i, r in enumerate(engine.rows) if r.request.id == rid)
                     n = len(jobs[int(rid)].prompt)
                     kv[rid] = [t[index, :, :n].clone() for t in engine.cache.k + engine.cache.v]
-            step += 1
-            assert step < 300
+        out, cached = drive(Engine(model, EngineConfig(max_batch=3), prefix=prefix), jobs, keep_kv, limit=300)
         return out, kv, cached
 
     prefix = PrefixCache(1 << 26, model.config, model.compute_dtype)

@@ -22,7 +22,7 @@ from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
-from test_batch_engine import Job, draft_random, draft_same, greedy, ngram
+from test_batch_engine import Job, draft_random, draft_same, drive, greedy, ngram
 from test_spec_exactness import KV_TOL, N_SAMPLES, SAMPLE_K, kv_mismatch, plain_law, tiny, tiny16
 from test_verify import ALPHA, chi_square_p_value
 
@@ -188,23 +188,13 @@ def test_cached_prefixes_and_chunked_prefill_keep_every_output(batch: int, chunk
     step each row's K/V are what a fresh forward over its tokens computes."""
     model = tiny(MODEL, init=0.1)
     jobs = conversation_jobs()
-    engine = Engine(model, EngineConfig(max_batch=batch, prefill_chunk=chunk), prefix=prefix_for(model))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
-    cached: dict[str, int] = {}
-    step = 0
-    while step <= max(j.join_at for j in jobs) or engine.has_work():
-        for i, job in enumerate(jobs):
-            if job.join_at == step:
-                engine.add(job.request(str(i)))
-        for rid, event in engine.step():
-            assert event.error is None, event.error
-            out[rid] += event.token_ids
-            cached[rid] = event.stats.cached_tokens
+
+    def fresh_kv(engine, events):  # each running row's K/V what a fresh forward over its tokens computes
         for index, row in enumerate(engine.rows):
             if row not in engine.finished:
                 assert kv_mismatch(model, engine.cache.rows(index, index + 1), row.tokens[:row.length]) <= KV_TOL
-        step += 1
-        assert step < 1000
+    out, cached = drive(Engine(model, EngineConfig(max_batch=batch, prefill_chunk=chunk), prefix=prefix_for(model)),
+                        jobs, fresh_kv)
     for i, job in enumerate(jobs):
         assert out[str(i)] == job.alone(model), f"request {i} differs from its run alone"
     assert cached["5"] == 0 and all(cached[str(i)] >= 32 for i in (3, 4, 6))  # the premise: hits happened
