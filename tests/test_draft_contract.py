@@ -3,6 +3,8 @@ engine and verifier take them from there."""
 import subprocess
 import sys
 
+import pytest
+
 from quickdraft import draft_contract
 from quickdraft.proposers import base
 
@@ -13,9 +15,10 @@ def _modules_after(statement: str) -> set[str]:
     return set(out.split())
 
 
-def test_contract_imports_neither_model_nor_kernels():
-    loaded = _modules_after("import quickdraft.draft_contract")
-    assert "quickdraft.draft_contract" in loaded
+@pytest.mark.parametrize("module", ["quickdraft.draft_contract", "quickdraft.goodput"])
+def test_contract_imports_neither_model_nor_kernels(module: str):
+    loaded = _modules_after(f"import {module}")
+    assert module in loaded
     heavy = sorted(m for m in loaded if m.startswith(("quickdraft.model", "quickdraft.kernels", "quickdraft.proposers")))
     assert heavy == [], heavy
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from quickdraft.engine.batch import EngineConfig
+from quickdraft.goodput import Acceptance
 from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.base import PassCost
@@ -33,7 +34,7 @@ def test_calibration_ignores_tokens_after_the_first_rejection() -> None:
     c.record([0.31, 0.55, 0.55], verified=3, accepted=0)  # the first rejected: the rest tell nothing
     assert c.estimate(0.55) == before and c.estimate(0.31) < (int(0.31 * BINS) + 0.5) / BINS
     c.record([0.55, 0.55], verified=1, accepted=1)  # only one was verified (the engine cut the draft)
-    assert c.offered[int(0.55 * BINS)] == 2 + 1
+    assert c.bins[int(0.55 * BINS)].trials == 2 + 1
 
 
 def test_a_level_runs_only_where_it_raises_tokens_per_second() -> None:
@@ -57,7 +58,7 @@ def test_a_level_pays_when_its_gain_beats_the_rate() -> None:
     assert not plan.pays(1.0, level_s=0.5, per_token=0.1)   # even a sure token: 3 / 1.6 < 2
     calibration = Calibration()
     calibration.record([0.99] * 3, verified=3, accepted=1)
-    assert calibration.best == pytest.approx(max(a / o for a, o in zip(calibration.accepted, calibration.offered)))
+    assert calibration.best == pytest.approx(max(b.hits / b.trials for b in calibration.bins))
     assert calibration.best > calibration.mean
 
 
@@ -125,8 +126,7 @@ def test_a_draft_that_could_pay_at_its_best_acceptance_explores(monkeypatch: pyt
     costly_drafts(monkeypatch, 0.3)
     monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
     low = Calibration()
-    low.accepted = [0.0] * (BINS - 1) + low.accepted[-1:]
-    low.offered = [1000.0] * (BINS - 1) + low.offered[-1:]
+    low.bins = [Acceptance(0.0, 1000.0) for _ in range(BINS - 1)] + low.bins[-1:]
     monkeypatch.setattr("quickdraft.proposers.drafter.Calibration", lambda: low)
     assert low.mean < 0.2 and low.best > 0.9
     drafter, out, last, jobs = run_pair(monkeypatch, "goodput")
@@ -201,7 +201,8 @@ def test_a_prompt_the_draft_cannot_repay_is_not_prefilled(monkeypatch: pytest.Mo
     monkeypatch.undo()
     drafter = Counted(target())
     drafter.times = ForwardTimes(first=0.01, later=0.01, catch_up=0.01)  # 10 ms a prompt token
-    drafter.calibration[True].accepted = [o * 0.9 for o in drafter.calibration[True].offered]
+    for b in drafter.calibration[True].bins:
+        b.hits = 0.9 * b.trials
     prompt = [1, 17, 42, 8, 77, 23, 5, 6, 44, 12, 19, 9]  # 120 ms to catch up on
     short, long = (DraftModelProposer(drafter, prompt, greedy(n), len(prompt) + n + 9) for n in (4, 64))
     for m in (short, long):

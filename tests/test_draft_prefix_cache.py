@@ -108,7 +108,8 @@ def test_the_catch_up_is_priced_on_what_the_cache_cannot_give() -> None:
         drafter = Drafter(target(), prefix=kv_cache(target(), budget) if budget else None)
         member(drafter, prompt + [5]).propose(K)  # an earlier request with the same prompt (no cost: it drafts)
         drafter.times = ForwardTimes(first=0.01, later=0.01, catch_up=0.01)
-        drafter.calibration[True].accepted = [o * 0.9 for o in drafter.calibration[True].offered]
+        for b in drafter.calibration[True].bins:
+            b.hits = 0.9 * b.trials
         m = member(drafter, prompt, new=40)
         m.cost = PassCost(seconds=0.05, per_token=0.005, rows=1)
         before = drafter.caught_up

@@ -35,6 +35,7 @@ from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import save_tokenizer
 
+from quickdraft.goodput import Acceptance
 from quickdraft.engine import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
@@ -187,7 +188,7 @@ def test_each_part_is_told_how_many_of_its_own_drafts_were_committed(chosen: str
     ngram = Fixed(Draft([4, 7], None, [0.1, 0.1]))  # agrees with STEP on 1 token
     model = Fixed(Draft([4, 5, 6, 1]))              # agrees on 3, of which 2 before the target's token
     hybrid = HybridProposer(ngram, model, "draft")
-    hybrid.agreement.agreed = 100.0 if chosen == "draft" else 0.0
+    hybrid.agreement = Acceptance(100.0, 102.0) if chosen == "draft" else Acceptance(0.0, 2.0)
     assert hybrid.propose(8).source == chosen
     hybrid.commit(STEP)
     assert [s.drafted for s in ngram.told] == [STEP.drafted if chosen == "ngram" else 1]

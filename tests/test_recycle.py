@@ -23,6 +23,7 @@ from test_spec_exactness import (
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.goodput import Acceptance
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
 from quickdraft.proposers.ngram import NgramProposer
@@ -116,7 +117,7 @@ def test_a_second_request_drafts_from_the_first_requests_table(method: str) -> N
     make = lambda prompt, params: made.append(factory(ProposerContext(list(prompt), params, spec, llm))) or made[-1]
     first = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
     recycled = llm.state[("recycle", VOCAB, 4)]
-    offered = lambda: sum(counts[1] for key, counts in recycled.counts.items() if key[0] == "top")
+    offered = lambda: sum(counts.trials for key, counts in recycled.counts.items() if key[0] == "top")
     learned = offered()
     second = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
     assert made[1].recycled is recycled and recycled.table.shape == (VOCAB, 4)
@@ -144,7 +145,7 @@ def test_commit_records_every_scored_position_rejected_nodes_included() -> None:
     assert proposer.text[-1] == 3 and table[0].tolist() == [EMPTY, EMPTY]
     assert proposer.propose(2).tokens == []  # row 3 was never filled
     # 6 was rank 0 under 5; 3 was not in 6's row: right 1 of 2 here, and server-wide (the prior 1 of 3) 2 of 5
-    assert proposer.counts[("top", 0, 0)] == [1, 2] and recycled.counts[("top", 0, 0)] == [2, 5]
+    assert proposer.counts[("top", 0, 0)] == Acceptance(1, 2) and recycled.counts[("top", 0, 0)] == Acceptance(2, 5)
     assert proposer.rate(("top", 0, 0)) == pytest.approx((1 + SHARED_WEIGHT * 2 / 5) / (2 + SHARED_WEIGHT))
     assert RecycleProposer([3], recycled).rate(("top", 0, 0)) == pytest.approx(2 / 5)  # a new request: the server's
 
@@ -175,7 +176,7 @@ def test_lookup_recycle_tries_the_text_first_then_the_table_along_its_own_paths(
     # the target says 5 then 6: the lookup's count for a 2-token match grows, the table's rank 0 not
     proposer.commit(Committed([5, 6], 1, 4, torch.empty(2, 0), None))
     assert proposer.rate(("lookup", 2, 0)) == pytest.approx((1 + SHARED_WEIGHT * 2 / 4) / (1 + SHARED_WEIGHT))
-    assert recycled.counts[("top", 0, 1)] == [0.5, 4.0] and proposer.text == [2, 3, 5, 6][-3:]
+    assert recycled.counts[("top", 0, 1)] == Acceptance(0.5, 4.0) and proposer.text == [2, 3, 5, 6][-3:]
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ from itertools import accumulate
 from operator import mul
 from typing import Literal, Sequence
 
-from quickdraft.proposers.base import Draft
+from quickdraft.draft_contract import Draft
+from quickdraft.goodput import best_extension, smoothed
 
-EMA = 0.2            # weight of a new step-time measurement
 MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not drafting: step times
                      # and acceptance estimates are noisy, and picking the best-looking option
                      # favours the underestimated ones
@@ -81,8 +81,7 @@ class StepCost:
         return max([value, *(t for m, t in self.step_s.items() if m < n)])
 
     def observe(self, n: int, seconds: float) -> None:
-        old = self.step_s.get(n)
-        self.step_s[n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.step_s[n] = smoothed(self.step_s.get(n), seconds)
 
     def seed(self, median_s: dict[int, float]) -> None:
         """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost)."""
@@ -132,15 +131,9 @@ def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: Polic
     candidates = sorted(((gain, b) for b, r in enumerate(rows) if lengths[b] == 0 and r.available
                          for gain in accumulate(r.accept_probs[:r.available], mul) if gain > 0),
                         key=lambda c: -c[0])
-    expected, best, best_rate = float(len(rows)), 0, len(rows) / cost.estimate(fed)
-    for i, (gain, _) in enumerate(candidates):
-        n = fed + i + 1
-        if max_step_tokens is not None and n > max_step_tokens:
-            break
-        expected += gain
-        rate = expected / cost.estimate(n)
-        if rate > best_rate:
-            best, best_rate = i + 1, rate
+    room = len(candidates) if max_step_tokens is None else max(max_step_tokens - fed, 0)
+    best, best_rate = best_extension(float(len(rows)), [gain for gain, _ in candidates[:room]],
+                                     lambda n: cost.estimate(fed + n))
     if best_rate < (1 + MIN_GAIN) * len(rows) / cost.estimate(fed):
         best = 0
     for _, b in candidates[:best]:

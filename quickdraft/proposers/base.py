@@ -20,7 +20,6 @@ from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
-from quickdraft.sequences import common_prefix
 
 T = TypeVar("T")
 
@@ -51,25 +50,6 @@ class TopTokens:
         if n not in self.ids:
             self.ids[n] = topk_indices(self.logits, n).tolist()  # the one host sync for it this step
         return self.ids[n]
-
-
-class Agreement:
-    """How often a proposer's tokens agree with what the target commits: per proposal, the drafts
-    before the first disagreement count as agreeing (also drafts the engine chose not to verify:
-    the committed text shows whether they would have been accepted), a disagreement counts once.
-    Pseudo-counts (1, 2) make the estimate 1/3 before any evidence."""
-
-    def __init__(self) -> None:
-        self.agreed, self.disagreed = 1.0, 2.0
-
-    @property
-    def rate(self) -> float:
-        return self.agreed / (self.agreed + self.disagreed)
-
-    def record(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
-        agreed = common_prefix(proposal, committed)
-        self.agreed += agreed
-        self.disagreed += agreed < min(len(proposal), len(committed))
 
 
 @dataclass(frozen=True)
@@ -192,6 +172,6 @@ class ProposerContext:
         return self.config.proposer_options()
 
 
-__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Agreement", "Committed", "Draft", "PassCost", "Proposal", "Proposer",
+__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Committed", "Draft", "PassCost", "Proposal", "Proposer",
            "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "TopTokens", "propose_together",
            "register"]

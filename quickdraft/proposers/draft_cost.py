@@ -9,7 +9,7 @@ accepted) and costs the level's forward plus |S| verified tokens. The level runs
 raises E / C. A large batch (verification compute-bound) or an unsure draft thus drafts little or
 nothing, and speculation never costs more than it is expected to win.
 
-Acceptance is learned, not assumed: for greedy rows the draft's own probability of its token is
+Both rates are goodput.py's E / C. Acceptance is learned, not assumed: for greedy rows the draft's own probability of its token is
 mapped to the acceptance measured at that confidence (`Calibration`, shared by a draft model's
 requests), like llama.cpp's p_min but calibrated. Sampled rows use the measured mean: an estimate
 read from a drawn token (its q(x)) would decide whether that token is verified, which biases the
@@ -18,50 +18,47 @@ law; one that depends on the past only does not.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from quickdraft.proposers.base import PassCost
-
+from quickdraft.draft_contract import PassCost
+from quickdraft.goodput import Acceptance, best_extension, smoothed
 BINS = 20          # confidence bins of the calibration
 PRIOR_WEIGHT = 2.0  # pseudo-observations per bin at its own confidence (an uncalibrated draft's guess)
-EMA = 0.2          # weight of a new forward-time measurement
 EXPLORE = 16       # steps a row may go without drafting before it drafts once anyway (if a level
                    # could pay at the best acceptance measured): acceptance changes with the text,
                    # and a row that never drafts never learns it has
 
 
 class Calibration:
-    """P(a draft token is accepted | its parent was, the draft's confidence in it), per bin."""
+    """P(a draft token is accepted | its parent was, the draft's confidence in it): an Acceptance
+    per confidence bin, each starting at its own confidence."""
 
     def __init__(self) -> None:
-        self.accepted = [PRIOR_WEIGHT * (i + 0.5) / BINS for i in range(BINS)]
-        self.offered = [PRIOR_WEIGHT] * BINS
+        self.bins = [Acceptance(PRIOR_WEIGHT * (i + 0.5) / BINS, PRIOR_WEIGHT) for i in range(BINS)]
 
     @staticmethod
     def _bin(confidence: float) -> int:
         return min(max(int(confidence * BINS), 0), BINS - 1)
 
     def estimate(self, confidence: float) -> float:
-        i = self._bin(confidence)
-        return self.accepted[i] / self.offered[i]
+        return self.bins[self._bin(confidence)].rate
 
     @property
     def best(self) -> float:
         """The acceptance of the most accepted confidence bin: the most a draft token can be
         expected to win, whatever the text."""
-        return max(a / o for a, o in zip(self.accepted, self.offered))
+        return max(b.rate for b in self.bins)
 
     @property
     def mean(self) -> float:
         """Acceptance over all confidences: the estimate for a token not drafted yet."""
-        return sum(self.accepted) / sum(self.offered)
+        return sum(b.hits for b in self.bins) / sum(b.trials for b in self.bins)
 
     def record(self, confidences: Sequence[float], verified: int, accepted: int) -> None:
         """A chain's outcome: its first `verified` tokens were verified, the first `accepted` of
         them accepted; a token after the first rejected one tells nothing."""
         for i, c in enumerate(confidences[:min(verified, accepted + 1)]):
-            self.accepted[self._bin(c)] += i < accepted
-            self.offered[self._bin(c)] += 1
+            self.bins[self._bin(c)].record(i < accepted)
 
 
 @dataclass
@@ -78,7 +75,11 @@ class Plan:
         """Whether one row's draft level winning `gain` tokens would raise E / C. Later levels win
         less (a token is reached only if its parent is accepted) at about the same cost, so when
         the first level cannot pay at the best acceptance, no draft can."""
-        return (self.expected + gain) / (self.seconds + level_s + per_token) > self.expected / self.seconds
+        return best_extension(self.expected, [gain], self._seconds(level_s, per_token))[0] == 1
+
+    def _seconds(self, level_s: float, per_token: float) -> Callable[[int], float]:
+        """seconds(n): the step's with the level run and n more tokens verified (none: not run)."""
+        return lambda n: self.seconds + level_s + per_token * n if n else self.seconds
 
     def extend(self, forced: Sequence[float], gains: Sequence[float], level_s: float, per_token: float) -> int:
         """Add a draft level: the rows of `forced` draft whatever it costs (their lengths must not
@@ -87,13 +88,7 @@ class Plan:
         self.expected += sum(forced)
         self.seconds += (level_s if forced else 0.0) + per_token * len(forced)
         level_s = 0.0 if forced else level_s  # paid already: the others add only their verification
-        best, best_rate = 0, self.expected / self.seconds
-        expected = self.expected
-        for n, g in enumerate(gains, 1):
-            expected += g
-            rate = expected / (self.seconds + level_s + per_token * n)
-            if rate > best_rate:
-                best, best_rate = n, rate
+        best, _ = best_extension(self.expected, gains, self._seconds(level_s, per_token))
         if best:
             self.expected += sum(gains[:best])
             self.seconds += level_s + per_token * best
@@ -109,13 +104,12 @@ def catch_up_pays(cost: PassCost, acceptance: float, k: int, first_s: float, lat
     1 + a + ... + a^i tokens a step in cost.seconds + first_s + (i - 1) later_s + i per_token,
     against 1 token in cost.seconds without: the best i's saving over `remaining` tokens must
     exceed the catch-up. Short requests, unsure drafts and busy batches then skip the prefill."""
-    best_s_per_token = cost.seconds  # without drafting
-    expected, seconds = 1.0, cost.seconds + first_s - later_s
-    for i in range(1, k + 1):
-        expected += acceptance ** i
+    step_s, seconds = [cost.seconds], cost.seconds + first_s - later_s  # step_s[i]: with a chain of i
+    for _ in range(k):
         seconds += later_s + cost.per_token
-        best_s_per_token = min(best_s_per_token, seconds / expected)
-    return remaining * (cost.seconds - best_s_per_token) > catch_up_s
+        step_s.append(seconds)
+    _, rate = best_extension(1.0, [acceptance ** i for i in range(1, k + 1)], step_s.__getitem__)
+    return remaining * (cost.seconds - 1 / rate) > catch_up_s
 
 
 @dataclass
@@ -129,5 +123,5 @@ class ForwardTimes:
     catch_up: float | None = None
 
     def observe(self, kind: str, seconds: float) -> None:
-        old = getattr(self, kind)
-        setattr(self, kind, seconds if old is None else (1 - EMA) * old + EMA * seconds)
+        setattr(self, kind, smoothed(getattr(self, kind), seconds))
+

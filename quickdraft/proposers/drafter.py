@@ -35,11 +35,12 @@ import torch
 from quickdraft.cache import KVCache
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
-from quickdraft.proposers.base import NO_DRAFT, Draft, PassCost
+from quickdraft.draft_contract import NO_DRAFT, Draft, PassCost
 from quickdraft.proposers.draft_cost import EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.sampling import SamplingParams, penalize, probabilities, sample
+from quickdraft.sequences import common_prefix
 
 CATCH_UP = 4  # tokens a row may catch up on inside the batched forward; more run alone first
 
@@ -389,13 +390,8 @@ class Drafter:
         engine chose not to verify), the first that differs as rejected."""
         if not member.offered:
             return
-        accepted = 0
-        for drafted, token in zip(member.offered, committed):
-            if drafted != token:
-                break
-            accepted += 1
         self.calibration[member.params.greedy].record(member.confidences, min(len(member.offered), len(committed)),
-                                                      accepted)
+                                                      common_prefix(member.offered, committed))
         member.offered, member.confidences = [], []  # judged once: a step it did not draft for must not judge it again
 
     @staticmethod

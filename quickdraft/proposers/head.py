@@ -37,7 +37,8 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.proposers.base import NO_DRAFT, Agreement, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.goodput import Acceptance
+from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
 
@@ -205,7 +206,7 @@ class HeadProposer:
         self.cached = 0      # pairs (f_t, s_{t+1}) with K/V in the head's cache: t < cached
         seed = None if params.seed is None else (params.seed ^ HEAD_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(target.device)
-        self.agreement = Agreement()
+        self.agreement = Acceptance()
         self.rest = Rest()
         self.pending: list[int] = []       # the last proposal
         self.vocab = head.vocab.to(target.device)
@@ -213,7 +214,7 @@ class HeadProposer:
 
     def commit(self, step: Committed) -> None:
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
-        self.agreement.record(self.pending, step.tokens)
+        self.agreement.judge(self.pending, step.tokens)
         self.pending = []
         self.tokens.extend(step.tokens)
         self.rest.after_step(step.verified)

@@ -15,14 +15,13 @@ that from the registration). Each draft names its part in `Draft.source`, for to
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import mul
 
+from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
     PROPOSERS,
-    Agreement,
     Committed,
     Draft,
     Proposer,
@@ -55,13 +54,13 @@ class HybridProposer:
 
     def __init__(self, ngram: Proposer, drafter: Proposer, source: str = "head") -> None:
         self.ngram, self.drafter, self.source = ngram, drafter, source
-        self.agreement = Agreement()  # how often the drafter's tokens agree with the committed ones
+        self.agreement = Acceptance()  # how often the drafter's tokens agree with the committed ones
         self.offered: dict[str, list[int]] = {}  # per part asked this step, its draft's tokens
         self.chosen: str | None = None
 
     def commit(self, step: Committed) -> None:
         if self.source in self.offered:
-            self.agreement.record(self.offered[self.source], step.tokens)
+            self.agreement.judge(self.offered[self.source], step.tokens)
         for source, part in ((LOOKUP, self.ngram), (self.source, self.drafter)):
             # `drafted` counts a part's own drafts among the step's tokens, the last one (the target's)
             # aside: for the part not chosen, those it offered that the step committed all the same

@@ -23,7 +23,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from quickdraft.proposers.base import Agreement, Committed, Draft, ProposerContext, register
+from quickdraft.goodput import Acceptance
+from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
 from quickdraft.proposers.registry import check_ranges, option
 
 
@@ -86,7 +87,7 @@ class NgramProposer:
         # n-gram -> end indices of its occurrences (latest last), over n-grams ending before the
         # last token, so a lookup of the current suffix finds *earlier* occurrences.
         self.ends: dict[tuple[int, ...], list[int]] = {}
-        self.agreement: dict[tuple[int, int], Agreement] = {}  # per (match length, occurrence rank)
+        self.agreement: dict[tuple[int, int], Acceptance] = {}  # per (match length, occurrence rank)
         self.pending: list[tuple[tuple[int, int], list[int]]] = []  # (its key, tokens) last proposed
         self.extend(prompt_ids)
 
@@ -127,11 +128,11 @@ class NgramProposer:
 
     def propose(self, k: int) -> Draft:
         self.pending = self.continuations(k)
-        return merge([(self.agreement.setdefault(key, Agreement()).rate, cont) for key, cont in self.pending], k)
+        return merge([(self.agreement.setdefault(key, Acceptance()).rate, cont) for key, cont in self.pending], k)
 
     def commit(self, step: Committed) -> None:
         for key, proposal in self.pending:
-            self.agreement.setdefault(key, Agreement()).record(proposal, step.tokens)
+            self.agreement.setdefault(key, Acceptance()).judge(proposal, step.tokens)
         self.pending = []
         self.extend(step.tokens)
 

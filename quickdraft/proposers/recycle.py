@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quickdraft.goodput import Acceptance
 from quickdraft.kernels import TOPK_MAX
 from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
 from quickdraft.proposers.ngram import NgramOptions, NgramProposer
@@ -47,10 +48,10 @@ Key = tuple  # a kind of candidate: ("top", rank in the table's row, lookup cand
 SHARED_WEIGHT = 4.0  # observations a request's own counts need to outweigh the server-wide rate
 
 
-def prior(key: Key) -> list[float]:
-    """Pseudo-counts [right, offered] before any evidence: 1/(3(i+1)) for the i-th candidate of a node."""
+def prior(key: Key) -> Acceptance:
+    """Pseudo-counts before any evidence: 1/(3(i+1)) for the i-th candidate of a node."""
     place = key[1] + key[2] if key[0] == "top" else key[2]
-    return [1.0 / (place + 1), 3.0]
+    return Acceptance(1.0 / (place + 1), 3.0)
 
 
 class Recycled:
@@ -60,7 +61,7 @@ class Recycled:
 
     def __init__(self, vocab_size: int, top: int) -> None:
         self.table = torch.full((vocab_size, top), EMPTY, dtype=torch.int32)
-        self.counts: dict[Key, list[float]] = {}
+        self.counts: dict[Key, Acceptance] = {}
 
 
 class RecycleProposer:
@@ -72,7 +73,7 @@ class RecycleProposer:
         self.lookup, self.lookup_top = lookup, lookup_top  # prompt lookup, its followers offered per node
         self.keep = 1 if lookup is None else lookup.max_n  # committed tokens a candidate lookup reads
         self.text = list(prompt_ids[-self.keep:])          # the newest committed ones; the last is a draft's root
-        self.counts: dict[Key, list[float]] = {}           # [right, offered] per kind in this request
+        self.counts: dict[Key, Acceptance] = {}            # per kind, how often it was right in this request
         self.pending = Draft([])                           # the last draft
         self.rows: dict[int, list[tuple[int, Key]]] = {}   # its nodes' candidates (-1: the root's)
 
@@ -80,9 +81,8 @@ class RecycleProposer:
         """The chance that a node's candidate of this kind is the target's next token: this
         request's record, starting from the server-wide rate (texts differ: how often the lookup is
         right depends on how much the text repeats)."""
-        right, offered = self.recycled.counts.get(key) or prior(key)
-        own_right, own_offered = self.counts.get(key, (0.0, 0.0))
-        return (own_right + SHARED_WEIGHT * right / offered) / (own_offered + SHARED_WEIGHT)
+        own = self.counts.get(key) or Acceptance(0.0, 0.0)
+        return own.toward(self.recycled.counts.get(key) or prior(key), SHARED_WEIGHT)
 
     def candidates(self, tail: Sequence[int]) -> list[tuple[int, Key]]:
         """What may follow a node whose path ends with `tail`: the lookup's followers of the text's
@@ -139,9 +139,9 @@ class RecycleProposer:
             if row is None:
                 return
             for candidate, key in row:
-                for counts in (self.counts.setdefault(key, [0.0, 0.0]), self.recycled.counts.setdefault(key, prior(key))):
-                    counts[0] += candidate == token
-                    counts[1] += 1
+                for counts in (self.counts.setdefault(key, Acceptance(0.0, 0.0)),
+                               self.recycled.counts.setdefault(key, prior(key))):
+                    counts.record(candidate == token)
             if depth >= step.drafted:
                 return
             node = next(i for i in range(step.verified) if parents[i] == node and self.pending.tokens[i] == token)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
-    Agreement,
     Committed,
     Draft,
     ProposerContext,
@@ -109,7 +109,7 @@ class SuffixProposer:
         # ended (the engine commits only to rows that go on; a cancel just drops the row), and
         # requests running at the same time can draft from each other's text at once.
         self.doc = corpus.open()
-        self.agreement: dict[tuple[str, int, int], Agreement] = {}  # per (where, match length, rank)
+        self.agreement: dict[tuple[str, int, int], Acceptance] = {}  # per (where, match length, rank)
         self.pending: list[Found] = []
 
     def propose(self, k: int) -> Draft:
@@ -117,11 +117,11 @@ class SuffixProposer:
         found = own + self.corpus.continuations(self.own.tokens, k, self.branches, self.doc)
         found.sort(key=lambda f: -f[0][1])  # the longest matches first, own text first among equals (stable)
         self.pending = found[:self.branches]
-        return merge([(self.agreement.setdefault(key, Agreement()).rate, cont) for key, cont in self.pending], k)
+        return merge([(self.agreement.setdefault(key, Acceptance()).rate, cont) for key, cont in self.pending], k)
 
     def commit(self, step: Committed) -> None:
         for key, proposal in self.pending:
-            self.agreement.setdefault(key, Agreement()).record(proposal, step.tokens)
+            self.agreement.setdefault(key, Acceptance()).judge(proposal, step.tokens)
         self.pending = []
         self.own.commit(step)
         self.corpus.extend(self.doc, step.tokens)
