@@ -5,11 +5,13 @@ deltas, stop strings are applied to that text. The CLI and (later) the server co
 """
 from __future__ import annotations
 
+import json
 import threading
+import uuid
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Literal, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -29,6 +31,8 @@ from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.registry import runs
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
+from quickdraft.tool_reply import read
+from quickdraft.tools import GENERIC, Syntax, Tools, ToolsError, compile_tools, conversation, request_tools, syntax_of
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 
@@ -52,13 +56,33 @@ class Chunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        """OpenAI's shape, as a conversation's history holds it."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+
+
 @dataclass
 class Completion:
-    text: str
+    text: str  # all the model wrote (token_ids decoded), with tools its calls' syntax too
     token_ids: list[int]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | Literal["tool_calls"]  # tool_calls: the reply's calls are whole
     stats: GenerationStats
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
+    content: str = ""  # the text outside the tool calls (all of it without tools)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # whole calls only: one cut short is left out
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The reply as an assistant message, to go on a conversation (a tool result after it)."""
+        calls = {"tool_calls": [c.as_openai() for c in self.tool_calls]} if self.tool_calls else {}
+        return {"role": "assistant", "content": self.content, **calls}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -144,6 +168,7 @@ class LLM:
         self._service_lock = threading.Lock()
         self._vocabulary: Vocabulary | None = None
         self._vocabulary_lock = threading.Lock()
+        self._tool_syntax: Syntax | None = None
         if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
@@ -255,6 +280,13 @@ class LLM:
         uncompilable schema is a GrammarError (grammar.py)."""
         return constrain(self.grammar_vocabulary(), grammar_text(response_format))
 
+    def tool_syntax(self) -> Syntax:
+        """How this model's chat template takes tools (tools.syntax_of renders a probe), found once."""
+        if self._tool_syntax is None:
+            self._tool_syntax = GENERIC if not self.tokenizer.has_chat_template else \
+                syntax_of(lambda messages, tools: self.tokenizer.chat_text(messages, tools=tools))
+        return self._tool_syntax
+
     def proposer_name(self, spec: SpecConfig | None = None) -> str | None:
         """The registered name of the proposer `spec` (None: this model's default) runs on this model,
         auto's pick spelled out; None for plain decoding."""
@@ -266,23 +298,54 @@ class LLM:
             return None
         return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self))
 
-    def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
+    def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
+                   tools: Tools | None = None) -> list[int]:
+        """The prompt's tokens; chat messages as the server writes them (tools.conversation: the tools
+        where the reply may call them, earlier calls and tool results in the template's syntax)."""
         if (prompt is None) == (messages is None):
             raise QuickdraftError("give exactly one of a prompt or chat messages")
         if messages is not None:
-            return self.tokenizer.apply_chat_template(messages)
+            if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
+                raise QuickdraftError(f"chat messages are objects with a role and content, found {odd!r}")
+            # OpenAI's history leaves an assistant's content null beside its calls; templates take text
+            messages = [{**m, "content": m.get("content") or ""} if m.get("tool_calls") else m for m in messages]
+            turns, listed = conversation(messages, tools, self.tool_syntax())
+            return self.tokenizer.encode(self.tokenizer.chat_text(turns, tools=listed), add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 
     def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                params: SamplingParams | None = None, spec: SpecConfig | None = None,
-               response_format: Mapping[str, Any] | None = None) -> Iterator[Chunk]:
+               response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+               tool_choice: str | Mapping[str, Any] | None = None,
+               parallel_tool_calls: bool | None = None) -> Iterator[Chunk]:
         """Text chunks as tokens are committed; `spec` overrides the model's default speculation;
         `response_format` (OpenAI's: json_object or json_schema) constrains the text to JSON (its
-        finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on)."""
-        params, spec = params or SamplingParams(), spec or self.spec
-        ids = self.prompt_ids(prompt, messages)
-        constraint = None if response_format is None or response_format.get("type") == "text" else \
-            self.constraint(response_format)
+        finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on).
+        `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (docs/tools.md), with chat messages;
+        the chunks are the model's text, calls in its syntax (generate reads them into tool_calls)."""
+        ids, constraint, _ = self._prepared(prompt, messages, response_format, tools, tool_choice, parallel_tool_calls)
+        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint)
+
+    def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
+                  response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
+                  tool_choice: str | Mapping[str, Any] | None, parallel_tool_calls: bool | None
+                  ) -> tuple[list[int], Constraint | None, Tools | None]:
+        """(prompt ids, constraint, tools) of a request, checked: a ToolsError or GrammarError names
+        the field at fault."""
+        chosen = request_tools(tools, tool_choice, parallel_tool_calls)
+        formatted = response_format is not None and response_format.get("type") != "text"
+        if chosen is not None and messages is None:
+            raise ToolsError("tools: tools are offered in a chat; give messages, not a prompt", "tools")
+        if chosen is not None and formatted:
+            raise ToolsError("response_format: a reply under tools is text or tool calls, so it cannot also follow "
+                             "a response_format; give the schema as a tool's parameters instead", "response_format")
+        ids = self.prompt_ids(prompt, messages, chosen)
+        if chosen is not None:
+            return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax()), chosen
+        return ids, self.constraint(response_format) if formatted else None, None
+
+    def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None
+                ) -> Iterator[Chunk]:
         text = TextAssembler(self.tokenizer, params)
         with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
@@ -295,14 +358,40 @@ class LLM:
 
     def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                  params: SamplingParams | None = None, spec: SpecConfig | None = None,
-                 response_format: Mapping[str, Any] | None = None) -> Completion:
-        """The whole text; the arguments as stream()'s."""
-        text, ids, logprobs = [], [], []
-        for chunk in self.stream(prompt, messages, params, spec, response_format):
+                 response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                 tool_choice: str | Mapping[str, Any] | None = None,
+                 parallel_tool_calls: bool | None = None) -> Completion:
+        """The whole text; the arguments as stream()'s. With tools, the reply's calls are read out of
+        the text (tool_calls, their arguments parsed) and the rest is its content; finish_reason
+        "tool_calls" once the calls are whole."""
+        ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
+                                                 parallel_tool_calls)
+        text, tokens, logprobs = [], [], []
+        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint):
             text.append(chunk.text)
-            ids.extend(chunk.token_ids)
+            tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
-        return Completion("".join(text), ids, chunk.finish_reason or "length", chunk.stats, logprobs)
+        done = Completion("".join(text), tokens, chunk.finish_reason or "length", chunk.stats, logprobs, "".join(text))
+        if chosen is None or not chosen.callable():
+            return done
+        reply = read(chosen, self.tool_syntax(), self._reply_text(done))
+        whole = reply.calls if reply.complete else reply.calls[:-1]
+        call = f"call_{uuid.uuid4().hex[:12]}"  # as OpenAI's, unique; prompts never show it (tools.conversation)
+        return replace(done, content=reply.content,
+                       tool_calls=[ToolCall(f"{call}_{i}", c.name, json.loads(c.arguments)) for i, c in enumerate(whole)],
+                       finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
+                       done.finish_reason)
+
+    def _reply_text(self, done: Completion) -> str:
+        """The text of a reply under tools as tool_reply reads it: the completion's, unless the syntax's
+        markers are special tokens that decoding drops (Mistral's [TOOL_CALLS]); then its tokens' text
+        with them kept (the grammar lets no special token into a reply but its markers and the stop
+        tokens, left out)."""
+        markers = [self.tokenizer.encode(m, add_special_tokens=False) for m in self.tool_syntax().markers]
+        if all(self.tokenizer.decode(ids) for ids in markers):
+            return done.text
+        stops = self.tokenizer.eos_token_ids
+        return self.tokenizer.hf.decode([t for t in done.token_ids if t not in stops], skip_special_tokens=False)
 
 
 def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache | None:

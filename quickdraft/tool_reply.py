@@ -3,16 +3,21 @@ name once whole, then its arguments' JSON text piece by piece, as OpenAI's strea
 
 The grammar wrote the reply, so each piece stands where the syntax says; a reply cut short (the
 token budget, a stop string) leaves its last call unfinished, and text that is not where the
-syntax says is passed on as text, never dropped. Knows tools.py's syntaxes, nothing else.
+syntax says is passed on as text, never dropped. One reply the grammar leaves free is a call too:
+under `auto`, where text may come before the calls (HERMES, MISTRAL), a reply that is nothing but a
+bare JSON call of a listed function, as small models write them (llama.cpp's and vLLM's parsers
+take them too). Knows tools.py's syntaxes, nothing else.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from quickdraft.tools import Syntax, Tools
 
 HEAD = '{"name": "'
-NAME_END = '", "arguments": '
+BARE_KEYS = ({"name", "arguments"}, {"name", "parameters"})  # a bare call's keys (llama.cpp takes both)
 
 
 @dataclass
@@ -34,8 +39,11 @@ class Reader:
 
     def __init__(self, tools: Tools, syntax: Syntax) -> None:
         self.syntax = syntax
+        self.name_end = f'", "{syntax.key}": '
+        self.functions = frozenset(f.name for f in tools.callable())
         self.pending = ""   # text not yet read
         self.state = "text" if tools.choice == "auto" else "first"
+        self.said = False   # text passed on
         self.calls = 0      # calls begun
         self.depth, self.in_string, self.escaped = 0, False, False  # the arguments' JSON, read so far
 
@@ -54,6 +62,7 @@ class Reader:
         if end and self.pending:
             content.append(self.pending)  # an unfinished call's head or tail: text, not lost
             self.pending = ""
+        self.said = self.said or any(content)
         merged: list[CallPiece] = []
         for piece in pieces:  # one piece per call per feed
             if merged and merged[-1].index == piece.index:
@@ -66,7 +75,7 @@ class Reader:
         """Read what the pending text allows in the current state; False: wait for more."""
         syntax, pending = self.syntax, self.pending
         if self.state == "text":
-            return self._text(content, end)
+            return self._text(content, pieces, end)
         if self.state in ("content", "done"):
             content.append(pending)
             self.pending = ""
@@ -77,12 +86,12 @@ class Reader:
             if not pending.startswith(HEAD[:len(pending)]):
                 self.state = "content"
                 return True
-            stop = pending.find(NAME_END, len(HEAD))
+            stop = pending.find(self.name_end, len(HEAD))
             if stop < 0:
                 return False
             pieces.append(CallPiece(self.calls, pending[len(HEAD):stop], ""))
             self.calls += 1
-            self.pending, self.state = pending[stop + len(NAME_END):], "arguments"
+            self.pending, self.state = pending[stop + len(self.name_end):], "arguments"
             self.depth, self.in_string, self.escaped = 0, False, False
             return True
         if self.state == "arguments":
@@ -92,25 +101,28 @@ class Reader:
             if self.state == "arguments":
                 return False
             return True
-        # "after" a call's arguments: its closing brace, then the next call or the end
-        after, last = "}" + syntax.between, "}" + syntax.last
-        if pending.startswith(after):
+        # "after" a call's arguments: its closing brace, then the next call (where the syntax has more) or the end
+        after, last = None if syntax.between is None else "}" + syntax.between, "}" + syntax.last
+        if after is not None and pending.startswith(after):
             self.pending, self.state = pending[len(after):], "name"
             return True
-        if pending.startswith(last) and (end or not after.startswith(pending)):
+        more = after is not None and after.startswith(pending)  # the next call's beginning, so far
+        if pending.startswith(last) and (end or not more):
             self.pending, self.state = pending[len(last):], "done"
             return True
-        if not end and (after.startswith(pending) or last.startswith(pending)):
+        if not end and (more or last.startswith(pending)):
             return False
         self.state = "content"
         return True
 
-    def _text(self, content: list[str], end: bool) -> bool:
+    def _text(self, content: list[str], pieces: list[CallPiece], end: bool) -> bool:
         """Under `auto`: text, until the calls begin."""
         syntax, pending = self.syntax, self.pending
         if syntax.trigger is None:  # text or calls, told apart by the first character
-            self.state = "first" if pending[0] == syntax.first[0] else "content"
+            self.state = "first" if pending[0] == syntax.opening else "content"
             return True
+        if not self.said and (bare := self._bare(pieces, end)) is not None:
+            return bare
         at = pending.find(syntax.first)
         if at >= 0:
             content.append(pending[:at])
@@ -120,6 +132,25 @@ class Reader:
                                    if syntax.first.startswith(pending[-n:])), 0)
         content.append(pending[:len(pending) - held])
         self.pending = pending[len(pending) - held:]
+        return False
+
+    def _bare(self, pieces: list[CallPiece], end: bool) -> bool | None:
+        """A reply that may be a bare call (it begins with "{") held back until it is one (read at its
+        end) or is not (None: text)."""
+        head = self.pending.lstrip()
+        if not head or head[0] != "{":
+            return None if head or end else False
+        try:
+            value, stop = json.JSONDecoder().raw_decode(head)
+        except ValueError:  # not yet whole, or not JSON
+            return None if end else False
+        arguments = _bare_arguments(value, self.functions)
+        if arguments is None or head[stop:].strip():
+            return None
+        if not end:
+            return False
+        pieces.append(CallPiece(0, value["name"], json.dumps(arguments)))
+        self.calls, self.pending, self.state = 1, "", "done"
         return False
 
     def _literal(self, literal: str, then: str, end: bool) -> bool:
@@ -158,6 +189,30 @@ class Reader:
                 self.state = "after"
                 return i
         return len(self.pending)
+
+
+def _bare_arguments(value: Any, functions: frozenset[str]) -> Mapping[str, Any] | None:
+    """The arguments of `value` where it is a call of one of `functions` ({"name": ..., "arguments"
+    or "parameters": {...}}), else None."""
+    if not isinstance(value, dict) or set(value) not in BARE_KEYS or not isinstance(value["name"], str) or \
+            value["name"] not in functions:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
+    return arguments if isinstance(arguments, dict) else None
+
+
+@dataclass(frozen=True)
+class Reply:
+    content: str       # the text outside the calls
+    calls: list[Call]  # the last one unfinished unless complete
+    complete: bool     # every call begun is finished (and one was)
+
+
+def read(tools: Tools, syntax: Syntax, text: str) -> Reply:
+    """A whole reply's text and calls."""
+    reader = Reader(tools, syntax)
+    content, pieces = reader.feed(text, end=True)
+    return Reply(content, calls_of(pieces), reader.complete)
 
 
 def calls_of(pieces: list[CallPiece]) -> list[Call]:

@@ -1,16 +1,18 @@
-"""Tool calling (OpenAI's `tools`): how a request's tools and a conversation's earlier calls reach the
-chat template, the grammar a reply's calls are written under, and a reply read back into calls,
-whole or as it streams.
+"""Tool calling (OpenAI's `tools`): a request's tool fields checked into `Tools`, how its tools and a
+conversation's earlier calls reach the chat template, the grammar a reply's calls are written under
+(compiled for a vocabulary), shared by the server and the Python API.
 
-A call is {"name": ..., "arguments": {...}}, as json.dumps writes it, in one of two syntaxes:
-- HERMES, where the template writes earlier calls as `<tool_call>\\n{...}\\n</tool_call>` (Qwen2.5's
-  does): the template gets the tools and the history as they are;
+A call is {"name": ..., "arguments": {...}}, as json.dumps writes it, in the syntax the model's template
+writes earlier calls in (a row of `Syntax` each, found by rendering a probe: `syntax_of`):
+- HERMES `<tool_call>\\n{...}\\n</tool_call>` (Qwen2.5), MISTRAL `[TOOL_CALLS] [{...}, ...]` (Mistral
+  v0.3), LLAMA3 a bare `{"name": ..., "parameters": {...}}`, one per reply (Llama 3.1-3.3): the
+  template gets the tools and the history, its call ids made positional;
 - GENERIC elsewhere (SmolLM2's template knows no tools), as llama.cpp's generic format: the tools are
   listed in the system turn, a reply's calls are one JSON object {"tool_calls": [...]}, and earlier
   calls and tool results are written into the turns as JSON.
 Either way the grammar (llguidance Lark, each function's arguments under its JSON schema) shapes the
 calls, so `required` and a named function hold on every model, and `auto` lets the model write text.
-Knows chat messages and grammar text; not the tokenizer, the engine or HTTP.
+Knows chat messages and grammars; not the tokenizer, the engine or HTTP.
 """
 from __future__ import annotations
 
@@ -19,12 +21,22 @@ import re
 from dataclasses import dataclass, field
 from typing import AbstractSet as Set, Any, Callable, Literal, Mapping, Sequence
 
-from quickdraft.grammar import JSON_OPTIONS
+from quickdraft.errors import QuickdraftError
+from quickdraft.grammar import JSON_OPTIONS, Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar
 
 Choice = Literal["none", "auto", "required", "function"]
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # a function without parameters
 # a schema's values that are data, not schemas: no references to move inside them
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+class ToolsError(QuickdraftError, ValueError):
+    """A request's tools, or tool_choice, that cannot be served; `param` names the field (OpenAI's)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -62,21 +74,36 @@ class Tools:
 
 @dataclass(frozen=True)
 class Syntax:
-    """How a reply writes its calls: `first` before the first, `between` two, `last` after the last.
+    """How a reply writes its calls: `first` before the first, `between` two (None: one call a reply,
+    all the template can write), `last` after the last; each call {"name": ..., <key>: {...}}.
     native: the template shows the tools and earlier calls itself. trigger: under `auto`, where the
-    calls begin; text may come before it (HERMES), or a reply is text or calls, its text never
-    beginning as calls do (GENERIC, trigger None)."""
+    calls begin; text may come before it (HERMES, MISTRAL), or a reply is text or calls, its text never
+    beginning as calls do (GENERIC, LLAMA3: trigger None)."""
     native: bool
     first: str
-    between: str
+    between: str | None
     last: str
     trigger: str | None
     markers: tuple[str, ...] = ()  # texts a vocabulary may hold as special tokens
+    key: str = "arguments"
+
+    @property
+    def opening(self) -> str:
+        """The first character of a reply's calls."""
+        return (self.first or "{")[0]
 
 
 GENERIC = Syntax(False, '{"tool_calls": [', ", ", "]}", None)
 HERMES = Syntax(True, "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", "<tool_call>",
                 ("<tool_call>", "</tool_call>"))
+# Mistral v0.3's template: the calls as one JSON list after [TOOL_CALLS] (a special token there); the
+# template adds each call's id to the history, the model writes none
+MISTRAL = Syntax(True, "[TOOL_CALLS] [", ", ", "]", "[TOOL_CALLS]", ("[TOOL_CALLS]",))
+# Llama 3.1-3.3's templates: a custom tool's call is the whole reply, bare JSON with its arguments under
+# "parameters", and they refuse a turn of several. (<|python_tag|> begins calls of Llama's built-in
+# tools, brave_search, wolfram_alpha and code, which no request here can define.)
+LLAMA3 = Syntax(True, "", None, "", None, key="parameters")
+NATIVE = (HERMES, MISTRAL, LLAMA3)  # probed in this order
 
 # (messages, tools) -> the template's text
 Render = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], str]
@@ -84,31 +111,101 @@ PROBE = Function("quickdraft_probe", {"type": "object", "properties": {"x": {"ty
 
 
 def syntax_of(render: Render) -> Syntax:
-    """HERMES where the template lists the tools it is given, writes an earlier call as Hermes does
-    and shows the tool's result; else GENERIC."""
-    call = {"name": PROBE.name, "arguments": {"x": "probe value"}}
+    """The native syntax whose call the template writes for an earlier call, where it also lists the
+    tools it is given (before that call) and shows the tool's result; else GENERIC."""
+    arguments = {"x": "probe value"}
     messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": "call_probe", "type": "function",
-                                                                      "function": call}]},
-                {"role": "tool", "tool_call_id": "call_probe", "content": "probe result"}]
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": positional_id(0), "type": "function",
+                    "function": {"name": PROBE.name, "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": positional_id(0), "content": "probe result"}]
     try:
         text = render(messages, [PROBE.as_tool()])
     except Exception:  # noqa: BLE001 (a template that cannot take these messages: jinja raises many types)
         return GENERIC
-    written = text.find(HERMES.first + json.dumps(call) + HERMES.last)
-    return HERMES if -1 < text.find(f'"{PROBE.name}"') < written and "probe result" in text else GENERIC
+    listed = text.find(f'"{PROBE.name}"')
+    for syntax in NATIVE:  # up to the call's arguments: MISTRAL's template adds the call's id after them
+        written = text.find(syntax.first + json.dumps({"name": PROBE.name, syntax.key: arguments})[:-1])
+        if -1 < listed < written and "probe result" in text:
+            return syntax
+    return GENERIC
+
+
+def positional_id(n: int) -> str:
+    """The id the n-th call of a conversation has in a native template's prompt: the same whatever id
+    the client gave it (ids are random: a prompt that changed with them would change the answer and
+    miss the prefix cache), nine letters and digits as Mistral's template demands."""
+    return f"call{n:05d}"
+
+
+# -- the request ------------------------------------------------------------------------------------------
+
+def request_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None,
+                  parallel_tool_calls: bool | None = None) -> Tools | None:
+    """OpenAI's tools, tool_choice and parallel_tool_calls (as JSON decodes them) checked into Tools;
+    None without tools (tool_choice then unset, none or auto). A ToolsError names the field at fault."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ToolsError("tool_choice: there are no tools to call; give tools, or leave tool_choice unset",
+                             "tool_choice")
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise ToolsError(f"tools: expected a list of tools, found {type(tools).__name__}", "tools")
+    functions = tuple(_function(tool, f"tools.{i}") for i, tool in enumerate(tools))
+    names = [f.name for f in functions]
+    if (twice := next((name for i, name in enumerate(names) if name in names[:i]), None)) is not None:
+        raise ToolsError(f"tools: two tools are named {twice!r}; expected each name once", "tools")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ToolsError(f"parallel_tool_calls: expected true or false, found {parallel_tool_calls!r}",
+                         "parallel_tool_calls")
+    parallel = parallel_tool_calls is not False
+    if tool_choice in (None, "none", "auto", "required"):
+        return Tools(functions, tool_choice or "auto", None, parallel)
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, Mapping) and \
+        tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), Mapping) else None
+    if not isinstance(name, str):
+        raise ToolsError(f"tool_choice: expected none, auto, required or {{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ...}}}}, found {tool_choice!r}", "tool_choice")
+    if name not in names:
+        raise ToolsError(f"tool_choice: names the function {name!r}, which is not among the tools "
+                         f"({', '.join(names)})", "tool_choice")
+    return Tools(functions, "function", name, parallel)
+
+
+def _function(tool: Any, where: str) -> Function:
+    """One of OpenAI's tools ({"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}) as a Function; a ToolsError names the field at fault."""
+    if not isinstance(tool, Mapping) or tool.get("type") != "function":
+        raise ToolsError(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}, found {tool!r}",
+                         f"{where}.type")
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise ToolsError(f"{where}.function: expected an object with a name, found {function!r}", f"{where}.function")
+    name, description = function.get("name"), function.get("description")
+    parameters, strict = function.get("parameters"), function.get("strict")
+    checks = ((isinstance(name, str) and NAME.fullmatch(name) is not None, "name", "a name of 1-64 letters, digits, _ "
+                                                                                   "or -", name),
+              (description is None or isinstance(description, str), "description", "text", description),
+              (parameters is None or isinstance(parameters, Mapping), "parameters", "a JSON schema (an object)",
+               parameters),
+              (strict is None or isinstance(strict, bool), "strict", "true or false", strict))
+    for ok, key, expected, found in checks:
+        if not ok:
+            raise ToolsError(f"{where}.function.{key}: expected {expected}, found {found!r}", f"{where}.function.{key}")
+    return Function(name, parameters if parameters is not None else NO_ARGUMENTS, description, strict is True)
 
 
 # -- the prompt -------------------------------------------------------------------------------------------
 
 def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syntax: Syntax
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) as the chat template takes them. Earlier calls' arguments are objects (templates
-    write them with tojson; OpenAI sends JSON text). GENERIC: the tools and how to call them in the
-    system turn (unless choice none), earlier calls and tool results as JSON text in their turns."""
+    """(messages, tools) as the chat template takes them. Native: earlier calls' arguments are objects
+    (templates write them with tojson; OpenAI sends JSON text), their ids positional. GENERIC: the tools
+    and how to call them in the system turn (unless choice none), earlier calls and tool results as
+    JSON text in their turns."""
     listed = tools.functions if tools is not None and tools.choice != "none" else ()
     if syntax.native:
-        return [_with_object_arguments(m) for m in messages], [f.as_tool() for f in listed] or None
+        return _native_turns(messages), [f.as_tool() for f in listed] or None
     calls = {c.get("id"): (c["function"]["name"], i if len(m["tool_calls"]) > 1 else None)
              for m in messages for i, c in enumerate(m.get("tool_calls") or ())}
     turns = [_generic_turn(m, calls) for m in messages]
@@ -140,11 +237,25 @@ def _arguments(call: Mapping[str, Any]) -> Any:
     return arguments
 
 
-def _with_object_arguments(message: Mapping[str, Any]) -> dict[str, Any]:
-    if not message.get("tool_calls"):
-        return dict(message)
-    calls = [{**c, "function": {**c["function"], "arguments": _arguments(c)}} for c in message["tool_calls"]]
-    return {**message, "tool_calls": calls}
+def _native_turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a native template takes them: calls' arguments objects, each call's id its place in
+    the conversation (positional_id), a tool result's the id of the latest call it names."""
+    turns: list[dict[str, Any]] = []
+    ids: dict[Any, str] = {}
+    made = 0  # calls so far
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                ids[call.get("id")], made = positional_id(made), made + 1
+                calls.append({**call, "id": ids[call.get("id")],
+                              "function": {**call["function"], "arguments": _arguments(call)}})
+            turns.append({**message, "tool_calls": calls})
+        elif message.get("role") == "tool" and message.get("tool_call_id") in ids:
+            turns.append({**message, "tool_call_id": ids[message["tool_call_id"]]})
+        else:
+            turns.append(dict(message))
+    return turns
 
 
 def _generic_turn(message: Mapping[str, Any], calls: Mapping[Any, tuple[str, int | None]]) -> dict[str, Any]:
@@ -174,53 +285,74 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
 
 # -- the grammar ------------------------------------------------------------------------------------------
 
-def grammar(tools: Tools, syntax: Syntax, special: Set[str] = frozenset()) -> str | None:
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
+    """The reply's constraint (None: free text): each function's schema compiled alone first, so that
+    one llguidance refuses is a ToolsError naming it. Compiling takes time (the server runs it on its
+    grammar threads)."""
+    for i, function in enumerate(tools.functions):
+        param = f"tools.{i}.function.parameters"
+        try:
+            constrain(vocabulary, grammar_text({"type": "json_schema", "json_schema": {
+                "schema": function.parameters, "strict": function.strict}}))
+        except GrammarError as e:
+            raise ToolsError(f"{param}: {e}", param) from None
+    lark = grammar(tools, syntax, {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
+                                   for text in vocabulary.special(syntax.markers)})
+    return None if lark is None else constrain(vocabulary, lark_grammar(lark))
+
+
+def grammar(tools: Tools, syntax: Syntax, special: Set[str] | Mapping[str, int] = frozenset()) -> str | None:
     """The reply's grammar, in llguidance's Lark; None where the reply is free text (choice none).
     Calls are Lark around one JSON schema per call (its arguments the function's schema, moved under
-    $defs with its references); under `auto` text may come instead (GENERIC: text not beginning with
-    `{`) or before the calls (HERMES: text up to the first trigger). special: the syntax's markers
-    the vocabulary holds as special tokens (Qwen2.5's <tool_call>), written as those tokens: their
-    text spelled out would be other tokens, which the model never writes."""
+    $defs with its references); under `auto` text may come instead (GENERIC, LLAMA3: text not
+    beginning as calls do) or before the calls (HERMES, MISTRAL: text up to the first trigger).
+    special: the syntax's markers the vocabulary holds as special tokens (Qwen2.5's <tool_call>,
+    Mistral's [TOOL_CALLS]), written as those tokens: their text spelled out would be other tokens,
+    which the model never writes. Given with their ids (compile_tools), they are named by id;
+    as texts (server/tool_calls.py's call), by text where llguidance can name them so (in angle
+    brackets: `<tool_call>`), else spelled out (`[TOOL_CALLS]`: the text a decoder keeps)."""
     functions = tools.callable()
     if not functions:
         return None
-    special = frozenset(special) & frozenset(syntax.markers)
-    more = f" ({_lark(syntax.between, special)} call)*" if tools.parallel else ""
-    calls = f"{_lark(syntax.first, special)} call{more} {_lark(syntax.last, special)}"
+    tokens = {text: f"<[{special[text]}]>" if isinstance(special, Mapping) else text for text in syntax.markers
+              if text in special and (isinstance(special, Mapping) or text[0] + text[-1] == "<>")}
+    more = f" ({_lark(syntax.between, tokens)} call)*" if tools.parallel and syntax.between is not None else ""
+    calls = f"{_lark(syntax.first, tokens)} call{more} {_lark(syntax.last, tokens)}"
     if tools.choice != "auto":
         lines = [f"start: {calls}"]
     elif syntax.trigger is None:
-        lines = [f"start: TEXT | {calls}", f"TEXT: /[^{_regex_escape(syntax.first[0])}](.|\\n)*/"]
-    elif syntax.trigger in special:  # text cannot hold a special token: it ends where the trigger comes
+        lines = [f"start: TEXT | {calls}", f"TEXT: /[^{_regex_escape(syntax.opening)}](.|\\n)*/"]
+    elif syntax.trigger in tokens:  # text cannot hold a special token: it ends where the trigger comes
         lines = [f"start: TEXT | TEXT {calls}", "TEXT: /(.|\\n)*/"]
     else:  # text up to the first trigger, a lazy lexeme: the calls begin there
-        rest = _lark(syntax.first[len(syntax.trigger):], special)
-        lines = [f"start: TEXT | head {rest} call{more} {_lark(syntax.last, special)}", "TEXT: /(.|\\n)*/",
-                 f"head[lazy]: TEXT {_lark(syntax.trigger, special)}"]
-    return "\n".join(["%llguidance {}", *lines, f"call: %json {json.dumps(_call_schema(functions))}"]) + "\n"
+        rest = _lark(syntax.first[len(syntax.trigger):], tokens)
+        lines = [f"start: TEXT | head {rest} call{more} {_lark(syntax.last, tokens)}", "TEXT: /(.|\\n)*/",
+                 f"head[lazy]: TEXT {_lark(syntax.trigger, tokens)}"]
+    schema = _call_schema(functions, syntax.key)
+    return "\n".join(["%llguidance {}", *lines, f"call: %json {json.dumps(schema)}"]) + "\n"
 
 
-def _lark(text: str, special: frozenset[str]) -> str:
-    """`text` as Lark: quoted strings, the special markers in it as their tokens (`<tool_call>`)."""
-    pieces = re.split("(" + "|".join(map(re.escape, sorted(special))) + ")", text) if special else [text]
-    return " ".join(piece if piece in special else json.dumps(piece) for piece in pieces if piece)
+def _lark(text: str, tokens: Mapping[str, str]) -> str:
+    """`text` as Lark: quoted strings, the special markers in it as their tokens (`tokens`: text ->
+    Lark)."""
+    pieces = re.split("(" + "|".join(map(re.escape, sorted(tokens))) + ")", text) if tokens else [text]
+    return " ".join(tokens[piece] if piece in tokens else json.dumps(piece) for piece in pieces if piece)
 
 
 def _regex_escape(char: str) -> str:
     return "\\" + char if char in "\\^]-[/" else char
 
 
-def _call_schema(functions: Sequence[Function]) -> dict[str, Any]:
-    """One call of any of `functions`: {"name": its name, "arguments": under its schema}, on one line
+def _call_schema(functions: Sequence[Function], key: str) -> dict[str, Any]:
+    """One call of any of `functions`: {"name": its name, <key>: under its schema}, on one line
     as json.dumps writes it (the grammar's JSON_OPTIONS); lenient unless every function is strict
     (each one's own strictness is checked when its schema is compiled alone)."""
     defs, calls = {}, []
     for i, function in enumerate(functions):
         where = f"#/$defs/arguments_{i}"
         defs[f"arguments_{i}"] = _moved(function.parameters, where)
-        calls.append({"type": "object", "properties": {"name": {"const": function.name},
-                                                       "arguments": {"$ref": where}},
-                      "required": ["name", "arguments"], "additionalProperties": False})
+        calls.append({"type": "object", "properties": {"name": {"const": function.name}, key: {"$ref": where}},
+                      "required": ["name", key], "additionalProperties": False})
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     options = {**JSON_OPTIONS, "lenient": not all(f.strict for f in functions)}
     return {**schema, "$defs": defs, "x-guidance": options}

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 from quickdraft.grammar import constrain, lark_grammar
 from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import Tokenizer
-from quickdraft.tool_reply import Call, Reader, calls_of
-from quickdraft.tools import GENERIC, HERMES, Function, Tools, conversation, grammar, instructions, syntax_of
+from quickdraft.tool_reply import Call, CallPiece, Reader, calls_of
+from quickdraft.tools import GENERIC, HERMES, MISTRAL, Function, Tools, conversation, grammar, instructions, syntax_of
 from test_grammar import PROPOSERS, run, text, tokenizer, vocabulary
 from tiny_tokenizer import CHATML, EOS, build_tokenizer
 
@@ -113,7 +113,8 @@ def test_native_prompt_passes_tools_and_the_history_with_arguments_as_objects() 
     messages, listed = conversation(HISTORY, Tools(FUNCTIONS, "required"), HERMES)
     assert listed == [f.as_tool() for f in FUNCTIONS]
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "unit": "c"}
-    assert messages[0] == HISTORY[0] and messages[2] == HISTORY[2]
+    assert messages[0] == HISTORY[0] and messages[2] == {**HISTORY[2], "tool_call_id": "call00000"}
+    assert messages[1]["tool_calls"][0]["id"] == "call00000"  # positional: the client's random id never shown
     text = template_tokenizer(HERMES_TEMPLATE).chat_text(messages, tools=listed)
     assert hermes_reply(("get_weather", {"city": "Oslo", "unit": "c"})) in text  # as the model is to write it
     assert '"name": "book"' in text and "-3 and snow" in text
@@ -182,6 +183,23 @@ REPLIES = [  # (tools, syntax, reply, content, calls, complete)
     (Tools(FUNCTIONS, "required"), GENERIC, CUT, "",
      [Call("get_weather", '{"city": "Oslo", "unit": "c"}'), Call("get_time", CUT.split('"arguments": ')[-1])], False),
     (Tools(FUNCTIONS, "required"), GENERIC, '{"tool_calls": [{"na', '{"na', [], False),
+    # under auto, a reply that is a bare JSON call of a listed function (as small models write them)
+    (Tools(FUNCTIONS, "auto"), HERMES, call_json(*OSLO), "", [Call("get_weather", json.dumps(OSLO[1]))], True),
+    (Tools(FUNCTIONS, "auto"), HERMES, "\n" + json.dumps({"name": "get_time", "parameters": UTC[1]}) + "\n", "",
+     [Call("get_time", json.dumps(UTC[1]))], True),
+    (Tools(FUNCTIONS, "auto"), MISTRAL, call_json(*UTC), "", [Call("get_time", json.dumps(UTC[1]))], True),
+    # ... and JSON that only looks like one: text
+    (Tools(FUNCTIONS, "auto"), HERMES, call_json("get_date", {}), call_json("get_date", {}), [], False),
+    (Tools(FUNCTIONS, "function", "get_time"), HERMES, call_json(*UTC), call_json(*UTC), [], False),
+    (Tools(FUNCTIONS, "auto"), HERMES, '{"name": "get_time", "answer": 1}', '{"name": "get_time", "answer": 1}', [],
+     False),
+    (Tools(FUNCTIONS, "auto"), HERMES, '{"name": ["get_time"], "arguments": {}}', '{"name": ["get_time"], "arguments": {}}',
+     [], False),
+    (Tools(FUNCTIONS, "auto"), HERMES, '{"name": "get_time", "arguments": "UTC"}',
+     '{"name": "get_time", "arguments": "UTC"}', [], False),
+    (Tools(FUNCTIONS, "auto"), HERMES, call_json(*UTC) + " is the call", call_json(*UTC) + " is the call", [], False),
+    (Tools(FUNCTIONS, "auto"), HERMES, "I'd call " + call_json(*UTC), "I'd call " + call_json(*UTC), [], False),
+    (Tools(FUNCTIONS, "auto"), HERMES, '{"name": "get_ti', '{"name": "get_ti', [], False),
 ]
 
 
@@ -210,6 +228,15 @@ def test_text_that_may_begin_a_call_is_held_back_until_it_does_not() -> None:
     assert reader.feed("<tool_call>\n") == ("", [])
     content, pieces = reader.feed('{"name": "get_time", "arguments": {"zo')
     assert content == "" and [(p.index, p.name, p.arguments) for p in pieces] == [(0, "get_time", '{"zo')]
+    # a reply beginning with "{" may be a bare call: held back until it is whole and is not one ...
+    reader = Reader(Tools(FUNCTIONS, "auto"), HERMES)
+    assert reader.feed(' {"name": "get_time", ') == ("", [])
+    assert reader.feed('"answer": 1}') == (' {"name": "get_time", "answer": 1}', [])
+    assert reader.feed(call_json(*UTC)) == (call_json(*UTC), [])  # text once text was said
+    # ... or until the reply ends, when it is one
+    reader = Reader(Tools(FUNCTIONS, "auto"), HERMES)
+    assert reader.feed(call_json(*UTC)) == ("", [])
+    assert reader.feed("", end=True) == ("", [CallPiece(0, "get_time", '{"zone": "UTC"}')]) and reader.complete
 
 
 # -- greedy under a tool grammar: every proposer gives constrained plain decoding's tokens ---------------------

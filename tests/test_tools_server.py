@@ -15,6 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
+from quickdraft.proposers import SpecConfig
+from quickdraft.sampling import SamplingParams
 from quickdraft.tools import GENERIC, Function, Tools, conversation
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 
@@ -124,6 +126,20 @@ def test_a_tool_result_continues_the_conversation(server: Server, llm) -> None: 
                                Tools((Function("get_weather", WEATHER), Function("get_time", TIME)), "none"), GENERIC)
     assert '"tool_response": {"name": "' + call.function.name in messages[2]["content"]
     assert r.usage.prompt_tokens == len(llm.tokenizer.apply_chat_template(messages))
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
+def test_the_python_api_gives_the_server_s_reply(server: Server, llm, tool_choice) -> None:  # noqa: F811
+    """LLM.generate builds the server's prompt and grammar and reads the reply as the server does."""
+    r = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice=tool_choice,
+                                              max_tokens=300, temperature=0, extra_body={"speculative": {"method": "none"}})
+    reply = llm.generate(messages=USER, tools=TOOLS, tool_choice=tool_choice, params=SamplingParams(max_new_tokens=300),
+                         spec=SpecConfig(method="none"))
+    choice = r.choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()] == \
+        [(c.name, c.arguments) for c in reply.tool_calls]
+    assert (choice.finish_reason, choice.message.content or "") == (reply.finish_reason, reply.content)
+    assert r.usage.completion_tokens == len(reply.token_ids)
 
 
 BAD = [  # (fields, param, words in the message)
