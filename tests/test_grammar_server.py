@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-import quickdraft.server.app as app_module
+import quickdraft.server.requests as requests_module
 from quickdraft.proposers import SpecConfig
 from quickdraft.sampling import SamplingParams
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
@@ -100,7 +100,7 @@ def test_a_schema_slow_to_compile_is_a_400_and_stalls_no_one(server: Server, llm
         time.sleep(3.0)
         return real(fmt)
 
-    monkeypatch.setattr(app_module, "GRAMMAR_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(requests_module, "GRAMMAR_TIMEOUT_S", 1.0)
     monkeypatch.setattr(llm, "constraint", slow)
     answered: dict[str, float] = {}
 

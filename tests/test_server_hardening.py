@@ -24,7 +24,7 @@ import pytest
 
 import quickdraft
 from quickdraft.sampling import SamplingParams
-from quickdraft.server.app import MAX_BODY_BYTES
+from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.guards import answered_hosts
 from quickdraft.proposers import SpecConfig
 from quickdraft.tools import GENERIC, conversation

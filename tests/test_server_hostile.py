@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from quickdraft.cli import main
-from quickdraft.server.app import MAX_BODY_BYTES
+from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_TOOL_CALLS

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import QuickdraftError
-from quickdraft.server.app import ServerConfig, create_app
+from quickdraft.server.app import create_app
+from quickdraft.server.config import ServerConfig
 from quickdraft.server.connections import MAX_HEADER_BYTES, ConnectionLimits, guarded_protocol
 
 __all__ = ["BackgroundServer", "HttpFront", "ServerConfig", "create_app", "listen", "serve"]

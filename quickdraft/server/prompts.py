@@ -4,7 +4,8 @@ A prompt that cannot fit the context is refused from its length alone (Tokenizer
 before any tokenizer work; the rest is rendered and tokenized on threads of their own, at most
 TOKENIZE_THREADS at once for long texts and as many for short ones, so that long ones (a 1 MiB
 prompt takes ~1 s of a core and ~100 MB) wait for each other and never hold up a short one; and
-after a long text the allocator gives the freed memory back to the system.
+after a long text the allocator gives the freed memory back to the system. Also how the model's
+chat template takes tools (`syntax`), which every front rendering a chat needs.
 Knows the tokenizer, not the engine.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from quickdraft.tokenizer import Message, Tokenizer
+from quickdraft.tools import GENERIC, syntax_of
 
 TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
 LONG_CHARS = 1 << 14     # a long text (~16 ms to tokenize and up)
@@ -43,6 +45,9 @@ class Prompts:
         self.pools = {long: ThreadPoolExecutor(threads, thread_name_prefix=f"quickdraft-tokenize-{name}")
                       for long, name in ((False, "short"), (True, "long"))}
         self.bytes_per_token = tokenizer.bytes_per_token  # computed once, here, not on a request
+        # how this model's template takes tools (tools.py), found once by rendering a probe
+        self.syntax = syntax_of(lambda m, t: tokenizer.chat_text(m, tools=t)) if tokenizer.has_chat_template \
+            else GENERIC
         self._trim, self._timer, self._lock = _malloc_trim(), None, threading.Lock()
 
     async def min_tokens(self, text: str) -> int:

@@ -1,0 +1,31 @@
+"""The server's settings: one frozen ServerConfig, validated where built (the CLI's flags, tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quickdraft.engine.batch import EngineConfig
+from quickdraft.proposers import SpecConfig
+from quickdraft.server.connections import ConnectionLimits
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of text, past any context this server is likely to hold
+MAX_WAITING = 64  # requests waiting for a batch row; more get a 429
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str
+    spec: SpecConfig = SpecConfig()       # speculation for requests that do not choose their own
+    engine: EngineConfig = EngineConfig(max_batch=8)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413 before they are parsed
+    max_waiting: int = MAX_WAITING        # generation requests beyond the batch's rows; past it a 429
+    api_key: str | None = None            # if set, /v1 routes need Authorization: Bearer <api_key>
+    allowed_hosts: tuple[str, ...] = ()   # Host names answered besides loopback ones (guards.answered_hosts)
+    connections: ConnectionLimits = ConnectionLimits()  # open at once, header and body timeouts (connections.py)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, found {self.max_body_bytes}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be at least 0, found {self.max_waiting}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty (--api-key or QUICKDRAFT_API_KEY); give a key, or neither")

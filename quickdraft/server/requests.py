@@ -1,0 +1,181 @@
+"""A generation request on its way to the engine: every check a request can fail (the model named,
+its choices, its speculation, its response format or tools, its prompt and token budgets against
+the context, its logit bias) as a 400 naming the field, before anything reaches the batch; then its
+engine requests, one per choice. Plain functions of the shared state (state.Served) and the body,
+which both routes use; `chat_prompt` is also how the cluster's front names a chat's prefixes.
+Knows the engine's request and the model's limits, not the engine's loop or HTTP answers.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fastapi import Request as HTTPRequest
+
+from quickdraft.engine.batch import Request, check_context
+from quickdraft.engine.service import MakeProposer
+from quickdraft.errors import ContextTooLong, QuickdraftError
+from quickdraft.grammar import Constraint, GrammarError
+from quickdraft.proposers import PROPOSERS, SpecConfig, SpecConfigError
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import tool_calls
+from quickdraft.server.choices import logprobs_asked, seeds
+from quickdraft.server.errors import BadRequest
+from quickdraft.server.guards import ADMIT
+from quickdraft.server.prompts import Prompts
+from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, _Common
+from quickdraft.server.state import Served
+from quickdraft.tools import Tools, conversation
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
+CONTEXT = "context_length_exceeded"
+GRAMMAR_TIMEOUT_S = 10.0  # a response_format's schema compiled for longer is a 400 (other requests go on meanwhile)
+
+Budget = dict[str, int | None]  # the body's fields that bound the new tokens, by name: the first one given decides
+Made = list[tuple[Request, MakeProposer]]  # per choice, its engine request and the call that builds its proposer
+
+
+def check_model(served: Served, body: _Common) -> None:
+    """Before any work on the prompt: a request for another model costs nothing, nor one for
+    more choices than the server ever holds (each choice takes a place, Admission)."""
+    name = served.config.model_name
+    if body.model != name:
+        raise BadRequest(404, f"model {body.model!r} is not served here; this server serves {name!r}", "model",
+                         "model_not_found")
+    if body.n > served.places:
+        raise BadRequest(400, f"n asks for {body.n} choices, each a request of its own, but this server holds "
+                              f"{served.places} requests at once (--max-batch + --max-waiting); expected at most "
+                              f"{served.places}", "n")
+
+
+def spec_of(served: Served, body: _Common) -> SpecConfig:
+    """The request's speculation over the server's, checked (before any work on its prompt)."""
+    spec = served.config.spec
+    if body.speculative is not None:
+        chosen = body.speculative.model_dump(exclude_none=True)
+        own = {name: value for name, value in chosen.items() if name in SPEC_FIELDS}
+        options = {name: value for name, value in chosen.items() if name not in SPEC_FIELDS}
+        try:  # SpecConfig validates (unknown method, k range, no draft, the proposer's option values)
+            spec = replace(spec, **own, options={**spec.options, **options})
+        except SpecConfigError as e:
+            raise BadRequest(400, str(e), "speculative", "invalid_speculation") from None
+    if problem := unusable(served, spec):
+        raise BadRequest(400, problem, "speculative", "invalid_speculation")
+    return spec
+
+
+def unusable(served: Served, spec: SpecConfig) -> str | None:
+    """Why this server cannot run `spec`, or None: what it can run depends on the models it has."""
+    if spec.needs_head and served.head_error:
+        return served.head_error
+    try:
+        if spec.enabled and PROPOSERS[spec.method].loads == "draft_model":
+            served.llm.draft_name(spec.draft_model)  # loads nothing; an error names the missing flag
+    except SpecConfigError as e:
+        return str(e)
+    return None
+
+
+def methods(served: Served) -> list[str]:
+    """The speculation methods a request may name here (the published schema, the playground)."""
+    default = served.config.spec
+    return [method for method in ["none", *sorted(PROPOSERS)]
+            if unusable(served, replace(default, method=method, k=max(default.k, 1))) is None]
+
+
+async def constraints(served: Served, body: _Common, tools: Tools | None = None) -> list[Constraint | None]:
+    """The request's response_format, or its tools' grammar, compiled (off the event loop, within
+    GRAMMAR_TIMEOUT_S), or a 400 naming it: one per choice (each follows its own text); Nones
+    without one."""
+    fmt = body.response_format.constrains() if body.response_format is not None else None
+    if fmt is None and tools is None:
+        return [None] * body.n
+    llm = served.llm
+    if tools is None:
+        make, param, code = (lambda: llm.constraint(fmt)), "response_format", "invalid_response_format"
+    else:
+        make, param, code = (lambda: tool_calls.compile_tools(llm.grammar_vocabulary(), tools, served.prompts.syntax)
+                             ), "tools", tool_calls.CODE
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(served.grammars, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's
+    try:
+        return [await asyncio.wait_for(loop.run_in_executor(served.grammars, make), GRAMMAR_TIMEOUT_S)
+                for _ in range(body.n)]
+    except GrammarError as e:
+        raise BadRequest(400, str(e), param, code) from None
+    except TimeoutError:
+        raise BadRequest(400, f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
+                         param, code) from None
+
+
+async def chat_prompt(prompts: Prompts, body: ChatCompletionRequest, tools: Tools | None) -> str:
+    """A chat's prompt text: its messages and tools as the model's chat template takes them. The one
+    rendering of a chat, so the cluster's front names the prefixes of the prompt a replica runs."""
+    try:
+        return await prompts.chat_text(*conversation(body.chat(), tools, prompts.syntax))
+    except QuickdraftError as e:
+        raise BadRequest(400, str(e), "messages") from None
+
+
+async def tokenized(served: Served, text: str, budget: Budget, param: str, http: HTTPRequest,
+                    add_special_tokens: bool, n: int) -> list[int]:
+    """The text's token ids: refused first if its length alone says it cannot fit, then n places
+    in the queue (n choices), then the tokenizer (off the event loop, a few at a time)."""
+    prompts = served.prompts
+    try:
+        fits(served, await prompts.min_tokens(text), budget, param, at_least=True)
+        http.scope[ADMIT](n)
+        return await prompts.encode(text, add_special_tokens)
+    except QuickdraftError as e:
+        raise BadRequest(400, str(e), param) from None
+    finally:
+        prompts.done_with(text)
+
+
+def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest, n: int) -> list[int]:
+    """A prompt given as token ids: it fits, each is in the vocabulary; then n places in the queue."""
+    fits(served, len(ids), budget, "prompt")
+    vocab = served.llm.model.config.vocab_size
+    if not all(0 <= t < vocab for t in ids):
+        raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+    http.scope[ADMIT](n)
+    return list(ids)
+
+
+def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = False) -> None:
+    """A prompt of n tokens (at least n: known from its length alone) and each budget field fit
+    the context, or a 400."""
+    limit = served.context
+    if at_least and n >= limit:
+        raise BadRequest(400, f"the prompt has at least {n} tokens (from its length: no token stands for more than "
+                              f"{served.prompts.bytes_per_token} bytes) but the context holds {limit}; "
+                              f"expected at most {limit - 1} so at least one token can be generated", param, CONTEXT)
+    if not at_least:
+        try:
+            check_context(n, limit)
+        except ContextTooLong as e:
+            raise BadRequest(400, str(e), param, CONTEXT) from None
+    has = f"at least {n}" if at_least else f"{n}"
+    for field, wanted in budget.items():
+        if wanted is not None and n + wanted > limit:
+            raise BadRequest(400, f"the prompt has {has} tokens and {field} asks for {wanted} more, but the context "
+                                  f"holds {limit}; expected at most {limit - n} new tokens", field, CONTEXT)
+
+
+def prepare(served: Served, body: _Common, spec: SpecConfig, constraints: list[Constraint | None],
+            ids: list[int], budget: Budget) -> tuple[Made, SamplingParams]:
+    """Per choice, its engine request and the call that builds its proposer; and the sampling
+    settings they share but for their seeds."""
+    llm, limit = served.llm, served.context
+    fits(served, len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
+    bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+    vocab = llm.model.config.vocab_size
+    if any(token >= vocab for token in bias):
+        raise BadRequest(400, f"logit_bias names token {max(bias)}; token ids are 0..{vocab - 1}", "logit_bias")
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                            seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=tuple(body.stop or ()),
+                            logit_bias=bias, presence_penalty=body.presence_penalty or 0.0,
+                            frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs_asked(body))
+    return [llm.request(ids, replace(params, seed=seed), spec, constraint)
+            for seed, constraint in zip(seeds(params.seed, body.n), constraints)], params

@@ -1,0 +1,35 @@
+"""/v1/chat/completions: a conversation, with tools or a response format, answered by the model's
+chat template."""
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import Response
+
+from quickdraft.server import tool_calls
+from quickdraft.server.config import ServerConfig
+from quickdraft.server.requests import chat_prompt, check_model, constraints, prepare, spec_of, tokenized
+from quickdraft.server.routes import add_generation
+from quickdraft.server.schemas import ChatCompletionRequest
+from quickdraft.server.state import served
+from quickdraft.server.streaming import respond
+
+
+async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+    arrived = time.perf_counter()
+    s = served(http)
+    check_model(s, body)
+    spec = spec_of(s, body)
+    tools = tool_calls.tools_of(body)  # checked: a 400 naming the field
+    constrained = await constraints(s, body, tools)
+    # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
+    budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
+    text = await chat_prompt(s.prompts, body, tools)
+    ids = await tokenized(s, text, budget, "messages", http, add_special_tokens=False, n=body.n)
+    made, params = prepare(s, body, spec, constrained, ids, budget)
+    return await respond(s, "chat", body, made, params, http, arrived, tools)
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    add_generation(app, "/v1/chat/completions", chat, config)
