@@ -16,7 +16,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 import quickdraft
-import quickdraft.proposers.drafter as drafter_module
+import quickdraft.proposers.draft_chain as draft_chain
+import quickdraft.proposers.draft_cost as draft_cost
+import quickdraft.proposers.draft_rows as draft_rows
 from quickdraft.engine import generate_tokens
 import quickdraft.engine.batch as engine_batch
 import quickdraft.engine.rows as engine_rows
@@ -53,10 +55,10 @@ class Counted(Drafter):
         self.rows_per_forward: list[int] = []
         self.fed: list[list[tuple[int, int]]] = []  # per forward: each member's row and sequence length
 
-    def _forward(self, members, feeds, starts, *tree):
+    def forward(self, members, feeds, starts, *tree):
         self.rows_per_forward.append(len(members))
         self.fed.append([(m.row, len(m.tokens)) for m in members])
-        return super()._forward(members, feeds, starts, *tree)
+        return super().forward(members, feeds, starts, *tree)
 
 
 def member(drafter: Drafter, violations: list[str]):
@@ -153,7 +155,7 @@ def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.Mo
     reproducible test, and unpinned by hand; the drafter drafts whole ks, and every fed token costs
     a fiftieth of a pass, so the policy verifies some tokens and cuts others (counted as a premise)."""
     monkeypatch.setattr(engine_rows.Row, "pinned", property(lambda self: False))
-    monkeypatch.setattr(Drafter, "_worth", staticmethod(lambda rows, *args, **kw: rows))
+    monkeypatch.setattr(draft_cost, "worth", lambda rows, *args, **kw: rows)
     cut = []
     choose = engine_batch.choose_draft_lengths
 
@@ -172,8 +174,8 @@ def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.Mo
 def test_sampling_law_negative_control(monkeypatch: pytest.MonkeyPatch) -> None:
     """A drafter whose draws do not follow the q it reports (it draws from q^3, renormalized: a
     sharper draft) must fail the same test with the same number of requests."""
-    real = drafter_module.sample
-    monkeypatch.setattr(drafter_module, "sample", lambda q, generator: real(q ** 3, generator))
+    real = draft_chain.sample
+    monkeypatch.setattr(draft_chain, "sample", lambda q, generator: real(q ** 3, generator))
     counts, drafted, accepted = first_tokens(Drafter(tiny16_draft()), 40_000)
     assert 0 < accepted < drafted
     law = plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), N_TOKENS)
@@ -225,7 +227,7 @@ def test_rows_return_to_the_pool() -> None:
     del first
     third = DraftModelProposer(drafter, [4, 5], params, 40)  # longer: the cache grows, rows keep
     third.propose(1)
-    assert third.row == 0 and drafter.cache.batch_size == 2 and drafter.cache.max_len >= 40
+    assert third.row == 0 and drafter.rows.cache.batch_size == 2 and drafter.rows.cache.max_len >= 40
     assert kv_mismatch(second.model, second.cache, [1, 2, 3, 4]) <= KV_TOL
     fourth = DraftModelProposer(drafter, [1, 2, 3], greedy(12), 30)
     ids = [t for e in generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), fourth, 3) for t in e.token_ids]
@@ -238,20 +240,20 @@ def test_full_collections_run_once_per_doubling_of_the_pool(monkeypatch: pytest.
     large process) runs only when the pool would grow past twice its size at the last one, not on
     every join; a member freed by the collector alone still gives its row back."""
     collections = []
-    monkeypatch.setattr(drafter_module.gc, "collect", lambda: collections.append(1) or gc_collect())
+    monkeypatch.setattr(draft_rows.gc, "collect", lambda: collections.append(1) or gc_collect())
     drafter = Drafter(noisy_draft())
     alive = []
     for i in range(32):
         alive.append(DraftModelProposer(drafter, [1, 2, 3], greedy(4), 12))
         alive[-1].propose(2)
-    assert len(drafter.taken) == 32 and len(collections) == 5  # joining a full pool of 1, 2, 4, 8 and 16 rows
+    assert len(drafter.rows.taken) == 32 and len(collections) == 5  # joining a full pool of 1, 2, 4, 8 and 16 rows
     cyclic = alive.pop()
     cyclic.me = cyclic  # a reference cycle: only the collector frees it
     del cyclic
     for _ in range(32):  # the pool is full at 32, its threshold: the first join collects and reuses the row
         alive.append(DraftModelProposer(drafter, [1, 2, 3], greedy(4), 12))
         alive[-1].propose(2)
-    assert len(collections) == 6 and len(drafter.taken) == 63  # the next only at 64 rows
+    assert len(collections) == 6 and len(drafter.rows.taken) == 63  # the next only at 64 rows
 
 
 def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -261,12 +263,12 @@ def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest
     draft_dir = tiny_llm_dir(tmp_path / "draft", seed=3)
     llm = quickdraft.load(str(target_dir), spec=SpecConfig("draft", k=4, draft_model=str(draft_dir)))
     rows_per_forward: list[int] = []
-    forward = Drafter._forward
+    forward = Drafter.forward
 
     def counted(self, members, feeds, starts):
         rows_per_forward.append(len(members))
         return forward(self, members, feeds, starts)
-    monkeypatch.setattr(Drafter, "_forward", counted)
+    monkeypatch.setattr(Drafter, "forward", counted)
 
     def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
         return llm.proposer(list(prompt), params, llm.spec)

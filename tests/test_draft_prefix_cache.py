@@ -41,7 +41,7 @@ def member(drafter: Drafter, prompt: list[int], new: int = 24) -> DraftModelProp
 
 def row_kv(drafter: Drafter, m: DraftModelProposer, n: int) -> list[torch.Tensor]:
     """The first n slots of m's row, every layer's K and V."""
-    cache = drafter.row_cache(m)
+    cache = drafter.rows.row_cache(m)
     return [t[0, :, :n] for t in cache.k + cache.v]
 
 
@@ -81,7 +81,7 @@ def test_a_prefix_from_the_cache_is_bitwise_a_fresh_catch_up(name: str) -> None:
     thread = threading.Thread(target=gone.clear)  # its finalizer runs there
     thread.start()
     thread.join()
-    assert drafter.released and drafter.prefix.stats.blocks == held  # nothing stored off the drafter's thread
+    assert drafter.rows.released and drafter.prefix.stats.blocks == held  # nothing stored off the drafter's thread
     other = member(drafter, tokens(11, 20))
     other.propose(K)  # reuses the row: the gone member's K/V were stored first
     assert other.row == row and drafter.prefix.stats.blocks > held

@@ -19,6 +19,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.draft_cost import ForwardTimes
+from quickdraft.proposers import draft_tree
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
@@ -136,14 +137,14 @@ def test_a_group_call_failing_in_its_tree_levels_leaves_its_members_as_they_were
     model = target()
     drafter = Counted(noisy_draft())
     calls = []
-    grow = Drafter._trees
+    grow = draft_tree.grow
 
     def broken_in_groups(self, members, *args):
         calls.append([m.width for m in members])
         if len(members) > 1:
             raise RuntimeError("tree level failed")
         return grow(self, members, *args)
-    monkeypatch.setattr(Drafter, "_trees", broken_in_groups)
+    monkeypatch.setattr(draft_tree, "grow", broken_in_groups)
     make = members(drafter, (1, 1, 3), [], {"trees": 0, "kept": 0})
     batch = [Job([1, 17, 42, 8], greedy(15), make, 4), Job([44, 12, 19], greedy(15), make, 3),
              Job([5, 6, 7], greedy(15), make, 4, join_at=2)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-import quickdraft.proposers.drafter as drafter_module
+import quickdraft.proposers.draft_chain as drafter_module
 from quickdraft.bench.specbench import parse_methods
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.errors import QuickdraftError

@@ -55,14 +55,27 @@ class DraftModelProposer:
     @property
     def cache(self) -> KVCache:
         """This request's row of the drafter's cache."""
-        return self.group.row_cache(self)
+        return self.group.rows.row_cache(self)
 
     def propose(self, k: int) -> Draft:
         return self.group.propose([self], [k])[0]
 
     def commit(self, step: Committed) -> None:
         self.cost = step.cost
-        self.group.keep(self, step.tokens, step.drafted)
+        self.group.keep(self, self._run_path(step.tokens[:step.drafted]), step.tokens)
+        self.tokens.extend(step.tokens)
+        self.nodes = []
+
+    def _run_path(self, accepted: Sequence[int]) -> list[int]:
+        """The cache slots of the accepted draft nodes that were run, root first (the last node of
+        a chain, and a tree's unexpanded leaves, were not: the path's K/V end there)."""
+        run, parent = [], -1
+        for token in accepted:
+            parent = next((n for n, (t, p, _) in enumerate(self.nodes) if p == parent and t == token), None)
+            if parent is None or self.nodes[parent][2] is None:
+                break
+            run.append(self.nodes[parent][2])
+        return run
 
 
 def check_compatible(target, draft) -> None:

@@ -1,0 +1,111 @@
+"""The drafter's row pool: one KV cache with a row per live draft-model proposer (a member), rows
+handed out on a member's first draft and taken back when the member is garbage.
+
+Knows the cache, the members' committed tokens and the draft's prefix cache (a gone member's K/V
+are offered to it before its row is reused); nothing of drafting, costs or the engine.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from collections import deque
+from typing import Protocol
+
+import torch
+
+from quickdraft.cache import KVCache
+from quickdraft.draft_contract import PassCost
+from quickdraft.model.llama import Transformer
+from quickdraft.prefix_cache import PrefixCache
+from quickdraft.proposers.draft_cost import CATCH_UP
+from quickdraft.sampling import SamplingParams
+
+
+
+class Member(Protocol):
+    """What the drafter reads and keeps of a proposer drafting with it (draft_model.py)."""
+    row: int | None           # its row of the drafter's cache (None: not drafted yet)
+    tokens: list[int]         # the committed sequence
+    prompt_len: int           # tokens[prompt_len:] were generated (what penalties count)
+    cached: int               # tokens[:cached] have K/V in its row
+    width: int                # 1: it drafts chains; more: trees, running this many nodes per level
+    capacity: int             # slots it may use
+    horizon: int              # the sequence length at which its request ends at the latest
+    params: SamplingParams
+    generator: torch.Generator
+    cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
+    idle: int                 # proposals in a row it drafted nothing for
+    offered: list[int]        # its last draft's tokens (a tree's: its likeliest path)
+    confidences: list[float]  # the draft's probability of each of them
+    nodes: list[tuple[int, int, int | None]]  # its last draft's nodes: token, parent (-1: the root),
+                                              # the cache slot of its K/V (None: it was not run)
+
+
+class RowPool:
+    def __init__(self, model: Transformer, prefix: PrefixCache | None) -> None:
+        self.model, self.prefix = model, prefix
+        self.cache: KVCache | None = None
+        self.taken: list[bool] = []          # per cache row: a live member owns it
+        self.owners: list[list[int]] = []    # per cache row: its member's committed tokens (the member's
+                                             # own list, read for the prefix cache once the member is gone)
+        self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
+        self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
+        self.collect_at = 1  # pool size from which a full garbage collection may run again
+        self.longest, self.slack = 0, CATCH_UP  # the cache's length: the largest capacity + the widest forward
+
+    def join(self, member: Member) -> None:
+        """A cache row for a member drafting for the first time (not before: a waiting request
+        holds none); it returns to the pool when the member is garbage."""
+        if all(self.taken) and len(self.taken) >= self.collect_at:
+            # a member in a reference cycle is freed only by the collector; a full collection costs
+            # 0.1-1 s in a large process (it was 98% of a test suite's time, run on every join), so
+            # it runs once per doubling of the pool: unreachable members hold at most half of it
+            gc.collect()
+            self.reclaim()
+            self.collect_at = 2 * len(self.taken)
+        row = self.taken.index(False) if False in self.taken else len(self.taken)
+        rows = max(row + 1, len(self.taken))
+        # past every member's capacity, room for the throwaway tokens a row runs while others draft:
+        # as wide as the widest forward (a catch-up, or a tree level)
+        self.slack = max(self.slack, member.width)
+        self.longest = max(self.longest, member.capacity)
+        max_len = max(self.longest + self.slack, 0 if self.cache is None else self.cache.max_len)
+        if self.cache is None or rows > self.cache.batch_size or max_len > self.cache.max_len:
+            self._grow(rows, max_len)
+        self.taken += [False] * (rows - len(self.taken))
+        self.owners += [[] for _ in range(rows - len(self.owners))]
+        self.free_from += [0] * (rows - len(self.free_from))
+        self.taken[row], self.owners[row], self.free_from[row] = True, member.tokens, 0
+        self.cache.lengths[row] = 0
+        member.row = row
+        weakref.finalize(member, self.released.append, row)
+
+    def reclaim(self) -> None:
+        """Free the rows of members gone, first offering the K/V of their committed tokens to the
+        prefix cache (here, on the drafter's thread: a member's finalizer may run on any)."""
+        while self.released:
+            row = self.released.popleft()
+            if self.prefix is not None:
+                self.prefix.store(self.owners[row][:self.cache.lengths[row]], self.cache, row)
+            self.taken[row], self.owners[row], self.free_from[row] = False, [], 0
+            self.cache.lengths[row] = 0
+
+    def _grow(self, rows: int, max_len: int) -> None:
+        """A larger cache holding what the old one held (members join rarely: a copy is cheap)."""
+        new = self.model.new_cache(rows, max_len)
+        if self.cache is not None:
+            old = self.cache
+            for a, b in zip(new.k + new.v, old.k + old.v):
+                a[:old.batch_size, :, :old.max_len] = b
+            new.lengths[:old.batch_size] = old.lengths
+        self.cache = new
+
+    def settle(self, member: Member) -> None:
+        """The member's row holds K/V for exactly its first `cached` tokens; the slots after are free."""
+        self.cache.lengths[member.row] = self.free_from[member.row] = member.cached
+
+    def row_cache(self, member: Member) -> KVCache:
+        """The member's row as a cache of its own (a view: tests read it); empty before its first draft."""
+        if member.row is None:
+            return self.model.new_cache(1, 1)
+        return self.cache.rows(member.row, member.row + 1)
