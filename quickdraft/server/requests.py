@@ -144,22 +144,24 @@ def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest,
 
 def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = False) -> None:
     """A prompt of n tokens (at least n: known from its length alone) and each budget field fit
-    the context, or a 400."""
+    the context, or a 400; the message says why the context ends there where the model's RoPE
+    is why (ModelConfig.context_note), as the Python API's does."""
     limit = served.context
+    note = served.llm.model.config.context_note(limit)
     if at_least and n >= limit:
         raise BadRequest(400, f"the prompt has at least {n} tokens (from its length: no token stands for more than "
-                              f"{served.prompts.bytes_per_token} bytes) but the context holds {limit}; "
+                              f"{served.prompts.bytes_per_token} bytes) but the context holds {limit}{note}; "
                               f"expected at most {limit - 1} so at least one token can be generated", param, CONTEXT)
     if not at_least:
         try:
-            check_context(n, limit)
+            check_context(n, limit, note)
         except ContextTooLong as e:
             raise BadRequest(400, str(e), param, CONTEXT) from None
     has = f"at least {n}" if at_least else f"{n}"
     for field, wanted in budget.items():
         if wanted is not None and n + wanted > limit:
             raise BadRequest(400, f"the prompt has {has} tokens and {field} asks for {wanted} more, but the context "
-                                  f"holds {limit}; expected at most {limit - n} new tokens", field, CONTEXT)
+                                  f"holds {limit}{note}; expected at most {limit - n} new tokens", field, CONTEXT)
 
 
 def prepare(served: Served, body: _Common, spec: SpecConfig, constraints: list[Constraint | None],
