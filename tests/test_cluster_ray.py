@@ -18,9 +18,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from quickdraft.api import load
 from quickdraft.cluster.ingress import REPLICA_HEADER
+from quickdraft.cluster.load import ReplicaLoad, replica_loads
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.prefix_cache import BLOCK
 from quickdraft.proposers import SpecConfig
@@ -231,6 +233,13 @@ def health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=30).json()
 
 
+def lost(url: str) -> float:
+    """Requests whose replica was lost while it answered, as the front counts them."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "quickdraft_cluster_lost_requests_total")
+
+
 def test_a_killed_replica_ends_its_requests_cleanly_and_comes_back(cluster: str) -> None:
     before = health(cluster)
     assert before["status"] == "ok" and before["replicas"] == {"healthy": 2, "wanted": 2}
@@ -276,7 +285,6 @@ def test_a_replica_killed_under_load_costs_no_5xx_beyond_its_requests_and_health
         assert time.monotonic() < wait_for_ok
         time.sleep(0.5)
     before = health(cluster)
-    victim, survivor = sorted(before["runtime"])
     statuses: list[int] = []
     cut_streams: list[list[str]] = []
     healths: list[tuple[float, dict]] = []
@@ -309,6 +317,11 @@ def test_a_replica_killed_under_load_costs_no_5xx_beyond_its_requests_and_health
     for w in workers:
         w.start()
     time.sleep(3.0)
+    # the replica taking most of the load (one chat template's prefix draws it there) dies
+    routed = replica_loads(httpx.get(f"{cluster}/metrics", timeout=30).text)
+    victim = max(before["runtime"], key=lambda name: routed.get(name, ReplicaLoad()).routed)
+    survivor = next(iter(set(before["runtime"]) - {victim}))
+    lost_before = lost(cluster)
     killed = time.monotonic()
     os.kill(before["runtime"][victim]["pid"], signal.SIGKILL)
     back = None
@@ -323,6 +336,7 @@ def test_a_replica_killed_under_load_costs_no_5xx_beyond_its_requests_and_health
     errors = [s for s in statuses if s != 200]
     assert len(errors) + len(cut_streams) <= 4, (errors, len(cut_streams))  # at most what was in flight on it
     assert len(statuses) > 8  # the load went on while the replica was gone
+    assert lost(cluster) > lost_before  # requests were in flight on the victim (retried or ended there)
     for t, h in healths:
         assert h["status"] in ("ok", "degraded"), h  # the survivor answered throughout
         assert survivor in h["runtime"] and h["replicas"]["healthy"] == len(h["runtime"]), h
