@@ -32,7 +32,7 @@ from quickdraft.proposers.registry import runs
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.tool_reply import read
-from quickdraft.tools import GENERIC, Syntax, Tools, ToolsError, compile_tools, conversation, request_tools, syntax_of
+from quickdraft.tools import Syntax, Tools, ToolsError, compile_tools, conversation, request_tools, template_syntax
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 
@@ -283,8 +283,7 @@ class LLM:
     def tool_syntax(self) -> Syntax:
         """How this model's chat template takes tools (tools.syntax_of renders a probe), found once."""
         if self._tool_syntax is None:
-            self._tool_syntax = GENERIC if not self.tokenizer.has_chat_template else \
-                syntax_of(lambda messages, tools: self.tokenizer.chat_text(messages, tools=tools))
+            self._tool_syntax = template_syntax(self.tokenizer)
         return self._tool_syntax
 
     def proposer_name(self, spec: SpecConfig | None = None) -> str | None:

@@ -110,6 +110,13 @@ Render = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], str]
 PROBE = Function("quickdraft_probe", {"type": "object", "properties": {"x": {"type": "string"}}})
 
 
+def template_syntax(tokenizer: Any) -> Syntax:
+    """How a tokenizer's chat template takes tools (syntax_of's probe); GENERIC without a template."""
+    if not tokenizer.has_chat_template:
+        return GENERIC
+    return syntax_of(lambda messages, tools: tokenizer.chat_text(messages, tools=tools))
+
+
 def syntax_of(render: Render) -> Syntax:
     """The native syntax whose call the template writes for an earlier call, where it also lists the
     tools it is given (before that call) and shows the tool's result; else GENERIC."""
@@ -285,10 +292,11 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
 
 # -- the grammar ------------------------------------------------------------------------------------------
 
-def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax, by_id: bool = True) -> Constraint | None:
     """The reply's constraint (None: free text): each function's schema compiled alone first, so that
     one llguidance refuses is a ToolsError naming it. Compiling takes time (the server runs it on its
-    grammar threads)."""
+    grammar threads). by_id: the syntax's special markers named by token id (the model's trained
+    token), else by text (`grammar`: a server whose text drops special tokens must see them)."""
     for i, function in enumerate(tools.functions):
         param = f"tools.{i}.function.parameters"
         try:
@@ -296,8 +304,9 @@ def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Const
                 "schema": function.parameters, "strict": function.strict}}))
         except GrammarError as e:
             raise ToolsError(f"{param}: {e}", param) from None
+    special = vocabulary.special(syntax.markers)
     lark = grammar(tools, syntax, {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
-                                   for text in vocabulary.special(syntax.markers)})
+                                   for text in special} if by_id else special)
     return None if lark is None else constrain(vocabulary, lark_grammar(lark))
 
 

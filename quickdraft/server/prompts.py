@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from quickdraft.tokenizer import Message, Tokenizer
-from quickdraft.tools import GENERIC, syntax_of
+from quickdraft.tools import template_syntax
 
 TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
 LONG_CHARS = 1 << 14     # a long text (~16 ms to tokenize and up)
@@ -46,8 +46,7 @@ class Prompts:
                       for long, name in ((False, "short"), (True, "long"))}
         self.bytes_per_token = tokenizer.bytes_per_token  # computed once, here, not on a request
         # how this model's template takes tools (tools.py), found once by rendering a probe
-        self.syntax = syntax_of(lambda m, t: tokenizer.chat_text(m, tools=t)) if tokenizer.has_chat_template \
-            else GENERIC
+        self.syntax = template_syntax(tokenizer)
         self._trim, self._timer, self._lock = _malloc_trim(), None, threading.Lock()
 
     async def min_tokens(self, text: str) -> int:

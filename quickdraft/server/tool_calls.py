@@ -8,54 +8,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from quickdraft.grammar import Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar
+from quickdraft.grammar import Constraint, Vocabulary
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
 from quickdraft.tool_reply import Reader, calls_of
-from quickdraft.tools import NO_ARGUMENTS, Function, Syntax, Tools, grammar
+from quickdraft.tools import Syntax, Tools, ToolsError, request_tools
+from quickdraft.tools import compile_tools as compile_tools_of
 
 CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
 
 
 def tools_of(body: ChatCompletionRequest) -> Tools | None:
-    """The request's tools, None where it has none (tool_choice may then be unset, none or auto)."""
-    choice = body.tool_choice
-    if not body.tools:
-        if choice not in (None, "none", "auto"):
-            raise BadRequest(400, "tool_choice: there are no tools to call; give tools, or leave tool_choice unset",
-                             "tool_choice", CODE)
-        return None
-    if body.response_format is not None and body.response_format.type != "text":
+    """The request's tools (tools.request_tools), None where it has none; a 400 names the field."""
+    if body.tools and body.response_format is not None and body.response_format.type != "text":
         raise BadRequest(400, "response_format: a reply under tools is text or tool calls, so it cannot also follow "
                               "a response_format; give the schema as a tool's parameters instead", "response_format",
                          CODE)
-    names = [tool.function.name for tool in body.tools]
-    if (twice := next((name for i, name in enumerate(names) if name in names[:i]), None)) is not None:
-        raise BadRequest(400, f"tools: two tools are named {twice!r}; expected each name once", "tools", CODE)
-    functions = tuple(Function(t.function.name, t.function.parameters if t.function.parameters is not None
-                               else NO_ARGUMENTS, t.function.description, t.function.strict is True)
-                      for t in body.tools)
-    parallel = body.parallel_tool_calls is not False
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise BadRequest(400, f"tool_choice: names the function {choice.function.name!r}, which is not among "
-                                  f"the tools ({', '.join(names)})", "tool_choice", CODE)
-        return Tools(functions, "function", choice.function.name, parallel)
-    return Tools(functions, choice or "auto", None, parallel)
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    try:
+        return request_tools([tool.model_dump(exclude_none=True) for tool in body.tools or ()], choice,
+                             body.parallel_tool_calls)
+    except ToolsError as e:
+        raise BadRequest(400, str(e), e.param, CODE) from None
 
 
 def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
-    """The reply's constraint (None: free text): each function's schema compiled alone first, so that
-    one llguidance refuses is a 400 naming it. For the grammar threads: compiling takes time."""
-    for i, function in enumerate(tools.functions):
-        param = f"tools.{i}.function.parameters"
-        try:
-            constrain(vocabulary, grammar_text({"type": "json_schema", "json_schema": {
-                "schema": function.parameters, "strict": function.strict}}))
-        except GrammarError as e:
-            raise BadRequest(400, f"{param}: {e}", param, CODE) from None
-    lark = grammar(tools, syntax, vocabulary.special(syntax.markers))
-    return None if lark is None else constrain(vocabulary, lark_grammar(lark))
+    """tools.compile_tools, its markers by text (the server's text drops special tokens), a
+    ToolsError a 400. For the grammar threads: compiling takes time."""
+    try:
+        return compile_tools_of(vocabulary, tools, syntax, by_id=False)
+    except ToolsError as e:
+        raise BadRequest(400, str(e), e.param, CODE) from None
 
 
 class ToolReply:
