@@ -65,6 +65,9 @@ def test_the_longest_cached_prefix_wins_within_the_slack_of_the_shortest_queue()
     assert rank(busy, slack=4)[0] == ["a"]                   # one hot prefix cannot pile everything on b
     same = [Candidate("a", load=1, matched=3), Candidate("b", load=0, matched=3)]
     assert rank(same, slack=4)[0] == ["b"]                   # equal prefixes: the shorter queue
+    shared = [Candidate("a", load=1, matched=2), Candidate("b", load=0, matched=0)]
+    assert rank(shared, blocks=10)[0] == ["b"]  # 2 of 10 blocks (a system prompt): the idle replica
+    assert rank(shared, blocks=6)[0] == ["a"]   # 2 of 6: the history is there
 
 
 def test_idle_replicas_with_nothing_cached_take_turns() -> None:

@@ -37,9 +37,9 @@ RETRIED = 400  # tokens of the request that is on the replica killed: still runn
 
 # -- SIGTERM: `quickdraft serve --replicas 2` as run, a process of its own (first: no other cluster runs yet) ----
 
-SHUTDOWN_S = 6.0  # --shutdown-timeout: the short streams finish within it, the long ones do not
+SHUTDOWN_S = 15.0  # --shutdown-timeout: the short chats finish within it (loaded too), the long ones do not
 EXIT_BOUND_S = 60.0  # from SIGTERM to the process gone, Ray's processes with it
-SHORT = 48  # tokens of the chats that finish within --shutdown-timeout
+SHORT = 24  # tokens of the chats that finish within --shutdown-timeout
 
 
 def serve_replicas(*flags: str) -> tuple[subprocess.Popen, str]:
@@ -98,7 +98,7 @@ def stream_lines(url: str, route: str, fields: dict, began: threading.Event, out
 
 def counting(i: int) -> dict:
     """A completion that runs past --shutdown-timeout: greedy SmolLM2 goes on counting."""
-    return {"prompt": ", ".join(str(n) for n in range(i, i + 20)) + ",", "max_tokens": 1500}
+    return {"prompt": ", ".join(str(n) for n in range(i, i + 20)) + ",", "max_tokens": 3900}
 
 
 def question(i: int) -> dict:

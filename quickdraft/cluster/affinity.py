@@ -16,6 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 SLACK = 4  # requests a replica's queue may exceed the shortest by and still win on its prefix
+# A replica's match counts only where it covers this share of the prompt's blocks (SGLang's router
+# has such a threshold): a chat template's system prompt alone, one or two blocks of every prompt,
+# drew every new conversation to the replica the first went to and left the others idle. A
+# conversation's next turn resends its last prompt and answer, far more than this share.
+MATCH_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -25,15 +30,17 @@ class Candidate:
     matched: int  # leading blocks of the prompt it holds
 
 
-def rank(candidates: Sequence[Candidate], slack: int = SLACK, turn: int = 0) -> list[list[str]]:
-    """Names, most preferred first, one per rank: the longest match among those within `slack` of
-    the shortest queue (ties: the shorter queue, then in turn, so that idle replicas alternate),
-    then the rest by queue."""
+def rank(candidates: Sequence[Candidate], slack: int = SLACK, turn: int = 0, blocks: int = 0,
+         share: float = MATCH_SHARE) -> list[list[str]]:
+    """Names, most preferred first, one per rank: the longest match (of at least `share` of the
+    prompt's `blocks`) among those within `slack` of the shortest queue (ties: the shorter queue,
+    then in turn, so that idle replicas alternate), then the rest by queue."""
     assert candidates, "no replica to rank"
     least = min(c.load for c in candidates)
     near = [c for c in candidates if c.load <= least + slack]
     start = turn % len(near)
-    best = max(near[start:] + near[:start], key=lambda c: (c.matched, -c.load))  # max keeps the first of ties
+    held = lambda c: c.matched if c.matched >= share * blocks else 0  # noqa: E731
+    best = max(near[start:] + near[:start], key=lambda c: (held(c), -c.load))  # max keeps the first of ties
     rest = sorted((c for c in candidates if c is not best), key=lambda c: (c.load, -c.matched))
     return [[best.name], *([c.name] for c in rest)]
 

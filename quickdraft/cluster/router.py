@@ -73,7 +73,8 @@ class PrefixAffinityRouter(RequestRouter):
                 self.prefixes.advertise(name, stats.get("prefix", ()))
             candidates.append(Candidate(name, loads[name], self.prefixes.matched(name, digests)))
         by_name = {_name(r.replica_id): r for r in candidate_replicas}
-        return [[by_name[n] for n in names] for names in rank(candidates, self.slack, self._turns.of(pending_request))]
+        return [[by_name[n] for n in names]
+                for names in rank(candidates, self.slack, self._turns.of(pending_request), len(digests))]
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[str, int]:
         """Requests on each replica: the router's cache of queue lengths, a probe where it has none."""
