@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from quickdraft.engine.policy import StepCost
 
-STALL = 1.5      # a chunk costs at most this many of the running rows' decode steps: a stream's gap
+STALL = 1.25     # a chunk costs at most this many of the running rows' decode steps: a stream's gap
                  # stays within 3 of its steps with room to spare, as chunk costs are estimated from
-                 # the last pass and the context grows under them
-MIN_CHUNK = 4    # at least this many tokens a pass, however slow, so a prompt always advances
+                 # the last pass (a pass's time varies by a fifth on a busy CPU) and the context grows
+                 # under them (1.5 let 3-5% of a 4,000-token prompt's steps past 3x on the 1.5B)
+MIN_CHUNK = 1    # at least this many tokens a pass, however slow, so a prompt always advances: late in
+                 # a long prompt one token's attention costs half a decode step of the 1.5B (4 tokens
+                 # at 4,000 took 2.3 steps more)
 PASSED_OVER = 4  # admissions a waiting prompt may be passed over for shorter ones before it goes first
 GROWTH = 2.0     # a chunk at most this many times the last one: a size's cost is known only near
                  # the last size measured
