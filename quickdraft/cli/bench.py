@@ -88,8 +88,6 @@ def add_bench_plain(bsub) -> None:
 
 
 def cmd_bench_forward_cost(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from quickdraft.bench.forward_cost import default_q_values, run_forward_cost
     if args.max_q < 1 or args.repeats < 1 or args.context < 1:
         raise QuickdraftError(f"--max-q, --repeats and --context must be >= 1, found "
@@ -135,8 +133,6 @@ def _specbench_command(args: argparse.Namespace) -> str:
 def cmd_bench_specbench(args: argparse.Namespace) -> int:
     import platform
     import time
-    from pathlib import Path
-
     import torch
 
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
@@ -303,8 +299,6 @@ def add_bench_quality(bsub) -> None:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from itertools import zip_longest
-    from pathlib import Path
-
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.tokenizer import Message, Tokenizer
 
