@@ -456,8 +456,9 @@ def test_a_store_in_parts_keeps_what_one_store_keeps() -> None:
 
 
 def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> None:
-    """The step that ends a prompt copies OFFER_BLOCKS of its blocks into the prefix cache, each
-    later step as many more, so no step pays for the whole prompt; the tokens are the same."""
+    """From the step after a prompt ends, each step copies OFFER_BLOCKS of its blocks into the prefix
+    cache (the step that ends it none: it pays for the last chunk and the first token), so no step
+    pays for the whole prompt; the tokens are the same."""
     OFFER_BLOCKS = 4
     monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", OFFER_BLOCKS)
     model = tiny(MODEL)
@@ -468,7 +469,7 @@ def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> 
     while engine.has_work():
         out += [t for _, e in engine.step() for t in e.token_ids]
         held.append(engine.prefix.stats.blocks)
-    assert held[:3] == [OFFER_BLOCKS, OFFER_BLOCKS + 4, OFFER_BLOCKS + 4]  # then 3 blocks and the prompt's tail
+    assert held[:3] == [0, OFFER_BLOCKS, OFFER_BLOCKS + 4]  # none as it ends, then 3 blocks and the prompt's tail
     cold = Engine(model, EngineConfig(max_batch=2))
     assert out == run_to_end(cold, Request(prompt, greedy(6), id="cold"))
 
@@ -505,11 +506,11 @@ def test_a_row_that_ends_leaves_its_kv_a_few_blocks_a_step(monkeypatch) -> None:
     while engine.has_work() or engine.leaving():
         engine.step()
         held.append(engine.prefix.stats.blocks)
-    assert held == [2, 4, 6, 8, 10]  # 2 as its prompt ends (the request too), 2 a step after
+    assert held == [0, 2, 4, 6, 8, 10]  # none in the step its prompt (and the request) ends, 2 a step after
     again = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
     again.add(Request(prompt, greedy(1), id="short"))
     first = again.step()
-    assert [row.leaving for row in again.finished] == [True] and again.prefix.stats.blocks == 2
+    assert [row.leaving for row in again.finished] == [True] and again.prefix.stats.blocks == 0
     out = run_to_end(again, Request(prompt, greedy(5), id="same"))
     assert again.prefix.stats.hit_tokens == len(prompt) - 1
     cold = Engine(model, EngineConfig(max_batch=2))

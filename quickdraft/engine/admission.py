@@ -136,7 +136,7 @@ class Admission:
         the step. After the prompt's last token, the row decodes from the next step on (it joins
         the running rows, whose cache row it already sits in); its first token is sampled here from
         that token's logits alone, as a one-pass prefill scores it."""
-        index, n, end = len(self.rows), len(row.tokens), row.length + size
+        n, end = len(row.tokens), row.length + size
         self.last_prefill = (size, seconds)
         row.length = end
         row.features.append(hidden)
@@ -152,7 +152,7 @@ class Admission:
         self.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if self.prefix is not None else []
-        self._offer_prompt(row, index)  # from now: sessions that share this prompt need not wait for its end
+        self._offer_prompt(row)  # from now: sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
         return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],

@@ -34,10 +34,12 @@ class Leaving:
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
             return True
 
-    def _offer_prompt(self, row: Row, i: int) -> None:
-        """A row whose prompt is in (cache row i) starts leaving it to the prefix cache: OFFER_BLOCKS
-        blocks now, as many each step after (`offering`)."""
-        if not self._offer(row, i, row.features[0] if row.features else None, OFFER_BLOCKS):
+    def _offer_prompt(self, row: Row) -> None:
+        """A row whose prompt is in leaves it to the prefix cache OFFER_BLOCKS blocks a step from the
+        next step (`offering`): the step that ends a prompt has its last chunk and first token to
+        pay for already (with its first blocks too, a 4,000-token prompt's last step stalled the
+        other rows 3x). A prompt admitted meanwhile that starts the same way gets it whole first."""
+        if self.prefix is not None and not row.failed:
             self.offering.append(row)
 
     def _offer_prompts(self, admitting: Sequence[int] | None = None) -> None:
