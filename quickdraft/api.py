@@ -115,10 +115,12 @@ class TextAssembler:
     commits several tokens, and those after the stop string's are neither text nor usage.
 
     pieces: also say which text each token released (they join to the chunk's text; the text the
-    detokenizer still held at the end goes to the chunk's last token, or to none if it has none)."""
+    detokenizer still held at the end goes to the chunk's last token, or to none if it has none).
+    keep: special tokens whose text is kept (a tool syntax's markers: Tokenizer.markers_of)."""
 
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, pieces: bool = False) -> None:
-        self.detok = StreamDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, pieces: bool = False,
+                 keep: frozenset[int] = frozenset()) -> None:
+        self.detok = StreamDetokenizer(tokenizer, keep)
         self.stops = StopStringFilter(params.stop)
         # with stop strings, token by token: where one ends is a token; so too for each token's text
         self.by_token = bool(params.stop) or pieces
@@ -322,8 +324,9 @@ class LLM:
         finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on).
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (docs/tools.md), with chat messages;
         the chunks are the model's text, calls in its syntax (generate reads them into tool_calls)."""
-        ids, constraint, _ = self._prepared(prompt, messages, response_format, tools, tool_choice, parallel_tool_calls)
-        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint)
+        ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
+                                                 parallel_tool_calls)
+        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, self._kept(chosen))
 
     def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
@@ -343,9 +346,13 @@ class LLM:
             return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax()), chosen
         return ids, self.constraint(response_format) if formatted else None, None
 
-    def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None
-                ) -> Iterator[Chunk]:
-        text = TextAssembler(self.tokenizer, params)
+    def _kept(self, tools: Tools | None) -> frozenset[int]:
+        """The special tokens a reply's text keeps: its tool syntax's markers where it may call."""
+        return self.tokenizer.markers_of(self.tool_syntax().markers) if tools and tools.callable() else frozenset()
+
+    def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
+                keep: frozenset[int] = frozenset()) -> Iterator[Chunk]:
+        text = TextAssembler(self.tokenizer, params, keep=keep)
         with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
                 if event.error is not None:
@@ -366,31 +373,20 @@ class LLM:
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls)
         text, tokens, logprobs = [], [], []
-        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint):
+        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, self._kept(chosen)):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)
         done = Completion("".join(text), tokens, chunk.finish_reason or "length", chunk.stats, logprobs, "".join(text))
         if chosen is None or not chosen.callable():
             return done
-        reply = read(chosen, self.tool_syntax(), self._reply_text(done))
+        reply = read(chosen, self.tool_syntax(), done.text)
         whole = reply.calls if reply.complete else reply.calls[:-1]
         call = f"call_{uuid.uuid4().hex[:12]}"  # as OpenAI's, unique; prompts never show it (tools.conversation)
         return replace(done, content=reply.content,
                        tool_calls=[ToolCall(f"{call}_{i}", c.name, json.loads(c.arguments)) for i, c in enumerate(whole)],
                        finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
                        done.finish_reason)
-
-    def _reply_text(self, done: Completion) -> str:
-        """The text of a reply under tools as tool_reply reads it: the completion's, unless the syntax's
-        markers are special tokens that decoding drops (Mistral's [TOOL_CALLS]); then its tokens' text
-        with them kept (the grammar lets no special token into a reply but its markers and the stop
-        tokens, left out)."""
-        markers = [self.tokenizer.encode(m, add_special_tokens=False) for m in self.tool_syntax().markers]
-        if all(self.tokenizer.decode(ids) for ids in markers):
-            return done.text
-        stops = self.tokenizer.eos_token_ids
-        return self.tokenizer.hf.decode([t for t in done.token_ids if t not in stops], skip_special_tokens=False)
 
 
 def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache | None:

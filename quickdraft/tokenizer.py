@@ -9,7 +9,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from jinja2 import TemplateError
 
@@ -34,8 +34,24 @@ class Tokenizer:
         _check_text(text, "the prompt")
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], keep: frozenset[int] = frozenset()) -> str:
+        """The text of `ids`, special tokens dropped but those in `keep` (markers_of's)."""
+        if not keep:
+            return self.hf.decode(list(ids), skip_special_tokens=True)
+        return self.hf.decode([t for t in ids if t in keep or t not in self._special_ids], skip_special_tokens=False)
+
+    def markers_of(self, texts: Iterable[str]) -> frozenset[int]:
+        """The ids of those of `texts` that are one special token, which decode drops unless kept
+        (Mistral's [TOOL_CALLS]: a tool reply's text must show it)."""
+        ids = [self.encode(text, add_special_tokens=False) for text in texts]
+        return frozenset(i[0] for i in ids if len(i) == 1 and i[0] in self._special_ids)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """The tokens decode(skip_special_tokens=True) drops: the named special tokens and added
+        tokens marked special."""
+        added = getattr(self.hf, "added_tokens_decoder", {})
+        return frozenset(self.hf.all_special_ids) | {i for i, token in added.items() if token.special}
 
     def token_bytes(self, token: int) -> bytes:
         """A token's own bytes (OpenAI's logprobs bytes): a byte-level vocabulary's symbols mapped
@@ -182,16 +198,16 @@ class StreamDetokenizer:
     text gained; a trailing U+FFFD means a multi-byte character is still incomplete.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, keep: frozenset[int] = frozenset()) -> None:
+        self.tokenizer, self.keep = tokenizer, keep  # keep: special tokens whose text is kept
         self.ids: list[int] = []
         self.prefix = 0  # window start
         self.read = 0    # ids already turned into emitted text
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
-        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read], self.keep)
+        text = self.tokenizer.decode(self.ids[self.prefix:], self.keep)
         if text.endswith("\ufffd") or len(text) <= len(done):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -199,8 +215,8 @@ class StreamDetokenizer:
 
     def flush(self) -> str:
         """Whatever is held back at the end (an incomplete character decodes to U+FFFD)."""
-        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read], self.keep)
+        text = self.tokenizer.decode(self.ids[self.prefix:], self.keep)
         self.prefix = self.read = len(self.ids)
         return text[len(done):]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import AbstractSet as Set, Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from quickdraft.errors import QuickdraftError
 from quickdraft.grammar import JSON_OPTIONS, Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar
@@ -292,11 +292,11 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
 
 # -- the grammar ------------------------------------------------------------------------------------------
 
-def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax, by_id: bool = True) -> Constraint | None:
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
     """The reply's constraint (None: free text): each function's schema compiled alone first, so that
     one llguidance refuses is a ToolsError naming it. Compiling takes time (the server runs it on its
-    grammar threads). by_id: the syntax's special markers named by token id (the model's trained
-    token), else by text (`grammar`: a server whose text drops special tokens must see them)."""
+    grammar threads). The syntax's special markers are named by token id (the model's trained token;
+    the reply's text keeps them: Tokenizer.markers_of)."""
     for i, function in enumerate(tools.functions):
         param = f"tools.{i}.function.parameters"
         try:
@@ -304,27 +304,24 @@ def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax, by_id: b
                 "schema": function.parameters, "strict": function.strict}}))
         except GrammarError as e:
             raise ToolsError(f"{param}: {e}", param) from None
-    special = vocabulary.special(syntax.markers)
-    lark = grammar(tools, syntax, {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
-                                   for text in special} if by_id else special)
+    special = {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
+               for text in vocabulary.special(syntax.markers)}
+    lark = grammar(tools, syntax, special)
     return None if lark is None else constrain(vocabulary, lark_grammar(lark))
 
 
-def grammar(tools: Tools, syntax: Syntax, special: Set[str] | Mapping[str, int] = frozenset()) -> str | None:
+def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = None) -> str | None:
     """The reply's grammar, in llguidance's Lark; None where the reply is free text (choice none).
     Calls are Lark around one JSON schema per call (its arguments the function's schema, moved under
     $defs with its references); under `auto` text may come instead (GENERIC, LLAMA3: text not
     beginning as calls do) or before the calls (HERMES, MISTRAL: text up to the first trigger).
     special: the syntax's markers the vocabulary holds as special tokens (Qwen2.5's <tool_call>,
-    Mistral's [TOOL_CALLS]), written as those tokens: their text spelled out would be other tokens,
-    which the model never writes. Given with their ids (compile_tools), they are named by id;
-    as texts (server/tool_calls.py's call), by text where llguidance can name them so (in angle
-    brackets: `<tool_call>`), else spelled out (`[TOOL_CALLS]`: the text a decoder keeps)."""
+    Mistral's [TOOL_CALLS]) -> their ids, named by id: their text spelled out would be other tokens,
+    which the model never writes."""
     functions = tools.callable()
     if not functions:
         return None
-    tokens = {text: f"<[{special[text]}]>" if isinstance(special, Mapping) else text for text in syntax.markers
-              if text in special and (isinstance(special, Mapping) or text[0] + text[-1] == "<>")}
+    tokens = {text: f"<[{special[text]}]>" for text in syntax.markers if text in (special or {})}
     more = f" ({_lark(syntax.between, tokens)} call)*" if tools.parallel and syntax.between is not None else ""
     calls = f"{_lark(syntax.first, tokens)} call{more} {_lark(syntax.last, tokens)}"
     if tools.choice != "auto":

@@ -22,10 +22,11 @@ import quickdraft
 from quickdraft.grammar import Vocabulary, constrain, lark_grammar
 from quickdraft.proposers import SpecConfig
 from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.tokenizer import StreamDetokenizer, Tokenizer
 from quickdraft.tool_reply import Call, read
 from quickdraft.tools import HERMES, LLAMA3, MISTRAL, Tools, conversation, grammar, syntax_of
 from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
+from test_server import NAME, Server
 from tiny_models import save_hf_dir
 from tiny_tokenizer import VOCAB_SIZE, build_tokenizer, tiny_model
 
@@ -233,9 +234,9 @@ def test_a_tiny_model_calls_in_its_family_s_syntax_and_speculation_changes_nothi
               params=SamplingParams(max_new_tokens=200))
     plain = llm.generate(**kw)
     assert plain.finish_reason == "tool_calls" and len(plain.tool_calls) == 1, plain.text
-    if family == "mistral":  # the special token first (text drops special tokens: the reader reads the ids')
+    if family == "mistral":  # the special token first, its text kept in the reply's
         assert plain.token_ids[0] == llm.tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)[0]
-        assert plain.text.startswith(' [{"name": "') and plain.content == ""
+        assert plain.text.startswith('[TOOL_CALLS] [{"name": "') and plain.content == ""
     else:
         assert plain.text.startswith('{"name": "') and plain.content == ""
     schemas = {f.name: f.parameters for f in (WEATHER, TIME)}
@@ -253,9 +254,45 @@ def test_a_tiny_model_calls_in_its_family_s_syntax_and_speculation_changes_nothi
     assert WEATHER.name in prompt.split(written[:-1])[0]  # the tools are listed before
 
 
-def test_special_markers_are_named_by_id_or_where_llguidance_cannot_name_them_spelled_out() -> None:
+def test_special_markers_are_named_by_id() -> None:
     required = Tools(FUNCTIONS, "required")
-    assert '<[278]> " ["' in grammar(required, MISTRAL, {"[TOOL_CALLS]": 278})
-    # as texts (the server's call today): Lark names only <...> tokens by text; [TOOL_CALLS] is spelled out
-    assert 'start: "[TOOL_CALLS] [" call' in grammar(required, MISTRAL, frozenset({"[TOOL_CALLS]"}))
-    assert 'start: <tool_call> "\\n" call' in grammar(required, HERMES, frozenset({"<tool_call>", "</tool_call>"}))
+    assert 'start: <[278]> " [" call' in grammar(required, MISTRAL, {"[TOOL_CALLS]": 278})
+    assert 'start: <[7]> "\\n" call' in grammar(required, HERMES, {"<tool_call>": 7, "</tool_call>": 8})
+    assert 'start: "[TOOL_CALLS] [" call' in grammar(required, MISTRAL)  # not special in the vocabulary: text
+
+
+def test_markers_are_kept_in_text_where_decoding_drops_special_tokens() -> None:
+    tok = tokenizer_of("mistral")
+    marker, end = (tok.encode(t, add_special_tokens=False)[0] for t in ("[TOOL_CALLS]", "</s>"))
+    assert tok.markers_of(MISTRAL.markers) == {marker} and tok.markers_of(["[TOOL", "abc"]) == frozenset()
+    ids = [marker, *tok.encode(' [{"a": 1}]', add_special_tokens=False), end]
+    assert tok.decode(ids) == ' [{"a": 1}]' and tok.decode(ids, frozenset({marker})) == '[TOOL_CALLS] [{"a": 1}]'
+    detok = StreamDetokenizer(tok, frozenset({marker}))
+    assert "".join(detok.push([t]) for t in ids) + detok.flush() == '[TOOL_CALLS] [{"a": 1}]'
+
+
+
+def test_the_server_reads_calls_in_the_family_s_syntax_as_the_python_api_does(family_llm) -> None:
+    """Over HTTP, whole and streamed: the calls the Python API read, the marker the model's special
+    token (Mistral's [TOOL_CALLS], which decoding drops unless a reply under tools keeps it)."""
+    family, llm = family_llm
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    kw = dict(messages=messages, tools=OPENAI_TOOLS, tool_choice="required", parallel_tool_calls=False)
+    api = llm.generate(params=SamplingParams(max_new_tokens=200), **kw)
+    expected = [(c.name, json.dumps(c.arguments)) for c in api.tool_calls]
+    assert api.finish_reason == "tool_calls" and expected
+    s = Server(llm, max_batch=2)
+    try:
+        r = s.client.chat.completions.create(model=NAME, max_tokens=200, temperature=0, **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert [(n, json.loads(a)) for n, a in got] == [(n, json.loads(a)) for n, a in expected]
+        streamed: dict[int, list[str]] = {}
+        for chunk in s.client.chat.completions.create(model=NAME, max_tokens=200, temperature=0, stream=True, **kw):
+            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                streamed.setdefault(call.index, []).append(call.function.arguments or "")
+                assert not chunk.choices[0].delta.content
+        assert ["".join(parts) for _, parts in sorted(streamed.items())] == [a for _, a in got]
+    finally:
+        s.stop()

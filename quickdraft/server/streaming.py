@@ -69,12 +69,14 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     loop = asyncio.get_running_loop()
     events: Events = asyncio.Queue()
     choices = []
+    callable_tools = tools is not None and bool(tools.callable())
+    keep = tokenizer.markers_of(served.prompts.syntax.markers) if callable_tools else frozenset()
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
-        timed = Timed(TextAssembler(tokenizer, params, pieces=pieces), served.metrics, arrived)
+        timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep), served.metrics, arrived)
         choices.append(Choice(index, request, timed.feed, kind, tokenizer.token_bytes))
-    replies = [tool_calls.ToolReply(tools, served.prompts.syntax, choice.request.id)
-               if tools and tools.callable() else None for choice in choices]  # none: free text, nothing to read
+    replies = [tool_calls.ToolReply(tools, served.prompts.syntax, choice.request.id)  # type: ignore[arg-type]
+               if callable_tools else None for choice in choices]  # none: free text, nothing to read
     return Answer(kind, served.config.model_name, choices, events, replies, served.worker.cancel)
 
 

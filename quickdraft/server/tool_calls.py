@@ -33,10 +33,9 @@ def tools_of(body: ChatCompletionRequest) -> Tools | None:
 
 
 def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
-    """tools.compile_tools, its markers by text (the server's text drops special tokens), a
-    ToolsError a 400. For the grammar threads: compiling takes time."""
+    """tools.compile_tools, a ToolsError a 400. For the grammar threads: compiling takes time."""
     try:
-        return compile_tools_of(vocabulary, tools, syntax, by_id=False)
+        return compile_tools_of(vocabulary, tools, syntax)
     except ToolsError as e:
         raise BadRequest(400, str(e), e.param, CODE) from None
 
