@@ -29,8 +29,8 @@ from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream
 class Steady:
     """A greedy stream asked in a loop on a thread of its own, from before an attack to after it, on
     one kept-alive connection: each stream is read to its end, as httpx and the async openai client
-    do (the sync openai client stops at [DONE] and drops the connection unless the body's last bytes
-    came with it, a race the connection cap's test would see as a free place)."""
+    do (the sync openai client stops reading at [DONE] and closes the connection, so each of its
+    streams opens a new one: between two, the connection cap's test would find a free place)."""
 
     def __init__(self, server: Server, llm, prompt: str = PROMPTS[3], n: int = 24) -> None:  # noqa: F811
         self.server, self.prompt, self.n = server, prompt, n
