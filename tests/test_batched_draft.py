@@ -30,7 +30,7 @@ from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW,
-                                 assert_plain_sampling_law, kv_mismatch, plain_law, tiny16, tiny16_draft)
+                                 assert_plain_sampling_law, draft_state, kv_mismatch, plain_law, tiny16, tiny16_draft)
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import tiny_llm_dir
@@ -55,10 +55,10 @@ class Counted(Drafter):
         self.rows_per_forward: list[int] = []
         self.fed: list[list[tuple[int, int]]] = []  # per forward: each member's row and sequence length
 
-    def forward(self, members, feeds, starts, *tree):
-        self.rows_per_forward.append(len(members))
-        self.fed.append([(m.row, len(m.tokens)) for m in members])
-        return super().forward(members, feeds, starts, *tree)
+    def forward(self, states, feeds, starts, *tree):
+        self.rows_per_forward.append(len(states))
+        self.fed.append([(s.row, len(self.rows.owners[s.row])) for s in states])  # owners: the members' tokens
+        return super().forward(states, feeds, starts, *tree)
 
 
 def member(drafter: Drafter, violations: list[str]):
@@ -68,11 +68,12 @@ def member(drafter: Drafter, violations: list[str]):
 
         def checked_commit(step: Committed) -> None:
             commit(step)
-            seq = proposer.tokens[:proposer.cached]
-            if proposer.cache.lengths[0] != proposer.cached:
-                violations.append(f"row {proposer.row}: length {proposer.cache.lengths[0]} != {proposer.cached}")
+            state = draft_state(proposer)
+            seq = proposer.tokens[:state.cached]
+            if proposer.cache.lengths[0] != state.cached:
+                violations.append(f"row {state.row}: length {proposer.cache.lengths[0]} != {state.cached}")
             if (diff := kv_mismatch(proposer.model, proposer.cache, seq)) > KV_TOL:
-                violations.append(f"row {proposer.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
+                violations.append(f"row {state.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
         proposer.commit = checked_commit  # the instance's: the group still calls the real propose
         return proposer
     return make
@@ -221,18 +222,18 @@ def test_rows_return_to_the_pool() -> None:
     params = greedy(5)
     first = DraftModelProposer(drafter, [1, 2, 3], params, 20)
     second = DraftModelProposer(drafter, [1, 2, 3, 4], params, 20)
-    assert first.row is None  # a row from the first proposal on
+    assert drafter.rows.of(first) is None  # a row from the first proposal on
     drafter.propose([first, second], [2, 2])
-    assert (first.row, second.row) == (0, 1) and second.cached == 4
+    assert (draft_state(first).row, draft_state(second).row) == (0, 1) and draft_state(second).cached == 4
     del first
     third = DraftModelProposer(drafter, [4, 5], params, 40)  # longer: the cache grows, rows keep
     third.propose(1)
-    assert third.row == 0 and drafter.rows.cache.batch_size == 2 and drafter.rows.cache.max_len >= 40
+    assert draft_state(third).row == 0 and drafter.rows.cache.batch_size == 2 and drafter.rows.cache.max_len >= 40
     assert kv_mismatch(second.model, second.cache, [1, 2, 3, 4]) <= KV_TOL
     fourth = DraftModelProposer(drafter, [1, 2, 3], greedy(12), 30)
     ids = [t for e in generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), fourth, 3) for t in e.token_ids]
     assert ids == [t for e in generate_tokens(target(), [1, 2, 3], greedy(12)) for t in e.token_ids]
-    assert fourth.row == 2
+    assert draft_state(fourth).row == 2
 
 
 def test_full_collections_run_once_per_doubling_of_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,9 +266,9 @@ def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest
     rows_per_forward: list[int] = []
     forward = Drafter.forward
 
-    def counted(self, members, feeds, starts):
-        rows_per_forward.append(len(members))
-        return forward(self, members, feeds, starts)
+    def counted(self, states, feeds, starts):
+        rows_per_forward.append(len(states))
+        return forward(self, states, feeds, starts)
     monkeypatch.setattr(Drafter, "forward", counted)
 
     def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:

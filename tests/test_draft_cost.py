@@ -17,6 +17,7 @@ from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_model import DraftModelProposer
 from test_batch_engine import Job, greedy, run_batched, target
 from test_batched_draft import Counted
+from test_spec_exactness import draft_state
 
 
 def test_calibration_starts_at_the_confidence_and_learns_acceptance() -> None:
@@ -176,10 +177,10 @@ def test_until_a_level_is_timed_one_row_drafts_the_one_with_least_to_catch_up(mo
         m.cost = cost
     drafts = drafter.propose(members, [3, 3, 3])
     assert [len(d.tokens) > 0 for d in drafts] == [False, True, False]
-    assert [m.cached for m in members] == [0, 3, 0] and drafter.times.first is not None
+    assert [draft_state(m).cached for m in members] == [0, 3, 0] and drafter.times.first is not None
     drafter.times.first = drafter.times.later = 1e-6  # timed, and nearly free: every row drafts
     drafts = drafter.propose(members, [3, 3, 3])
-    assert all(len(d.tokens) > 0 for d in drafts) and [m.cached for m in members] == [8, 3, 5]
+    assert all(len(d.tokens) > 0 for d in drafts) and [draft_state(m).cached for m in members] == [8, 3, 5]
 
 
 def test_a_catch_up_is_paid_only_where_drafting_can_repay_it() -> None:
@@ -209,7 +210,7 @@ def test_a_prompt_the_draft_cannot_repay_is_not_prefilled(monkeypatch: pytest.Mo
         m.cost = PassCost(seconds=0.05, per_token=0.005, rows=2)
     drafts = drafter.propose([short, long], [4, 4])
     assert [len(d.tokens) > 0 for d in drafts] == [False, True]
-    assert (short.cached, long.cached) == (0, len(prompt))  # a saving of ~23 ms a token: 4 do not repay 120 ms
+    assert (draft_state(short).cached, draft_state(long).cached) == (0, len(prompt))  # a saving of ~23 ms a token: 4 do not repay 120 ms
 
 
 def test_a_row_that_cannot_choose_drafts_while_the_level_is_untimed(monkeypatch: pytest.MonkeyPatch) -> None:

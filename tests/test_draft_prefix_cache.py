@@ -24,7 +24,7 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import greedy, target
 from test_prefix_cache import random_cache, tokens
-from test_spec_exactness import tiny
+from test_spec_exactness import draft_state, tiny
 from tiny_tokenizer import tiny_llm_dir
 
 MB = 1 << 20
@@ -74,7 +74,7 @@ def test_a_prefix_from_the_cache_is_bitwise_a_fresh_catch_up(name: str) -> None:
     a = member(drafter, first, new=30)
     answer = [t for e in generate_tokens(target(), first, greedy(30), frozenset(), a, K, adaptive=False)
               for t in e.token_ids]
-    row, held = a.row, drafter.prefix.stats.blocks
+    row, held = draft_state(a).row, drafter.prefix.stats.blocks
     assert held == -(-(len(first) - 1) // BLOCK)  # the prompt, offered once caught up: its blocks and a tail
     gone = [a]
     del a
@@ -84,13 +84,13 @@ def test_a_prefix_from_the_cache_is_bitwise_a_fresh_catch_up(name: str) -> None:
     assert drafter.rows.released and drafter.prefix.stats.blocks == held  # nothing stored off the drafter's thread
     other = member(drafter, tokens(11, 20))
     other.propose(K)  # reuses the row: the gone member's K/V were stored first
-    assert other.row == row and drafter.prefix.stats.blocks > held
+    assert draft_state(other).row == row and drafter.prefix.stats.blocks > held
 
     second = first + answer + tokens(12, 20)
     before = drafter.caught_up
     b, c = member(drafter, second), member(fresh, second)
     drafted, expected = b.propose(K), c.propose(K)
-    assert drafted.tokens == expected.tokens and b.confidences == c.confidences  # the draft's probabilities, exactly
+    assert drafted.tokens == expected.tokens and draft_state(b).confidences == draft_state(c).confidences  # the draft's probabilities, exactly
     assert all(torch.equal(x, y) for x, y in zip(row_kv(drafter, b, len(second)), row_kv(fresh, c, len(second))))
     # the premises: turn 2 ran less than what is new since turn 1's prompt; without the cache, all
     assert drafter.caught_up - before < len(second) - len(first) and fresh.caught_up == len(second) - 1
@@ -113,7 +113,7 @@ def test_the_catch_up_is_priced_on_what_the_cache_cannot_give() -> None:
         m = member(drafter, prompt, new=40)
         m.cost = PassCost(seconds=0.05, per_token=0.005, rows=1)
         before = drafter.caught_up
-        outcomes.append((len(m.propose(K).tokens) > 0, m.cached, drafter.caught_up - before))
+        outcomes.append((len(m.propose(K).tokens) > 0, draft_state(m).cached, drafter.caught_up - before))
     assert outcomes == [(False, 0, 0), (True, len(prompt), 0)]
 
 

@@ -25,7 +25,7 @@ from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_batched_draft import Counted, noisy_draft
 from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW,
-                                 assert_plain_sampling_law, kv_mismatch, plain_law, tiny16, tiny16_draft)
+                                 assert_plain_sampling_law, draft_state, kv_mismatch, plain_law, tiny16, tiny16_draft)
 from test_verify import ALPHA, chi_square_p_value
 
 
@@ -37,15 +37,17 @@ class Watched(DraftModelProposer):
     def commit(self, step: Committed) -> None:
         # its last draft, however it was asked for (alone or in its drafter's group call): a tree
         # where a node's parent is not the node before it
-        self.log["trees"] += any(parent != i - 1 for i, (_, parent, _) in enumerate(self.nodes))
-        before = self.cached
+        state = draft_state(self)
+        self.log["trees"] += any(parent != i - 1 for i, (_, parent, _) in enumerate(state.nodes))
+        before = state.cached
         super().commit(step)
-        self.log["kept"] += self.cached - before > 1  # K/V kept from drafted nodes, not only caught up
-        seq = self.tokens[:self.cached]
-        if self.cache.lengths[0] != self.cached:
-            self.violations.append(f"row {self.row}: length {self.cache.lengths[0]} != {self.cached}")
+        state = draft_state(self)
+        self.log["kept"] += state.cached - before > 1  # K/V kept from drafted nodes, not only caught up
+        seq = self.tokens[:state.cached]
+        if self.cache.lengths[0] != state.cached:
+            self.violations.append(f"row {state.row}: length {self.cache.lengths[0]} != {state.cached}")
         if (diff := kv_mismatch(self.model, self.cache, seq)) > KV_TOL:
-            self.violations.append(f"row {self.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
+            self.violations.append(f"row {state.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
 
 
 def members(drafter: Drafter, widths: Sequence[int], violations: list[str], log: dict[str, int]):

@@ -22,6 +22,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.proposers.base import Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.draft_rows import DraftRow
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
 from test_verify import ALPHA, chi_square_p_value
@@ -75,6 +76,11 @@ def kv_mismatch(model: Transformer, cache, tokens: Sequence[int]) -> float:
 KV_TOL = 1e-4
 
 
+def draft_state(m: DraftModelProposer) -> DraftRow:
+    """The drafter's state of m (draft_rows.py); before m's first draft a blank one (nothing cached)."""
+    return m.group.rows.of(m) or DraftRow(row=-1)
+
+
 class Checked:
     """Wraps a proposer: records every proposal, and for a DraftModelProposer checks its own cache
     after each commit (violations are collected, so a test first reports what the user sees)."""
@@ -102,15 +108,16 @@ class Checked:
         where = f"after committing {len(self.seq)} tokens"
         if inner.tokens != self.seq:
             self.violations.append(f"{where}: proposer.tokens is not the committed sequence")
-        if inner.cache.lengths[0] != inner.cached:
-            self.violations.append(f"{where}: cache length {inner.cache.lengths[0]} != cached {inner.cached}")
+        cached = draft_state(inner).cached
+        if inner.cache.lengths[0] != cached:
+            self.violations.append(f"{where}: cache length {inner.cache.lengths[0]} != cached {cached}")
         # The newest token is the target's: the draft has not run it yet.
         if inner.cache.lengths[0] > len(self.seq) - 1:
             self.violations.append(f"{where}: draft cache holds {inner.cache.lengths[0]} tokens, "
                                    f"more than the {len(self.seq) - 1} committed before the newest")
-        diff = kv_mismatch(inner.model, inner.cache, self.seq[:inner.cached])
+        diff = kv_mismatch(inner.model, inner.cache, self.seq[:cached])
         if diff > KV_TOL:
-            self.violations.append(f"{where}: the draft cache's first {inner.cached} slots differ from "
+            self.violations.append(f"{where}: the draft cache's first {cached} slots differ from "
                                    f"a fresh forward over those tokens by {diff:.3g}")
 
 
@@ -244,7 +251,7 @@ def test_draft_proposer_cache_follows_the_committed_tokens(scenario: str, k: int
     inner = proposer.inner
     # At each event the proposer has also proposed: its cache may hold its pending drafts but
     # covers the committed tokens it knows of.
-    assert inner.cached <= len(inner.tokens) and inner.cache.lengths[0] <= len(inner.tokens) + k - 1
+    assert draft_state(inner).cached <= len(inner.tokens) and inner.cache.lengths[0] <= len(inner.tokens) + k - 1
 
 
 def test_ngram_acceptance_is_mixed() -> None:

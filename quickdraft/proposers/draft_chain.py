@@ -13,26 +13,28 @@ import torch
 from quickdraft.draft_contract import Draft
 from quickdraft.proposers import draft_cost
 from quickdraft.proposers.draft_cost import Calibration, Plan
-from quickdraft.proposers.draft_rows import Member
+from quickdraft.proposers.draft_rows import DraftRow, Member
 from quickdraft.sampling import penalize, probabilities, sample
 
 if TYPE_CHECKING:
     from quickdraft.proposers.drafter import Drafter
 
 
-def grow(drafter: Drafter, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor,
-         t0: float, drafts: list[Draft], gains: list[float], calibration: Sequence[Calibration], plan: Plan | None,
-         per_token: float) -> None:
+def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow], going: list[int],
+         ks: Sequence[int], logits: torch.Tensor, t0: float, drafts: list[Draft], gains: list[float],
+         calibration: Sequence[Calibration], plan: Plan | None, per_token: float) -> None:
     """A chain for each member of `going` (logits [len(going), V] after its newest token), drawn
-    from its q, one level per forward while a level pays (draft_cost.worth), into drafts[b]."""
+    from its q, one level per forward while a level pays (draft_cost.worth), into drafts[b] and
+    its state's offered tokens, confidences and nodes."""
     qs: dict[int, list[torch.Tensor]] = {b: [] for b in going}
     estimates: dict[int, list[float]] = {b: [] for b in going}
     drafting = list(going)
     for i in range(max(ks)):
         for b, (x, confidence) in zip(drafting, draw(logits, [members[b] for b in drafting],
+                                                     [states[b].offered for b in drafting],
                                                      [qs[b] for b in drafting])):
-            members[b].offered.append(x)
-            members[b].confidences.append(confidence)
+            states[b].offered.append(x)
+            states[b].confidences.append(confidence)
             # a sampled row's estimate must not depend on its drawn token: a prefix verified, a
             # chain cut short or a hybrid's choice made by it would keep a token for its own
             # q(x) and bias the law; greedy rows are exact whatever is verified
@@ -40,30 +42,31 @@ def grow(drafter: Drafter, members: Sequence[Member], going: list[int], ks: Sequ
                                 else calibration[b].mean)
             gains[b] *= estimates[b][-1]
         drafter.times.observe("first" if i == 0 else "later", time.perf_counter() - t0)
-        drafting = draft_cost.worth([b for b in drafting if ks[b] > i + 1], members, gains, calibration, plan,
-                                    per_token, drafter.times.later)
+        drafting = draft_cost.worth([b for b in drafting if ks[b] > i + 1], members, states, gains, calibration,
+                                    plan, per_token, drafter.times.later)
         if not drafting:
             break
         t0 = time.perf_counter()
-        logits = drafter.forward([members[b] for b in drafting], [[members[b].offered[-1]] for b in drafting],
+        logits = drafter.forward([states[b] for b in drafting], [[states[b].offered[-1]] for b in drafting],
                                  [len(members[b].tokens) + i for b in drafting])
     for b in going:
-        m = members[b]
-        n = len(m.offered)  # every token but the last was fed, each in the slot after its parent's
-        m.nodes = [(x, i - 1, len(m.tokens) + i if i < n - 1 else None) for i, x in enumerate(m.offered)]
-        drafts[b] = Draft(list(m.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
+        m, s = members[b], states[b]
+        n = len(s.offered)  # every token but the last was fed, each in the slot after its parent's
+        s.nodes = [(x, i - 1, len(m.tokens) + i if i < n - 1 else None) for i, x in enumerate(s.offered)]
+        drafts[b] = Draft(list(s.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
 
 
-def draw(logits: torch.Tensor, members: Sequence[Member], qs: Sequence[list[torch.Tensor]]) -> list[tuple[int, float]]:
+def draw(logits: torch.Tensor, members: Sequence[Member], chains: Sequence[list[int]],
+         qs: Sequence[list[torch.Tensor]]) -> list[tuple[int, float]]:
     """logits [n, V] -> per member a token and the draft's probability of it: the argmax for
     greedy members, else a draw from q = probabilities(logits) (the target's processing), appended
-    to its qs; a member's penalties count its generated tokens and its chain drafted so far, as
-    the verifier's count them at that position."""
+    to its qs; a member's penalties count its generated tokens and its chain drafted so far
+    (`chains`), as the verifier's count them at that position."""
     confidence, best = torch.softmax(logits.float(), -1).max(-1)
     best, confidence = best.tolist(), confidence.tolist()  # one host sync for the greedy rows
     out = []
-    for j, (m, q_list) in enumerate(zip(members, qs)):
-        row = penalized(logits[j:j + 1], m, [m.offered])  # [1, V]
+    for j, (m, chain, q_list) in enumerate(zip(members, chains, qs)):
+        row = penalized(logits[j:j + 1], m, [chain])  # [1, V]
         if m.params.greedy:
             top, x = torch.softmax(row.float(), -1).max(-1) if m.params.penalized else (confidence[j], best[j])
             out.append((int(x), float(top)))

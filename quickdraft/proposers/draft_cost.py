@@ -24,7 +24,7 @@ from quickdraft.draft_contract import PassCost
 from quickdraft.goodput import Acceptance, best_extension, smoothed
 
 if TYPE_CHECKING:
-    from quickdraft.proposers.draft_rows import Member
+    from quickdraft.proposers.draft_rows import DraftRow, Member
 
 BINS = 20          # confidence bins of the calibration
 PRIOR_WEIGHT = 2.0  # pseudo-observations per bin at its own confidence (an uncalibrated draft's guess)
@@ -131,15 +131,15 @@ class ForwardTimes:
         setattr(self, kind, smoothed(getattr(self, kind), seconds))
 
 
-def explores(m: Member) -> bool:
-    """Whether the member drafts on the hope of the best acceptance measured: after EXPLORE idle
-    steps, once the draft has its prompt (a prompt is prefilled only where drafting pays by the
-    mean: explorations that prefilled chat prompts cost a server with the Qwen pair 3% at one
-    request at a time, and found nothing to draft)."""
-    return m.idle >= EXPLORE and m.cached > 0
+def explores(s: DraftRow) -> bool:
+    """Whether the member of state s drafts on the hope of the best acceptance measured: after
+    EXPLORE idle steps, once the draft has its prompt (a prompt is prefilled only where drafting
+    pays by the mean: explorations that prefilled chat prompts cost a server with the Qwen pair 3%
+    at one request at a time, and found nothing to draft)."""
+    return s.idle >= EXPLORE and s.cached > 0
 
 
-def catching_up_pays(m: Member, k: int, calibration: Calibration, times: ForwardTimes,
+def catching_up_pays(m: Member, s: DraftRow, k: int, calibration: Calibration, times: ForwardTimes,
                      reusable: Callable[[], int]) -> bool:
     """A row behind by more than CATCH_UP tokens (its prompt, or text committed while it did
     not draft) drafts only if drafting can repay the catch-up over the rest of its request
@@ -148,16 +148,17 @@ def catching_up_pays(m: Member, k: int, calibration: Calibration, times: Forward
     chat history: the new turn; `reusable()`: how many of its tokens the row can hold without
     running them). Rows whose lengths must not depend on timing, and rows before anything is
     timed, always do."""
-    if len(m.tokens) - m.cached <= CATCH_UP or m.cost is None or None in (times.catch_up, times.first):
+    if len(m.tokens) - s.cached <= CATCH_UP or m.cost is None or None in (times.catch_up, times.first):
         return True
     later = times.later if times.later is not None else times.first
-    acceptance = calibration.best if explores(m) else calibration.mean
+    acceptance = calibration.best if explores(s) else calibration.mean
     return catch_up_pays(m.cost, acceptance, k, times.first, later, m.horizon - len(m.tokens),
                          times.catch_up * (len(m.tokens) - reusable()))
 
 
-def worth(rows: list[int], members: Sequence[Member], gains: list[float], calibration: Sequence[Calibration],
-          plan: Plan | None, per_token: float, level_s: float | None, first: bool = False) -> list[int]:
+def worth(rows: list[int], members: Sequence[Member], states: Sequence[DraftRow], gains: list[float],
+          calibration: Sequence[Calibration], plan: Plan | None, per_token: float, level_s: float | None,
+          first: bool = False) -> list[int]:
     """Which of `rows` draft one more token: all of them while their lengths
     must not depend on timing (no plan); while the level's cost is not measured yet, those that
     cannot choose, or else one; then the rows that cannot choose (a pass cost of None), rows
@@ -171,9 +172,9 @@ def worth(rows: list[int], members: Sequence[Member], gains: list[float], calibr
         # the one with least to catch up: a server's first wave would otherwise prefill every
         # prompt in the draft, for drafts that may not pay at its batch size
         must = [b for b in rows if members[b].cost is None]
-        return must or sorted(rows, key=lambda b: len(members[b].tokens) - members[b].cached)[:1]
+        return must or sorted(rows, key=lambda b: len(members[b].tokens) - states[b].cached)[:1]
     forced = [b for b in rows if members[b].cost is None
-              or (first and explores(members[b]) and plan.pays(calibration[b].best, level_s, per_token))]
+              or (first and explores(states[b]) and plan.pays(calibration[b].best, level_s, per_token))]
     # the next token's chance: reached (gains) and accepted at a confidence not known before it is drawn
     chance = {b: gains[b] * calibration[b].mean for b in rows}
     optional = sorted((b for b in rows if b not in forced), key=lambda b: -chance[b])

@@ -5,7 +5,8 @@ drafts with the same model: catch-up on tokens it has not seen (the prompt, less
 drafter's prefix cache holds from earlier requests, then the target's recovered or bonus token),
 k draft steps (each one forward for all the drafter's rows that draft), and rollback of rejected
 positions. `draft-tree` drafts the draft model's likeliest continuations as a tree instead, a
-level of nodes per forward (drafter.py).
+level of nodes per forward (drafter.py). The row and the last draft are the drafter's state
+(draft_rows.DraftRow); the proposer holds only what is its request's own.
 """
 from __future__ import annotations
 
@@ -38,15 +39,9 @@ class DraftModelProposer:
         self.width = width
         self.tokens = list(prompt_ids)
         self.prompt_len = len(prompt_ids)  # drafter.Member: what follows was generated
-        self.cached = 0  # tokens[:cached] have K/V in the drafter's row
-        self.nodes: list[tuple[int, int, int | None]] = []  # the last draft's nodes (drafter.Member)
         seed = None if params.seed is None else (params.seed ^ DRAFT_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(drafter.model.device)
-        self.row: int | None = None  # its row of the drafter's cache, from its first proposal on
         self.cost: PassCost | None = None  # the next step's verification cost (drafter.py)
-        self.idle = 0
-        self.offered: list[int] = []
-        self.confidences: list[float] = []
 
     @property
     def model(self) -> Transformer:
@@ -62,20 +57,8 @@ class DraftModelProposer:
 
     def commit(self, step: Committed) -> None:
         self.cost = step.cost
-        self.group.keep(self, self._run_path(step.tokens[:step.drafted]), step.tokens)
+        self.group.keep(self, step.tokens[:step.drafted], step.tokens)
         self.tokens.extend(step.tokens)
-        self.nodes = []
-
-    def _run_path(self, accepted: Sequence[int]) -> list[int]:
-        """The cache slots of the accepted draft nodes that were run, root first (the last node of
-        a chain, and a tree's unexpanded leaves, were not: the path's K/V end there)."""
-        run, parent = [], -1
-        for token in accepted:
-            parent = next((n for n, (t, p, _) in enumerate(self.nodes) if p == parent and t == token), None)
-            if parent is None or self.nodes[parent][2] is None:
-                break
-            run.append(self.nodes[parent][2])
-        return run
 
 
 def check_compatible(target, draft) -> None:

@@ -1,5 +1,6 @@
 """The drafter's row pool: one KV cache with a row per live draft-model proposer (a member), rows
-handed out on a member's first draft and taken back when the member is garbage.
+handed out on a member's first draft and taken back when the member is garbage, and the drafter's
+own state of each member (DraftRow: its row, what the row holds, its last draft).
 
 Knows the cache, the members' committed tokens and the draft's prefix cache (a gone member's K/V
 are offered to it before its row is reused); nothing of drafting, costs or the engine.
@@ -9,7 +10,8 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import deque
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 
@@ -21,24 +23,41 @@ from quickdraft.proposers.draft_cost import CATCH_UP
 from quickdraft.sampling import SamplingParams
 
 
-
 class Member(Protocol):
-    """What the drafter reads and keeps of a proposer drafting with it (draft_model.py)."""
-    row: int | None           # its row of the drafter's cache (None: not drafted yet)
+    """What the drafter reads of a proposer drafting with it (draft_model.py): its request's own."""
     tokens: list[int]         # the committed sequence
     prompt_len: int           # tokens[prompt_len:] were generated (what penalties count)
-    cached: int               # tokens[:cached] have K/V in its row
     width: int                # 1: it drafts chains; more: trees, running this many nodes per level
     capacity: int             # slots it may use
     horizon: int              # the sequence length at which its request ends at the latest
     params: SamplingParams
     generator: torch.Generator
     cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
-    idle: int                 # proposals in a row it drafted nothing for
-    offered: list[int]        # its last draft's tokens (a tree's: its likeliest path)
-    confidences: list[float]  # the draft's probability of each of them
-    nodes: list[tuple[int, int, int | None]]  # its last draft's nodes: token, parent (-1: the root),
-                                              # the cache slot of its K/V (None: it was not run)
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """The drafter's own state of a member: its cache row and its last draft, made on the member's
+    first draft; the member never sees it (it must not refer to the member: the pool's map of
+    them is keyed weakly by the member)."""
+    row: int                  # its row of the drafter's cache
+    cached: int = 0           # the member's tokens[:cached] have K/V in the row
+    idle: int = 0             # proposals in a row it drafted nothing for
+    offered: list[int] = field(default_factory=list)        # its last draft's tokens (a tree's: its likeliest path)
+    confidences: list[float] = field(default_factory=list)  # the draft's probability of each of them
+    nodes: list[tuple[int, int, int | None]] = field(default_factory=list)  # its last draft's nodes: token,
+                                              # parent (-1: the root), the cache slot of its K/V (None: not run)
+
+    def run_path(self, accepted: Sequence[int]) -> list[int]:
+        """The cache slots of the accepted draft nodes that were run, root first (the last node of
+        a chain, and a tree's unexpanded leaves, were not: the path's K/V end there)."""
+        run, parent = [], -1
+        for token in accepted:
+            parent = next((n for n, (t, p, _) in enumerate(self.nodes) if p == parent and t == token), None)
+            if parent is None or self.nodes[parent][2] is None:
+                break
+            run.append(self.nodes[parent][2])
+        return run
 
 
 class RowPool:
@@ -50,12 +69,18 @@ class RowPool:
                                              # own list, read for the prefix cache once the member is gone)
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
+        # per live member its state, dropped when the member is garbage (its row then in `released`)
+        self.members: weakref.WeakKeyDictionary[Member, DraftRow] = weakref.WeakKeyDictionary()
         self.collect_at = 1  # pool size from which a full garbage collection may run again
         self.longest, self.slack = 0, CATCH_UP  # the cache's length: the largest capacity + the widest forward
 
-    def join(self, member: Member) -> None:
+    def of(self, member: Member) -> DraftRow | None:
+        """The member's state (None: it has not drafted yet)."""
+        return self.members.get(member)
+
+    def join(self, member: Member) -> DraftRow:
         """A cache row for a member drafting for the first time (not before: a waiting request
-        holds none); it returns to the pool when the member is garbage."""
+        holds none), in the state made for it; the row returns to the pool when the member is garbage."""
         if all(self.taken) and len(self.taken) >= self.collect_at:
             # a member in a reference cycle is freed only by the collector; a full collection costs
             # 0.1-1 s in a large process (it was 98% of a test suite's time, run on every join), so
@@ -77,8 +102,9 @@ class RowPool:
         self.free_from += [0] * (rows - len(self.free_from))
         self.taken[row], self.owners[row], self.free_from[row] = True, member.tokens, 0
         self.cache.lengths[row] = 0
-        member.row = row
+        self.members[member] = state = DraftRow(row)
         weakref.finalize(member, self.released.append, row)
+        return state
 
     def reclaim(self) -> None:
         """Free the rows of members gone, first offering the K/V of their committed tokens to the
@@ -100,12 +126,13 @@ class RowPool:
             new.lengths[:old.batch_size] = old.lengths
         self.cache = new
 
-    def settle(self, member: Member) -> None:
-        """The member's row holds K/V for exactly its first `cached` tokens; the slots after are free."""
-        self.cache.lengths[member.row] = self.free_from[member.row] = member.cached
+    def settle(self, state: DraftRow) -> None:
+        """The row holds K/V for exactly its member's first `cached` tokens; the slots after are free."""
+        self.cache.lengths[state.row] = self.free_from[state.row] = state.cached
 
     def row_cache(self, member: Member) -> KVCache:
         """The member's row as a cache of its own (a view: tests read it); empty before its first draft."""
-        if member.row is None:
+        state = self.of(member)
+        if state is None:
             return self.model.new_cache(1, 1)
-        return self.cache.rows(member.row, member.row + 1)
+        return self.cache.rows(state.row, state.row + 1)

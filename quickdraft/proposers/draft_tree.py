@@ -15,17 +15,18 @@ from quickdraft.draft_contract import Draft
 from quickdraft.proposers import draft_cost
 from quickdraft.proposers.draft_chain import penalized
 from quickdraft.proposers.draft_cost import Calibration, Plan
-from quickdraft.proposers.draft_rows import Member
+from quickdraft.proposers.draft_rows import DraftRow, Member
 from quickdraft.proposers.growing_tree import GrowingTree
 
 if TYPE_CHECKING:
     from quickdraft.proposers.drafter import Drafter
 
 
-def grow(drafter: Drafter, members: Sequence[Member], going: list[int], ks: Sequence[int], logits: torch.Tensor,
-         drafts: list[Draft], calibration: Sequence[Calibration], plan: Plan | None, per_token: float) -> None:
+def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow], going: list[int],
+         ks: Sequence[int], logits: torch.Tensor, drafts: list[Draft], calibration: Sequence[Calibration],
+         plan: Plan | None, per_token: float) -> None:
     """EAGLE-2's dynamic tree for each member of `going` (logits [len(going), V] after its
-    newest token), into drafts[b]: level by level, the `width` nodes of the newest level likeliest
+    newest token), into drafts[b] and its state's nodes and likeliest path: level by level, the `width` nodes of the newest level likeliest
     to be reached (the product of the draft's probabilities along their paths) run in one forward
     for every tree row, each adding its `width` likeliest tokens as children; a row stops when
     its newest level cannot hold one of its k likeliest nodes, or when the level's forward
@@ -55,7 +56,8 @@ def grow(drafter: Drafter, members: Sequence[Member], going: list[int], ks: Sequ
         # a node's chance to be reached and accepted: its path's calibrated estimates (siblings
         # exclude each other, so a level's chances sum to at most one token)
         gains = [sum(grown[b].chance[n] for n in run[b]) if b in run else 0.0 for b in range(len(members))]
-        growing = draft_cost.worth(list(run), members, gains, calibration, plan, per_token, drafter.times.tree)
+        growing = draft_cost.worth(list(run), members, states, gains, calibration, plan, per_token,
+                                   drafter.times.tree)
         if not growing:
             break
         t0 = time.perf_counter()
@@ -68,16 +70,16 @@ def grow(drafter: Drafter, members: Sequence[Member], going: list[int], ks: Sequ
             starts.append(start)
             positions.append([len(m.tokens) - 1 + tree.depth[n] for n in run[b]])  # the root: the newest token
             visible.append(tree.visible(run[b], len(m.tokens)))
-        out = drafter.forward([members[b] for b in growing], feeds, starts, positions, visible)  # [n, W, V]
+        out = drafter.forward([states[b] for b in growing], feeds, starts, positions, visible)  # [n, W, V]
         drafter.times.observe("tree", time.perf_counter() - t0)
         for i, b in enumerate(growing):
             level_logits[b], expanded[b] = out[i, :len(run[b])], run[b]
     for b in going:
-        m, tree = members[b], grown[b]
+        s, tree = states[b], grown[b]
         keep, parents = tree.likeliest(ks[b])
-        m.nodes = [(tree.tokens[n], p, tree.slot.get(n)) for n, p in zip(keep, parents)]
+        s.nodes = [(tree.tokens[n], p, tree.slot.get(n)) for n, p in zip(keep, parents)]
         spine = tree.spine(keep)  # calibrated as a chain is: its likeliest path
-        m.offered, m.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
+        s.offered, s.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
         drafts[b] = Draft([tree.tokens[n] for n in keep], None,
                           [calibration[b].estimate(tree.probs[n]) for n in keep], parents)
 

@@ -5,7 +5,8 @@ module runs a proposal through them, the catch-ups, and the batched forward itse
 
 A Drafter is the proposer group (draft_contract.py) of every proposer drafting with its model; it
 lives as long as the model (the target's shared state), not per request. It knows the draft model
-and each member's committed tokens and cache row, nothing of the engine or the target.
+and each member's committed tokens; each member's cache row and last draft are its own (a DraftRow
+of the row pool), never written to the member. Nothing of the engine or the target.
 
 A step's rows catch up on the tokens they have not run (one or two after a verification: the
 last accepted draft and the target's token), right-aligned, so every row's newest token sits in
@@ -18,8 +19,8 @@ row's catch-up copies the longest cached prefix of its sequence in and runs only
 client's resent history), which is what the cost rule prices; a prompt's K/V are offered to it once
 caught up, and a row's committed tokens' K/V when its member is gone (before the row is reused).
 
-When a step is committed, the member names the accepted nodes that were run (their slots), and
-`keep` moves their K/V into place.
+When a step is committed, `keep` finds the accepted nodes that were run (their slots) in the
+member's last draft and moves their K/V into place.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers import draft_chain, draft_cost, draft_tree
 from quickdraft.proposers.draft_cost import CATCH_UP, Calibration, ForwardTimes, Plan
-from quickdraft.proposers.draft_rows import Member, RowPool
+from quickdraft.proposers.draft_rows import DraftRow, Member, RowPool
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.sequences import common_prefix
 
@@ -54,16 +55,21 @@ class Drafter:
         self.calibration = {True: Calibration(), False: Calibration()}  # greedy / sampled rows
         self.times = ForwardTimes()
 
-    def keep(self, member: Member, run: Sequence[int], committed: Sequence[int]) -> None:
-        """The member committed `committed`, its accepted draft nodes' K/V in the slots `run` (root
-        first): they move to the slots after the cached tokens (a tree's path; a chain's are in
-        place already); everything after is evicted. Calibrates on its last draft."""
+    def keep(self, member: Member, accepted: Sequence[int], committed: Sequence[int]) -> None:
+        """The member committed `committed`, the first of them `accepted` from its last draft: the
+        K/V of those draft nodes that were run move to the slots after the cached tokens (a tree's
+        path; a chain's are in place already); everything after is evicted. Calibrates on its last
+        draft, which is then spent."""
+        state = self.rows.of(member)
+        if state is None:  # it has not drafted yet: nothing of it is kept
+            return
+        run = state.run_path(accepted)
         if run:
-            self.rows.cache.compact(member.row, member.cached, run)
-        member.cached += len(run)
-        self.learn(member, committed)
-        if member.row is not None:
-            self.rows.settle(member)
+            self.rows.cache.compact(state.row, state.cached, run)
+        state.cached += len(run)
+        self.learn(member, state, committed)
+        state.nodes = []
+        self.rows.settle(state)
 
     # -- drafting -----------------------------------------------------------------------------------
 
@@ -74,104 +80,102 @@ class Drafter:
         leaves every member as it was (its generator rewound; K/V written past what it keeps)."""
         with self.lock:
             self.rows.reclaim()
-            for m in members:
-                if m.row is None:
-                    self.rows.join(m)
-            states = [m.generator.get_state() for m in members]
+            states = [self.rows.of(m) or self.rows.join(m) for m in members]
+            rngs = [m.generator.get_state() for m in members]
             try:
-                return self._propose(members, ks)
+                return self._propose(members, states, ks)
             except Exception:
-                for m, state in zip(members, states):
-                    m.generator.set_state(state)
+                for m, rng in zip(members, rngs):
+                    m.generator.set_state(rng)
                 raise
 
-    def _propose(self, members: Sequence[Member], ks: Sequence[int]) -> list[Draft]:
+    def _propose(self, members: Sequence[Member], states: Sequence[DraftRow], ks: Sequence[int]) -> list[Draft]:
         ks = [max(0, min(k, m.capacity - len(m.tokens) + 1)) for m, k in zip(members, ks)]
         cost = next((m.cost for m in members if m.cost is not None), None)  # the same for every row
         plan, per_token = (None, 0.0) if cost is None else (Plan.of(cost), cost.per_token)
         calibration = [self.calibration[m.params.greedy] for m in members]
         gains = [1.0] * len(members)  # per member, the chance its next draft token is reached
-        going = draft_cost.worth([b for b, k in enumerate(ks) if k > 0], members, gains, calibration, plan,
+        going = draft_cost.worth([b for b, k in enumerate(ks) if k > 0], members, states, gains, calibration, plan,
                                  per_token, self.times.first, first=True)
-        going = [b for b in going if draft_cost.catching_up_pays(members[b], ks[b], calibration[b], self.times,
-                                                                 lambda: self._reusable(members[b]))]
+        going = [b for b in going if draft_cost.catching_up_pays(
+            members[b], states[b], ks[b], calibration[b], self.times, lambda: self._reusable(members[b], states[b]))]
         drafts = [NO_DRAFT] * len(members)
-        for b, m in enumerate(members):
-            m.idle = 0 if b in going else m.idle + 1
-            m.offered, m.confidences, m.nodes = [], [], []
+        for b, s in enumerate(states):
+            s.idle = 0 if b in going else s.idle + 1
+            s.offered, s.confidences, s.nodes = [], [], []
         if not going:
             return drafts
         for b in going:  # the prompt: alone, so the others are not padded to its length
-            if len(members[b].tokens) - members[b].cached > CATCH_UP:
-                self._catch_up(members[b])
+            if len(members[b].tokens) - states[b].cached > CATCH_UP:
+                self._catch_up(members[b], states[b])
         t0 = time.perf_counter()
-        width = max(len(members[b].tokens) - members[b].cached for b in going)
+        width = max(len(members[b].tokens) - states[b].cached for b in going)
         starts = [max(0, len(members[b].tokens) - width) for b in going]
-        logits = self.forward([members[b] for b in going],
+        logits = self.forward([states[b] for b in going],
                               [members[b].tokens[s:] for b, s in zip(going, starts)], starts)  # [len(going), V]
         chains = [i for i, b in enumerate(going) if members[b].width == 1]
         trees = [i for i, b in enumerate(going) if members[b].width > 1]
         if chains:
-            draft_chain.grow(self, members, [going[i] for i in chains], ks, logits[chains], t0, drafts, gains,
-                             calibration, plan, per_token)
+            draft_chain.grow(self, members, states, [going[i] for i in chains], ks, logits[chains], t0, drafts,
+                             gains, calibration, plan, per_token)
         if trees:
             if not chains:
                 self.times.observe("first", time.perf_counter() - t0)
-            draft_tree.grow(self, members, [going[i] for i in trees], ks, logits[trees], drafts, calibration, plan,
-                            per_token)
+            draft_tree.grow(self, members, states, [going[i] for i in trees], ks, logits[trees], drafts,
+                            calibration, plan, per_token)
         for b in going:  # only now: a failure above leaves each member as it was, to be asked alone
-            m = members[b]
-            m.cached = self.rows.cache.lengths[m.row] = len(m.tokens)
+            s = states[b]
+            s.cached = self.rows.cache.lengths[s.row] = len(members[b].tokens)
         return drafts
 
-    def _catch_up(self, m: Member) -> None:
+    def _catch_up(self, m: Member, s: DraftRow) -> None:
         """Bring m's row up to all but its newest token, alone: the longest prefix the prefix cache
         holds past what the row has is copied in; the rest, if more than CATCH_UP, runs in forwards
         of at most `chunk` tokens (every token's K/V then bitwise those of any other split: a fresh
         catch-up's, or the row's they were stored from), and is offered to the prefix cache."""
         end = len(m.tokens) - 1
-        if self._reusable(m) > m.cached:
-            m.cached = self.prefix.fetch_kv(m.tokens, end, self.rows.cache, m.row)
-        if len(m.tokens) - m.cached > CATCH_UP:
-            t0, behind = time.perf_counter(), end - m.cached
-            for start in range(m.cached, end, self.chunk or behind):
-                self.forward([m], [m.tokens[start:min(end, start + (self.chunk or behind))]], [start])
+        if self._reusable(m, s) > s.cached:
+            s.cached = self.prefix.fetch_kv(m.tokens, end, self.rows.cache, s.row)
+        if len(m.tokens) - s.cached > CATCH_UP:
+            t0, behind = time.perf_counter(), end - s.cached
+            for start in range(s.cached, end, self.chunk or behind):
+                self.forward([s], [m.tokens[start:min(end, start + (self.chunk or behind))]], [start])
             self.times.observe("catch_up", (time.perf_counter() - t0) / behind)
             self.caught_up += behind
-            m.cached = end
+            s.cached = end
             if self.prefix is not None:
-                self.prefix.store(m.tokens[:end], self.rows.cache, m.row)
-        self.rows.settle(m)
+                self.prefix.store(m.tokens[:end], self.rows.cache, s.row)
+        self.rows.settle(s)
 
-    def _reusable(self, m: Member) -> int:
+    def _reusable(self, m: Member, s: DraftRow) -> int:
         """How many of m's tokens its row can hold the K/V of without running them: those it has,
         or the prefix cache's longest match (never the newest token: its logits start the draft)."""
         if self.prefix is None:
-            return m.cached
-        return max(m.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1))
+            return s.cached
+        return max(s.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1))
 
-    def learn(self, member: Member, committed: Sequence[int]) -> None:
+    def learn(self, member: Member, state: DraftRow, committed: Sequence[int]) -> None:
         """Calibrate on the member's last draft: a token counts as accepted where the committed
         text has it (for a greedy row exactly the verifier's verdict; also judges tokens the
         engine chose not to verify), the first that differs as rejected."""
-        if not member.offered:
+        if not state.offered:
             return
-        self.calibration[member.params.greedy].record(member.confidences, min(len(member.offered), len(committed)),
-                                                      common_prefix(member.offered, committed))
-        member.offered, member.confidences = [], []  # judged once: a step it did not draft for must not judge it again
+        self.calibration[member.params.greedy].record(state.confidences, min(len(state.offered), len(committed)),
+                                                      common_prefix(state.offered, committed))
+        state.offered, state.confidences = [], []  # judged once: a step it did not draft for must not judge it again
 
-    def forward(self, members: Sequence[Member], feeds: Sequence[list[int]], starts: Sequence[int],
+    def forward(self, states: Sequence[DraftRow], feeds: Sequence[list[int]], starts: Sequence[int],
                  positions: Sequence[list[int]] | None = None,
                  visible: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-        """Run each member's `feeds` tokens in its slots from `starts` on, all in one forward over
-        the cache rows from the lowest member's to the highest's; -> logits [n, V] after each
-        member's last fed token. Trees give each token's `positions` and `visible` [T, start + T]
+        """Run each row's `feeds` tokens in its slots from `starts` on, all in one forward over
+        the cache rows from the lowest of `states` to the highest; -> logits [n, V] after each
+        row's last fed token. Trees give each token's `positions` and `visible` [T, start + T]
         (the slots it sees); -> logits [n, width, V] after each fed token."""
-        lo, hi = min(m.row for m in members), max(m.row for m in members) + 1
+        lo, hi = min(s.row for s in states), max(s.row for s in states) + 1
         span_feeds: list[list[int]] = [[0] for _ in range(lo, hi)]  # rows that do not draft: a throwaway
         span_starts = self.rows.free_from[lo:hi]                           # token where nothing is kept
-        for m, feed, start in zip(members, feeds, starts):
-            span_feeds[m.row - lo], span_starts[m.row - lo] = feed, start
+        for s, feed, start in zip(states, feeds, starts):
+            span_feeds[s.row - lo], span_starts[s.row - lo] = feed, start
         width = max(map(len, feeds))
         device = self.model.device
         ids = torch.tensor([f + f[-1:] * (width - len(f)) for f in span_feeds], device=device)  # [S, width]
@@ -180,14 +184,14 @@ class Drafter:
         if positions is not None:  # a tree: siblings share a position, not a slot, nor see each other
             at = slots.clone()
             mask = torch.ones(hi - lo, width, int(slots.max()) + 1, dtype=torch.bool)  # [S, width, kv_len]
-            for m, pos, seen in zip(members, positions, visible):
-                at[m.row - lo, :len(pos)] = torch.tensor(pos, device=device)
-                mask[m.row - lo, :seen.shape[0], :seen.shape[1]] = seen
+            for s, pos, seen in zip(states, positions, visible):
+                at[s.row - lo, :len(pos)] = torch.tensor(pos, device=device)
+                mask[s.row - lo, :seen.shape[0], :seen.shape[1]] = seen
             mask = mask.to(device)
         hidden = self.model(ids, at, self.rows.cache.rows(lo, hi), attn_mask=mask, last_n=0, slots=slots).hidden
-        for m, feed, start in zip(members, feeds, starts):  # later forwards of this proposal keep off
-            self.rows.free_from[m.row] = max(self.rows.free_from[m.row], start + len(feed))
-        index = torch.tensor([m.row - lo for m in members], device=device)
+        for s, feed, start in zip(states, feeds, starts):  # later forwards of this proposal keep off
+            self.rows.free_from[s.row] = max(self.rows.free_from[s.row], start + len(feed))
+        index = torch.tensor([s.row - lo for s in states], device=device)
         if positions is not None:
             return self.head(hidden[index])  # [n, width, V]
         last = torch.tensor([len(f) - 1 for f in feeds], device=device)
