@@ -87,8 +87,14 @@ def test_every_row_answers_under_the_schema_and_the_grammar_is_timed(model_dir: 
         assert s["grammar_s"] == pytest.approx(sum(r["grammar_s"] for r in runs))
         assert s["grammar_share"] == pytest.approx(s["grammar_s"] / s["wall_s"])
         assert s["grammar_ms_per_pass"] == pytest.approx(1e3 * s["grammar_s"] / s["target_passes"])
+        # the decode speedup: each turn's tokens after its first, over the engine's time from the first to the last
+        decode = [(r["new_tokens"] - len(r["turns"])) / sum(t["decode_s"] for t in r["turns"]) for r in runs]
+        assert all(0 < t["decode_s"] < t["wall_s"] for r in runs for t in r["turns"])
+        assert [r["decode_tokens_per_s"] for r in runs] == pytest.approx(decode)
+        plain = [q["runs"]["plain"]["decode_tokens_per_s"] for q in res["questions"]]
+        assert s["decode_speedup"] == pytest.approx(sum(decode) / sum(plain))
     report = (out / "report.md").read_text()
-    assert "### Under a JSON schema" in report and f"| {GROUP} | plain | 1.00 | 1.00x |" in report
+    assert "### Under a JSON schema" in report and f"| {GROUP} | plain | 1.00 | 1.00x | 1.00x |" in report
 
 
 def test_a_turn_writes_the_schemas_json(model_dir: Path) -> None:

@@ -152,7 +152,8 @@ def _quickdraft_turn(llm: LLM, spec: SpecConfig, prompt: Prompt, params: Samplin
     return {"token_ids": ids, "text": text, "prompt_tokens": stats.prompt_tokens,
             "new_tokens": len(ids), "committed_tokens": stats.committed_tokens,
             "wall_s": wall, "target_passes": stats.target_passes, "drafted_tokens": stats.drafted_tokens,
-            "accepted_tokens": stats.accepted_tokens, "finish_reason": finish, "grammar_s": grammar_s}
+            "accepted_tokens": stats.accepted_tokens, "finish_reason": finish, "grammar_s": grammar_s,
+            "decode_s": stats.total_s - stats.ttft_s}  # the first token known -> the last: what speculation changes
 
 
 # Another engine's decoding of prompt ids: (ids, max_new_tokens, eos) -> (tokens through the first
@@ -173,7 +174,7 @@ def _other_engine_turn(llm: LLM, decode: Decoder, prompt: Prompt, params: Sampli
             "committed_tokens": committed, "wall_s": wall, "target_passes": passes, "drafted_tokens": drafted,
             # each pass commits the drafts it accepted and one token of its own
             "accepted_tokens": None if passes is None else committed - passes,
-            "finish_reason": "stop" if stop is not None else "length", "grammar_s": None}
+            "finish_reason": "stop" if stop is not None else "length", "grammar_s": None, "decode_s": None}
 
 
 def _hf_decoder(hf_model: torch.nn.Module, kind: str, lookup_tokens: int) -> Decoder:
@@ -238,10 +239,13 @@ def question_record(records: list[dict], plain_ids: list[int] | None) -> dict:
     accepted = None if passes is None else sum(r["accepted_tokens"] for r in records)
     committed = sum(r["committed_tokens"] for r in records)
     grammar = [r["grammar_s"] for r in records]
+    decode_s = [r.get("decode_s") for r in records]
+    decode = None if None in decode_s or sum(decode_s) <= 0 else (new - len(records)) / sum(decode_s)
     diff = None if plain_ids is None else _first_difference(ids, plain_ids)
     return {
         "new_tokens": new, "committed_tokens": committed, "wall_s": wall,
         "tokens_per_s": new / wall if wall > 0 else 0.0, "target_passes": passes,
+        "decode_tokens_per_s": decode,  # each turn's tokens after its first (the prefill's) per second
         "tokens_per_pass": committed / passes if passes else None,
         "drafted_tokens": drafted, "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
