@@ -36,3 +36,18 @@ def test_the_command_reports_each_round(model_dir: Path, capsys: pytest.CaptureF
     assert out["worst_ratio"] == max(r["worst_ratio"] for r in out["rounds"])
     assert main(["bench", "stall", "--model", str(model_dir), "--prompt-tokens", "2000"]) == 1
     assert "does not fit" in capsys.readouterr().err
+
+
+def test_the_rounds_run_with_the_loaded_objects_frozen_as_a_server_s_loop(model_dir: Path, monkeypatch) -> None:
+    """A full collection over the loaded model's objects paused streams 2-3 steps (engine/service.py,
+    loaded_objects_frozen): the rounds run as the server's loop does, and the collector is whole after."""
+    import gc
+
+    from quickdraft.bench import stall
+    seen = []
+    monkeypatch.setattr(stall, "measure_round", lambda *a, **k: seen.append(gc.get_freeze_count()) or
+                        stall.StallRound(0.01, [0.01], 300, 0, 0.1))
+    assert gc.get_freeze_count() == 0
+    assert main(["bench", "stall", "--model", str(model_dir), "--prompt-tokens", "300", "--rounds", "2"]) == 0
+    assert len(seen) == 2 and min(seen) > 10_000  # the model, tokenizer and modules: frozen
+    assert gc.get_freeze_count() == 0

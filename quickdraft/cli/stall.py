@@ -9,6 +9,7 @@ import statistics
 import sys
 
 from quickdraft.cli.common import add_model_args, load_llm, set_threads
+from quickdraft.engine.service import loaded_objects_frozen
 from quickdraft.errors import QuickdraftError
 
 
@@ -23,10 +24,11 @@ def cmd_bench_stall(args: argparse.Namespace) -> int:
         raise QuickdraftError(f"--prompt-tokens {args.prompt_tokens} does not fit the model's context of {context}")
     stream_ids = long_prompt(llm, args.stream_tokens, salt=0)
     rounds = []
-    for r in range(args.rounds):
-        rounds.append(measure_round(llm, stream_ids, long_prompt(llm, args.prompt_tokens, salt=r + 1)))
-        print(f"[stall] round {r + 1}: usual gap {rounds[-1].usual_gap_s * 1e3:.1f} ms, worst during the prefill "
-              f"{rounds[-1].worst:.2f}x, prefill {rounds[-1].prefill_s:.2f} s", file=sys.stderr)
+    with loaded_objects_frozen():  # as a server's loop runs
+        for r in range(args.rounds):
+            rounds.append(measure_round(llm, stream_ids, long_prompt(llm, args.prompt_tokens, salt=r + 1)))
+            print(f"[stall] round {r + 1}: usual gap {rounds[-1].usual_gap_s * 1e3:.1f} ms, worst during the "
+                  f"prefill {rounds[-1].worst:.2f}x, prefill {rounds[-1].prefill_s:.2f} s", file=sys.stderr)
     result = {"model": args.model, "threads": args.threads, "cpu": platform.processor() or platform.machine(),
               "prompt_tokens": args.prompt_tokens, "rounds": [r.to_dict() for r in rounds],
               "worst_ratio": max(r.worst for r in rounds),

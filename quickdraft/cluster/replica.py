@@ -23,6 +23,7 @@ from quickdraft import kernels
 from quickdraft.cluster.asgi import HttpCall, call_app
 from quickdraft.cluster.digests import held_digests
 from quickdraft.cluster.ingress import REPLICA_HEADER
+from quickdraft.engine.service import loaded_objects_frozen
 from quickdraft.server.app import ServerConfig
 
 
@@ -69,7 +70,8 @@ class EngineReplica:
             return
         finally:
             loaded.set()
-        self.app.state.worker.run()
+        with loaded_objects_frozen():
+            self.app.state.worker.run()
 
     async def forward(self, call: HttpCall, digests: Sequence[int] = ()) -> AsyncIterator[Message]:
         """The app's answer to `call`, message by message, its head naming this replica. `digests`

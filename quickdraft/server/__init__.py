@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
+from quickdraft.engine.service import loaded_objects_frozen
 from quickdraft.errors import QuickdraftError
 from quickdraft.server.app import create_app
 from quickdraft.server.config import ServerConfig
@@ -119,8 +120,9 @@ class BackgroundServer(HttpFront):
 
         thread = threading.Thread(target=run, name=name)
         thread.start()
-        self.worker.run()
-        thread.join()
+        with loaded_objects_frozen():
+            self.worker.run()
+            thread.join()
         self.stop()
 
 
@@ -133,5 +135,6 @@ def serve(llm: LLM, config: ServerConfig, host: str = "127.0.0.1", port: int = 8
                               shutdown_timeout_s=shutdown_timeout_s, log_level=log_level, sock=sock)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
-    server.worker.run(stop_when=lambda: not server.thread.is_alive())
-    server.thread.join()
+    with loaded_objects_frozen():
+        server.worker.run(stop_when=lambda: not server.thread.is_alive())
+        server.thread.join()
