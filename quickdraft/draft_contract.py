@@ -1,5 +1,7 @@
 """The contract between proposers and the engine: what a proposer hands in (`Draft`), what it is
-told back (`Committed`, with `PassCost`), and the two protocols (`Proposer`, `ProposerGroup`).
+told back (`Committed`, with `PassCost`), and the two protocols (`Proposer`, `ProposerGroup`): the
+engine speaks only to groups, in batches; a request's proposer holds its own state and names its
+group (a draft model's Drafter, or proposers/base.py's EACH for one that drafts alone).
 
 Imports neither the model nor the kernels: verify.py, the engine and a proposer's tests read
 these types without loading either.
@@ -21,9 +23,11 @@ Shapes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 MAX_K = 32  # verifying more than this many tokens per pass costs more than it can win here
 
@@ -104,9 +108,9 @@ class Committed:
 
 
 class Proposer(Protocol):
-    group: ProposerGroup | None  # proposers of one group are asked for their drafts in one call (a
-                                 # draft model runs one forward per draft step for all of them);
-                                 # None: this proposer drafts alone
+    group: ProposerGroup  # who the engine asks for this proposer's drafts, with every other member of
+                          # the group at once: its draft model's Drafter (one forward per draft step
+                          # for all of them), or EACH (proposers/base.py) for one that drafts alone
 
     def propose(self, k: int) -> Draft:
         """A tree of at most k nodes that may follow the committed sequence."""
@@ -116,6 +120,28 @@ class Proposer(Protocol):
 
 
 class ProposerGroup(Protocol):
-    def propose(self, members: Sequence[Any], ks: Sequence[int]) -> list[Draft]:
-        """What members[i].propose(ks[i]) gives, for every member at once (members are proposers
-        whose `group` is this one, each committed its step already)."""
+    """The protocol the engine uses: each step, for the rows whose proposers are members of this
+    group (members[i] a proposer whose `group` is this one, each at most once, in row order),
+    `commit` then `propose`. Failures stay their members': a member whose commit fails is not
+    asked to propose, and its request ends, no other."""
+
+    def commit(self, members: Sequence[Any], steps: Sequence[Committed]) -> list[Exception | None]:
+        """What members[i].commit(steps[i]) does, for every member at once. -> [len(members)] the
+        exception each member's commit raised (None: it took its step)."""
+
+    def propose(self, members: Sequence[Any], budgets: Sequence[int]) -> list[Draft | Exception]:
+        """What members[i].propose(budgets[i]) gives, for every member at once. -> [len(members)]
+        each member's draft of at most budgets[i] nodes, or the exception asking it raised.
+
+        Either call raises only where it left every member as it was (a draft model's generators
+        rewound): each member is then called alone (a call of one member), so whose failure it
+        was shows, and ends only that member's request."""
+
+
+def attempt(call: Callable[[], T]) -> T | Exception:
+    """What call() returns, or the exception it raised: a group's call keeps each member's failure
+    its own."""
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - the member's request ends with it
+        return e

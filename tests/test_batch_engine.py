@@ -21,7 +21,7 @@ from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, Proposer
+from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.head import MAX_REST, Rest
@@ -234,7 +234,7 @@ def test_a_steps_tokens_go_out_before_the_next_draft_is_asked_for() -> None:
 
 def test_failing_proposer_ends_only_its_request() -> None:
     class Broken:
-        group = None
+        group = EACH
 
         def propose(self, k: int) -> Draft:
             raise RuntimeError("proposer exploded")
@@ -263,7 +263,7 @@ BAD_SEED = 666
 class PoisonedLookup:
     """Prompt lookup, except that its `at`-th proposal is a token id past the vocabulary: the
     target's pass fails on it, whoever shares the pass."""
-    group = None
+    group = EACH
 
     def __init__(self, prompt: Sequence[int], at: int) -> None:
         self.inner, self.at, self.asked = NgramProposer(prompt, 4, 1), at, 0
@@ -526,7 +526,7 @@ def test_step_cost_never_falls_as_steps_grow() -> None:
 
 class Hopeless:
     """Offers k tokens it rates as never accepted; counts how often it drafts and is told."""
-    group = None
+    group = EACH
 
     def __init__(self) -> None:
         self.asked = self.told = 0

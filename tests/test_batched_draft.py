@@ -195,13 +195,13 @@ def test_a_failing_member_ends_only_its_request() -> None:
     for i, job in enumerate(good):
         engine.add(job.request(str(i)))
     bad = make([5, 6, 7], greedy(15))
-    commit, seen = bad.commit, []
+    took, seen = bad.took, []  # what the member is told when its drafter commits its step
 
     def poisoned(step: Committed) -> None:
         seen.append(step)
-        commit(Committed(step.tokens[:-1] + [model.config.vocab_size + 5], step.drafted, step.verified,
+        took(Committed(step.tokens[:-1] + [model.config.vocab_size + 5], step.drafted, step.verified,
                          step.features) if len(seen) == 2 else step)
-    bad.commit = poisoned
+    bad.took = poisoned
     engine.add(Request([5, 6, 7], greedy(15), frozenset(), bad, 4, id="bad"))
     events: dict[str, list] = {}
     while engine.has_work():

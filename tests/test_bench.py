@@ -27,7 +27,7 @@ from quickdraft.cli import main
 from quickdraft.engine import batch
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.errors import QuickdraftError
-from quickdraft.proposers import Committed, Draft
+from quickdraft.proposers import EACH, Committed, Draft
 from quickdraft.proposers.registry import PROPOSERS, Registration
 from quickdraft.verify import Verdict
 from tiny_tokenizer import tiny_llm_dir
@@ -61,7 +61,7 @@ def specbench(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[int, dict, 
 
 class Repeat7:
     """Proposes token 7 k times; harmless with a correct verifier, wrong output with a broken one."""
-    group = None
+    group = EACH
 
     def __init__(self, ctx) -> None:
         pass

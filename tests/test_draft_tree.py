@@ -30,29 +30,40 @@ from test_verify import ALPHA, chi_square_p_value
 
 
 class Watched(DraftModelProposer):
-    """A member that checks its draft-cache row after every commit and counts the trees it offered."""
+    """A member whose draft-cache row is checked after every commit and whose trees are counted,
+    of a watched drafter (watch)."""
     log: dict[str, int]
     violations: list[str]
 
-    def commit(self, step: Committed) -> None:
+
+def watch(drafter: Drafter) -> Drafter:
+    """The drafter, its commits checking each Watched member's row after keeping its step."""
+    keep = drafter.keep
+
+    def watched(member: DraftModelProposer, step: Committed) -> None:
+        if not isinstance(member, Watched):
+            return keep(member, step)
         # its last draft, however it was asked for (alone or in its drafter's group call): a tree
         # where a node's parent is not the node before it
-        state = draft_state(self)
-        self.log["trees"] += any(parent != i - 1 for i, (_, parent, _) in enumerate(state.nodes))
+        state = draft_state(member)
+        member.log["trees"] += any(parent != i - 1 for i, (_, parent, _) in enumerate(state.nodes))
         before = state.cached
-        super().commit(step)
-        state = draft_state(self)
-        self.log["kept"] += state.cached - before > 1  # K/V kept from drafted nodes, not only caught up
-        seq = self.tokens[:state.cached]
-        if self.cache.lengths[0] != state.cached:
-            self.violations.append(f"row {state.row}: length {self.cache.lengths[0]} != {state.cached}")
-        if (diff := kv_mismatch(self.model, self.cache, seq)) > KV_TOL:
-            self.violations.append(f"row {state.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
+        keep(member, step)
+        state = draft_state(member)
+        member.log["kept"] += state.cached - before > 1  # K/V kept from drafted nodes, not only caught up
+        seq = member.tokens[:state.cached]
+        if member.cache.lengths[0] != state.cached:
+            member.violations.append(f"row {state.row}: length {member.cache.lengths[0]} != {state.cached}")
+        if (diff := kv_mismatch(member.model, member.cache, seq)) > KV_TOL:
+            member.violations.append(f"row {state.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
+    drafter.keep = watched  # type: ignore[method-assign] - this drafter's commits only
+    return drafter
 
 
 def members(drafter: Drafter, widths: Sequence[int], violations: list[str], log: dict[str, int]):
-    """Proposers of the drafter, their widths taken in turn (1: a chain)."""
+    """Proposers of the drafter (watched), their widths taken in turn (1: a chain)."""
     turn = iter(range(10 ** 6))
+    watch(drafter)
 
     def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
         width = widths[next(turn) % len(widths)]
@@ -161,7 +172,7 @@ def test_wide_tree_levels_fit_beside_a_long_chain_row() -> None:
     """Every row of a level's span runs as many tokens as the widest tree row: a chain row whose
     capacity sets the cache's length runs its throwaway tokens past its drafts, within the cache."""
     model = target()
-    drafter = Counted(noisy_draft())
+    drafter = watch(Counted(noisy_draft()))
     violations: list[str] = []
 
     def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
@@ -191,13 +202,13 @@ def test_tree_levels_run_only_where_they_pay(monkeypatch: pytest.MonkeyPatch) ->
                         lambda self, kind, _: observe(self, kind, 10.0 if kind == "tree" else 0.0))
     monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
     depths = {}
-    propose = Watched.propose
+    propose = Drafter.propose
     for policy in ("goodput", "fixed"):
         model = target()
         log = {"trees": 0, "kept": 0}
         job = Job([1, 17, 42, 8, 77, 23], greedy(30), members(Drafter(model), (3,), [], log), 6)
         drafts: list[Draft] = []
-        monkeypatch.setattr(Watched, "propose", lambda self, k: drafts.append(propose(self, k)) or drafts[-1])
+        monkeypatch.setattr(Drafter, "propose", lambda self, ms, ks: drafts.extend(made := propose(self, ms, ks)) or made)
         out, _, _ = run_batched(model, [job], EngineConfig(max_batch=1, policy=policy), check_kv=False)
         assert out["0"] == Job(job.prompt, job.params, None, 0).alone(model)
         depths[policy] = [max(d.depths(), default=0) for d in drafts[2:]]  # after the first measurement

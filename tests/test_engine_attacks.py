@@ -13,7 +13,7 @@ import quickdraft.engine.batch as batch_module
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.inputs import build_inputs, ragged
 from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import NO_DRAFT, Draft
+from quickdraft.proposers.base import EACH, NO_DRAFT, Draft
 from test_batch_engine import OUT_OF_VOCAB, Job, drive, greedy, run_batched, target
 from test_spec_exactness import tiny
 
@@ -47,7 +47,7 @@ def test_a_ragged_step_takes_a_tree_beside_a_longer_row() -> None:
 class FixedTree:
     """Drafts the same small tree every step (two children of the root, a grandchild under the
     first): whatever it hits, a tree is verified, its slots not its positions."""
-    group = None
+    group = EACH
 
     def __init__(self, prompt, params) -> None:
         pass

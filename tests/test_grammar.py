@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.grammar import DEAD_END, Constraint, GrammarError, Vocabulary, allowed, constrain, grammar_text
-from quickdraft.proposers.base import Draft, Proposer
+from quickdraft.proposers.base import EACH, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
@@ -158,7 +158,7 @@ def test_forced_tokens_are_drafted_and_accepted() -> None:
     engine = Engine(target(), EngineConfig(max_batch=1))
 
     class Nothing:
-        group = None
+        group = EACH
 
         def propose(self, k: int) -> Draft:
             return Draft([])

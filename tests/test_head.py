@@ -21,7 +21,7 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.model.rope import inverse_frequencies
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
+from quickdraft.proposers import EACH, Committed, Draft, SpecConfig, SpecConfigError
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load_head, on_target, save_head
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
@@ -200,7 +200,7 @@ def test_hybrid_takes_the_lookup_where_text_repeats_and_the_head_elsewhere() -> 
 
 class Fixed:
     """A proposer stand-in that offers one fixed draft and records what it was told."""
-    group = None
+    group = EACH
 
     def __init__(self, draft: Draft) -> None:
         self.draft, self.asked, self.committed = draft, 0, []

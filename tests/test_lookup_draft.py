@@ -39,7 +39,7 @@ from quickdraft.goodput import Acceptance
 from quickdraft.engine import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
-from quickdraft.proposers.base import ProposerContext
+from quickdraft.proposers.base import EACH, ProposerContext
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.hybrid import (
@@ -146,7 +146,7 @@ class Fixed:
     draft: Draft
     asked: int = 0
     told: list[Committed] = field(default_factory=list)
-    group = None
+    group = EACH
 
     def propose(self, k: int) -> Draft:
         self.asked += 1

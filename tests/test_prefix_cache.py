@@ -19,7 +19,7 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, STALL, next_admitted, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
-from quickdraft.proposers.base import Committed, Draft
+from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, draft_random, draft_same, drive, greedy, ngram
@@ -416,7 +416,7 @@ def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pyt
 
     monkeypatch.setattr(type(model), "forward", recorded)
     class Stubborn:  # offers k tokens every step, whatever was accepted
-        group = None
+        group = EACH
 
         def propose(self, k: int) -> Draft:
             return Draft([7] * k, None)

@@ -28,7 +28,7 @@ from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import BackgroundServer, ServerConfig
-from quickdraft.proposers import Committed, Draft, SpecConfig
+from quickdraft.proposers import EACH, Committed, Draft, SpecConfig
 from quickdraft.proposers.registry import PROPOSERS, Registration
 from tiny_tokenizer import tiny_llm_dir
 
@@ -285,7 +285,7 @@ def test_a_failing_request_does_not_affect_the_others(server: Server, llm, monke
     """A request whose proposer raises, or whose draft makes the batch's target pass raise (a token
     id past the vocabulary), gets a 500; concurrent requests get what they get alone."""
     class Exploding:
-        group = None
+        group = EACH
 
         def __init__(self, ctx) -> None:
             pass

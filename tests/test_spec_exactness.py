@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.proposers.base import Committed, Draft, Proposer
+from quickdraft.proposers.base import EACH, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.draft_rows import DraftRow
 from quickdraft.proposers.drafter import Drafter
@@ -84,7 +84,7 @@ def draft_state(m: DraftModelProposer) -> DraftRow:
 class Checked:
     """Wraps a proposer: records every proposal, and for a DraftModelProposer checks its own cache
     after each commit (violations are collected, so a test first reports what the user sees)."""
-    group = None
+    group = EACH
 
     def __init__(self, inner: Proposer, prompt: Sequence[int]) -> None:
         self.inner = inner
@@ -264,7 +264,7 @@ def test_ngram_acceptance_is_mixed() -> None:
 class Replay:
     """A proposer that drafts the plain greedy continuation: every draft is accepted, whatever
     the draft-model proposer does (isolates the engine's handling of long accepted runs)."""
-    group = None
+    group = EACH
 
     def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self.n_prompt, self.seq, self.continuation = len(prompt), list(prompt), list(continuation)

@@ -14,7 +14,7 @@ import quickdraft
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.events import TokenOrigin, token_origins
 from quickdraft.sampling import SamplingParams
-from quickdraft.proposers import NO_DRAFT, Committed, Draft, SpecConfig
+from quickdraft.proposers import EACH, NO_DRAFT, Committed, Draft, SpecConfig
 from tiny_tokenizer import tiny_llm_dir
 
 At = TokenOrigin  # (kind, depth)
@@ -81,7 +81,7 @@ def test_engine_labels_match_the_statistics_with_a_random_draft(dirs) -> None:
 class SecondGuessRight:
     """Offers a tree over the next two tokens of plain greedy decoding: a wrong first candidate, then
     the right one with the right next token under it (greedy must take the second branch to its leaf)."""
-    group = None
+    group = EACH
 
     def __init__(self, continuation: list[int], vocab_size: int) -> None:
         self.continuation, self.vocab_size, self.n = continuation, vocab_size, 0

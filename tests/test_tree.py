@@ -19,7 +19,7 @@ from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import RowDraft
 from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.proposers.base import Committed, Draft
+from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.verify import sibling_ranks, verify
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
@@ -227,7 +227,7 @@ def test_compact_moves_the_kept_path_into_place() -> None:
 class TreeOracle:
     """Drafts trees of one shape that hold the plain greedy continuation along one path (cut at a
     random depth, so acceptance is mixed) and wrong tokens elsewhere."""
-    group = None
+    group = EACH
 
     def __init__(self, shape: str, continuation: Sequence[int], seed: int) -> None:
         self.shape, self.future, self.done = shape, list(continuation), 0
@@ -274,7 +274,7 @@ def test_greedy_trees_equal_plain_decoding(shape: str, max_batch: int) -> None:
 
 class RandomTree:
     """Sampled trees over V16: a star of two children iid from a fixed q, each with one child from q."""
-    group = None
+    group = EACH
 
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
@@ -309,7 +309,7 @@ def test_sampled_trees_through_the_engine_follow_plain_sampling() -> None:
 
 class Shapes:
     """Wraps a proposer and counts the trees (drafts that are not chains) it offers."""
-    group = None
+    group = EACH
 
     def __init__(self, inner: NgramProposer) -> None:
         self.inner, self.trees = inner, 0

@@ -14,12 +14,13 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Sequence
 
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, attempt
 from quickdraft.engine.admission import Admission
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
@@ -30,7 +31,7 @@ from quickdraft.engine.rows import (Events, Request, Row, check_context, cut_at_
 from quickdraft.logprobs import TokenLogprob
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
-from quickdraft.proposers.base import TopTokens, propose_together
+from quickdraft.proposers.base import Outcome, TopTokens, together
 from quickdraft.verify import verify
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_context", "cut_at_stop"]
@@ -345,27 +346,41 @@ class Engine(Admission, Leaving):
 
     @staticmethod
     def _propose(going: Sequence[tuple[Row, Committed]]) -> list[Exception | None]:
-        """Each row's proposer is told its step, then asked for the next draft: the rows whose
-        proposers share a group in one call (a draft model's forwards for all of them at once,
-        proposers/base.py). A failing proposer ends its own request, never the batch."""
+        """The rows' proposers by group (draft_contract.ProposerGroup): every group told its
+        members' steps, then every group asked for their next drafts, one call each (a draft
+        model's forwards for all its rows at once), its time shared by its members. A failing
+        proposer ends its own request, never the batch (proposers/base.py: together)."""
         errors: list[Exception | None] = [None] * len(going)
-        asking: list[int] = []
+        steps: dict[int, dict[int, Committed]] = {}  # id(group) -> index into going -> its step
         for i, (row, step) in enumerate(going):
-            proposer = row.request.proposer
-            if proposer is None or row.request.k == 0:
+            request = row.request
+            if request.proposer is None or request.k == 0:
                 continue
-            t0 = time.perf_counter()
-            try:
-                proposer.commit(step if row.request.constraint is None else row.request.constraint.translate(step))
-                asking.append(i)
-            except Exception as e:  # noqa: BLE001 - reported to that request's consumer
-                errors[i] = e
-            row.stats.propose_s += time.perf_counter() - t0
-        rows = [going[i][0] for i in asking]
-        proposals = propose_together([row.request.proposer for row in rows],
-                                     [min(row.request.k, row.budget - row.stats.new_tokens - 1) for row in rows])
-        for i, row, proposal in zip(asking, rows, proposals):
-            row.stats.propose_s += proposal.seconds
-            row.draft, errors[i] = proposal.draft, proposal.error
+            # a grammar's rows: the tokens as the proposer knows them
+            told = step if request.constraint is None else attempt(partial(request.constraint.translate, step))
+            if isinstance(told, Exception):
+                errors[i] = told
+            else:
+                steps.setdefault(id(request.proposer.group), {})[i] = told
+
+        def call(members: Sequence[int], ask: str, args: Sequence) -> list[Outcome]:
+            """The group's `ask` call for going[i] of members, each one's time and failure noted."""
+            proposers = [going[i][0].request.proposer for i in members]
+            outcomes = together(getattr(proposers[0].group, ask), proposers, args)
+            for i, outcome in zip(members, outcomes):
+                going[i][0].stats.propose_s += outcome.seconds
+                errors[i] = outcome.error
+            return outcomes
+
+        asking: list[list[int]] = []  # per group, the members that took their steps: all told before any asked
+        for group in steps.values():
+            members = list(group)
+            asking.append([i for i, told in zip(members, call(members, "commit", list(group.values())))
+                           if told.error is None])
+        for members in filter(None, asking):
+            rows = [going[i][0] for i in members]
+            budgets = [min(row.request.k, row.budget - row.stats.new_tokens - 1) for row in rows]
+            for row, outcome in zip(rows, call(members, "propose", budgets)):
+                row.draft = NO_DRAFT if outcome.error is not None else outcome.value
         return errors
 

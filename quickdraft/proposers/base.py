@@ -1,6 +1,7 @@
 """The proposer wing's shared parts: SpecConfig, the Target and ProposerContext factories get,
-asking proposers together (propose_together), the target's top tokens (TopTokens). The contract
-types (Draft, Committed, Proposer) live in quickdraft/draft_contract.py, re-exported here.
+the group of the proposers that draft alone (EACH), a group's call with each member's failure its
+own (together), the target's top tokens (TopTokens). The contract types (Draft, Committed,
+Proposer, ProposerGroup) live in quickdraft/draft_contract.py, re-exported here.
 
 A proposer guesses the next tokens of one request; the engine verifies them with the target.
 It must not know the engine's loop: it is told what was committed and nothing else.
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup
+from quickdraft.draft_contract import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup,
+                                       attempt)
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import topk_indices
 from quickdraft.model.llama import Transformer
@@ -52,45 +55,41 @@ class TopTokens:
         return self.ids[n]
 
 
+class Each:
+    """The group of the proposers that draft alone (EACH): its calls tell or ask each member in
+    turn, each member's failure its own."""
+
+    def commit(self, members: Sequence[Proposer], steps: Sequence[Committed]) -> list[Exception | None]:
+        return [attempt(partial(member.commit, step)) for member, step in zip(members, steps, strict=True)]
+
+    def propose(self, members: Sequence[Proposer], budgets: Sequence[int]) -> list[Draft | Exception]:
+        return [attempt(partial(member.propose, k)) for member, k in zip(members, budgets, strict=True)]
+
+
+EACH = Each()
+
+
 @dataclass(frozen=True)
-class Proposal:
-    draft: Draft = NO_DRAFT
-    error: Exception | None = None  # the proposer failed: its request ends, no other
-    seconds: float = 0.0            # this proposer's share of the time spent
+class Outcome:
+    value: Any = None               # what the group's call gave this member
+    error: Exception | None = None  # the call failed for this member: its request ends, no other
+    seconds: float = 0.0            # this member's share of the time spent
 
 
-def _alone(proposer: Proposer, k: int) -> Proposal:
+def together(call: Callable[[Sequence[Any], Sequence[Any]], list[Any]], members: Sequence[Any],
+             args: Sequence[Any]) -> list[Outcome]:
+    """call(members, args), a ProposerGroup's commit or propose, its time shared by the members;
+    if it raises, each member alone (a call of one), so the failure lands on its own member."""
     t0 = time.perf_counter()
     try:
-        return Proposal(proposer.propose(k), None, time.perf_counter() - t0)
-    except Exception as e:  # noqa: BLE001 - reported to that request's consumer
-        return Proposal(NO_DRAFT, e, time.perf_counter() - t0)
-
-
-def propose_together(proposers: Sequence[Proposer], ks: Sequence[int]) -> list[Proposal]:
-    """The next drafts of several requests: the members of a group in one call of the group, the
-    others one by one. A failure stays its own proposer's: after a group's call fails, each of
-    its members is asked alone."""
-    out: list[Proposal | None] = [None] * len(proposers)
-    groups: dict[int, list[int]] = {}
-    for i, proposer in enumerate(proposers):
-        groups.setdefault(id(proposer) if proposer.group is None else id(proposer.group), []).append(i)
-    for members in groups.values():
-        if len(members) > 1:
-            t0 = time.perf_counter()
-            try:
-                drafts = proposers[members[0]].group.propose([proposers[i] for i in members],
-                                                             [ks[i] for i in members])
-            except Exception:  # noqa: BLE001 - whose failure it is shows below, each member alone
-                drafts = None
-            share = (time.perf_counter() - t0) / len(members)
-            if drafts is not None:
-                for i, draft in zip(members, drafts, strict=True):
-                    out[i] = Proposal(draft, None, share)
-                continue
-        for i in members:
-            out[i] = _alone(proposers[i], ks[i])
-    return out  # type: ignore[return-value] - every index is set above
+        values = call(members, args)
+    except Exception as e:  # noqa: BLE001 - a member's own, or whose shows below, each member alone
+        if len(members) == 1:
+            return [Outcome(None, e, time.perf_counter() - t0)]
+        return [outcome for member, arg in zip(members, args) for outcome in together(call, [member], [arg])]
+    share = (time.perf_counter() - t0) / len(members)
+    return [Outcome(None, value, share) if isinstance(value, Exception) else Outcome(value, None, share)
+            for value in values]
 
 
 @dataclass(frozen=True)
@@ -172,6 +171,6 @@ class ProposerContext:
         return self.config.proposer_options()
 
 
-__all__ = ["DEFAULT_K", "MAX_K", "NO_DRAFT", "PROPOSERS", "Committed", "Draft", "PassCost", "Proposal", "Proposer",
-           "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "TopTokens", "propose_together",
-           "register"]
+__all__ = ["DEFAULT_K", "EACH", "MAX_K", "NO_DRAFT", "PROPOSERS", "Committed", "Draft", "Each", "Outcome", "PassCost",
+           "Proposer", "ProposerContext", "ProposerGroup", "SpecConfig", "SpecConfigError", "Target", "TopTokens",
+           "register", "together"]

@@ -56,8 +56,12 @@ class DraftModelProposer:
         return self.group.propose([self], [k])[0]
 
     def commit(self, step: Committed) -> None:
+        error = self.group.commit([self], [step])[0]
+        if error is not None:
+            raise error
+
+    def took(self, step: Committed) -> None:
         self.cost = step.cost
-        self.group.keep(self, step.tokens[:step.drafted], step.tokens)
         self.tokens.extend(step.tokens)
 
 

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.draft_contract import PassCost
+from quickdraft.draft_contract import Committed, PassCost
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.draft_cost import CATCH_UP
@@ -33,6 +33,9 @@ class Member(Protocol):
     params: SamplingParams
     generator: torch.Generator
     cost: PassCost | None     # what verification costs in the next step (None: draft ks whole)
+
+    def took(self, step: Committed) -> None:
+        """Its request's own part of a commit (the drafter kept the K/V): the tokens, the cost."""
 
 
 @dataclass(eq=False)

@@ -19,18 +19,20 @@ row's catch-up copies the longest cached prefix of its sequence in and runs only
 client's resent history), which is what the cost rule prices; a prompt's K/V are offered to it once
 caught up, and a row's committed tokens' K/V when its member is gone (before the row is reused).
 
-When a step is committed, `keep` finds the accepted nodes that were run (their slots) in the
-member's last draft and moves their K/V into place.
+When a step is committed (`commit`: the group's call, for all its members under the lock), `keep`
+finds the accepted nodes that were run (their slots) in the member's last draft and moves their K/V
+into place.
 """
 from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from typing import Sequence
 
 import torch
 
-from quickdraft.draft_contract import NO_DRAFT, Draft
+from quickdraft.draft_contract import NO_DRAFT, Committed, Draft, attempt
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers import draft_chain, draft_cost, draft_tree
@@ -55,21 +57,27 @@ class Drafter:
         self.calibration = {True: Calibration(), False: Calibration()}  # greedy / sampled rows
         self.times = ForwardTimes()
 
-    def keep(self, member: Member, accepted: Sequence[int], committed: Sequence[int]) -> None:
-        """The member committed `committed`, the first of them `accepted` from its last draft: the
-        K/V of those draft nodes that were run move to the slots after the cached tokens (a tree's
-        path; a chain's are in place already); everything after is evicted. Calibrates on its last
-        draft, which is then spent."""
+    def commit(self, members: Sequence[Member], steps: Sequence[Committed]) -> list[Exception | None]:
+        """Each member took its step (ProposerGroup.commit): its K/V kept (keep), then the member
+        told; under the lock a proposal holds, each member's failure its own."""
+        with self.lock:
+            return [attempt(partial(self.keep, member, step)) for member, step in zip(members, steps, strict=True)]
+
+    def keep(self, member: Member, step: Committed) -> None:
+        """The member committed step.tokens, the first step.drafted of them accepted from its last
+        draft: the K/V of those draft nodes that were run move to the slots after the cached tokens
+        (a tree's path; a chain's are in place already); everything after is evicted. Calibrates on
+        its last draft, which is then spent; then tells the member (Member.took)."""
         state = self.rows.of(member)
-        if state is None:  # it has not drafted yet: nothing of it is kept
-            return
-        run = state.run_path(accepted)
-        if run:
-            self.rows.cache.compact(state.row, state.cached, run)
-        state.cached += len(run)
-        self.learn(member, state, committed)
-        state.nodes = []
-        self.rows.settle(state)
+        if state is not None:  # it has drafted: else nothing of it is kept
+            run = state.run_path(step.tokens[:step.drafted])
+            if run:
+                self.rows.cache.compact(state.row, state.cached, run)
+            state.cached += len(run)
+            self.learn(member, state, step.tokens)
+            state.nodes = []
+            self.rows.settle(state)
+        member.took(step)
 
     # -- drafting -----------------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.sampling import SamplingParams, probabilities
 from quickdraft.goodput import Acceptance
-from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
+from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
 
@@ -192,7 +192,7 @@ class Rest:
 class HeadProposer:
     """Drafts k tokens with a DraftHead over its own one-layer cache, from the target's features
     that each commit brings."""
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
 
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int, width: int = 1) -> None:

@@ -21,6 +21,7 @@ from operator import mul
 
 from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
+    EACH,
     PROPOSERS,
     Committed,
     Draft,
@@ -50,7 +51,7 @@ def expected_accepted(draft: Draft, rate: float = 0.0) -> float:
 class HybridProposer:
     """While the drafter offers nothing (a head resting after declined drafts, head.Rest) prompt
     lookup drafts alone."""
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
 
     def __init__(self, ngram: Proposer, drafter: Proposer, source: str = "head") -> None:
         self.ngram, self.drafter, self.source = ngram, drafter, source

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from quickdraft.goodput import Acceptance
-from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
+from quickdraft.proposers.base import EACH, Committed, Draft, ProposerContext, register
 from quickdraft.proposers.registry import check_ranges, option
 
 
@@ -80,7 +80,7 @@ def merge(continuations: Sequence[Continuation], k: int) -> Draft:
 
 
 class NgramProposer:
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
     def __init__(self, prompt_ids: Sequence[int], max_n: int = 4, min_n: int = 1, branches: int = 1) -> None:
         self.max_n, self.min_n, self.branches = max_n, min_n, branches
         self.tokens: list[int] = []

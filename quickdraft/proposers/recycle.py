@@ -26,7 +26,7 @@ import torch
 
 from quickdraft.goodput import Acceptance
 from quickdraft.kernels import TOPK_MAX
-from quickdraft.proposers.base import Committed, Draft, ProposerContext, register
+from quickdraft.proposers.base import EACH, Committed, Draft, ProposerContext, register
 from quickdraft.proposers.ngram import NgramOptions, NgramProposer
 from quickdraft.proposers.registry import check_ranges, option
 
@@ -65,7 +65,7 @@ class Recycled:
 
 
 class RecycleProposer:
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
 
     def __init__(self, prompt_ids: Sequence[int], recycled: Recycled, lookup: NgramProposer | None = None,
                  lookup_top: int = 1) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
+    EACH,
     Committed,
     Draft,
     ProposerContext,
@@ -98,7 +99,7 @@ class Corpus:
 
 
 class SuffixProposer:
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
 
     def __init__(self, prompt_ids: Sequence[int], corpus: Corpus, max_n: int = 4, min_n: int = 1,
                  branches: int = 4) -> None:

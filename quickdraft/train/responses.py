@@ -21,6 +21,7 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.sampling import SamplingParams
 from quickdraft.draft_contract import NO_DRAFT, Committed, Draft
+from quickdraft.proposers.base import EACH
 
 STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, noise far below the head's error
 
@@ -34,7 +35,7 @@ class Example:
 
 class FeatureRecorder:
     """A proposer that proposes nothing and records the tokens and features the engine commits."""
-    group = None  # drafts alone (proposers/base.py: ProposerGroup)
+    group = EACH  # drafts alone (proposers/base.py)
 
     def __init__(self, prompt_ids: Sequence[int]) -> None:
         self.tokens = list(prompt_ids)
