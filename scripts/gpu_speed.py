@@ -32,7 +32,7 @@ from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.build import build_transformer
 from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import Committed, Draft
+from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
@@ -108,7 +108,7 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 class Free:
     """Drafts k copies of one token at no cost: with acceptance forced, the pass structure alone."""
-    group = None
+    group = EACH
 
     def propose(self, k: int) -> Draft:
         return Draft([7] * k)
