@@ -254,6 +254,40 @@ def test_failing_proposer_ends_only_its_request() -> None:
     assert [t for e in events["good"] for t in e.token_ids] == JOBS[1].alone(model)
 
 
+def test_a_proposer_without_a_group_drafts_alone() -> None:
+    """`group = None` meant "drafts alone" before the engine asked groups only: such a proposer (one
+    written for that protocol) is asked as EACH's members are, its output plain decoding's."""
+    class Old:
+        group = None
+
+        def __init__(self) -> None:
+            self.inner = NgramProposer([1, 2, 3, 1, 2], 4, 1)
+
+        def propose(self, k: int) -> Draft:
+            return self.inner.propose(k)
+
+        def commit(self, step: Committed) -> None:
+            self.inner.commit(step)
+
+    model = target()
+    engine = Engine(model, EngineConfig(max_batch=2))
+    old = Old()
+    engine.add(Request([1, 2, 3, 1, 2], greedy(12), proposer=old, k=4, id="old"))
+    engine.add(JOBS[1].request("new"))
+    events: dict[str, list] = {"old": [], "new": []}
+    while engine.has_work():
+        for rid, event in engine.step():
+            events[rid].append(event)
+    plain, alone = Engine(model, EngineConfig(max_batch=1)), []
+    plain.add(Request([1, 2, 3, 1, 2], greedy(12), id="plain"))
+    while plain.has_work():
+        alone += [t for _, e in plain.step() for t in e.token_ids]
+    assert events["old"][-1].error is None and events["new"][-1].error is None
+    assert [t for e in events["old"] for t in e.token_ids] == alone
+    assert [t for e in events["new"] for t in e.token_ids] == JOBS[1].alone(model)
+    assert events["old"][-1].stats.drafted_tokens > 0
+
+
 # -- a request whose pass fails ends alone ----------------------------------------------------------------
 
 OUT_OF_VOCAB = 10**6  # a token id no tiny model has: the target's pass raises on it (index error)

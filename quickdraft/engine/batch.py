@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.cache import KVCache
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, attempt
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, ProposerGroup, attempt
 from quickdraft.engine.admission import Admission
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
@@ -31,7 +31,7 @@ from quickdraft.engine.rows import (Events, Request, Row, check_context, cut_at_
 from quickdraft.logprobs import TokenLogprob
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
-from quickdraft.proposers.base import Outcome, TopTokens, together
+from quickdraft.proposers.base import EACH, Outcome, TopTokens, together
 from quickdraft.verify import verify
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_context", "cut_at_stop"]
@@ -351,7 +351,7 @@ class Engine(Admission, Leaving):
         model's forwards for all its rows at once), its time shared by its members. A failing
         proposer ends its own request, never the batch (proposers/base.py: together)."""
         errors: list[Exception | None] = [None] * len(going)
-        steps: dict[int, dict[int, Committed]] = {}  # id(group) -> index into going -> its step
+        steps: dict[int, tuple[ProposerGroup, dict[int, Committed]]] = {}  # id(group) -> it, index into going -> step
         for i, (row, step) in enumerate(going):
             request = row.request
             if request.proposer is None or request.k == 0:
@@ -361,26 +361,29 @@ class Engine(Admission, Leaving):
             if isinstance(told, Exception):
                 errors[i] = told
             else:
-                steps.setdefault(id(request.proposer.group), {})[i] = told
+                group = request.proposer.group or EACH  # None: it drafts alone (what None always meant)
+                steps.setdefault(id(group), (group, {}))[1][i] = told
 
-        def call(members: Sequence[int], ask: str, args: Sequence) -> list[Outcome]:
+        def call(group: ProposerGroup, members: Sequence[int], ask: str, args: Sequence) -> list[Outcome]:
             """The group's `ask` call for going[i] of members, each one's time and failure noted."""
             proposers = [going[i][0].request.proposer for i in members]
-            outcomes = together(getattr(proposers[0].group, ask), proposers, args)
+            outcomes = together(getattr(group, ask), proposers, args)
             for i, outcome in zip(members, outcomes):
                 going[i][0].stats.propose_s += outcome.seconds
                 errors[i] = outcome.error
             return outcomes
 
-        asking: list[list[int]] = []  # per group, the members that took their steps: all told before any asked
-        for group in steps.values():
-            members = list(group)
-            asking.append([i for i, told in zip(members, call(members, "commit", list(group.values())))
-                           if told.error is None])
-        for members in filter(None, asking):
+        asking: list[tuple[ProposerGroup, list[int]]] = []  # per group, the members that took their steps:
+        for group, told in steps.values():                  # all told before any is asked
+            members = list(told)
+            asking.append((group, [i for i, outcome in zip(members, call(group, members, "commit", list(told.values())))
+                                   if outcome.error is None]))
+        for group, members in asking:
+            if not members:
+                continue
             rows = [going[i][0] for i in members]
             budgets = [min(row.request.k, row.budget - row.stats.new_tokens - 1) for row in rows]
-            for row, outcome in zip(rows, call(members, "propose", budgets)):
+            for row, outcome in zip(rows, call(group, members, "propose", budgets)):
                 row.draft = NO_DRAFT if outcome.error is not None else outcome.value
         return errors
 
