@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from quickdraft.engine.policy import StepCost
 
-STALL = 1.0      # a chunk costs at most this many of the running rows' decode steps: a stream's gap
+STALL = 0.75     # a chunk costs at most this many of the running rows' decode steps: a stream's gap
                  # stays within 3 of its steps with room to spare, as chunk costs are estimated from
-                 # the last pass (a pass's time varies by a fifth on a busy CPU) and the context grows
-                 # under them (1.5 let 3-5% of a 4,000-token prompt's steps past 3x on the 1.5B; 1.25
-                 # put its p99 at 2.7-2.9x and a gap in 1,000 past 3x; 1.0: p99 2.3x, the prefill's
-                 # time beside a stream within the rounds' noise)
+                 # the last pass (a pass's time varies by a fifth on a busy CPU), the context grows
+                 # under them, and a step now and then takes one usual step more for no reason of
+                 # ours (the machine). On the 1.5B with a 4,000-token prompt: 1.5 let 3-5% of the
+                 # gaps past 3x; 1.25: p99 2.7-2.9x, a gap in 1,000 past it (worst 3.3-4.1x); 1.0:
+                 # p99 2.3-2.5x, worst 2.7-3.1x; 0.75: p99 2.1-2.5x, worst 2.6-2.9x. The price: the
+                 # prompt's own prefill beside a stream, (1 + STALL) / STALL of its work
 MIN_CHUNK = 1    # at least this many tokens a pass, however slow, so a prompt always advances: late in
                  # a long prompt one token's attention costs half a decode step of the 1.5B (4 tokens
                  # at 4,000 took 2.3 steps more)
