@@ -32,7 +32,7 @@ from quickdraft.proposers.registry import runs
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.tool_reply import read
-from quickdraft.tools import Syntax, Tools, ToolsError, compile_tools, conversation, request_tools, template_syntax
+from quickdraft.tools import Syntax, Tools, ToolsError, compile_tools, conversation, kept_markers, request_tools, template_syntax
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 
@@ -326,7 +326,7 @@ class LLM:
         the chunks are the model's text, calls in its syntax (generate reads them into tool_calls)."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls)
-        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, self._kept(chosen))
+        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen)
 
     def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
@@ -346,13 +346,9 @@ class LLM:
             return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax()), chosen
         return ids, self.constraint(response_format) if formatted else None, None
 
-    def _kept(self, tools: Tools | None) -> frozenset[int]:
-        """The special tokens a reply's text keeps: its tool syntax's markers where it may call."""
-        return self.tokenizer.markers_of(self.tool_syntax().markers) if tools and tools.callable() else frozenset()
-
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
-                keep: frozenset[int] = frozenset()) -> Iterator[Chunk]:
-        text = TextAssembler(self.tokenizer, params, keep=keep)
+                tools: Tools | None) -> Iterator[Chunk]:
+        text = TextAssembler(self.tokenizer, params, keep=kept_markers(self.tokenizer, self.tool_syntax(), tools))
         with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
                 if event.error is not None:
@@ -373,7 +369,7 @@ class LLM:
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls)
         text, tokens, logprobs = [], [], []
-        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, self._kept(chosen)):
+        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
             logprobs.extend(chunk.logprobs)

@@ -147,6 +147,12 @@ def positional_id(n: int) -> str:
 
 # -- the request ------------------------------------------------------------------------------------------
 
+def kept_markers(tokenizer: Any, syntax: Syntax, tools: Tools | None) -> frozenset[int]:
+    """The special tokens a reply's text keeps: its tool syntax's markers where it may call (the
+    reply is read for calls in that text: tool_reply.read)."""
+    return tokenizer.markers_of(syntax.markers) if tools is not None and tools.callable() else frozenset()
+
+
 def request_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None,
                   parallel_tool_calls: bool | None = None) -> Tools | None:
     """OpenAI's tools, tool_choice and parallel_tool_calls (as JSON decodes them) checked into Tools;

@@ -26,7 +26,7 @@ from quickdraft.server.requests import Made
 from quickdraft.server.schemas import _Common
 from quickdraft.server.state import Served
 from quickdraft.server.worker import ShuttingDown
-from quickdraft.tools import Tools
+from quickdraft.tools import Tools, kept_markers
 
 Events = asyncio.Queue[tuple[int, TokenEvent] | None]  # (choice index, event) from the engine thread; None: the client left
 
@@ -70,7 +70,7 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     events: Events = asyncio.Queue()
     choices = []
     callable_tools = tools is not None and bool(tools.callable())
-    keep = tokenizer.markers_of(served.prompts.syntax.markers) if callable_tools else frozenset()
+    keep = kept_markers(tokenizer, served.prompts.syntax, tools)
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
         timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep), served.metrics, arrived)
