@@ -17,8 +17,7 @@ import torch
 
 import quickdraft
 from quickdraft import ContextTooLong, SamplingParams, UnsupportedArchitecture
-from quickdraft.model.rope import RotaryTable, inverse_frequencies
-from quickdraft.weights.gguf_file import read_gguf
+from quickdraft.model.rope import RotaryTable
 from gguf_writer import write_gguf
 from tiny_models import transformers_greedy
 from tiny_tokenizer import assert_plain_and_speculative, both_formats, tiny_model
