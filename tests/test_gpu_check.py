@@ -28,7 +28,11 @@ def test_tiny_run_passes_and_records_every_section(tmp_path: Path, monkeypatch: 
     cases = sections["exactness"]["cases"]
     assert {c["method"] for c in cases} == set(PROPOSERS) and {c["batch"] for c in cases} == {1, 3}
     assert all(c["ok"] and c["drafted"] > 0 for c in cases)
-    assert all(c["ok"] for name in ("parity", "api", "sampling") for c in sections[name]["cases"])
+    assert all(c["ok"] for name in ("parity", "api", "sampling", "features") for c in sections[name]["cases"])
+    features = sections["features"]["cases"]
+    assert {c["case"] for c in features} == {"prefix cache", "chat, prefix cache", "json schema",
+                                             "penalties, bias, logprobs"}
+    assert {c.get("spec") for c in features} == {None, "plain", "ngram", "draft"}
     speed = sections["speed"]
     assert {"quickdraft", "transformers", "decode_ratio"} <= set(speed["plain"])
     assert list(speed["forward_cost"]["ratios"]) == ["1", "2", "3", "4", "5"]
