@@ -25,6 +25,8 @@ from quickdraft.cluster.asgi import HttpCall, call_app
 from quickdraft.cluster.digests import held_digests, prompt_digests
 from quickdraft.cluster.ingress import REPLICA_HEADER, RETRIES, Ingress, ReplicaLost, merge_labelled
 from quickdraft.cluster.load import ONE_PROCESS, ReplicaLoad, load_between, load_table, replica_loads
+from quickdraft.cluster.placement import replica_threads
+from quickdraft.errors import QuickdraftError
 from quickdraft.prefix_cache import BLOCK
 from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
@@ -340,6 +342,35 @@ def test_an_app_answers_in_process_and_hears_its_client_leave() -> None:
     got = asyncio.run(go())
     assert got[0]["type"] == "http.response.start" and got[0]["status"] == 200
     assert [m["body"] for m in got[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]
+
+
+# -- CPUs: a replica's threads on one node ---------------------------------------------------------------
+
+@pytest.mark.parametrize("node_cpus, replicas, threads, expected", [
+    ([1, 1], 2, 1, 1),        # one replica on each node
+    ([1, 1], 2, None, 1),
+    ([4, 4], 2, None, 4),     # the cluster's CPUs shared out
+    ([4, 2], 2, None, 2),     # 3 each would fit 2 CPUs' total + 4 but not the node of 2
+    ([8], 3, None, 2),
+    ([4, 2], 3, 2, 2),        # two on the first node, one on the second
+])
+def test_replica_threads_fit_node_by_node(node_cpus: list[int], replicas: int, threads: int | None,
+                                          expected: int) -> None:
+    assert replica_threads(node_cpus, replicas, threads) == expected
+
+
+@pytest.mark.parametrize("node_cpus, replicas, threads", [
+    ([1, 1], 1, 2),   # 2 CPUs in all, but no node has 2: Ray would leave the replica pending for ever
+    ([3, 3], 3, 2),   # 6 CPUs for 3 x 2, one replica a node
+    ([1], 2, None),   # fewer CPUs than replicas
+    ([], 1, None),    # no node with a CPU
+])
+def test_replicas_that_no_nodes_hold_are_an_error_naming_the_nodes(node_cpus: list[int], replicas: int,
+                                                                   threads: int | None) -> None:
+    with pytest.raises(QuickdraftError) as error:
+        replica_threads(node_cpus, replicas, threads)
+    assert f"--replicas {replicas} x" in str(error.value)
+    assert f"nodes have {sorted(node_cpus, reverse=True)} CPUs" in str(error.value)
 
 
 # -- the flags --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from starlette.types import Message
 
 from quickdraft.cluster.asgi import HttpCall
 from quickdraft.cluster.ingress import Ingress, ReplicaLost
+from quickdraft.cluster.placement import replica_threads
 from quickdraft.cluster.replica import EngineReplica, ReplicaSetup
 from quickdraft.cluster.router import ROUTERS, ROUTING_STATS_S
 from quickdraft.errors import QuickdraftError
@@ -40,6 +41,7 @@ DEPLOYMENT = "engine"
 HEALTH_CHECK_S = 2.0    # how often Ray asks each replica whether its engine runs
 REPORT_TIMEOUT_S = 2.0  # a replica slower than this to report is not counted healthy by /health
 HEADROOM = 8            # calls a replica takes beyond its rows and queue (reports, routing probes)
+REACH_TIMEOUT_S = 10.0  # --ray-address must accept a connection within this
 
 
 @dataclass(frozen=True)
@@ -92,17 +94,35 @@ class RayReplicas:
         self._handle.broadcast("close", reason).results(timeout_s=REPORT_TIMEOUT_S * 5, return_exceptions=True)
 
 
+def reach(address: str) -> None:
+    """A cluster's host:port must answer a connection: Ray's own client retries an address nobody
+    listens on for ever, a warning every few seconds. Other forms (`auto`, `ray://`) go to Ray as given."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as e:
+        raise QuickdraftError(f"--ray-address {address}: no Ray cluster answers there ({e.strerror or e}); start one "
+                              f"with `ray start --head --port PORT` on that machine, or check the address") from None
+
+
 def start_ray(plan: ClusterPlan) -> tuple[bool, int]:
-    """Join or start the cluster: (whether this process started it, the threads each replica gets)."""
+    """Join the cluster at --ray-address, or start one here ("local": never one that Ray would find by
+    itself, a `ray start` on this machine or RAY_ADDRESS); (whether this process started it, the
+    threads each replica gets)."""
     started = not ray.is_initialized() and plan.address is None
-    ray.init(address=plan.address, ignore_reinit_error=True, include_dashboard=False,
-             logging_level=logging.WARNING, log_to_driver=False)
-    cpus = int(ray.cluster_resources().get("CPU", 0))
-    threads = plan.threads or max(1, cpus // plan.replicas)
-    if plan.replicas * threads > cpus:
-        raise QuickdraftError(f"--replicas {plan.replicas} x --threads {threads} needs {plan.replicas * threads} CPUs; "
-                              f"the Ray cluster has {cpus} (add machines with `ray start --address`, or ask for fewer)")
-    return started, threads
+    if plan.address is not None:
+        reach(plan.address)
+    try:
+        ray.init(address=plan.address or "local", ignore_reinit_error=True, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as e:
+        raise QuickdraftError(f"the Ray cluster at {plan.address or 'this machine'}: {e} (a cluster started by `ray start "
+                              f"--head` asks for its token: RAY_AUTH_MODE=token here, with that token; "
+                              f"docs/cluster.md)") from None
+    node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node["Alive"]]
+    return started, replica_threads(node_cpus, plan.replicas, plan.threads)
 
 
 def deploy(setup: ReplicaSetup, plan: ClusterPlan) -> Any:
