@@ -1,5 +1,6 @@
 """`quickdraft serve --replicas 2` on a local Ray cluster: 2 replicas x 1 thread of the real SmolLM2
-behind the front, as served (one module-scoped cluster: Ray and two model loads take a while).
+behind the front, as served (one module-scoped cluster: Ray and two model loads take a while), and
+`--ray-address` joining a cluster of two Ray nodes started by the test.
 
 Oracles: one process's greedy answers (the same model loaded here), the replica each answer names
 and the cached tokens it reports, and a replica's process killed mid-request.
@@ -42,12 +43,17 @@ EXIT_BOUND_S = 60.0  # from SIGTERM to the process gone, Ray's processes with it
 SHORT = 24  # tokens of the chats that finish within --shutdown-timeout
 
 
-def serve_replicas(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`quickdraft serve --replicas 2 --threads 1` of SmolLM2 on a free port, /health ok (both replicas up)."""
+def free_port() -> int:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+def serve_replicas(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`quickdraft serve --replicas 2 --threads 1` of SmolLM2 on a free port, /health ok (both replicas up)."""
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--replicas", "2",
                              "--threads", "1", "--port", str(port), "--served-model-name", "smollm2", "--spec", "none",
                              "--no-measure-cost", "--max-batch", "4", "--log-level", "warning", *flags],
@@ -154,6 +160,67 @@ def test_sigterm_drains_every_replica() -> None:
         stop(proc)
 
 
+# -- `--ray-address`: a cluster of two Ray nodes, started here, joined by `quickdraft serve` ----------------
+
+@pytest.fixture
+def two_nodes() -> Iterator[str]:
+    """A Ray cluster of two nodes (two raylets on this machine, as Ray's own multi-node tests run),
+    1 CPU each, so that 2 replicas x 1 thread need both; its address."""
+    from ray.cluster_utils import Cluster
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        nodes.add_node(num_cpus=1)
+        nodes.wait_for_nodes()
+        yield nodes.address
+        assert nodes.remaining_processes_alive()  # quickdraft left the cluster it joined running
+    finally:
+        nodes.shutdown()
+
+
+def alive_nodes_and_free_cpus(address: str) -> tuple[int, float]:
+    import ray
+    ray.init(address=address, logging_level="warning", log_to_driver=False)
+    try:
+        return sum(n["Alive"] for n in ray.nodes()), ray.available_resources().get("CPU", 0.0)
+    finally:
+        ray.shutdown()
+
+
+def test_replicas_join_a_cluster_of_two_nodes_by_address(two_nodes: str, one_process) -> None:
+    """`--ray-address` of a cluster quickdraft did not start: one replica on each node, both answering
+    one process's greedy texts, a conversation's second turn cached; SIGTERM ends quickdraft with exit
+    0, the cluster still running with both nodes and their CPUs free again."""
+    proc, url = serve_replicas("--ray-address", two_nodes)
+    try:
+        runtime = health(url)["runtime"]
+        assert len({r["node_id"] for r in runtime.values()}) == 2, runtime
+        assert greedy_answers(url, one_process) == set(runtime)
+        assert all(len(r) == 1 for r in converse(url, sessions=1, turns=2))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(EXIT_BOUND_S) == 0
+        output = proc.stdout.read().decode()
+        assert "Traceback" not in output, output
+    finally:
+        stop(proc)
+    deadline = time.monotonic() + 30  # the replicas' CPUs are given back as Ray stops their actors
+    while (now := alive_nodes_and_free_cpus(two_nodes)) != (2, 2.0):
+        assert time.monotonic() < deadline, now
+        time.sleep(1.0)
+
+
+UNREACHED_BOUND_S = 60.0  # starting Python, torch and Ray on a loaded machine, and the connection refused
+
+
+def test_an_address_no_cluster_answers_is_one_line_within_a_bound() -> None:
+    """Ray's client would retry it for ever, a warning every few seconds."""
+    done = subprocess.run([sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--replicas", "2",
+                           "--port", str(free_port()), "--ray-address", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=UNREACHED_BOUND_S)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 1 and len(lines) == 2, done.stderr  # the start's line, then the error's
+    assert lines[1].startswith("quickdraft: error: --ray-address 127.0.0.1:1: no Ray cluster answers there"), lines
+
+
 # -- one cluster in this process, for the rest ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -183,11 +250,12 @@ QUESTIONS = ["What is the capital of France?", "Name three prime numbers.", "Wri
              "Give a synonym for quick.", "Why is the sky blue?"]
 
 
-def test_every_greedy_answer_is_one_processes(cluster: str, one_process) -> None:
+def greedy_answers(url: str, one_process) -> set[str]:
+    """The QUESTIONS at once, half streamed: every text is one process's; the replicas that answered."""
     answers: dict[int, httpx.Response] = {}
 
     def ask(i: int) -> None:
-        answers[i] = chat(cluster, [{"role": "user", "content": QUESTIONS[i]}], stream=i % 2 == 1)
+        answers[i] = chat(url, [{"role": "user", "content": QUESTIONS[i]}], stream=i % 2 == 1)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
     for t in threads:
@@ -208,25 +276,36 @@ def test_every_greedy_answer_is_one_processes(cluster: str, one_process) -> None
         alone = one_process.generate(messages=[{"role": "user", "content": question}],
                                      params=SamplingParams(temperature=0.0, max_new_tokens=TOKENS))
         assert text == alone.text, (question, text, alone.text)
-    assert len(served_by) == 2  # 8 at once: both replicas answered
+    return served_by
 
 
-def test_a_conversation_returns_to_the_replica_holding_its_history(cluster: str) -> None:
-    sessions = [[{"role": "system", "content": f"You are assistant number {s}, brief and kind."}] for s in range(2)]
-    replicas: list[set[str]] = [set(), set()]
-    previous = [0, 0]  # each session's last prompt, in tokens
-    for turn in range(4):
-        for s, history in enumerate(sessions):
+def test_every_greedy_answer_is_one_processes(cluster: str, one_process) -> None:
+    assert len(greedy_answers(cluster, one_process)) == 2  # 8 at once: both replicas answered
+
+
+def converse(url: str, sessions: int, turns: int) -> list[set[str]]:
+    """Conversations taking turns: every turn after the first finds at least the previous prompt's
+    whole blocks cached; the replicas each conversation went to."""
+    histories = [[{"role": "system", "content": f"You are assistant number {s}, brief and kind."}]
+                 for s in range(sessions)]
+    replicas: list[set[str]] = [set() for _ in histories]
+    previous = [0 for _ in histories]  # each session's last prompt, in tokens
+    for turn in range(turns):
+        for s, history in enumerate(histories):
             history.append({"role": "user", "content": f"Turn {turn}: {QUESTIONS[turn + 2 * s]}"})
-            response = chat(cluster, history)
+            response = chat(url, history)
             assert response.status_code == 200, response.text
             usage = response.json()["usage"]
             replicas[s].add(response.headers[REPLICA_HEADER])
-            if turn:  # everything up to the last whole block of the previous prompt is cached, at least
-                assert usage["prompt_tokens_details"]["cached_tokens"] >= previous[s] // BLOCK * BLOCK, (turn, usage)
+            if turn:
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= previous[s] // BLOCK * BLOCK > 0, (turn, usage)
             previous[s] = usage["prompt_tokens"]
             history.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"]})
-    assert all(len(r) == 1 for r in replicas), replicas  # each session stayed on one replica
+    return replicas
+
+
+def test_a_conversation_returns_to_the_replica_holding_its_history(cluster: str) -> None:
+    assert all(len(r) == 1 for r in converse(cluster, sessions=2, turns=4))  # each session stayed on one replica
 
 
 def health(url: str) -> dict:

@@ -64,7 +64,8 @@ class EngineReplica:
             self.prefix = llm.prefix
             self.runtime = {"weights": llm.model.weight_format, "threads": setup.threads,
                             "kernel": kernels.kernel_info().isa or "none (torch path)",
-                            "node": ray.util.get_node_ip_address(), "pid": os.getpid()}
+                            "node": ray.util.get_node_ip_address(),
+                            "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         except BaseException as e:  # noqa: BLE001 - raised by __init__: Ray reports the deployment failed with it
             self._error = e
             return
