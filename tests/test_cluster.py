@@ -69,7 +69,25 @@ def test_the_longest_cached_prefix_wins_within_the_slack_of_the_shortest_queue()
     assert rank(same, slack=4)[0] == ["b"]                   # equal prefixes: the shorter queue
     shared = [Candidate("a", load=1, matched=2), Candidate("b", load=0, matched=0)]
     assert rank(shared, blocks=10)[0] == ["b"]  # 2 of 10 blocks (a system prompt): the idle replica
-    assert rank(shared, blocks=6)[0] == ["a"]   # 2 of 6: the history is there
+    assert rank(shared, blocks=4)[0] == ["a"]   # 2 of 4: half the prompt is there
+    short = [Candidate("a", load=1, matched=1), Candidate("b", load=0, matched=0)]
+    assert rank(short, blocks=3)[0] == ["b"]    # a 3-block first prompt behind another's 1-block system prompt
+    turn2 = [Candidate("a", load=1, matched=3, continues=True), Candidate("b", load=0, matched=0)]
+    assert rank(turn2, blocks=14)[0] == ["a"]   # 3 of 14 blocks, but all of its last turn's prompt: its history
+
+
+def test_a_conversations_next_turn_continues_the_prompt_routed_before() -> None:
+    """A next turn begins with every block of the last turn's prompt (then its answer, not yet
+    advertised); another conversation behind the same system prompt does not."""
+    known = PrefixMap(horizon_s=10.0)
+    system, first = [7], [7, 21, 22]            # digests of block-aligned prefixes
+    known.routed("a", first, now=100.0)
+    assert known.continued("a", first + [23, 24, 25], now=105.0)     # the next turn: history, answer, question
+    assert not known.continued("b", first + [23], now=105.0)         # routed elsewhere
+    assert not known.continued("a", system + [31, 32], now=105.0)    # another session: its system prompt only
+    assert not known.continued("a", first + [23], now=111.0)         # past the horizon: the replica's word
+    known.forget("a")
+    assert not known.continued("a", first + [23], now=101.0)
 
 
 def test_idle_replicas_with_nothing_cached_take_turns() -> None:

@@ -17,29 +17,34 @@ from dataclasses import dataclass
 
 SLACK = 4  # requests a replica's queue may exceed the shortest by and still win on its prefix
 # A replica's match counts only where it covers this share of the prompt's blocks (SGLang's router
-# has such a threshold): a chat template's system prompt alone, one or two blocks of every prompt,
-# drew every new conversation to the replica the first went to and left the others idle. A
-# conversation's next turn resends its last prompt and answer, far more than this share.
-MATCH_SHARE = 0.3
+# has such a threshold), or where it continues a prompt routed there (below): a chat template's
+# system prompt is one or two blocks of every prompt, and at 0.3 a short first question's prompt
+# (3 blocks, 1 of them the system prompt) still followed another session's to its replica, which
+# then took both sessions' every turn (2 sessions x 6 turns: 12 requests to one replica, 0 to the
+# other).
+MATCH_SHARE = 0.5
 
 
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    load: int     # requests running or queued there
-    matched: int  # leading blocks of the prompt it holds
+    load: int               # requests running or queued there
+    matched: int            # leading blocks of the prompt it holds
+    continues: bool = False  # the prompt begins with every block of a prompt routed there lately: the
+                            # same conversation's next turn, whose history that replica holds (its
+                            # answer too, which the router cannot know of until the replica says so)
 
 
 def rank(candidates: Sequence[Candidate], slack: int = SLACK, turn: int = 0, blocks: int = 0,
          share: float = MATCH_SHARE) -> list[list[str]]:
     """Names, most preferred first, one per rank: the longest match (of at least `share` of the
-    prompt's `blocks`) among those within `slack` of the shortest queue (ties: the shorter queue,
+    prompt's `blocks`, or continuing a prompt routed there) among those within `slack` of the shortest queue (ties: the shorter queue,
     then in turn, so that idle replicas alternate), then the rest by queue."""
     assert candidates, "no replica to rank"
     least = min(c.load for c in candidates)
     near = [c for c in candidates if c.load <= least + slack]
     start = turn % len(near)
-    held = lambda c: c.matched if c.matched >= share * blocks else 0  # noqa: E731
+    held = lambda c: c.matched if c.continues or c.matched >= share * blocks else 0  # noqa: E731
     best = max(near[start:] + near[:start], key=lambda c: (held(c), -c.load))  # max keeps the first of ties
     rest = sorted((c for c in candidates if c is not best), key=lambda c: (c.load, -c.matched))
     return [[best.name], *([c.name] for c in rest)]
@@ -52,18 +57,21 @@ class PrefixMap:
         self.horizon_s = horizon_s
         self._advertised: dict[str, frozenset[int]] = {}
         self._sent: dict[str, OrderedDict[int, float]] = {}  # digest -> when routed there, oldest first
+        self._ends: dict[str, OrderedDict[int, float]] = {}  # the last digest of each prompt routed there
 
     def advertise(self, replica: str, digests: Sequence[int]) -> None:
         self._advertised[replica] = frozenset(digests)
 
     def routed(self, replica: str, digests: Sequence[int], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        sent = self._sent.setdefault(replica, OrderedDict())
+        sent, ends = self._sent.setdefault(replica, OrderedDict()), self._ends.setdefault(replica, OrderedDict())
         for digest in digests:
-            sent[digest] = now
-            sent.move_to_end(digest)
-        while sent and next(iter(sent.values())) < now - self.horizon_s:
-            sent.popitem(last=False)
+            _note(sent, digest, now)
+        if digests:
+            _note(ends, digests[-1], now)
+        for seen in (sent, ends):
+            while seen and next(iter(seen.values())) < now - self.horizon_s:
+                seen.popitem(last=False)
 
     def matched(self, replica: str, digests: Sequence[int], now: float | None = None) -> int:
         """Leading blocks of `digests` the replica is believed to hold."""
@@ -76,10 +84,23 @@ class PrefixMap:
                 return n
         return len(digests)
 
+    def continued(self, replica: str, digests: Sequence[int], now: float | None = None) -> bool:
+        """Whether the prompt begins with every block of a prompt routed to the replica within the
+        horizon (a digest names its whole prefix: one equal to such a prompt's last is all of it)."""
+        now = time.monotonic() if now is None else now
+        ends = self._ends.get(replica, {})
+        return any(ends.get(digest, float("-inf")) >= now - self.horizon_s for digest in digests)
+
     def forget(self, replica: str) -> None:
         """A replica gone (died, restarted: its successor starts with an empty cache)."""
         self._advertised.pop(replica, None)
         self._sent.pop(replica, None)
+        self._ends.pop(replica, None)
 
     def replicas(self) -> set[str]:
         return set(self._advertised) | set(self._sent)
+
+
+def _note(seen: OrderedDict[int, float], digest: int, now: float) -> None:
+    seen[digest] = now
+    seen.move_to_end(digest)
