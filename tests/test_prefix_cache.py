@@ -16,7 +16,7 @@ from quickdraft.cache import KVCache
 from quickdraft.engine import admission
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
-from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, STALL, next_admitted, step_allowance
+from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME, STALL, next_admitted, step_allowance
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import EACH, Committed, Draft
@@ -243,6 +243,8 @@ def test_the_step_allowance_follows_the_last_prefill_pass() -> None:
     assert step_allowance(1, step, (16, 0.001), None) == 32      # cheap: at most GROWTH times the last size
     # a whole 1,900-token prompt's pass (attention over all of it) still gives a sensible first chunk
     assert step_allowance(1, step, (1900, 3.0), None) == int(1900 * STALL * 0.010 / 3.0)
+    assert step_allowance(1, step, (32, 0.040), None, untimed=RETIME) == 0  # the rows are timed alone
+    assert step_allowance(1, step, (32, 0.040), 7, untimed=RETIME) == 7     # a size asked for is kept
 
 
 def test_the_shortest_remaining_prompt_is_admitted_first_and_none_waits_forever() -> None:
@@ -306,6 +308,31 @@ def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.Monke
     assert len(fed) > 3  # the premise: the prompt took several steps
     assert all(len(a) == 1 and n <= a[0] and got == 1 for n, a, got in fed), fed
     assert out["s"] == stream.alone(model) and out["l"] == long.alone(model)
+
+
+def test_rows_decoding_beside_a_filling_prompt_are_timed_alone_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's cost is what it adds to the decoding rows' estimated step, measured only in steps
+    without a chunk: while a long prompt fills, every RETIME steps one step times the rows alone,
+    and its time replaces the estimate (which said what they cost at a shorter context)."""
+    model = tiny(MODEL, init=0.1)
+    engine = Engine(model, EngineConfig(max_batch=2))
+    retimed: list[tuple[int, float]] = []
+    real = engine.cost.retime
+    monkeypatch.setattr(engine.cost, "retime", lambda n, s: (retimed.append((n, s)), real(n, s)))
+    stream, long = Job([1, 17, 42, 8], greedy(200), None, 0), Job(tokens(12, 200), greedy(2), None, 0)
+    engine.add(stream.request("s"))
+    engine.step()
+    engine.cost.step_s[1] = 1e-6  # stale: a decode step far cheaper than it is, so chunks look dear
+    engine.add(long.request("l"))
+    fed = []  # prompt tokens each step fed while the prompt filled
+    while engine.filling is not None or engine.waiting:
+        before = engine.filling.length if engine.filling else 0
+        engine.step()
+        fed.append((engine.filling.length if engine.filling else 200) - before)
+    first = fed.index(0)  # the first step that timed the rows alone
+    assert 0 < first <= RETIME + 1 and all(n > 0 for n in fed[first + 1:first + RETIME]), fed
+    assert max(fed[:first]) <= 2 < max(fed[first + 1:])  # starved by the stale estimate, then not
+    assert retimed and retimed[0][0] == 1 and engine.cost.step_s[1] > 1e-4  # the stale estimate replaced
 
 
 def test_memory_stays_within_the_budget_under_many_prompts() -> None:

@@ -26,6 +26,7 @@ from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin, toke
 from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
 from quickdraft.engine.leaving import Leaving
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.prefill import RETIME
 from quickdraft.engine.rows import (Events, Request, Row, check_context, cut_at_stop, generated_tokens,
                                     grammar_masks, step_logprobs)
 from quickdraft.logprobs import TokenLogprob
@@ -86,6 +87,8 @@ class Engine(Admission, Leaving):
         self.prefix = prefix
         self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
         self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
+        self.steps = 0                     # steps taken
+        self.timed: dict[int, int] = {}    # rows -> the last step they decoded in a pass of their own
         self.rows: list[Row] = []          # row i lives in cache row i: running rows are rows[0:n]
         self.filling: Row | None = None    # the row whose prompt is being prefilled: cache row n
         self.waiting: list[Request] = []
@@ -147,6 +150,7 @@ class Engine(Admission, Leaving):
         decode every running row once (one target pass), then admit and prefill waiting requests
         into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
         proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
+        self.steps += 1
         events: Events = []
         # what verifying costs the pass these drafts go to: its rows are every running row that
         # has not ended (rows admitted one by one in the last step each saw fewer)
@@ -174,8 +178,8 @@ class Engine(Admission, Leaving):
                 events += self._decode(0, len(self.rows), ride)
                 if self.filling is not row:  # its prompt is in: the rest of the allowance to the next
                     left = max(most - (len(row.request.prompt_ids) - before), 0) if row in self.rows else 0
-                elif row.length != before:  # it rode: its chunk was the step's allowance
-                    left = 0
+                elif row.length != before or most == 0:  # it rode (its chunk was the step's allowance),
+                    left = 0                                  # or waited while the rows were timed alone
             else:
                 events += self._decode(0, len(self.rows))
         return events + self._fill(left)
@@ -224,7 +228,11 @@ class Engine(Admission, Leaving):
             return self._decode(lo, (lo + hi) // 2) + self._decode((lo + hi) // 2, hi)
         step_s = time.perf_counter() - t0
         if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
-            self.cost.observe(sum(sizes), step_s)
+            if self.steps - self.timed.get(len(rows), self.steps) >= RETIME:
+                self.cost.retime(sum(sizes), step_s)  # long untimed beside chunks: what it was is stale
+            else:
+                self.cost.observe(sum(sizes), step_s)
+            self.timed[len(rows)] = self.steps
         steps, origins, logprobs = [], [], []
         top = TopTokens(logits, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):

@@ -83,6 +83,11 @@ class StepCost:
     def observe(self, n: int, seconds: float) -> None:
         self.step_s[n] = smoothed(self.step_s.get(n), seconds)
 
+    def retime(self, n: int, seconds: float) -> None:
+        """t(n) measured again after long unmeasured: the new time replaces what was (the rows'
+        context has grown since), where observe() would move it a fifth of the way."""
+        self.step_s[n] = seconds
+
     def seed(self, median_s: dict[int, float]) -> None:
         """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost)."""
         self.curve = dict(median_s)

@@ -36,16 +36,27 @@ MIN_CHUNK = 1    # at least this many tokens a pass, however slow, so a prompt a
 PASSED_OVER = 4  # admissions a waiting prompt may be passed over for shorter ones before it goes first
 GROWTH = 2.0     # a chunk at most this many times the last one: a size's cost is known only near
                  # the last size measured
+RETIME = 16      # steps: while a prompt fills beside them, the decoding rows are timed alone (their
+                 # step without a chunk) at least this often. A chunk's cost is what it adds to their
+                 # step's estimate, which is measured only in steps without one: it went stale while
+                 # prompts kept filling (it still said what the rows cost at a shorter context, or
+                 # fewer of them), the rows' own attention was charged to the chunks, and chunks
+                 # shrank to a few tokens a step (8 sessions behind a 1,500-token system prompt on
+                 # the 1.5B: a 67-token remainder took 6 s beside 3 streams)
 
 
-def step_allowance(decoding: int, step: StepCost, last: tuple[int, float] | None, fixed: int | None) -> int | None:
+def step_allowance(decoding: int, step: StepCost, last: tuple[int, float] | None, fixed: int | None,
+                   untimed: int = 0) -> int | None:
     """Prompt tokens the prefill passes of one engine step may feed; None: no limit (no row decodes,
     so none stalls). decoding: rows decoding this step; step: their steps' t(N); last: (tokens,
-    seconds) of the last prefill pass; fixed: the chunk size asked for."""
+    seconds) of the last prefill pass; fixed: the chunk size asked for; untimed: steps since the
+    decoding rows were last timed alone (at RETIME, none: this step times them)."""
     if fixed is not None:
         return fixed
     if decoding == 0:
         return None
+    if untimed >= RETIME:
+        return 0
     if last is None:
         return MIN_CHUNK
     n, seconds = last
