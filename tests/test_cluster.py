@@ -78,16 +78,27 @@ def test_the_longest_cached_prefix_wins_within_the_slack_of_the_shortest_queue()
 
 def test_a_conversations_next_turn_continues_the_prompt_routed_before() -> None:
     """A next turn begins with every block of the last turn's prompt (then its answer, not yet
-    advertised); another conversation behind the same system prompt does not."""
+    advertised); another conversation behind the same system prompt does not. Minutes later, it
+    still continues where the replica says it holds those blocks, and not where it evicted them."""
     known = PrefixMap(horizon_s=10.0)
     system, first = [7], [7, 21, 22]            # digests of block-aligned prefixes
     known.routed("a", first, now=100.0)
-    assert known.continued("a", first + [23, 24, 25], now=105.0)     # the next turn: history, answer, question
-    assert not known.continued("b", first + [23], now=105.0)         # routed elsewhere
-    assert not known.continued("a", system + [31, 32], now=105.0)    # another session: its system prompt only
-    assert not known.continued("a", first + [23], now=111.0)         # past the horizon: the replica's word
+    turn2 = first + [23, 24, 25]                # history, answer, question
+
+    def continues(replica: str, digests: list[int], now: float) -> bool:
+        return known.continued(replica, digests[:known.matched(replica, digests, now=now)])
+
+    assert continues("a", turn2, now=105.0)
+    assert not continues("b", turn2, now=105.0)               # routed elsewhere
+    assert not continues("a", system + [31, 32], now=105.0)   # another session: its system prompt only
+    assert not continues("a", turn2, now=300.0)               # later: the replica has not said it holds them
+    known.advertise("a", [7, 21, 22, 23])
+    assert continues("a", turn2, now=300.0)                   # it says so: still the conversation's replica
+    known.advertise("a", [7, 21])                             # evicted
+    assert not continues("a", turn2, now=300.0)
     known.forget("a")
-    assert not known.continued("a", first + [23], now=101.0)
+    known.advertise("a", [7, 21, 22, 23])                     # a successor holding those blocks from elsewhere
+    assert not continues("a", turn2, now=300.0)
 
 
 def test_idle_replicas_with_nothing_cached_take_turns() -> None:

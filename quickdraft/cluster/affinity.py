@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 SLACK = 4  # requests a replica's queue may exceed the shortest by and still win on its prefix
 # A replica's match counts only where it covers this share of the prompt's blocks (SGLang's router
@@ -23,6 +24,8 @@ SLACK = 4  # requests a replica's queue may exceed the shortest by and still win
 # then took both sessions' every turn (2 sessions x 6 turns: 12 requests to one replica, 0 to the
 # other).
 MATCH_SHARE = 0.5
+ENDS = 4096  # prompt ends remembered per replica (continues): a conversation's next turn may come
+             # minutes later, when its blocks are known only from the replica's summary
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,10 @@ class Candidate:
     name: str
     load: int               # requests running or queued there
     matched: int            # leading blocks of the prompt it holds
-    continues: bool = False  # the prompt begins with every block of a prompt routed there lately: the
-                            # same conversation's next turn, whose history that replica holds (its
-                            # answer too, which the router cannot know of until the replica says so)
+    continues: bool = False  # the prompt begins with every block of a prompt routed there, and the
+                            # replica holds them: the same conversation's next turn, whose history is
+                            # there (its answer too, which the router cannot know of until the
+                            # replica's next summary)
 
 
 def rank(candidates: Sequence[Candidate], slack: int = SLACK, turn: int = 0, blocks: int = 0,
@@ -57,7 +61,7 @@ class PrefixMap:
         self.horizon_s = horizon_s
         self._advertised: dict[str, frozenset[int]] = {}
         self._sent: dict[str, OrderedDict[int, float]] = {}  # digest -> when routed there, oldest first
-        self._ends: dict[str, OrderedDict[int, float]] = {}  # the last digest of each prompt routed there
+        self._ends: dict[str, OrderedDict[int, None]] = {}  # the last digest of each prompt routed there
 
     def advertise(self, replica: str, digests: Sequence[int]) -> None:
         self._advertised[replica] = frozenset(digests)
@@ -67,11 +71,12 @@ class PrefixMap:
         sent, ends = self._sent.setdefault(replica, OrderedDict()), self._ends.setdefault(replica, OrderedDict())
         for digest in digests:
             _note(sent, digest, now)
+        while sent and next(iter(sent.values())) < now - self.horizon_s:
+            sent.popitem(last=False)
         if digests:
-            _note(ends, digests[-1], now)
-        for seen in (sent, ends):
-            while seen and next(iter(seen.values())) < now - self.horizon_s:
-                seen.popitem(last=False)
+            _note(ends, digests[-1], None)
+            while len(ends) > ENDS:
+                ends.popitem(last=False)
 
     def matched(self, replica: str, digests: Sequence[int], now: float | None = None) -> int:
         """Leading blocks of `digests` the replica is believed to hold."""
@@ -84,12 +89,12 @@ class PrefixMap:
                 return n
         return len(digests)
 
-    def continued(self, replica: str, digests: Sequence[int], now: float | None = None) -> bool:
-        """Whether the prompt begins with every block of a prompt routed to the replica within the
-        horizon (a digest names its whole prefix: one equal to such a prompt's last is all of it)."""
-        now = time.monotonic() if now is None else now
+    def continued(self, replica: str, held: Sequence[int]) -> bool:
+        """Whether `held`, the leading digests of a prompt the replica holds (matched), end where a
+        prompt routed there ended: the prompt begins with every block of that one (a digest names
+        its whole prefix), a later turn of its conversation, whose history is there."""
         ends = self._ends.get(replica, {})
-        return any(ends.get(digest, float("-inf")) >= now - self.horizon_s for digest in digests)
+        return any(digest in ends for digest in held)
 
     def forget(self, replica: str) -> None:
         """A replica gone (died, restarted: its successor starts with an empty cache)."""
@@ -101,6 +106,7 @@ class PrefixMap:
         return set(self._advertised) | set(self._sent)
 
 
-def _note(seen: OrderedDict[int, float], digest: int, now: float) -> None:
-    seen[digest] = now
+def _note(seen: OrderedDict[int, Any], digest: int, value: Any) -> None:
+    """Put digest last (the most recent) with `value`."""
+    seen[digest] = value
     seen.move_to_end(digest)

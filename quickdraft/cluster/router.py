@@ -71,8 +71,8 @@ class PrefixAffinityRouter(RequestRouter):
             if stats and self._advertised.get(name) is not stats:
                 self._advertised[name] = stats
                 self.prefixes.advertise(name, stats.get("prefix", ()))
-            candidates.append(Candidate(name, loads[name], self.prefixes.matched(name, digests),
-                                        self.prefixes.continued(name, digests)))
+            matched = self.prefixes.matched(name, digests)
+            candidates.append(Candidate(name, loads[name], matched, self.prefixes.continued(name, digests[:matched])))
         by_name = {_name(r.replica_id): r for r in candidate_replicas}
         return [[by_name[n] for n in names]
                 for names in rank(candidates, self.slack, self._turns.of(pending_request), len(digests))]
