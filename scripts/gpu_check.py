@@ -6,7 +6,7 @@ traceback; a failing section is recorded and the next one runs). On CUDA: the te
 models in float32 (logits against transformers', the HF-directory and GGUF loaders, every
 registered proposer with chains and trees in batch 1 and in a batch rows join and leave, the
 sampling law through the engine, cached prefixes with chunked prefill, a chat through the prefix
-cache, a JSON schema's grammar and the sampling surface under speculation), then a random Qwen2.5-1.5B-shaped model in bfloat16 timed
+cache, a JSON schema's grammar and the sampling surface under speculation: gpu_features.py), then a random Qwen2.5-1.5B-shaped model in bfloat16 timed
 against transformers' `generate` (speed.py). `--tiny`, or a machine without CUDA, runs the same
 code on CPU with tiny shapes (tests/test_gpu_check.py). The models and oracles are the tests'.
 """
@@ -322,106 +322,6 @@ def api(report: Report, device: str, tmp: Path) -> None:
     report.put("api", "bfloat16_ngram_equals_plain", bf_spec == bf16.generate(prompt, params=params).token_ids)
 
 
-# -- the engine's features on the device: prefix cache, chunked prefill, grammars, the sampling surface --------
-
-def cached_prefixes(device: str, batch: int, chunk: int | None) -> dict[str, Any]:
-    """test_prefix_cache's sessions (a shared system prompt, rows joining and leaving, prompt lookup
-    and draft models) through one engine with a prefix cache, `chunk`-token prefill passes and
-    `batch` rows: every request emits what it emits alone, uncached. On CUDA no pass is
-    batch-invariant (Transformer.invariant_rows), so this checks outputs, not bits."""
-    from test_batch_engine import Job, drive, greedy, ngram
-    from test_prefix_cache import CONVERSATION, MODEL, prefix_for
-    from test_spec_exactness import tiny
-
-    from quickdraft.engine.batch import Engine, EngineConfig
-    from quickdraft.proposers.draft_model import DraftModelProposer
-    from quickdraft.proposers.drafter import Drafter
-    model = tiny(MODEL, init=0.1, device=device)
-    drafters = {"draft_same": Drafter(model), "draft_random": Drafter(tiny(MODEL, seed=1, device=device))}
-
-    def maker(name: str | None) -> Any:
-        if name is None or name == "ngram":
-            return name and ngram
-        return lambda prompt, params: DraftModelProposer(drafters[name], prompt, params,
-                                                         len(prompt) + params.max_new_tokens + 9)
-
-    jobs = [Job(prompt, greedy(24), maker(name), k, join_at=at) for prompt, name, k, at in CONVERSATION]
-    out, cached = drive(Engine(model, EngineConfig(max_batch=batch, prefill_chunk=chunk), prefix=prefix_for(model)),
-                        jobs)
-    differ = [i for i, job in enumerate(jobs) if out[str(i)] != job.alone(model)]
-    hits = sum(cached[str(i)] for i in (3, 4, 6))
-    return {"ok": not differ and hits >= 96, "cached_tokens": hits, "detail": differ}
-
-
-def features(report: Report, device: str, tmp: Path) -> None:
-    """What requests use beyond plain tokens, on the device: cached prefixes with chunked prefill in
-    the engine; through quickdraft.load, a chat whose turns hit the prefix cache, a JSON schema's
-    grammar and the sampling surface (penalties, a logit bias, log-probabilities), each greedy
-    speculative output against plain decoding of the same model."""
-    import quickdraft
-    from tiny_tokenizer import tiny_llm_dir
-
-    from quickdraft import SamplingParams, SpecConfig
-    for batch, chunk in ((1, None), (3, None), (3, 5)):
-        case(report, "features", {"case": "prefix cache", "batch": batch, "chunk": chunk},
-             lambda: cached_prefixes(device, batch, chunk))  # noqa: B023 - called at once
-    path = tiny_llm_dir(tmp / "chat", max_position_embeddings=2048)
-    warm, cold = quickdraft.load(path, device=device), quickdraft.load(path, device=device, prefix_cache_mb=0)
-    specs = {"plain": SpecConfig("none"), "ngram": SpecConfig("ngram", k=4, adaptive=False),
-             "draft": SpecConfig("draft", k=3, draft_model=str(path), adaptive=False)}
-
-    def chat(method: str) -> dict[str, Any]:
-        history: list[dict[str, str]] = []
-        cached, differ, drafted = [], [], 0
-        for turn, question in enumerate(("Tell me about the sea and the ships on it. " * 3, "And the harbours?",
-                                         "Which is oldest?")):
-            history.append({"role": "user", "content": question})
-            params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-            got = warm.generate(messages=history, params=params, spec=specs[method])
-            if got.token_ids != cold.generate(messages=history, params=params, spec=specs["plain"]).token_ids:
-                differ.append(turn)
-            cached.append(got.stats.cached_tokens)
-            drafted += got.stats.drafted_tokens
-            history.append({"role": "assistant", "content": got.text})
-        return {"ok": not differ and all(n > 0 for n in cached[1:]), "cached_tokens": cached, "detail": differ,
-                "drafted": drafted}
-
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-              "required": ["name", "age"], "additionalProperties": False}
-    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
-    prompt = 'Answer in JSON like {"name":"Bob","age":7} please: '
-    params = SamplingParams(max_new_tokens=40)
-    constrained = cold.generate(prompt, params=params, spec=specs["plain"], response_format=fmt)
-
-    def grammar(method: str) -> dict[str, Any]:
-        got = cold.generate(prompt, params=params, spec=specs[method], response_format=fmt)
-        value = json.loads(got.text)  # the plain and speculative texts alike must parse and fit the schema
-        fits = set(value) == {"name", "age"} and isinstance(value["age"], int) and 0 <= value["age"] <= 120
-        return {"ok": got.token_ids == constrained.token_ids and fits and
-                (method == "plain") != (got.stats.drafted_tokens > 0), "drafted": got.stats.drafted_tokens,
-                "text": got.text}
-
-    # a negative presence penalty: the tiny model repeats itself, so prompt lookup has drafts to verify
-    surface = SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=-0.6, frequency_penalty=0.2,
-                             logit_bias={5: 2.0, 7: -3.0}, logprobs=3)
-    repeated = "a b c a b c a b c a b c a b c"
-    alone = cold.generate(repeated, params=surface, spec=specs["plain"])
-
-    def sampling_surface(method: str) -> dict[str, Any]:
-        got = cold.generate(repeated, params=surface, spec=specs[method])
-        worst = max(abs(a.logprob - b.logprob) for a, b in zip(got.logprobs, alone.logprobs))
-        return {"ok": got.token_ids == alone.token_ids and len(got.logprobs) == len(alone.logprobs) == 24
-                and worst <= 1e-4 and (method == "plain") != (got.stats.drafted_tokens > 0),
-                "drafted": got.stats.drafted_tokens, "logprob_max_diff": worst}
-
-    for method in specs:
-        case(report, "features", {"case": "chat, prefix cache", "spec": method}, lambda: chat(method))  # noqa: B023
-        case(report, "features", {"case": "json schema", "spec": method}, lambda: grammar(method))  # noqa: B023
-        case(report, "features", {"case": "penalties, bias, logprobs", "spec": method},
-             lambda: sampling_surface(method))  # noqa: B023
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="folder for gpu_check.json and gpu_check.log")
@@ -431,6 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = "cpu" if tiny_run else "cuda"
     if device == "cuda":  # CUDA tensors never reach the C kernels: skip compiling them (~1 min)
         os.environ.setdefault("QUICKDRAFT_KERNEL", "torch")
+    import gpu_features
     import gpu_speed as speed
     scale = TINY if tiny_run else FULL
     start = time.perf_counter()
@@ -443,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         section(report, "parity", lambda: parity(report, scale, device))
         section(report, "api", lambda: api(report, device, Path(tmp)))
-        section(report, "features", lambda: features(report, device, Path(tmp)))
+        section(report, "features", lambda: gpu_features.run(report, device, Path(tmp), case))
     section(report, "exactness", lambda: exactness(report, scale, device, until(SHARES["exactness"])))
     section(report, "sampling", lambda: sampling(report, scale, device, until(SHARES["sampling"])))
     section(report, "speed", lambda: speed.run(report, speed.TINY if tiny_run else speed.FULL, device,

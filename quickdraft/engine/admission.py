@@ -41,9 +41,8 @@ class Admission:
             events += self._take_waiting()
         if self.filling is None:
             return events, None
-        untimed = self.steps - self.timed.setdefault(len(self.rows), self.steps)  # never timed: the curve's estimate
         return events, (self.filling, step_allowance(len(self.rows), self.cost, self.last_prefill,
-                                                     self.config.prefill_chunk, untimed))
+                                                     self.config.prefill_chunk, self._untimed(len(self.rows))))
 
     def _take_waiting(self) -> Events:
         """Admit the next waiting request into the filling row; its error event if that fails."""

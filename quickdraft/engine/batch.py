@@ -228,7 +228,7 @@ class Engine(Admission, Leaving):
             return self._decode(lo, (lo + hi) // 2) + self._decode((lo + hi) // 2, hi)
         step_s = time.perf_counter() - t0
         if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
-            if self.steps - self.timed.get(len(rows), self.steps) >= RETIME:
+            if self._untimed(len(rows)) >= RETIME:
                 self.cost.retime(sum(sizes), step_s)  # long untimed beside chunks: what it was is stale
             else:
                 self.cost.observe(sum(sizes), step_s)
@@ -351,6 +351,11 @@ class Engine(Admission, Leaving):
         finally:
             row.stats.propose_s += time.perf_counter() - t0
         return None
+
+    def _untimed(self, rows: int) -> int:
+        """Steps since `rows` rows last decoded in a pass of their own, counted from the step they
+        were first asked about (until then the cost curve's estimate stands for them)."""
+        return self.steps - self.timed.setdefault(rows, self.steps)
 
     @staticmethod
     def _propose(going: Sequence[tuple[Row, Committed]]) -> list[Exception | None]:
