@@ -377,10 +377,10 @@ class LLM:
         if chosen is None or not chosen.callable():
             return done
         reply = read(chosen, self.tool_syntax(), done.text)
-        whole = reply.calls if reply.complete else reply.calls[:-1]
         call = f"call_{uuid.uuid4().hex[:12]}"  # as OpenAI's, unique; prompts never show it (tools.conversation)
         return replace(done, content=reply.content,
-                       tool_calls=[ToolCall(f"{call}_{i}", c.name, json.loads(c.arguments)) for i, c in enumerate(whole)],
+                       tool_calls=[ToolCall(f"{call}_{i}", c.name, json.loads(c.arguments))
+                                   for i, c in enumerate(reply.whole)],
                        finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
                        done.finish_reason)
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from quickdraft.tools import Syntax, Tools
+from quickdraft.tools import ENDING, Syntax, Tools
 
 HEAD = '{"name": "'
 BARE_KEYS = ({"name", "arguments"}, {"name", "parameters"})  # a bare call's keys (llama.cpp takes both)
@@ -76,6 +76,10 @@ class Reader:
         syntax, pending = self.syntax, self.pending
         if self.state == "text":
             return self._text(content, pieces, end)
+        if self.state == "done" and ENDING.startswith(pending):  # the grammar's ending: not text
+            if end:
+                self.pending = ""
+            return False
         if self.state in ("content", "done"):
             content.append(pending)
             self.pending = ""
@@ -206,6 +210,11 @@ class Reply:
     content: str       # the text outside the calls
     calls: list[Call]  # the last one unfinished unless complete
     complete: bool     # every call begun is finished (and one was)
+
+    @property
+    def whole(self) -> list[Call]:
+        """The finished calls: one cut short (the token budget) is never handed on as a call."""
+        return self.calls if self.complete else self.calls[:-1]
 
 
 def read(tools: Tools, syntax: Syntax, text: str) -> Reply:

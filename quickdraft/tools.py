@@ -104,6 +104,11 @@ MISTRAL = Syntax(True, "[TOOL_CALLS] [", ", ", "]", "[TOOL_CALLS]", ("[TOOL_CALL
 # tools, brave_search, wolfram_alpha and code, which no request here can define.)
 LLAMA3 = Syntax(True, "", None, "", None, key="parameters")
 NATIVE = (HERMES, MISTRAL, LLAMA3)  # probed in this order
+# What a reply may write after its last call before it ends: the line break its template puts between
+# two calls. Qwen2.5 writes "\n" after </tool_call> and then wants its end token (logprob -0.0); a
+# grammar that allowed only another call there forced <tool_call> (logprob -27), and calls the model
+# never meant ran on until max_tokens.
+ENDING = "\n"
 
 # (messages, tools) -> the template's text
 Render = Callable[[list[dict[str, Any]], "list[dict[str, Any]] | None"], str]
@@ -329,7 +334,8 @@ def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = No
         return None
     tokens = {text: f"<[{special[text]}]>" for text in syntax.markers if text in (special or {})}
     more = f" ({_lark(syntax.between, tokens)} call)*" if tools.parallel and syntax.between is not None else ""
-    calls = f"{_lark(syntax.first, tokens)} call{more} {_lark(syntax.last, tokens)}"
+    last = f"{_lark(syntax.last, tokens)} {json.dumps(ENDING)}?"
+    calls = f"{_lark(syntax.first, tokens)} call{more} {last}"
     if tools.choice != "auto":
         lines = [f"start: {calls}"]
     elif syntax.trigger is None:
@@ -338,7 +344,7 @@ def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = No
         lines = [f"start: TEXT | TEXT {calls}", "TEXT: /(.|\\n)*/"]
     else:  # text up to the first trigger, a lazy lexeme: the calls begin there
         rest = _lark(syntax.first[len(syntax.trigger):], tokens)
-        lines = [f"start: TEXT | head {rest} call{more} {_lark(syntax.last, tokens)}", "TEXT: /(.|\\n)*/",
+        lines = [f"start: TEXT | head {rest} call{more} {last}", "TEXT: /(.|\\n)*/",
                  f"head[lazy]: TEXT {_lark(syntax.trigger, tokens)}"]
     schema = _call_schema(functions, syntax.key)
     return "\n".join(["%llguidance {}", *lines, f"call: %json {json.dumps(schema)}"]) + "\n"
@@ -346,9 +352,12 @@ def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = No
 
 def _lark(text: str, tokens: Mapping[str, str]) -> str:
     """`text` as Lark: quoted strings, the special markers in it as their tokens (`tokens`: text ->
-    Lark)."""
-    pieces = re.split("(" + "|".join(map(re.escape, sorted(tokens))) + ")", text) if tokens else [text]
-    return " ".join(tokens[piece] if piece in tokens else json.dumps(piece) for piece in pieces if piece)
+    Lark). Each line break is a string of its own: llguidance's lexer is greedy, so "\n</tool_call>"
+    then ENDING's "\n" would be read as the start of "\n</tool_call>\n<tool_call>\n" (another call)
+    and a reply ending there refused; as separate strings the two paths share their lexemes."""
+    pattern = "|".join(["\n", *map(re.escape, sorted(tokens))])
+    return " ".join(tokens[piece] if piece in tokens else json.dumps(piece)
+                    for piece in re.split(f"({pattern})", text) if piece)
 
 
 def _regex_escape(char: str) -> str:

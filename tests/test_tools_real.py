@@ -106,26 +106,45 @@ def test_qwen_template_is_hermes_and_writes_the_history_as_trained() -> None:
 
 
 def test_qwen_calls_a_tool_in_its_own_syntax() -> None:
-    """Qwen2.5-Coder 0.5B, told the tools by its own template: under `required` its calls are
-    <tool_call> special tokens around the JSON, read back into tool_calls (one: with parallel calls
-    allowed the 0.5B goes on calling the tool in each unit until max_tokens); under `auto` it writes the
-    call's JSON without the tags (as it does with no grammar at all): a bare call, read as one
-    (tool_reply). Speculation changes neither."""
+    """Qwen2.5-Coder 0.5B, told the tools by its own template: under `required` and a named function,
+    with parallel calls allowed (OpenAI's default), its calls are <tool_call> special tokens around the
+    JSON, read back into tool_calls, and the reply ends where the model ends it: one call, then "\n"
+    and its end token (a grammar that allowed only another call after that line break made it call
+    again until max_tokens); under `auto` it writes the call's JSON without the tags (as it does with
+    no grammar at all): a bare call, read as one (tool_reply). Speculation changes none of them."""
     s = Server(quickdraft.load("qwen2.5-coder-0.5b"), max_batch=1)
     replies = {}
+    named = {"type": "function", "function": {"name": "GetWeather"}}
     try:
-        for choice in ("required", "auto"):
+        for key, choice in (("required", "required"), ("named", named), ("auto", "auto")):
             kw = dict(model=NAME, messages=QUESTION, tools=[openai.pydantic_function_tool(GetWeather)],
-                      tool_choice=choice, max_tokens=80, temperature=0, parallel_tool_calls=False)
-            replies[choice] = [s.client.chat.completions.create(extra_body={"speculative": spec}, **kw).choices[0]
-                               for spec in ({"method": "none"}, {"method": "ngram", "k": 8})]
+                      tool_choice=choice, max_tokens=80, temperature=0)
+            replies[key] = [s.client.chat.completions.create(extra_body={"speculative": spec}, **kw).choices[0]
+                            for spec in ({"method": "none"}, {"method": "ngram", "k": 8})]
     finally:
         s.stop()
-    (plain, spec), (free, free_spec) = replies["required"], replies["auto"]
-    assert plain.finish_reason == "tool_calls", plain.message
-    assert GetWeather.model_validate_json(plain.message.tool_calls[0].function.arguments)
-    assert [c.function for c in spec.message.tool_calls] == [c.function for c in plain.message.tool_calls]
+    for plain, spec in (replies["required"], replies["named"]):
+        assert plain.finish_reason == "tool_calls" and plain.message.content is None, plain.message
+        assert [c.function.name for c in plain.message.tool_calls] == ["GetWeather"]
+        assert GetWeather.model_validate_json(plain.message.tool_calls[0].function.arguments)
+        assert [c.function for c in spec.message.tool_calls] == [c.function for c in plain.message.tool_calls]
+    free, free_spec = replies["auto"]
     assert free.finish_reason == "tool_calls" and free.message.content is None, free.message
     assert [c.function.name for c in free.message.tool_calls] == ["GetWeather"]
     assert isinstance(json.loads(free.message.tool_calls[0].function.arguments), dict)
     assert [c.function for c in free_spec.message.tool_calls] == [c.function for c in free.message.tool_calls]
+
+
+def test_qwen_1_5b_forced_single_tool_ends_with_the_calls_it_chose() -> None:
+    """The issue's case on the 1.5B (the model people serve): `required` with parallel calls allowed
+    ended in invented calls until max_tokens, the last one cut short and returned as a call."""
+    s = Server(quickdraft.load("qwen2.5-coder-1.5b"), max_batch=1)
+    try:
+        reply = s.client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "What is the weather in Tokyo?"}], temperature=0,
+            tools=[openai.pydantic_function_tool(GetWeather)], tool_choice="required", max_tokens=120).choices[0]
+    finally:
+        s.stop()
+    assert reply.finish_reason == "tool_calls", reply.message
+    assert [(c.function.name, json.loads(c.function.arguments)["city"]) for c in reply.message.tool_calls] == \
+        [("GetWeather", "Tokyo")]

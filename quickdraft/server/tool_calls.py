@@ -11,7 +11,7 @@ from typing import Any
 from quickdraft.grammar import Constraint, Vocabulary
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
-from quickdraft.tool_reply import Reader, calls_of
+from quickdraft.tool_reply import Reader, Reply, calls_of
 from quickdraft.tools import Syntax, Tools, ToolsError, request_tools
 from quickdraft.tools import compile_tools as compile_tools_of
 
@@ -69,7 +69,7 @@ class ToolReply:
     def message(self, text: str) -> dict[str, Any]:
         """The whole reply as OpenAI's assistant message (content null where it is all calls)."""
         content, pieces = self.reader.feed(text, end=True)
-        calls = calls_of(pieces)
+        calls = Reply(content, calls_of(pieces), self.reader.complete).whole
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
         if calls:
             message["tool_calls"] = [{"id": self.call_id(i), "type": "function",
