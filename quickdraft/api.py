@@ -338,12 +338,10 @@ class LLM:
         formatted = response_format is not None and response_format.get("type") != "text"
         if chosen is not None and messages is None:
             raise ToolsError("tools: tools are offered in a chat; give messages, not a prompt", "tools")
-        if chosen is not None and formatted:
-            raise ToolsError("response_format: a reply under tools is text or tool calls, so it cannot also follow "
-                             "a response_format; give the schema as a tool's parameters instead", "response_format")
         ids = self.prompt_ids(prompt, messages, chosen)
         if chosen is not None:
-            return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax()), chosen
+            return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax(),
+                                      response_format if formatted else None), chosen
         return ids, self.constraint(response_format) if formatted else None, None
 
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,

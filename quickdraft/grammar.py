@@ -70,21 +70,25 @@ def grammar_text(response_format: Mapping[str, Any]) -> str:
     {"schema": ..., "strict": ...}}) -> llguidance's grammar; refused with a GrammarError. strict:
     false lets keywords llguidance does not implement pass unchecked (strict: true refuses them)."""
     ll = _llguidance()
-    kind = response_format.get("type")
-    if kind == "json_object":
-        schema, strict = {"type": "object"}, True
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
-            raise GrammarError("json_schema must be an object whose schema is a JSON schema (an object)")
-        schema, strict = spec.get("schema", {}), spec.get("strict") is not False
-    else:
-        raise GrammarError(f"type must be json_object or json_schema here (text needs no grammar), found {kind!r}")
+    schema, strict = response_schema(response_format)
     try:
         return ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS,
                                                      overrides=None if strict else {"lenient": True})
     except (ValueError, TypeError) as e:
         raise GrammarError(f"the schema is not valid JSON: {e}") from None
+
+
+def response_schema(response_format: Mapping[str, Any]) -> tuple[Mapping[str, Any], bool]:
+    """OpenAI's response_format as (its JSON schema, strict); refused with a GrammarError."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"type": "object"}, True
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise GrammarError("json_schema must be an object whose schema is a JSON schema (an object)")
+        return spec.get("schema", {}), spec.get("strict") is not False
+    raise GrammarError(f"type must be json_object or json_schema here (text needs no grammar), found {kind!r}")
 
 
 def lark_grammar(lark: str) -> str:

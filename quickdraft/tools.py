@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import JSON_OPTIONS, Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar
+from quickdraft.grammar import (JSON_OPTIONS, Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar,
+                                response_schema)
 
 Choice = Literal["none", "auto", "required", "function"]
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
@@ -86,6 +87,7 @@ class Syntax:
     trigger: str | None
     markers: tuple[str, ...] = ()  # texts a vocabulary may hold as special tokens
     key: str = "arguments"
+    holder: str | None = None  # the key of the one JSON object whose list holds the calls (GENERIC)
 
     @property
     def opening(self) -> str:
@@ -93,7 +95,7 @@ class Syntax:
         return (self.first or "{")[0]
 
 
-GENERIC = Syntax(False, '{"tool_calls": [', ", ", "]}", None)
+GENERIC = Syntax(False, '{"tool_calls": [', ", ", "]}", None, holder="tool_calls")
 HERMES = Syntax(True, "<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>", "<tool_call>",
                 ("<tool_call>", "</tool_call>"))
 # Mistral v0.3's template: the calls as one JSON list after [TOOL_CALLS] (a special token there); the
@@ -303,11 +305,20 @@ def _with_system(messages: list[dict[str, Any]], text: str) -> list[dict[str, An
 
 # -- the grammar ------------------------------------------------------------------------------------------
 
-def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
-    """The reply's constraint (None: free text): each function's schema compiled alone first, so that
-    one llguidance refuses is a ToolsError naming it. Compiling takes time (the server runs it on its
-    grammar threads). The syntax's special markers are named by token id (the model's trained token;
-    the reply's text keeps them: Tokenizer.markers_of)."""
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax,
+                  response_format: Mapping[str, Any] | None = None) -> Constraint | None:
+    """The reply's constraint (None: free text): each function's schema, and the response_format's,
+    compiled alone first, so that one llguidance refuses is a ToolsError naming it. Compiling takes
+    time (the server runs it on its grammar threads). The syntax's special markers are named by token
+    id (the model's trained token; the reply's text keeps them: Tokenizer.markers_of). response_format
+    (OpenAI's, not text): where the reply does not call, its text is JSON under that schema."""
+    answer = None
+    if response_format is not None:
+        try:
+            constrain(vocabulary, grammar_text(response_format))
+            answer = response_schema(response_format)
+        except GrammarError as e:
+            raise ToolsError(f"response_format: {e}", "response_format") from None
     for i, function in enumerate(tools.functions):
         param = f"tools.{i}.function.parameters"
         try:
@@ -317,18 +328,22 @@ def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Const
             raise ToolsError(f"{param}: {e}", param) from None
     special = {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
                for text in vocabulary.special(syntax.markers)}
-    lark = grammar(tools, syntax, special)
-    return None if lark is None else constrain(vocabulary, lark_grammar(lark))
+    lark = grammar(tools, syntax, special, answer)
+    if lark is None:
+        return None if response_format is None else constrain(vocabulary, grammar_text(response_format))
+    return constrain(vocabulary, lark_grammar(lark))
 
 
-def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = None) -> str | None:
+def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = None,
+            answer: tuple[Mapping[str, Any], bool] | None = None) -> str | None:
     """The reply's grammar, in llguidance's Lark; None where the reply is free text (choice none).
     Calls are Lark around one JSON schema per call (its arguments the function's schema, moved under
     $defs with its references); under `auto` text may come instead (GENERIC, LLAMA3: text not
     beginning as calls do) or before the calls (HERMES, MISTRAL: text up to the first trigger).
     special: the syntax's markers the vocabulary holds as special tokens (Qwen2.5's <tool_call>,
     Mistral's [TOOL_CALLS]) -> their ids, named by id: their text spelled out would be other tokens,
-    which the model never writes."""
+    which the model never writes. answer: (a JSON schema, strict), a response_format's: under `auto`
+    the reply is calls or JSON under it, never free text (as OpenAI answers tools with a format)."""
     functions = tools.callable()
     if not functions:
         return None
@@ -338,6 +353,14 @@ def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = No
     calls = f"{_lark(syntax.first, tokens)} call{more} {last}"
     if tools.choice != "auto":
         lines = [f"start: {calls}"]
+    elif answer is not None and syntax.opening == "{":  # calls that are JSON too: one schema, either
+        return "\n".join(["%llguidance {}", f"start: reply {json.dumps(ENDING)}?",
+                          f"reply: %json {json.dumps(_answer_or_calls(functions, syntax, tools.parallel, *answer))}"]
+                         ) + "\n"
+    elif answer is not None:
+        schema, strict = answer
+        lines = [f"start: answer | {calls}",
+                 f"answer: %json {json.dumps({**schema, 'x-guidance': {**JSON_OPTIONS, 'lenient': not strict}})}"]
     elif syntax.trigger is None:
         lines = [f"start: TEXT | {calls}", f"TEXT: /[^{_regex_escape(syntax.opening)}](.|\\n)*/"]
     elif syntax.trigger in tokens:  # text cannot hold a special token: it ends where the trigger comes
@@ -377,6 +400,21 @@ def _call_schema(functions: Sequence[Function], key: str) -> dict[str, Any]:
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     options = {**JSON_OPTIONS, "lenient": not all(f.strict for f in functions)}
     return {**schema, "$defs": defs, "x-guidance": options}
+
+
+def _answer_or_calls(functions: Sequence[Function], syntax: Syntax, parallel: bool, answer: Mapping[str, Any],
+                     strict: bool) -> dict[str, Any]:
+    """A reply that is JSON under `answer` or the calls, where the syntax writes calls as JSON too
+    (GENERIC's object, LLAMA3's bare call): as one schema, since llguidance's greedy lexer cannot
+    choose between a literal '{"tool_calls": [' and the answer's '{' by Lark alternatives."""
+    call = _call_schema(functions, syntax.key)
+    defs, options = call.pop("$defs"), call.pop("x-guidance")
+    if syntax.holder is not None:
+        call = {"type": "object", "properties": {syntax.holder: {
+            "type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}},
+            "required": [syntax.holder], "additionalProperties": False}
+    return {"anyOf": [{"$ref": "#/$defs/answer"}, call], "$defs": {**defs, "answer": _moved(answer, "#/$defs/answer")},
+            "x-guidance": {**options, "lenient": options["lenient"] or not strict}}
 
 
 def _moved(schema: Any, where: str) -> Any:

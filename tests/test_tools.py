@@ -169,6 +169,30 @@ def test_a_reply_may_end_after_any_call_and_its_line_break(syntax, write, tools)
     assert content == "" and [c.name for c in calls_of(pieces)] == ["get_weather"]  # the break is not text
 
 
+ANSWER = ({"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "rain": {"type": "boolean"}},
+           "required": ["city", "rain"], "additionalProperties": False}, True)  # a response_format's (schema, strict)
+
+
+def answers(tools: Tools, syntax, reply: str) -> bool:
+    """accepts(), the grammar written with ANSWER as the response_format."""
+    matcher = constrain(vocabulary(), lark_grammar(grammar(tools, syntax, None, ANSWER))).matcher
+    tokens = tokenizer().encode(reply, add_special_tokens=False)
+    return matcher.validate_tokens(tokens) == len(tokens) and matcher.consume_tokens(tokens) and \
+        matcher.is_accepting()
+
+
+@pytest.mark.parametrize("syntax,write", [(GENERIC, generic_reply), (HERMES, hermes_reply)])
+def test_tools_with_a_response_format_answer_calls_or_json_under_its_schema(syntax, write) -> None:
+    auto, required = Tools(FUNCTIONS, "auto"), Tools(FUNCTIONS, "required")
+    json_answer = json.dumps({"city": "Oslo", "rain": True})
+    assert answers(auto, syntax, write(OSLO)) and answers(auto, syntax, write(OSLO, UTC))
+    assert answers(auto, syntax, json_answer)
+    assert not answers(auto, syntax, "It is sunny.")                                # free text: not the format
+    assert not answers(auto, syntax, json.dumps({"city": "Oslo"}))                  # JSON off the schema
+    assert not answers(auto, syntax, json.dumps({"city": "Oslo", "rain": True, "x": 1}))
+    assert answers(required, syntax, write(OSLO)) and not answers(required, syntax, json_answer)
+
+
 def test_a_call_cut_short_is_not_handed_on_as_a_call() -> None:
     reply = read(Tools(FUNCTIONS, "required"), HERMES, hermes_reply(OSLO, UTC)[:-20])
     assert not reply.complete and [c.name for c in reply.calls] == ["get_weather", "get_time"]

@@ -101,7 +101,8 @@ BAD = [  # (keyword arguments, the field named)
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"type": "string", "pattern": "("}}}}}]), "tools.0.function.parameters"),
     (dict(tools=TOOLS, parallel_tool_calls="yes"), "parallel_tool_calls"),
-    (dict(tools=TOOLS, response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=TOOLS, response_format={"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}),
+     "response_format"),
 ]
 
 

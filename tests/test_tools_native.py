@@ -156,15 +156,15 @@ def test_mistral_prompt_writes_calls_with_positional_ids_the_template_accepts() 
     assert render("mistral")(*conversation(renamed, Tools(FUNCTIONS, "auto"), MISTRAL)) == text
 
 
-def accepts(family: str, tools: Tools, reply: str) -> bool:
+def accepts(family: str, tools: Tools, reply: str, answer: tuple[dict, bool] | None = None) -> bool:
     """Whether the reply's grammar takes `reply` whole (llguidance's verdict), the special markers named
-    by id as compile_tools names them."""
+    by id as compile_tools names them; answer: a response_format's (schema, strict)."""
     tok = tokenizer_of(family)
     syntax = FAMILIES[family][-1]
     vocabulary = Vocabulary(tok, VOCAB_SIZE)
     special = {t: tok.encode(t, add_special_tokens=False)[0] for t in vocabulary.special(syntax.markers)}
     assert special.keys() == set(syntax.markers)
-    matcher = constrain(vocabulary, lark_grammar(grammar(tools, syntax, special))).matcher
+    matcher = constrain(vocabulary, lark_grammar(grammar(tools, syntax, special, answer))).matcher
     tokens = tok.encode(reply, add_special_tokens=False)
     return matcher.validate_tokens(tokens) == len(tokens) and matcher.consume_tokens(tokens) and \
         matcher.is_accepting()
@@ -190,6 +190,15 @@ def test_mistral_grammar_calls_after_the_special_token() -> None:
     # the marker spelled out in other tokens is not the marker
     spelled = tokenizer_of("mistral").encode("[TOOL_CALLS", add_special_tokens=False)
     assert len(spelled) > 1
+
+
+@pytest.mark.parametrize("family,write", [("llama3", lambda: llama_reply(*OSLO)), ("mistral", lambda: mistral_reply(OSLO))])
+def test_with_a_response_format_a_reply_is_a_call_or_json_under_it(family: str, write) -> None:
+    auto = Tools(FUNCTIONS, "auto")
+    answer = ({"type": "object", "properties": {"rain": {"type": "boolean"}}, "required": ["rain"],
+               "additionalProperties": False}, True)
+    assert accepts(family, auto, write(), answer) and accepts(family, auto, '{"rain": true}', answer)
+    assert not accepts(family, auto, "It is sunny.", answer) and not accepts(family, auto, '{"rain": 1}', answer)
 
 
 READS = [  # (family, tools, reply, content, calls, complete)

@@ -111,6 +111,29 @@ def test_auto_gives_text_or_calls_and_the_stream_agrees(server: Server) -> None:
             assert not whole.message.content.startswith("{")  # text never begins as the calls do
 
 
+def test_tools_with_a_response_format_answer_calls_or_json_under_the_schema(server: Server) -> None:
+    """openai-agents' output_type with tools, pydantic-ai's NativeOutput with tools: sampled, some
+    seeds call and some answer; every answer is JSON under the schema, never free text."""
+    answer = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "rain": {"type": "boolean"}},
+              "required": ["city", "rain"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Weather", "schema": answer, "strict": True}}
+    kinds = set()
+    for seed in range(6):
+        choice = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, max_tokens=80,
+                                                       temperature=1.0, seed=seed, response_format=fmt).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+            valid(calls_of(choice.message))
+            kinds.add("calls")
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), answer)
+            kinds.add("answer")
+    assert kinds, "no seed gave a whole reply within max_tokens"
+    forced = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="required",
+                                                   max_tokens=80, temperature=0, response_format=fmt).choices[0]
+    assert forced.finish_reason == "tool_calls", forced  # required: calls, whatever the format
+
+
 def test_a_tool_result_continues_the_conversation(server: Server, llm) -> None:  # noqa: F811
     first = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="required",
                                                   max_tokens=300, temperature=0).choices[0].message
@@ -154,7 +177,8 @@ BAD = [  # (fields, param, words in the message)
      "tools.0.function.parameters", "compiled"),
     ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "array", "uniqueItems": True}}}]}, "tools.0.function.parameters", "uniqueItems"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format", "tools"),
+    ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "objectx"}}}}, "response_format", "objectx"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name", "pattern"),
     ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "function"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools.0.function.parameters",

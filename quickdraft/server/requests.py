@@ -94,8 +94,8 @@ async def constraints(served: Served, body: _Common, tools: Tools | None = None)
     if tools is None:
         make, param, code = (lambda: llm.constraint(fmt)), "response_format", "invalid_response_format"
     else:
-        make, param, code = (lambda: tool_calls.compile_tools(llm.grammar_vocabulary(), tools, served.prompts.syntax)
-                             ), "tools", tool_calls.CODE
+        make, param, code = (lambda: tool_calls.compile_tools(llm.grammar_vocabulary(), tools, served.prompts.syntax,
+                                                              fmt)), "tools", tool_calls.CODE
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(served.grammars, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's
     try:

@@ -20,10 +20,6 @@ CODE = "invalid_tools"  # a request the published schema allows but its tools ca
 
 def tools_of(body: ChatCompletionRequest) -> Tools | None:
     """The request's tools (tools.request_tools), None where it has none; a 400 names the field."""
-    if body.tools and body.response_format is not None and body.response_format.type != "text":
-        raise BadRequest(400, "response_format: a reply under tools is text or tool calls, so it cannot also follow "
-                              "a response_format; give the schema as a tool's parameters instead", "response_format",
-                         CODE)
     choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
     try:
         return request_tools([tool.model_dump(exclude_none=True) for tool in body.tools or ()], choice,
@@ -32,10 +28,11 @@ def tools_of(body: ChatCompletionRequest) -> Tools | None:
         raise BadRequest(400, str(e), e.param, CODE) from None
 
 
-def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax) -> Constraint | None:
+def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax,
+                  response_format: dict[str, Any] | None) -> Constraint | None:
     """tools.compile_tools, a ToolsError a 400. For the grammar threads: compiling takes time."""
     try:
-        return compile_tools_of(vocabulary, tools, syntax)
+        return compile_tools_of(vocabulary, tools, syntax, response_format)
     except ToolsError as e:
         raise BadRequest(400, str(e), e.param, CODE) from None
 
