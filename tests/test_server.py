@@ -276,6 +276,9 @@ def test_chat_errors_and_unknown_route(server: Server) -> None:
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
     r = httpx.get(f"{server.url}/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    message = httpx.post(f"{server.url}/v1/embeddings", json={"input": "x"}).json()["error"]["message"]
+    assert message.startswith("POST /v1/embeddings is not an endpoint of this server; it serves ")
+    assert "POST /v1/chat/completions" in message and "GET /v1/models" in message and "/static" not in message
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="other", prompt="hi")
 

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from quickdraft.errors import QuickdraftError
@@ -46,6 +47,12 @@ def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     return (f"{where}: {message}" if where else message), where or None
 
 
+def endpoints(app: FastAPI) -> list[str]:
+    """The API's routes as "METHOD /path" (the published ones: not the playground's files or docs)."""
+    return [f"{method} {route.path}" for route in app.routes if isinstance(route, APIRoute) and route.include_in_schema
+            for method in sorted(route.methods - {"HEAD"})]
+
+
 def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: HTTPRequest, exc: RequestValidationError) -> JSONResponse:
@@ -72,7 +79,10 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = str(exc.detail)
-        if exc.status_code == 405:
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route: say which there are
+            message = f"{request.method} {request.url.path} is not an endpoint of this server; it serves " \
+                      f"{', '.join(endpoints(request.app))}"
+        elif exc.status_code == 405:
             message = f"{request.url.path} does not answer {request.method}; it answers {exc.headers['Allow']}"
         elif exc.status_code == 413:  # raised by FastAPI's max_body_size as the body streams in
             message = body_too_large(max_body_bytes)
