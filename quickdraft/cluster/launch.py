@@ -6,10 +6,14 @@ each with --threads CPUs, routed by a request router (router.py); then serves th
 (ingress.py) with the same connection limits and shutdown as one process (server.HttpFront):
 on SIGTERM no new connections, in-flight requests get --shutdown-timeout to finish, the replicas
 then end the rest with a 503, and the application is deleted (Ray drains and stops its replicas).
+A cluster started here listens on the loopback only and asks for a token of this launch's
+(docs/cluster.md, "What listens where").
 """
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -19,6 +23,8 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray._private import ray_constants
+from ray._raylet import AuthenticationTokenLoader, Config
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from starlette.types import Message
@@ -42,6 +48,8 @@ HEALTH_CHECK_S = 2.0    # how often Ray asks each replica whether its engine run
 REPORT_TIMEOUT_S = 2.0  # a replica slower than this to report is not counted healthy by /health
 HEADROOM = 8            # calls a replica takes beyond its rows and queue (reports, routing probes)
 REACH_TIMEOUT_S = 10.0  # --ray-address must accept a connection within this
+LOOPBACK = "127.0.0.1"
+RAY_INIT = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": False}
 
 
 @dataclass(frozen=True)
@@ -107,22 +115,76 @@ def reach(address: str) -> None:
                               f"with `ray start --head --port PORT` on that machine, or check the address") from None
 
 
-def start_ray(plan: ClusterPlan) -> tuple[bool, int]:
-    """Join the cluster at --ray-address, or start one here ("local": never one that Ray would find by
-    itself, a `ray start` on this machine or RAY_ADDRESS); (whether this process started it, the
-    threads each replica gets)."""
-    started = not ray.is_initialized() and plan.address is None
+@contextmanager
+def token_auth() -> Iterator[None]:
+    """Ray's token authentication on, with a random token of this launch's, for the block: the cluster's
+    processes inherit it from this one's environment (never ~/.ray/auth_token, which every local cluster
+    of this user would share), and every call into the cluster without it is refused."""
+    wanted = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    saved = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    reload_auth()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reload_auth()
+
+
+def reload_auth() -> None:
+    """Ray reads the mode and the token once per process and keeps them: read them again (as
+    Ray's own token set-up does), or a second cluster in this process would get the first's."""
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextmanager
+def loopback_node() -> Iterator[None]:
+    """While ray.init starts a node of address 127.0.0.1. Ray 2.60 binds its processes' servers to the
+    loopback where the node's address is a loopback one, to every interface otherwise; and it turns
+    127.0.0.1 given as the node's address into the machine's outward one unless clusters of several
+    machines are off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, as on macOS, read into this flag when ray is
+    imported). The node's processes get its address as an argument: the flag matters only here."""
+    several = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = several
+
+
+@contextmanager
+def ray_cluster(plan: ClusterPlan) -> Iterator[int]:
+    """Joined at --ray-address, or started here for the block ("local": never one that Ray would find by
+    itself, a `ray start` on this machine or RAY_ADDRESS) and shut down after it; the threads each
+    replica gets. A cluster started here listens on the loopback and asks for its token; one joined is
+    bound as whoever started it chose."""
+    if plan.address is None and not ray.is_initialized():
+        with token_auth():
+            with loopback_node():
+                ray.init(address="local", _node_ip_address=LOOPBACK, **RAY_INIT)
+            try:
+                yield cluster_threads(plan)
+            finally:
+                ray.shutdown()
+        return
     if plan.address is not None:
         reach(plan.address)
-    try:
-        ray.init(address=plan.address or "local", ignore_reinit_error=True, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+    try:  # without --ray-address: the cluster this process is connected to already (never one found elsewhere)
+        ray.init(address=plan.address or "local", ignore_reinit_error=True, **RAY_INIT)
     except ConnectionError as e:
-        raise QuickdraftError(f"the Ray cluster at {plan.address or 'this machine'}: {e} (a cluster started by `ray start "
-                              f"--head` asks for its token: RAY_AUTH_MODE=token here, with that token; "
-                              f"docs/cluster.md)") from None
+        raise QuickdraftError(f"the Ray cluster at {plan.address}: {e} (a cluster started by `ray start --head` asks "
+                              f"for its token: RAY_AUTH_MODE=token here, with that token; docs/cluster.md)") from None
+    yield cluster_threads(plan)
+
+
+def cluster_threads(plan: ClusterPlan) -> int:
     node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node["Alive"]]
-    return started, replica_threads(node_cpus, plan.replicas, plan.threads)
+    return replica_threads(node_cpus, plan.replicas, plan.threads)
 
 
 def deploy(setup: ReplicaSetup, plan: ClusterPlan) -> Any:
@@ -145,22 +207,20 @@ def running(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.soc
     """The replicas deployed and the front serving on `sock`, until the block ends: then the front
     stops (HttpFront.stop), the application is deleted and a cluster started here shut down."""
     tokenizer = load_tokenizer(resolve_model(model))  # a model that is not there fails here, not in N replicas
-    started, threads = start_ray(plan)
-    try:
-        setup = replace(setup, threads=threads)
-        replicas = RayReplicas(deploy(setup, plan), plan.replicas, cached=setup.model.get("prefix_cache_mb") != 0)
-        ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes)
-        hosts = answered_hosts(setup.bind, setup.server.allowed_hosts)
-        front = HttpFront(ingress if hosts is None else HostCheck(ingress, hosts), setup.server.connections,
-                          ingress.count_error, replicas.close, setup.bind, sock, shutdown_timeout_s, log_level)
+    with ray_cluster(plan) as threads:
         try:
-            yield front
+            setup = replace(setup, threads=threads)
+            replicas = RayReplicas(deploy(setup, plan), plan.replicas, cached=setup.model.get("prefix_cache_mb") != 0)
+            ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes)
+            hosts = answered_hosts(setup.bind, setup.server.allowed_hosts)
+            front = HttpFront(ingress if hosts is None else HostCheck(ingress, hosts), setup.server.connections,
+                              ingress.count_error, replicas.close, setup.bind, sock, shutdown_timeout_s, log_level)
+            try:
+                yield front
+            finally:
+                front.stop()
         finally:
-            front.stop()
-    finally:
-        serve.delete(APP)
-        if started:
-            ray.shutdown()
+            serve.delete(APP)
 
 
 def serve_cluster(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.socket,

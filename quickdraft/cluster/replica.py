@@ -5,10 +5,12 @@ A thread of its own loads the model and then drives the engine (server/worker.py
 work stays on the thread that loaded the model); requests reach the app through `forward`
 (asgi.py), the router learns what the prefix cache holds from `record_routing_stats` (Ray Serve
 polls it), the front reads `report` for /health and /metrics, and Ray restarts a replica whose
-`check_health` fails or whose process dies.
+`check_health` fails or whose process dies. On a node bound to the loopback, Ray Serve's own gRPC
+server in the replica binds the loopback too (serve_grpc_on_loopback).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -38,8 +40,21 @@ class ReplicaSetup:
     measure_cost: bool = True    # the forward-cost curve at start-up (serve's --no-measure-cost)
 
 
+def serve_grpc_on_loopback() -> None:
+    """Ray Serve 2.60 starts each replica's gRPC server for calls between deployments on "[::]:0", every
+    interface, whatever the node's address, where Ray's own servers bind the loopback on a node whose
+    address is a loopback one (a cluster `quickdraft serve` started): there, the loopback too. Ray Serve
+    looks the function up when it starts that server, after this replica's constructor."""
+    if not ipaddress.ip_address(ray.util.get_node_ip_address()).is_loopback:
+        return
+    from ray.serve._private import replica
+    bind = replica.add_port_to_grpc_server
+    replica.add_port_to_grpc_server = lambda server, address: bind(server, address.replace("[::]", "127.0.0.1"))
+
+
 class EngineReplica:
     def __init__(self, setup: ReplicaSetup) -> None:
+        serve_grpc_on_loopback()
         self.name = serve.get_replica_context().replica_id.unique_id
         self.app: Any = None
         self._error: BaseException | None = None
