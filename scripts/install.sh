@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-extras=test,bench,train,cluster
+extras=test,clients,bench,train,cluster
 case "${1:-}" in
   "") ;;
   --llamacpp) extras=$extras,llamacpp ;;

@@ -21,15 +21,18 @@ from quickdraft.proposers import SpecConfig, SpecConfigError
 from quickdraft.server import openapi
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import install_error_handlers
-from quickdraft.server.guards import Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck, answered_hosts
+from quickdraft.server.guards import (ANTHROPIC, Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck,
+                                     answered_hosts)
+from quickdraft.server.messages_answer import AnthropicErrors
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.requests import methods
-from quickdraft.server.routes import chat, completions, health, models, playground
+from quickdraft.server.routes import chat, completions, health, messages, models, playground, responses_api
 from quickdraft.server.state import Served
 from quickdraft.server.worker import EngineWorker
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", ANTHROPIC,
+                              f"{ANTHROPIC}/count_tokens"})  # count_tokens: a place while it tokenizes
 GRAMMAR_THREADS = 2       # schemas compiled at once: a pathological one holds one thread, never the event loop
 
 
@@ -48,10 +51,10 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     app.state.worker, app.state.metrics = served.worker, served.metrics  # what the HTTP front and replicas drive
     _guard(app, config, bind, served.metrics)
     install_error_handlers(app, config.max_body_bytes)
-    for routes in (health, models, completions, chat):
+    for routes in (health, models, completions, chat, responses_api, messages):
         routes.install(app, config)
     openapi.publish(app, config.model_name, llm.model.config.vocab_size, served.context, lambda: methods(served),
-                    config.max_body_bytes, bearer=config.api_key is not None, max_choices=served.places)
+                    config.max_body_bytes, bearer=bool(config.api_keys), max_choices=served.places)
     playground.install(app, config)
     return app
 
@@ -77,12 +80,14 @@ async def _lifespan(app: FastAPI, engine_thread: bool) -> AsyncIterator[None]:
 
 
 def _guard(app: FastAPI, config: ServerConfig, bind: str, metrics: Metrics) -> None:
-    """The ASGI checks before a route. The last added runs first: count errors, check Host, the key,
-    the body's size; the route takes a place in the queue (Admission) once the body is whole and valid."""
+    """The ASGI checks before a route. The last added runs first: count errors, write Anthropic's
+    routes' errors in its envelope, check Host, the key, the body's size; the route takes a place in
+    the queue (Admission) once the body is whole and valid."""
     app.add_middleware(DeclaredBodyLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(Admission, paths=GENERATION_PATHS, rows=config.engine.max_batch, waiting=config.max_waiting)
-    if config.api_key is not None:
-        app.add_middleware(ApiKey, key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKey, keys=config.api_keys)
     if (hosts := answered_hosts(bind, config.allowed_hosts)) is not None:
         app.add_middleware(HostCheck, allowed=hosts)
+    app.add_middleware(AnthropicErrors, prefix=ANTHROPIC)  # around every check that can refuse
     app.add_middleware(CountErrors, count=metrics.count_error)

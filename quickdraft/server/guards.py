@@ -4,6 +4,7 @@ Each answers in OpenAI's error shape (responses.error_response); none knows abou
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Callable
 
@@ -73,26 +74,42 @@ class HostCheck:
         await self.app(scope, receive, send)
 
 
-class ApiKey:
-    """/v1 routes need `Authorization: Bearer <key>`; /health, /metrics and the schema stay open."""
+ANTHROPIC = "/v1/messages"  # Anthropic's routes: its clients send the key as x-api-key, get errors in its envelope
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+
+class ApiKey:
+    """/v1 routes need `Authorization: Bearer <key>` (Anthropic's also take `x-api-key: <key>`) with one of
+    the server's keys; /health, /metrics and the schema stay open. Each key is a tenant: the request's
+    scope gets its name under TENANT (a digest of the key), its prefix-cache scope (requests.cache_scope)."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.expected = [(f"Bearer {key}".encode(), hashlib.sha256(key.encode()).hexdigest()[:32]) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):  # in constant time: no guessing by timing
-                message = ("no API key given: send the header Authorization: Bearer <key> (quickdraft serve --api-key)"
-                           if not given else "the API key given is not this server's")
+            headers = Headers(scope=scope)
+            given = [headers.get("authorization", "")]
+            anthropic = scope["path"].startswith(ANTHROPIC)
+            if anthropic:
+                given.append(f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else "")
+            # in constant time, every pair compared: no guessing by timing
+            tenants = [tenant for key in given for expected, tenant in self.expected
+                       if hmac.compare_digest(key.encode(), expected)]
+            if not tenants:
+                header = "Authorization: Bearer <key>" + (" or x-api-key: <key>" if anthropic else "")
+                message = (f"no API key given: send the header {header} (quickdraft serve --api-key)"
+                           if not any(given) else "the API key given is not this server's")
                 response = out.error_response(401, message, code="invalid_api_key",
                                               headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+            scope[TENANT] = tenants[0]
         await self.app(scope, receive, send)
 
 
 ADMIT = "quickdraft.admit"  # scope key: the route's call to take a place in the queue
+TENANT = "quickdraft.tenant"  # scope key: the API key's tenant (ApiKey), absent without keys
 
 
 class QueueFull(Exception):

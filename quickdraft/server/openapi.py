@@ -7,12 +7,15 @@ Knows nothing about the engine.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from quickdraft.server.guards import ANTHROPIC
 
 
 class ErrorDetail(BaseModel):
@@ -30,7 +33,8 @@ STATUSES = {
     400: "Malformed JSON, a field of the wrong type or out of range, an unsupported field, a prompt "
          "past the context (code context_length_exceeded), or a Host header not answered (code invalid_host)",
     401: "No or a wrong API key (Authorization: Bearer)",
-    404: "A model this server does not serve (code model_not_found)",
+    404: "A model this server does not serve (code model_not_found), or a response it does not keep "
+         "(/v1/responses)",
     408: "The request's headers or body did not arrive in time (--header-timeout, --body-timeout; code "
          "request_timeout); the connection is closed",
     413: "A body larger than --max-body-bytes",
@@ -85,13 +89,17 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
     (the prompt takes at least one of them), text by the body limit and a prompt's token ids by the
     context, and lists the speculation methods this server can run (`methods()`, asked when the
     schema is first requested); bearer: /v1 routes need an API key; max_choices: the most choices (n)
-    a request may ask for here (None: as the request model bounds them)."""
+    a request may ask for here, and prompts of a batch (None: as the request model bounds them)."""
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            with warnings.catch_warnings():  # a route of two methods: its operations are named apart below
+                warnings.filterwarnings("ignore", "Duplicate Operation ID")
+                schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for operations in schema["paths"].values():
-                for operation in operations.values():
+                for method, operation in operations.items():
                     operation.get("responses", {}).pop("422", None)
+                    # FastAPI names all of a route's operations after one of its methods; each after its own
+                    operation["operationId"] = f"{operation['operationId'].rsplit('_', 1)[0]}_{method}"
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
@@ -103,22 +111,34 @@ def publish(app: FastAPI, model_name: str, vocab_size: int, max_seq_len: int, me
                         fields[name]["anyOf"][0]["maximum"] = max_seq_len - 1
                 if max_choices is not None:
                     fields["n"]["maximum"] = min(fields["n"]["maximum"], max_choices)
+            responses = components["ResponsesRequest"]["properties"]  # /v1/responses (responses_api.py)
+            responses["model"]["enum"] = [model_name]
+            responses["max_output_tokens"]["anyOf"][0]["maximum"] = max_seq_len - 1
+            for request in ("MessagesRequest", "CountTokensRequest"):  # /v1/messages (messages_api.py)
+                components[request]["properties"]["model"]["enum"] = [model_name]
+            components["MessagesRequest"]["properties"]["max_tokens"]["maximum"] = max_seq_len - 1
             method = components["Speculative"]["properties"]["method"]["anyOf"][0]
             method["enum"] = methods()
             for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-                if form.get("items", {}).get("type") == "integer":
-                    form["items"].update(minimum=0, maximum=vocab_size - 1)
-                    form["maxItems"] = max_seq_len - 1
+                for ids in (form, form.get("items", {})):  # token ids: one prompt's, or each of a batch's
+                    if ids.get("items", {}).get("type") == "integer":
+                        ids["items"].update(minimum=0, maximum=vocab_size - 1)
+                        ids["maxItems"] = max_seq_len - 1
+                if "maxItems" in form and form["items"].get("type") != "integer" and max_choices is not None:
+                    form["maxItems"] = min(form["maxItems"], max_choices)  # a batch: each prompt's choices take places
             for request in ("CompletionRequest", "ChatCompletionRequest"):  # logit_bias's keys: token ids
                 bias = components[request]["properties"]["logit_bias"]["anyOf"][0]
                 bias["propertyNames"] = {"pattern": ids_up_to(vocab_size - 1)}
             _text_bounds(components, max_body_bytes)
             if bearer:
-                schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"},
+                                                            "xApiKey": {"type": "apiKey", "in": "header",
+                                                                        "name": "x-api-key"}}
                 for path, operations in schema["paths"].items():
                     for operation in operations.values():
-                        if path.startswith("/v1"):
-                            operation["security"] = [{"apiKey": []}]
+                        if path.startswith("/v1"):  # Anthropic's routes take either header
+                            operation["security"] = [{"apiKey": []}, *([{"xApiKey": []}] if path.startswith(
+                                ANTHROPIC) else [])]
             _integer_bounds(schema)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -146,6 +166,16 @@ def _text_bounds(components: dict[str, Any], max_body_bytes: int) -> None:
                 if form.get("type") == "string"]
     for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         strings.append(form if form["type"] == "string" else form["items"])
+    responses = [components["ResponsesRequest"]["properties"][name] for name in ("input", "instructions")]
+    responses += [components[model]["properties"][name] for model, name in (
+        ("MessageItem", "content"), ("ContentPart", "text"), ("FunctionCallItem", "arguments"),
+        ("FunctionCallOutputItem", "output"))]
+    strings += [form for field in responses for form in field.get("anyOf", [field])]
+    messages = [components[model]["properties"][name] for model, name in (
+        ("MessagesRequest", "system"), ("CountTokensRequest", "system"), ("UserMessage", "content"),
+        ("AssistantMessage", "content"), ("SystemMessage", "content"), ("TextBlock", "text"),
+        ("ToolResultBlock", "content"))]
+    strings += [form for field in messages for form in field.get("anyOf", [field])]
     for form in strings:
         if form.get("type") == "string":
             form["maxLength"] = max_body_bytes

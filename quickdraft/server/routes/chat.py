@@ -7,17 +7,28 @@ import time
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
+from quickdraft.sampling import SamplingParams
 from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
-from quickdraft.server.requests import chat_prompt, check_model, constraints, prepare, spec_of, tokenized
+from quickdraft.server.requests import (Made, cache_scope, chat_prompt, check_model, constraints, prepare, spec_of,
+                                        tokenized)
 from quickdraft.server.routes import add_generation
 from quickdraft.server.schemas import ChatCompletionRequest
 from quickdraft.server.state import served
 from quickdraft.server.streaming import respond
+from quickdraft.tools import Tools
 
 
 async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
     arrived = time.perf_counter()
+    made, params, tools = await prepared(body, http)
+    return await respond(served(http), "chat", body, made, params, http, arrived, tools)
+
+
+async def prepared(body: ChatCompletionRequest, http: HTTPRequest) -> tuple[Made, SamplingParams, Tools | None]:
+    """All the chat route does before it answers: the request checked, its prompt rendered and
+    tokenized (its places in the queue taken), its engine requests built. /v1/messages answers them
+    in Anthropic's shapes."""
     s = served(http)
     check_model(s, body)
     spec = spec_of(s, body)
@@ -27,8 +38,8 @@ async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
     budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
     text = await chat_prompt(s.prompts, body, tools)
     ids = await tokenized(s, text, budget, "messages", http, add_special_tokens=False, n=body.n)
-    made, params = prepare(s, body, spec, constrained, ids, budget)
-    return await respond(s, "chat", body, made, params, http, arrived, tools)
+    made, params = prepare(s, body, spec, constrained, ids, budget, cache_scope(http, body))
+    return made, params, tools
 
 
 def install(app: FastAPI, config: ServerConfig) -> None:

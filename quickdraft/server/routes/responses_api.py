@@ -1,0 +1,112 @@
+"""/v1/responses: OpenAI's Responses API, an adapter over the chat route. A request becomes the chat
+request it is (responses_api.py), the chat route checks and answers it as any chat, and its answer,
+whole or streamed, becomes a response object or Responses events (responses_answer.py). Responses
+with store: true are kept (response_store.py, on `app.state.responses`) for GET and DELETE
+/v1/responses/{id} and to be continued with previous_response_id.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Path, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from quickdraft.server.config import ServerConfig
+from quickdraft.server.errors import BadRequest
+from quickdraft.server.response_store import MAX_BYTES, MAX_RESPONSES, ResponseStore, Stored
+from quickdraft.server.responses_answer import Events, new_id, output_of, response
+from quickdraft.server.responses_api import Item, ResponsesRequest, chat_request, renamed
+from quickdraft.server.routes import errors
+from quickdraft.server.routes.chat import chat
+from quickdraft.server.schemas import MAX_NAME_CHARS
+
+ResponseId = Annotated[str, Path(max_length=MAX_NAME_CHARS)]
+# each server-sent event: its name and its JSON data, whose type is that name
+EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string"},
+    "data": {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"type": "object", "required": ["type", "sequence_number"],
+                               "properties": {"type": {"type": "string"}, "sequence_number": {"type": "integer"}}}}}}
+ANSWER: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The response object as JSON, or with stream: true the Responses API's server-sent events "
+                         "(each named by its type), ending with response.completed or response.incomplete",
+          "content": {"text/event-stream": {"schema": EVENT}}},
+}
+
+
+async def create(body: ResponsesRequest, http: HTTPRequest) -> Response:
+    store: ResponseStore = http.app.state.responses
+    items = body.items()
+    if body.previous_response_id is not None:
+        items = [*_stored(store, body.previous_response_id, "previous_response_id").conversation(), *items]
+    try:
+        answer = await chat(chat_request(body, items), http)
+    except BadRequest as e:
+        raise renamed(e) from None
+    response_id, created_at = new_id("resp"), int(time.time())
+    kept = store if body.store else None
+    if isinstance(answer, StreamingResponse):
+        events = Events(body, response_id, created_at)
+        chunks: AsyncGenerator[str, None] = answer.body_iterator  # type: ignore[assignment] (streaming.stream's)
+        return StreamingResponse(_events(chunks, events, kept, items), media_type="text/event-stream")
+    if answer.status_code != 200:
+        return answer  # the client left (499), the engine failed (500) or is shutting down (503)
+    completion = json.loads(answer.body)
+    output, finish = output_of(completion)
+    result = response(body, response_id, created_at, output, finish, completion["usage"])
+    if kept is not None:
+        kept.put(result, items)
+    return JSONResponse(result)
+
+
+async def _events(chunks: AsyncGenerator[str, None], events: Events, store: ResponseStore | None, items: list[Item]
+                  ) -> AsyncGenerator[str, None]:
+    """The chat stream's chunks as Responses events; the response kept once it has ended."""
+    try:
+        for event in events.start():
+            yield event
+        async for chunk in chunks:
+            data = chunk.removeprefix("data: ").strip()
+            if data != "[DONE]":  # chat's end; a Responses stream ends with its last event
+                for event in events.chunk(json.loads(data)):
+                    yield event
+        if store is not None and events.final is not None:
+            store.put(events.final, items)
+    finally:  # also when the client left: the chat stream's own finally cancels the request
+        await chunks.aclose()
+
+
+async def stored(response_id: ResponseId, http: HTTPRequest) -> JSONResponse:
+    """GET: a kept response; DELETE: drop it. One route for both, so a 405 lists both in Allow."""
+    store: ResponseStore = http.app.state.responses
+    if http.method == "GET":
+        return JSONResponse(_stored(store, response_id, None).response)
+    if not store.delete(response_id):
+        raise _not_stored(response_id, None)
+    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _stored(store: ResponseStore, response_id: str, param: str | None) -> Stored:
+    found = store.get(response_id)
+    if found is None:
+        raise _not_stored(response_id, param)
+    return found
+
+
+def _not_stored(response_id: str, param: str | None) -> BadRequest:
+    """A 404; param: the field that named the response (None: the path)."""
+    return BadRequest(404, f"no response {response_id!r} is stored here: unknown, made with store: false, deleted, "
+                           f"or dropped (this server keeps the last {MAX_RESPONSES} responses within "
+                           f"{MAX_BYTES >> 20} MiB)", param,
+                      "previous_response_not_found" if param is not None else None)
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    app.state.responses = ResponseStore()
+    app.add_api_route("/v1/responses", create, methods=["POST"], max_body_size=config.max_body_bytes,
+                      responses={**ANSWER, **errors(config, 400, 404, 408, 413, 429, 500, 503)})
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET", "DELETE"],
+                      responses=errors(config, 400, 404))
