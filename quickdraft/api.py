@@ -85,6 +85,15 @@ class Completion:
         return {"role": "assistant", "content": self.content, **calls}
 
 
+@dataclass
+class Scored:
+    """A prompt scored (LLM.score): token_ids[i + 1]'s log-probability given token_ids[:i + 1] is
+    logprobs[i].logprob (the first token has none: nothing comes before it)."""
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # [len(token_ids) - 1]
+    stats: GenerationStats
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -262,12 +271,16 @@ class LLM:
                 self._service = EngineService(Engine(self.model, config or ENGINE, cost, prefix=self.prefix))
             return self._service
 
-    def request(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None = None
-                ) -> tuple[Request, Callable[[], Proposer | None]]:
-        """A request for the engine, and the call that builds its proposer (on the driving thread)."""
-        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if spec.enabled else 0, spec.adaptive,
-                          constraint)
-        return request, lambda: self.proposer(ids, params, spec)
+    def request(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None = None,
+                prompt_logprobs: int | None = None, cache_scope: str = "") -> tuple[Request, Callable[[], Proposer | None]]:
+        """A request for the engine, and the call that builds its proposer (on the driving thread);
+        `prompt_logprobs`: its prompt scored too, with this many alternatives a token. A request that
+        generates nothing has nothing to draft: no proposer. `cache_scope`: whose prefix-cache
+        entries it reads and leaves (prefix_cache.py)."""
+        drafts = spec.enabled and params.max_new_tokens > 0
+        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if drafts else 0, spec.adaptive,
+                          constraint, prompt_logprobs, cache_scope)
+        return request, lambda: self.proposer(ids, params, spec, cache_scope) if drafts else None
 
     def grammar_vocabulary(self) -> Vocabulary:
         """This model's vocabulary as the grammar library walks it, built on first use (~1 s)."""
@@ -294,10 +307,11 @@ class LLM:
         spec = spec or self.spec
         return runs(spec.method, self, spec) if spec.enabled else None
 
-    def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig) -> Proposer | None:
+    def proposer(self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, cache_scope: str = ""
+                 ) -> Proposer | None:
         if not spec.enabled:
             return None
-        return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self))
+        return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self, cache_scope))
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                    tools: Tools | None = None) -> list[int]:
@@ -381,6 +395,25 @@ class LLM:
                                    for i, c in enumerate(reply.whole)],
                        finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
                        done.finish_reason)
+
+
+    def score(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> Scored:
+        """The prompt's tokens (a text tokenized as `generate` does) and each one's log-probability
+        after those before it, with its `top_logprobs` (0-20) likeliest alternatives': the model's
+        raw log-softmax at every prompt position (logprobs.py), as one forward over the whole prompt
+        computes it. Nothing is generated. A prefix found in the prefix cache is not run again: its
+        cached last-layer outputs only go through the head (bitwise a prefill's where the kernels
+        are batch invariant, as on CPU)."""
+        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in ids):
+            raise QuickdraftError(f"a prompt's token ids must be in 0..{vocab - 1}")
+        params = SamplingParams(max_new_tokens=0, logprobs=top_logprobs)  # checks top_logprobs
+        with closing(self.engine_service().stream(*self.request(ids, params, self.spec, None, top_logprobs))) as events:
+            for event in events:  # one: the prompt's pass ends the request
+                if event.error is not None:
+                    raise event.error
+        return Scored(ids, event.prompt_logprobs, event.stats)
 
 
 def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache | None:

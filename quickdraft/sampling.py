@@ -32,7 +32,7 @@ class SamplingParams:
     top_k: int = 0          # 0 = no top-k cut
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: none, the prompt only prefilled (and scored where its request asks)
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -69,8 +69,8 @@ class SamplingParams:
                                       or not 0 <= self.seed < 2**63):
             fail("seed", "None or an integer in [0, 2**63)", self.seed)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            fail("max_new_tokens", "an integer >= 1", self.max_new_tokens)
+                or self.max_new_tokens < 0:
+            fail("max_new_tokens", "an integer >= 0 (0: the prompt is only scored)", self.max_new_tokens)
         if not isinstance(self.stop, (str, list, tuple)):
             fail("stop", "a string or a list of strings", self.stop)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -269,10 +269,10 @@ FIELD_ERRORS = [  # (body fields, param, the message exactly)
     ({"logit_bias": {"100000": 1.0}}, "logit_bias", "logit_bias names token 100000; token ids are 0..299"),
     ({"logprobs": 21}, "logprobs", "logprobs: Input should be less than or equal to 20"),
     ({"best_of": 3}, "best_of", "best_of: must be 1"),
-    ({"echo": True}, "echo", "echo: not supported; leave it unset or false"),
+    ({"echo": "yes"}, "echo", "echo: Input should be a valid boolean"),
     ({"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
     ({"prompt": []}, "prompt", "prompt: List should have at least 1 item after validation, not 0"),
-    ({"prompt": ["a", "b"]}, "prompt", "prompt: give one prompt per request (a string or token ids)"),
+    ({"prompt": [[]]}, "prompt.0", "prompt.0: List should have at least 1 item after validation, not 0"),
     ({"model": "m" * 100_000}, "model", "model: String should have at most 256 characters"),
     ({"speculative": {"method": "magic"}}, "speculative", None),
 ]
@@ -496,7 +496,7 @@ def test_max_tokens_and_max_completion_tokens_both_fit_the_context(server: Serve
 @pytest.mark.slow  # ~70 s here: ~700 generated requests, some generating up to the context
 def test_schemathesis_finds_no_failure(server: Server, tmp_path) -> None:
     """Every check schemathesis has, against the live server, with its examples bounded for CI; the
-    one documented exception is filtered in schemathesis_hooks.py."""
+    documented exceptions are filtered in schemathesis_hooks.py."""
     cli = Path(sys.executable).with_name("schemathesis")
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks", "PYTHONPATH": str(Path(__file__).parent)}
     run = subprocess.run([str(cli), "run", f"{server.url}/openapi.json", "--checks", "all", "--max-examples", "10",
@@ -504,7 +504,10 @@ def test_schemathesis_finds_no_failure(server: Server, tmp_path) -> None:
                           "--output-sanitize", "false", "--generation-database", "none"],
                          check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "No issues found" in run.stdout and "5 selected" in run.stdout, run.stdout[-3000:]
+    # the one warning allowed: GET and DELETE /v1/responses/{id} of random ids are 404s (nothing is stored)
+    warnings = run.stdout.split("Warnings:")[1].split("Test cases:")[0] if "Warnings:" in run.stdout else ""
+    assert warnings.strip() in ("", "⚠️ Missing test data: 2 operations repeatedly returned 404 responses"), warnings
+    assert "10 selected" in run.stdout and "failed" not in run.stdout.split("Test cases:")[-1], run.stdout[-3000:]
 
 
 # -- item 10: at a stop string, text and usage agree --------------------------------------------------------
@@ -545,7 +548,7 @@ KEY = "qd-test-key"
 
 
 def test_an_api_key_guards_the_v1_routes(llm) -> None:  # noqa: F811
-    s = Server(llm, max_batch=4, api_key=KEY)
+    s = Server(llm, max_batch=4, api_keys=(KEY,))
     try:
         s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0)
         bystander = Bystander(s)
@@ -582,7 +585,7 @@ def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None
     monkeypatch.setenv("QUICKDRAFT_API_KEY", "")
     run = subprocess.run([sys.executable, "-m", "quickdraft", "serve", "--model", str(dirs[0])], check=False,
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "the API key is empty" in run.stderr, run.stderr
+    assert run.returncode == 1 and "an API key is empty" in run.stderr, run.stderr
 
 
 def test_a_full_queue_is_a_429_with_retry_after(llm, dirs) -> None:  # noqa: F811

@@ -1,7 +1,8 @@
 """The engine's admission and prefill: which waiting request takes the free row, its cached prefix
 copied in, its prompt fed in chunks (riding along with the decode pass where the model feeds
-ragged passes), its first token. A mixin of Engine (engine/batch.py), whose state it reads and
-writes; how many tokens a step may prefill and who goes next: engine/prefill.py.
+ragged passes) and scored where it asks, its first token. A mixin of Engine (engine/batch.py),
+whose state it reads and writes; how many tokens a step may prefill and who goes next:
+engine/prefill.py.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from quickdraft.draft_contract import NO_DRAFT, Committed
 from quickdraft.engine.events import GenerationStats, TokenEvent, TokenOrigin
 from quickdraft.engine.prefill import next_admitted, step_allowance
 from quickdraft.engine.rows import Events, Request, Row, grammar_masks, step_logprobs
+from quickdraft.logprobs import token_logprobs
 from quickdraft.proposers.base import TopTokens
 from quickdraft.verify import verify
 
 log = logging.getLogger("quickdraft.engine")
+SCORE_ROWS = 64  # prompt positions the LM head scores at a time where any count is batch invariant: bounds
+                 # the [rows, V] logits held (a 4,000-token prompt's at once: 800 MB of SmolLM2's)
 
 
 class Admission:
@@ -79,7 +83,7 @@ class Admission:
         """Take the waiting request to admit now (engine/prefill.py: shortest remaining prefill first,
         none passed over forever)."""
         limit = [len(r.prompt_ids) - 1 for r in self.waiting]  # the last prompt token is always fed
-        left = [len(r.prompt_ids) - (self.prefix.hit(r.prompt_ids, n) if self.prefix is not None else 0)
+        left = [len(r.prompt_ids) - (self.prefix.hit(r.prompt_ids, n, r.cache_scope) if self.prefix is not None else 0)
                 for r, n in zip(self.waiting, limit)]
         i = next_admitted(left, [self._passed.get(r.id, 0) for r in self.waiting])
         for earlier in self.waiting[:i]:
@@ -98,13 +102,15 @@ class Admission:
         if self.prefix is not None:
             self._offer_prompts(row.tokens)
             try:
-                features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows))
+                features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows),
+                                             request.cache_scope)
             except Exception:  # noqa: BLE001 - out of memory, say: a miss, the prompt is prefilled whole
                 log.warning("the prefix cache failed to give a prompt's K/V; prefilling it whole", exc_info=True)
                 features = None
             if features is not None:
                 row.features = [features]
                 row.length = row.stats.cached_tokens = features.shape[0]
+                self._score(row, 0, features)  # their last-layer outputs, cached too: only the head runs
         return row
 
     def _reserve(self, rows: int, length: int) -> None:
@@ -137,12 +143,20 @@ class Admission:
         the running rows, whose cache row it already sits in); its first token is sampled here from
         that token's logits alone, as a one-pass prefill scores it."""
         n, end = len(row.tokens), row.length + size
+        t0 = time.perf_counter()
+        try:
+            self._score(row, row.length, hidden)
+        except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
+            return self._fill_failed(row, e)
+        seconds += time.perf_counter() - t0  # the head over a scored chunk: its cost too (the next chunk's size)
         self.last_prefill = (size, seconds)
         row.length = end
         row.features.append(hidden)
         if end < n:
             row.stats.verify_s += seconds
             return []
+        if row.budget == 0:
+            return self._scored_only(row, seconds)
         try:
             logits = self.model.logits(hidden[-1:])[None]  # [1, 1, V]
             verdict = verify([NO_DRAFT], logits, [row.request.params], [row.generator], [grammar_masks(row, 0)])
@@ -155,8 +169,40 @@ class Admission:
         self._offer_prompt(row)  # from now: sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
-        return self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
-                          [step_logprobs(row, logits[0], [], verdict.tokens[0])])
+        events = self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
+                            [step_logprobs(row, logits[0], [], verdict.tokens[0])])
+        events[0][1].prompt_logprobs = row.scored  # the prompt's scores go in its first event
+        return events
+
+    def _score(self, row: Row, start: int, hidden: torch.Tensor) -> None:
+        """For a request that scores its prompt, the log-probabilities of the prompt tokens that
+        positions start.. predict (hidden [m, D]: their last-layer outputs, as a forward over the whole
+        prompt gives them); the last position's logits are the first new token's, not a prompt token's.
+        In slices within the kernel's batch-invariant rows, so each is what a one-pass prefill gives."""
+        top, prompt = row.request.prompt_logprobs, row.request.prompt_ids
+        if top is None:
+            return
+        stop = min(start + hidden.shape[0], len(prompt) - 1)
+        rows = self.invariant_rows or SCORE_ROWS
+        for at in range(start, stop, rows):
+            end = min(at + rows, stop)
+            logits = self.model.logits(hidden[at - start:end - start])  # [end - at, V]
+            row.scored += token_logprobs(logits, prompt[at + 1:end + 1], top)
+
+    def _scored_only(self, row: Row, seconds: float) -> Events:
+        """A prompt only prefilled (max_new_tokens 0) ends with its last pass, no token sampled, its
+        scores in its one event; its K/V go to the prefix cache as an ended row's, a few blocks a step
+        (engine/leaving.py): it lies where that row lies, past the running ones."""
+        self.filling = None
+        stats = row.stats
+        stats.target_passes += 1
+        stats.verify_s += seconds
+        stats.total_s = time.perf_counter() - row.start
+        self._leave(row, len(self.rows))
+        if row.leaving:
+            assert self.ended is None, "an admission leaves the ended row's K/V whole first"
+            self.ended = row
+        return [(row.request.id, TokenEvent([], "length", copy.deepcopy(stats), prompt_logprobs=row.scored))]
 
     def _fill_failed(self, row: Row, error: Exception) -> Events:
         """The filling row's prompt pass raised: only its request ends."""

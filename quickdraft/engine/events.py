@@ -108,3 +108,6 @@ class TokenEvent:
     origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] where the request's
                                                                 # params ask for them (logprobs.py)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(prompt) - 1] in a request's
+                                # first event where it scores its prompt (Request.prompt_logprobs):
+                                # its tokens' after the first, each scored by the positions before it

@@ -28,6 +28,10 @@ class Request:
     k: int = 0                  # draft tokens per step at most (0 = plain decoding)
     adaptive: bool = True       # let the policy verify only the part of a draft that pays off
     constraint: Constraint | None = None  # a grammar the output follows (grammar.py), at every drafted position too
+    prompt_logprobs: int | None = None  # score the prompt: its tokens' log-probabilities (after the first)
+                                        # and this many alternatives' (None: not scored)
+    cache_scope: str = ""       # whose prefix-cache entries it reads and leaves (prefix_cache.py: a client's;
+                                # "" the one every request without a scope shares)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -46,6 +50,8 @@ class Row:
                                 # K/V in the cache are those of tokens[:length]
     features: list[torch.Tensor] = field(default_factory=list)  # [n, D] pieces: the last layer's
                                 # outputs at tokens[:length] (kept for the prefix cache only)
+    scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's log-probabilities so far
+                                # (Request.prompt_logprobs), until its first event carries them
     failed: bool = False        # its pass or proposer raised: its K/V are not offered to the prefix cache
     leaving: bool = False       # it ended with K/V not yet all offered to the prefix cache (Engine.ended)
 

@@ -5,7 +5,8 @@ before any tokenizer work; the rest is rendered and tokenized on threads of thei
 TOKENIZE_THREADS at once for long texts and as many for short ones, so that long ones (a 1 MiB
 prompt takes ~1 s of a core and ~100 MB) wait for each other and never hold up a short one; and
 after a long text the allocator gives the freed memory back to the system. Also how the model's
-chat template takes tools (`syntax`), which every front rendering a chat needs.
+chat template takes tools (`syntax`), which every front rendering a chat needs; and an echoed
+prompt's tokens back to their text (`pieces`).
 Knows the tokenizer, not the engine.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from quickdraft.tokenizer import Message, Tokenizer
+from quickdraft.tokenizer import Message, StreamDetokenizer, Tokenizer
 from quickdraft.tools import template_syntax
 
 TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
@@ -37,6 +38,13 @@ def _malloc_trim() -> Callable[[], None] | None:
     except (OSError, AttributeError):
         return None
     return (lambda: trim(0)) if trim is not None else None
+
+
+def _pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
+    text = StreamDetokenizer(tokenizer)
+    pieces = [text.push([token]) for token in ids]
+    pieces[-1] += text.flush()  # what a cut character held back: the last token's
+    return pieces
 
 
 class Prompts:
@@ -61,6 +69,10 @@ class Prompts:
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def pieces(self, ids: list[int]) -> list[str]:
+        """Each token's text as a stream releases it (they join to the text of `ids`): an echoed prompt's."""
+        return await self._run(len(ids), _pieces, self.tokenizer, ids)
 
     async def _run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         pool = self.pools[size >= LONG_CHARS]

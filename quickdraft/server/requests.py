@@ -8,6 +8,7 @@ Knows the engine's request and the model's limits, not the engine's loop or HTTP
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
@@ -19,9 +20,9 @@ from quickdraft.grammar import Constraint, GrammarError
 from quickdraft.proposers import PROPOSERS, SpecConfig, SpecConfigError
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import tool_calls
-from quickdraft.server.choices import logprobs_asked, seeds
+from quickdraft.server.choices import logprobs_asked, prompt_logprobs_asked, seeds
 from quickdraft.server.errors import BadRequest
-from quickdraft.server.guards import ADMIT
+from quickdraft.server.guards import ADMIT, TENANT
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, _Common
 from quickdraft.server.state import Served
@@ -35,17 +36,20 @@ Budget = dict[str, int | None]  # the body's fields that bound the new tokens, b
 Made = list[tuple[Request, MakeProposer]]  # per choice, its engine request and the call that builds its proposer
 
 
-def check_model(served: Served, body: _Common) -> None:
+def check_model(served: Served, body: _Common, prompts: int = 1) -> None:
     """Before any work on the prompt: a request for another model costs nothing, nor one for
-    more choices than the server ever holds (each choice takes a place, Admission)."""
+    more choices than the server ever holds (each choice takes a place, Admission; n for each
+    of `prompts`, a batch's)."""
     name = served.config.model_name
     if body.model != name:
         raise BadRequest(404, f"model {body.model!r} is not served here; this server serves {name!r}", "model",
                          "model_not_found")
-    if body.n > served.places:
-        raise BadRequest(400, f"n asks for {body.n} choices, each a request of its own, but this server holds "
-                              f"{served.places} requests at once (--max-batch + --max-waiting); expected at most "
-                              f"{served.places}", "n")
+    if body.n * prompts > served.places:
+        asks = f"n asks for {body.n} choices" if prompts == 1 else \
+            f"prompt holds {prompts} prompts of n = {body.n} choices, {body.n * prompts} choices"
+        raise BadRequest(400, f"{asks}, each a request of its own, but this server holds {served.places} requests "
+                              f"at once (--max-batch + --max-waiting); expected at most {served.places}",
+                         "n" if prompts == 1 else "prompt")
 
 
 def spec_of(served: Served, body: _Common) -> SpecConfig:
@@ -164,10 +168,18 @@ def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = Fa
                                   f"holds {limit}{note}; expected at most {limit - n} new tokens", field, CONTEXT)
 
 
+def cache_scope(http: HTTPRequest, body: _Common) -> str:
+    """The prefix-cache scope of a request (prefix_cache.py): its API key's tenant (guards.ApiKey), narrowed
+    by the request's cache_salt (vLLM's name) and prompt_cache_key (OpenAI's); "" with none of them, the
+    scope every such request shares."""
+    parts = [http.scope.get(TENANT, ""), body.cache_salt or "", getattr(body, "prompt_cache_key", None) or ""]
+    return json.dumps(parts) if any(parts) else ""
+
+
 def prepare(served: Served, body: _Common, spec: SpecConfig, constraints: list[Constraint | None],
-            ids: list[int], budget: Budget) -> tuple[Made, SamplingParams]:
+            ids: list[int], budget: Budget, scope: str = "") -> tuple[Made, SamplingParams]:
     """Per choice, its engine request and the call that builds its proposer; and the sampling
-    settings they share but for their seeds."""
+    settings they share but for their seeds. scope: the prefix-cache scope (cache_scope)."""
     llm, limit = served.llm, served.context
     fits(served, len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
@@ -176,8 +188,9 @@ def prepare(served: Served, body: _Common, spec: SpecConfig, constraints: list[C
     if any(token >= vocab for token in bias):
         raise BadRequest(400, f"logit_bias names token {max(bias)}; token ids are 0..{vocab - 1}", "logit_bias")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                            seed=body.seed, max_new_tokens=max_tokens or limit - len(ids), stop=tuple(body.stop or ()),
+                            seed=body.seed, max_new_tokens=limit - len(ids) if max_tokens is None else max_tokens,
+                            stop=tuple(body.stop or ()),
                             logit_bias=bias, presence_penalty=body.presence_penalty or 0.0,
                             frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs_asked(body))
-    return [llm.request(ids, replace(params, seed=seed), spec, constraint)
+    return [llm.request(ids, replace(params, seed=seed), spec, constraint, prompt_logprobs_asked(body), scope)
             for seed, constraint in zip(seeds(params.seed, body.n), constraints)], params

@@ -26,19 +26,21 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                         status_code=status, headers=headers)
 
 
-def usage(stats: GenerationStats, *more: GenerationStats) -> dict:
-    """One request's usage; with `more` choices (n > 1), their completions added (the prompt is one)."""
-    completion = stats.new_tokens + sum(s.new_tokens for s in more)
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": stats.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}  # OpenAI's field
+def usage(*stats: GenerationStats, prompts: int = 1) -> dict:
+    """One request's usage, of its choices' `stats`: their completions added, and the tokens of each of
+    its `prompts` once (a batch's choices come in order, as many to each prompt)."""
+    firsts = stats[::len(stats) // prompts]
+    prompt, completion = sum(s.prompt_tokens for s in firsts), sum(s.new_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}  # OpenAI's field
 
 
-def logprobs(kind: Kind, ids: Sequence[int], logprobs: Sequence[TokenLogprob], spell: Spell,
+def logprobs(kind: Kind, ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], spell: Spell,
              offsets: Sequence[int]) -> dict[str, Any]:
     """A choice's logprobs in OpenAI's shape: chat's content list (token, logprob, bytes,
     top_logprobs), or the completions' parallel lists (tokens, token_logprobs, top_logprobs,
-    text_offset: where each token's text starts in the choice's text)."""
+    text_offset: where each token's text starts in the choice's text; None: an echoed prompt's first
+    token, which nothing scores, is null in both lists as OpenAI writes it)."""
     def text(token: int) -> tuple[str, list[int]]:
         raw = spell(token)
         return raw.decode("utf-8", errors="replace"), list(raw)
@@ -58,8 +60,9 @@ def logprobs(kind: Kind, ids: Sequence[int], logprobs: Sequence[TokenLogprob], s
             alternatives.setdefault(text(i)[0], value(v))
         return alternatives
 
-    return {"tokens": [text(t)[0] for t in ids], "token_logprobs": [value(lp.logprob) for lp in logprobs],
-            "top_logprobs": [top(lp) for lp in logprobs], "text_offset": list(offsets)}
+    return {"tokens": [text(t)[0] for t in ids],
+            "token_logprobs": [None if lp is None else value(lp.logprob) for lp in logprobs],
+            "top_logprobs": [None if lp is None else top(lp) for lp in logprobs], "text_offset": list(offsets)}
 
 
 def _envelope(kind: Kind, request_id: str, model: str, chunk: bool) -> dict[str, Any]:
@@ -81,13 +84,13 @@ def choice(kind: Kind, index: int, text: str, finish_reason: str, logprobs: dict
 
 
 def whole(kind: Kind, request_id: str, model: str, choices: Sequence[dict[str, Any]],
-          stats: Sequence[GenerationStats]) -> dict[str, Any]:
+          stats: Sequence[GenerationStats], prompts: int = 1) -> dict[str, Any]:
     """A non-streaming response; `stats` (per choice) are quickdraft's statistics (an extra field:
-    the first choice's, and with n > 1 each choice's own in it too)."""
+    the first choice's, and with several choices each choice's own in it too); prompts: a batch's."""
     if len(choices) > 1:
         choices = [{**c, "stats": s.to_dict()} for c, s in zip(choices, stats)]
     return {**_envelope(kind, request_id, model, chunk=False), "choices": list(choices),
-            "usage": usage(*stats), "stats": stats[0].to_dict()}
+            "usage": usage(*stats, prompts=prompts), "stats": stats[0].to_dict()}
 
 
 def token_origins(chunk: Chunk) -> dict[str, Any]:
@@ -124,10 +127,10 @@ def sse_chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_
     return f"data: {json.dumps(body)}\n\n"
 
 
-def sse_usage(kind: Kind, request_id: str, model: str, stats: Sequence[GenerationStats]) -> str:
+def sse_usage(kind: Kind, request_id: str, model: str, stats: Sequence[GenerationStats], prompts: int = 1) -> str:
     """stream_options.include_usage: after the last choice chunk, one with no choices and the usage
-    (of every choice: `stats`)."""
-    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(*stats)}
+    (of every choice: `stats`, of a batch's `prompts`)."""
+    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(*stats, prompts=prompts)}
     return f"data: {json.dumps(body)}\n\n"
 
 

@@ -189,6 +189,8 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = Field(default=None, description=(
         "json_object or json_schema: the output is JSON (under the schema), exact under speculation"))
     user: Name | None = Field(default=None, description=IGNORED)
+    cache_salt: Name | None = Field(default=None, description=(
+        "vLLM's: only requests with the same salt (and API key) share prefix-cache entries"))
     presence_penalty: Penalty | None = Field(default=None, description=(
         "subtracted from the logit of each token generated so far, drafted ones on the verified path included"))
     frequency_penalty: Penalty | None = Field(default=None, description=(
@@ -210,24 +212,28 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_PROMPTS = 128  # prompts of one completions request; each of their choices also takes a place in the server
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+
+
 class CompletionRequest(_Common):
+    max_tokens: NonNegative | None = Field(default=None, description=(
+        "new tokens at most (default 16); 0: none, the prompt is only scored (echo with logprobs)"))
     logprobs: TopLogprobs | None = Field(default=None, description=(
         "each token's log-probability and this many likeliest alternatives' (the model's raw distribution)"))
-    # one prompt: a string, token ids, or a list holding one string (its length checked below)
-    prompt: PromptText | Annotated[list[Int], Field(min_length=1)] | \
-        Annotated[list[PromptText], Field(min_length=1, json_schema_extra={"maxItems": 1})]
+    # one prompt (a string or token ids) or a batch of them, each with its n choices (index: prompt * n + choice)
+    prompt: PromptText | TokenIds | Annotated[list[PromptText], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     best_of: Annotated[Int | None, only(None, 1, why="must be 1")] = None
-    echo: Annotated[bool | None, only(None, False, why="not supported; leave it unset or false")] = None
+    echo: bool | None = Field(default=None, description=(
+        "each choice's text starts with the prompt's, and with logprobs its tokens' come first (the first's null)"))
     suffix: Annotated[str | None, only(None, "", why="not supported (no fill-in-the-middle); leave it unset")] = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("give one prompt per request (a string or token ids)")
-            prompt = prompt[0]
-        return prompt
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or each of the batch."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 class TextPart(BaseModel):
@@ -336,7 +342,8 @@ class ChatCompletionRequest(_Common):
     metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
                              Annotated[str, StringConstraints(max_length=512)]],
                         Field(max_length=MAX_METADATA)] | None = Field(default=None, description=IGNORED)
-    prompt_cache_key: Name | None = Field(default=None, description=IGNORED)
+    prompt_cache_key: Name | None = Field(default=None, description=(
+        "only requests with the same key (and API key) share prefix-cache entries"))
     safety_identifier: Name | None = Field(default=None, description=IGNORED)
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call in a reply")
     service_tier: Annotated[str | None, only(None, "auto", "default", why="this server has one tier: "

@@ -20,7 +20,7 @@ from quickdraft.api import Chunk, TextAssembler
 from quickdraft.engine.events import TokenEvent
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out, tool_calls
-from quickdraft.server.choices import Choice
+from quickdraft.server.choices import Choice, Echo
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.requests import Made
 from quickdraft.server.schemas import _Common
@@ -40,6 +40,7 @@ class Answer:
     events: Events
     replies: list[tool_calls.ToolReply | None]  # per choice, its reply under tools (None: free text)
     cancel: Callable[[str], None]               # ends a request in the engine (EngineWorker.cancel)
+    prompts: int = 1                            # a batch's (its usage counts each prompt once)
 
     def finished(self, choice: Choice) -> None:
         """A choice whose text has ended: the engine stops its request too."""
@@ -53,16 +54,19 @@ class Answer:
 
 
 async def respond(served: Served, kind: out.Kind, body: _Common, made: Made, params: SamplingParams,
-                  http: HTTPRequest, arrived: float, tools: Tools | None = None) -> Response:
-    """Submit the request's choices and answer: a stream if the body asks for one, else the whole."""
-    answer = submit(served, kind, made, params, arrived, tools, pieces=body.stream or params.logprobs is not None)
+                  http: HTTPRequest, arrived: float, tools: Tools | None = None,
+                  echoes: list[Echo | None] | None = None) -> Response:
+    """Submit the request's choices (n to a prompt; echoes: per choice, the prompt its text starts with)
+    and answer: a stream if the body asks for one, else the whole."""
+    answer = submit(served, kind, made, params, arrived, tools, pieces=body.stream or params.logprobs is not None,
+                    echoes=echoes, prompts=len(made) // body.n)
     if body.stream:
         return StreamingResponse(stream(answer, body.include_usage), media_type="text/event-stream")
     return await whole(answer, http)
 
 
 def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, arrived: float,
-           tools: Tools | None, pieces: bool) -> Answer:
+           tools: Tools | None, pieces: bool, echoes: list[Echo | None] | None = None, prompts: int = 1) -> Answer:
     """Each choice's request queued in the engine, its events to come through one queue. Must run
     on the event loop (the sinks hand events to it); pieces: each token's text is kept."""
     tokenizer = served.llm.tokenizer
@@ -74,10 +78,11 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
         timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep), served.metrics, arrived)
-        choices.append(Choice(index, request, timed.feed, kind, tokenizer.token_bytes))
+        echo = echoes[index] if echoes else None
+        choices.append(Choice(index, request, timed.feed, kind, tokenizer.token_bytes, echo))
     replies = [tool_calls.ToolReply(tools, served.prompts.syntax, choice.request.id)  # type: ignore[arg-type]
                if callable_tools else None for choice in choices]  # none: free text, nothing to read
-    return Answer(kind, served.config.model_name, choices, events, replies, served.worker.cancel)
+    return Answer(kind, served.config.model_name, choices, events, replies, served.worker.cancel, prompts)
 
 
 async def whole(answer: Answer, http: HTTPRequest) -> Response:
@@ -101,7 +106,7 @@ async def whole(answer: Answer, http: HTTPRequest) -> Response:
                 left -= 1
         bodies = [tool_calls.rewritten(c.body(), reply) for c, reply in zip(answer.choices, answer.replies)]
         return JSONResponse(out.whole(answer.kind, answer.choices[0].request.id, answer.model, bodies,
-                                      [c.stats for c in answer.choices]))
+                                      [c.stats for c in answer.choices], answer.prompts))
     finally:
         watcher.cancel()
         answer.close()
@@ -123,6 +128,10 @@ async def stream(answer: Answer, include_usage: bool) -> AsyncIterator[str]:
                                     else f"generation failed: {event.error}")
                 break
             chunk = choice.feed(event)
+            if choice.first and choice.echo is not None:  # the prompt first, in a chunk of its own
+                yield out.sse_chunk(answer.kind, request_id, answer.model, choice.echo.text, None, index=index,
+                                    logprobs=choice.echo_logprobs())
+                choice.first = False
             if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
                 content, calls, finish = tool_calls.delta(chunk.text, chunk.finish_reason, answer.replies[index])
                 yield out.sse_chunk(answer.kind, request_id, answer.model, content, finish, chunk.stats, choice.first,
@@ -132,7 +141,8 @@ async def stream(answer: Answer, include_usage: bool) -> AsyncIterator[str]:
                 answer.finished(choice)
                 left -= 1
         if not left and include_usage:
-            yield out.sse_usage(answer.kind, request_id, answer.model, [c.stats for c in answer.choices])
+            yield out.sse_usage(answer.kind, request_id, answer.model, [c.stats for c in answer.choices],
+                                answer.prompts)
         yield out.SSE_DONE
     finally:  # also when the client disconnected and this generator was cancelled
         answer.close()

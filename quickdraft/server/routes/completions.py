@@ -1,4 +1,6 @@
-"""/v1/completions: a prompt given as text or as token ids, continued (OpenAI's legacy completions)."""
+"""/v1/completions: a prompt given as text or as token ids, or a batch of them, continued (OpenAI's
+legacy completions); with echo, each choice starts with its prompt, whose tokens are scored where
+logprobs are asked (docs/server.md, "Prompt scoring")."""
 from __future__ import annotations
 
 import time
@@ -6,9 +8,10 @@ import time
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
+from quickdraft.server.choices import Echo
 from quickdraft.server.config import ServerConfig
-from quickdraft.server.requests import (COMPLETION_DEFAULT_MAX_TOKENS, check_model, constraints, given_ids,
-                                        prepare, spec_of, tokenized)
+from quickdraft.server.requests import (COMPLETION_DEFAULT_MAX_TOKENS, cache_scope, check_model, constraints,
+                                        given_ids, prepare, spec_of, tokenized)
 from quickdraft.server.routes import add_generation
 from quickdraft.server.schemas import CompletionRequest
 from quickdraft.server.state import served
@@ -18,16 +21,22 @@ from quickdraft.server.streaming import respond
 async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
     arrived = time.perf_counter()
     s = served(http)
-    check_model(s, body)
+    prompts = body.prompts()
+    check_model(s, body, len(prompts))
     spec = spec_of(s, body)
-    constrained = await constraints(s, body)
-    budget = {"max_tokens": body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS}
-    if isinstance(body.prompt, str):
-        ids = await tokenized(s, body.prompt, budget, "prompt", http, add_special_tokens=True, n=body.n)
-    else:
-        ids = given_ids(s, body.prompt, budget, http, body.n)
-    made, params = prepare(s, body, spec, constrained, ids, budget)
-    return await respond(s, "completion", body, made, params, http, arrived)
+    budget = {"max_tokens": COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens}
+    places = len(prompts) * body.n  # taken at the first prompt's admission, for all
+    made, echoes = [], []
+    for prompt in prompts:  # prompt i's choices are i * n ... i * n + n - 1, as OpenAI counts them
+        constrained = await constraints(s, body)
+        if isinstance(prompt, str):
+            ids = await tokenized(s, prompt, budget, "prompt", http, add_special_tokens=True, n=places)
+        else:
+            ids = given_ids(s, prompt, budget, http, places)
+        choices, params = prepare(s, body, spec, constrained, ids, budget, cache_scope(http, body))
+        made += choices
+        echoes += [Echo.of(ids, await s.prompts.pieces(ids)) if body.echo else None] * body.n
+    return await respond(s, "completion", body, made, params, http, arrived, echoes=echoes)
 
 
 def install(app: FastAPI, config: ServerConfig) -> None:
