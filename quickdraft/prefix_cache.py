@@ -6,7 +6,14 @@ same tokens (a resent chat history, a system prompt shared by many sessions) fin
 sequence's last, shorter piece is a leaf of fewer tokens (a tail), and a match goes on into the
 child that shares the most next tokens, a tail or a block: a chat's next turn finds every token of
 the last one, not all but its last 0-15 (they were a tenth of a turn's new tokens). Matching is on
-token ids only. Unused leaves are evicted least recently used first; a tail counts as a block.
+token ids only, within a scope.
+
+Scopes keep clients apart (docs/server.md, "Who shares the prefix cache"): each has a trie of its own,
+so a request finds only what requests of its scope stored, and neither its cached_tokens nor its time
+to first token tells it what another scope sent. Unused leaves are evicted least recently used first
+(a tail counts as a block), from the scope that holds the most blocks, counting those a store wants:
+a scope holding less than another never loses blocks to it, so one client's long prompts evict their
+own prefixes before another's, and the budget is shared evenly among the scopes that fill it.
 
 Rows copy a matched prefix into their own cache row at admission (`fetch`) and copy their tokens'
 K/V out when their prompt is in and when they end (`store`), so a row never reads a block in
@@ -55,6 +62,7 @@ class _Node:
     features: torch.Tensor | None                 # [n, D] the last layer's outputs (draft heads read
                                                   # them); None at the root and in a cache of K/V only
     parent: "_Node | None"
+    scope: str                                    # whose: requests of this scope find it (the root's too)
     key: tuple[int, ...]                          # the token ids this node holds: BLOCK, or fewer (a tail,
                                                   # always a leaf)
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
@@ -68,6 +76,7 @@ class PrefixStats:
     evictions: int = 0       # blocks evicted to stay within the budget
     bytes: int = 0           # bytes of K/V held now
     blocks: int = 0          # blocks held now
+    scopes: dict[str, int] = field(default_factory=dict)  # blocks held now, per scope that holds any
 
 
 class PrefixCache:
@@ -80,7 +89,7 @@ class PrefixCache:
             raise ValueError(f"the prefix cache's budget ({budget_bytes:,} bytes) is below one block of "
                              f"{BLOCK} tokens ({self.block_bytes:,} bytes for this model)")
         self.budget_bytes = budget_bytes
-        self.root = _Node(None, None, None, ())
+        self.roots: dict[str, _Node] = {}  # per scope, its trie's root (made at its first store)
         self.stats = PrefixStats()
         self._tick = itertools.count(1)
         self._lock = threading.Lock()
@@ -101,26 +110,28 @@ class PrefixCache:
         per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + features * config.hidden_size
         return BLOCK * per_token * dtype.itemsize
 
-    def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> torch.Tensor | None:
-        """Copy the K/V of the longest cached prefix of `tokens[:limit]` into slots 0.. of `row`
-        and count the hit; its features [n, D], None if nothing matched."""
+    def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int, scope: str = ""
+              ) -> torch.Tensor | None:
+        """Copy the K/V of the longest prefix of `tokens[:limit]` that `scope` holds into slots 0..
+        of `row` and count the hit; its features [n, D], None if nothing matched."""
         with self._locked():
-            path = self._copy_in(tokens, limit, cache, row)
+            path = self._copy_in(tokens, limit, cache, row, scope)
             return torch.cat([node.features[:n] for node, n in path]) if path else None
 
-    def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> int:
+    def fetch_kv(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int, scope: str = "") -> int:
         """`fetch` for a cache without features: how many tokens' K/V it copied."""
         with self._locked():
-            return sum(n for _, n in self._copy_in(tokens, limit, cache, row))
+            return sum(n for _, n in self._copy_in(tokens, limit, cache, row, scope))
 
-    def hit(self, tokens: Sequence[int], limit: int) -> int:
+    def hit(self, tokens: Sequence[int], limit: int, scope: str = "") -> int:
         """How many tokens of `tokens[:limit]` a fetch would give now; copies nothing."""
         with self._locked():
-            return sum(n for _, n in self.match(tokens, limit))
+            return sum(n for _, n in self.match(tokens, limit, scope))
 
-    def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int) -> list[tuple[_Node, int]]:
+    def _copy_in(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int, scope: str
+                 ) -> list[tuple[_Node, int]]:
         """Match, copy the path's K/V into `row`, count the hit (the lock held)."""
-        path = self.match(tokens, limit)
+        path = self.match(tokens, limit, scope)
         if path:
             self.copy(path, cache, row)
         hit = sum(n for _, n in path)
@@ -128,11 +139,13 @@ class PrefixCache:
         self.stats.miss_tokens += len(tokens) - hit
         return path
 
-    def match(self, tokens: Sequence[int], limit: int) -> list[tuple[_Node, int]]:
-        """The longest cached prefix of `tokens[:limit]`: whole blocks, then the first n tokens of
-        the child that shares the most next ones (a tail, or a block that goes another way), as
-        (node, tokens of it matched)."""
-        path, node = [], self.root
+    def match(self, tokens: Sequence[int], limit: int, scope: str = "") -> list[tuple[_Node, int]]:
+        """The longest prefix of `tokens[:limit]` that `scope` holds: whole blocks, then the first n
+        tokens of the child that shares the most next ones (a tail, or a block that goes another
+        way), as (node, tokens of it matched)."""
+        path, node = [], self.roots.get(scope)
+        if node is None:
+            return []
         tick = next(self._tick)
         start = 0
         while start + BLOCK <= limit and (child := node.children.get(tuple(tokens[start:start + BLOCK]))):
@@ -160,24 +173,26 @@ class PrefixCache:
             v[row, :, :n] = kv[layer, 1]
 
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None,
-              max_blocks: int | None = None) -> bool:
+              max_blocks: int | None = None, scope: str = "") -> bool:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
         features [n, D] (a cache without features: of all `tokens`), in blocks and a tail; blocks
         already held are only marked used. Less is kept where the budget cannot make room; none
         where this thread is inside a call already (a stream that the garbage collector closes in
         the middle of one offers its tokens: waiting for the lock would wait for itself).
         `max_blocks`: copy at most that many new blocks (a tail counts as one) now; whether all
-        were kept (a call with the same arguments goes on from the blocks held)."""
+        were kept (a call with the same arguments goes on from the blocks held). `scope`: whose
+        they are (only its requests find them)."""
         assert (features is not None) == self.features, "features are kept by a cache made to keep them, only"
         if self._owner == threading.get_ident():
             return True
         with self._locked():
-            return self._store(tokens, cache, row, features, max_blocks)
+            return self._store(tokens, cache, row, features, max_blocks, scope)
 
     def _store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None,
-               max_blocks: int | None = None) -> bool:
+               max_blocks: int | None, scope: str) -> bool:
         length = len(tokens) if features is None else features.shape[0]
-        node, tick, start = self.root, next(self._tick), 0
+        node = root = self.roots.get(scope) or _Node(None, None, None, scope, ())
+        tick, start = next(self._tick), 0
         while start + BLOCK <= length and tuple(tokens[start:start + BLOCK]) in node.children:
             node = node.children[tuple(tokens[start:start + BLOCK])]
             node.used, start = tick, start + BLOCK
@@ -196,6 +211,8 @@ class PrefixCache:
             node, start = self._add(node, tokens[start:start + BLOCK], cache, row, start, features, tick), start + BLOCK
         if tail and room > blocks:
             self._add(node, tokens[start:start + tail], cache, row, start, features, tick)
+        if root.children:  # (a scope's root goes when its last block does: _drop)
+            self.roots[scope] = root
         return done or room < blocks + (tail > 0)  # what the budget cannot hold now is not kept
 
     def _add(self, parent: _Node, key: Sequence[int], cache: KVCache, row: int, start: int,
@@ -208,30 +225,43 @@ class PrefixCache:
         kv = torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
                           for k, v in zip(cache.k, cache.v)])  # [L, 2, Hkv, n, hd], a copy
         kept = None if features is None else features[start:end].clone()
-        parent.children[key] = node = _Node(kv, kept, parent, key, used=tick)
+        parent.children[key] = node = _Node(kv, kept, parent, parent.scope, key, used=tick)
         self.stats.blocks += 1
         self.stats.bytes += self.block_bytes
+        self.stats.scopes[node.scope] = self.stats.scopes.get(node.scope, 0) + 1
         return node
 
     def _make_room(self, blocks: int, protect: _Node) -> int:
-        """Evict least recently used leaves until `blocks` more fit, never `protect` or its
-        ancestors (the path being stored); how many fit then."""
+        """Evict least recently used leaves until `blocks` more fit, each from the scope that holds
+        the most (protect's scope counting the blocks that fit so far and the next; on a tie,
+        protect's: what is held stays), never `protect` or its ancestors (the path being stored);
+        how many fit then."""
         def fit() -> int:
             return min(blocks, (self.budget_bytes - self.stats.bytes) // self.block_bytes)
         if fit() == blocks:
             return blocks
         keep = set()
+        scope = protect.scope
         while protect is not None:
             keep.add(id(protect))
             protect = protect.parent
-        heap = [(n.used, id(n), n) for n in self._nodes() if not n.children and id(n) not in keep]
-        heapq.heapify(heap)
-        while heap and fit() < blocks:
-            leaf = heapq.heappop(heap)[2]
+        heaps: dict[str, list[tuple[int, int, _Node]]] = {}
+        for n in self._nodes():
+            if not n.children and id(n) not in keep:
+                heaps.setdefault(n.scope, []).append((n.used, id(n), n))
+        for heap in heaps.values():
+            heapq.heapify(heap)
+        while fit() < blocks:
+            held = self.stats.scopes
+            own = held.get(scope, 0) + fit() + 1  # what the storing scope would hold with one block more
+            victim = max([*held, scope], key=lambda s: (own if s == scope else held[s], s == scope))
+            if not heaps.get(victim):
+                break  # what it holds is the path being stored: the rest is not kept
+            leaf = heapq.heappop(heaps[victim])[2]
             self._evict(leaf)
             parent = leaf.parent
             if parent.kv is not None and not parent.children and id(parent) not in keep:
-                heapq.heappush(heap, (parent.used, id(parent), parent))  # now a leaf itself
+                heapq.heappush(heaps[victim], (parent.used, id(parent), parent))  # now a leaf itself
         return fit()
 
     def _evict(self, node: _Node) -> None:
@@ -243,12 +273,16 @@ class PrefixCache:
         node.kv = node.features = None
         self.stats.blocks -= 1
         self.stats.bytes -= self.block_bytes
+        self.stats.scopes[node.scope] -= 1
+        if not self.stats.scopes[node.scope]:
+            del self.stats.scopes[node.scope]
+            self.roots.pop(node.scope, None)  # memory for the scopes that hold blocks only
 
     def fold(self, step: Callable[[T, tuple[int, ...]], T], root: T) -> list[T]:
         """`step` folded down every cached path from `root`: one value per node held (blocks and tails),
         each from its parent's value and its token ids (a replica's summary of what it holds, cluster/)."""
         with self._locked():
-            out, todo = [], [(node, root) for node in self.root.children.values()]
+            out, todo = [], [(node, root) for top in self.roots.values() for node in top.children.values()]
             while todo:
                 node, above = todo.pop()
                 out.append(value := step(above, node.key))
@@ -256,7 +290,7 @@ class PrefixCache:
             return out
 
     def _nodes(self) -> list[_Node]:
-        out, todo = [], list(self.root.children.values())
+        out, todo = [], [node for root in self.roots.values() for node in root.children.values()]
         while todo:
             node = todo.pop()
             out.append(node)

@@ -48,6 +48,34 @@ def random_cache(model: Transformer, rows: int, length: int, seed: int) -> KVCac
     return cache
 
 
+def test_scopes_find_only_their_own_blocks_and_evict_from_the_largest() -> None:
+    """A client's prompt cached in its scope: another scope's request finds nothing of it (neither
+    its cached_tokens nor its time tells it what was sent), and another scope's long prompts evict
+    their own blocks before the smaller scope's. Negative control: in one scope the same long
+    prompt evicts the first client's blocks (least recently used first)."""
+    model = tiny(MODEL)
+    cache = random_cache(model, 1, 64, seed=0)
+    D = model.config.hidden_size
+    secret, long = tokens(1, 32), tokens(2, 64)
+    for shared in (False, True):
+        prefix = prefix_for(model, budget=5 * prefix_for(model).block_bytes)
+        a, b = "", "" if shared else "tenant b"
+        prefix.store(secret, cache, 0, torch.randn(32, D), scope=a)
+        assert prefix.hit(secret, 32, scope=a) == 32
+        assert prefix.hit(secret, 32, scope=b) == (32 if shared else 0)
+        prefix.store(long, cache, 0, torch.randn(64, D), scope=b)  # 4 blocks: 3 fit beside the 2 of a
+        assert prefix.stats.bytes <= prefix.budget_bytes
+        if shared:
+            assert prefix.hit(secret, 32, scope=a) == 16 and prefix.hit(long, 64, scope=b) == 64  # LRU: a block of a
+        else:
+            assert prefix.hit(secret, 32, scope=a) == 32 and prefix.hit(long, 64, scope=b) == 48
+            assert prefix.stats.scopes == {a: 2, b: 3} and prefix.stats.evictions == 0
+            prefix.store(tokens(3, 32), cache, 0, torch.randn(32, D), scope=b)  # b the larger: evicts its own
+            assert prefix.hit(secret, 32, scope=a) == 32 and prefix.stats.scopes == {a: 2, b: 3}
+            prefix.store(tokens(4, 64), cache, 0, torch.randn(64, D), scope="tenant c")  # a third scope: from b
+            assert prefix.hit(secret, 32, scope=a) == 32 and prefix.stats.scopes["tenant b"] < 3
+
+
 def test_blocks_are_matched_loaded_and_evicted_least_recent_first() -> None:
     model = tiny(MODEL)
     cache = random_cache(model, 2, 64, seed=0)

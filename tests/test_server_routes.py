@@ -66,9 +66,9 @@ class StandInWorker:
         self.cancelled.append(request_id)
 
 
-def bare_app(llm: quickdraft.LLM, *routes: Any, context: int = 512, api_key: str | None = None) -> FastAPI:
+def bare_app(llm: quickdraft.LLM, *routes: Any, context: int = 512, api_keys: tuple[str, ...] = ()) -> FastAPI:
     """Only `routes` (route modules), the error bodies and the queue places, over a stand-in worker."""
-    config = ServerConfig(NAME, engine=EngineConfig(max_batch=2), max_waiting=2, api_key=api_key)
+    config = ServerConfig(NAME, engine=EngineConfig(max_batch=2), max_waiting=2, api_keys=api_keys)
     served = Served(llm, config, StandInWorker(context), Metrics(llm.prefix), Prompts(llm.tokenizer),
                     ThreadPoolExecutor(1))
     app = FastAPI()
@@ -100,7 +100,7 @@ def test_the_models_route_alone_lists_the_model_and_publishes_401_only_with_a_ke
     assert call(app, "/v1/models").json()["data"] == [{"id": NAME, "object": "model", "created": 0,
                                                            "owned_by": "quickdraft"}]
     assert "401" not in app.openapi()["paths"]["/v1/models"]["get"]["responses"]
-    keyed = bare_app(llm, models, api_key="k")
+    keyed = bare_app(llm, models, api_keys=("k",))
     assert "401" in keyed.openapi()["paths"]["/v1/models"]["get"]["responses"]
 
 

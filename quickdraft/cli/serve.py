@@ -41,7 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len, policy=args.policy,
                               max_step_tokens=args.max_step_tokens)
         limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_waiting", args.max_waiting),
-                                    ("api_key", args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)),
+                                    ("api_keys", api_keys(args)),
                                     ("allowed_hosts", tuple(args.allowed_host))) if v is not None}
         limits["connections"] = ConnectionLimits(**{k: v for k, v in (
             ("max_connections", args.max_connections), ("header_timeout_s", args.header_timeout),
@@ -60,10 +60,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy}"
-          f"{', API key required' if limits.get('api_key') else ''})", file=sys.stderr)
+          f"{api_note(limits.get('api_keys', ()))})", file=sys.stderr)
     serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
           args.log_level, sock)
     return 0
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (repeated) and --api-key-file's keys, else the environment's one key; () for none."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise QuickdraftError(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not keys:
+            raise QuickdraftError(f"--api-key-file: {args.api_key_file} holds no key")
+    if not keys and os.environ.get(API_KEY_ENV) is not None:
+        keys = [os.environ[API_KEY_ENV]]
+    return tuple(dict.fromkeys(keys))
+
+
+def api_note(keys: tuple[str, ...]) -> str:
+    return "" if not keys else ", API key required" if len(keys) == 1 else f", {len(keys)} API keys (tenants)"
 
 
 def serve_replicas(args: argparse.Namespace, config: ServerConfig) -> int:
@@ -115,8 +135,13 @@ def add_serve(sub) -> None:
     sv.add_argument("--body-timeout", type=float, metavar="SECONDS",
                     help="a request's whole body must arrive within this many seconds of its headers, else a 408 "
                          "and the connection closed (default 30)")
-    sv.add_argument("--api-key", help=f"require Authorization: Bearer KEY on /v1 routes (401 otherwise; /health "
-                                      f"and /metrics stay open); default: the environment variable {API_KEY_ENV}")
+    sv.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                    help=f"require Authorization: Bearer KEY on /v1 routes (401 otherwise; /health and /metrics stay "
+                         f"open); repeatable: each key is a tenant whose requests share prefix-cache entries with no "
+                         f"other's (docs/server.md); default: the environment variable {API_KEY_ENV}")
+    sv.add_argument("--api-key-file", metavar="FILE",
+                    help="API keys, one a line (blank lines and lines starting with # skipped), as --api-key; "
+                         "keeps them out of the process list")
     sv.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                     help="a Host header name to answer besides 127.0.0.1, localhost and ::1, which alone are "
                          "answered when bound to loopback (DNS rebinding); bound elsewhere, if given, only "

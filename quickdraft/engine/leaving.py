@@ -29,7 +29,7 @@ class Leaving:
         if self.prefix is None or row.failed:
             return True
         try:
-            return self.prefix.store(row.tokens, self.cache, i, features, max_blocks)
+            return self.prefix.store(row.tokens, self.cache, i, features, max_blocks, row.request.cache_scope)
         except Exception:  # noqa: BLE001
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
             return True

@@ -164,6 +164,7 @@ class ProposerContext:
     params: SamplingParams
     config: SpecConfig
     target: Target
+    scope: str = ""  # the request's prefix-cache scope (engine/rows.py Request.cache_scope): a drafter's cache too
 
     @property
     def options(self) -> Any:

@@ -29,7 +29,7 @@ DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's
 
 class DraftModelProposer:
     def __init__(self, drafter: Drafter, prompt_ids: Sequence[int], params: SamplingParams,
-                 capacity: int, width: int = 1) -> None:
+                 capacity: int, width: int = 1, scope: str = "") -> None:
         """width 1: chains (sampled rows draw them from q); more: trees of the draft's likeliest
         continuations, `width` nodes run per level (draft-tree)."""
         self.group = drafter
@@ -39,6 +39,7 @@ class DraftModelProposer:
         self.width = width
         self.tokens = list(prompt_ids)
         self.prompt_len = len(prompt_ids)  # drafter.Member: what follows was generated
+        self.scope = scope  # drafter.Member: its request's prefix-cache scope
         seed = None if params.seed is None else (params.seed ^ DRAFT_SEED_SALT) % 2**63
         self.generator = SamplingParams(seed=seed).make_generator(drafter.model.device)
         self.cost: PassCost | None = None  # the next step's verification cost (drafter.py)
@@ -100,7 +101,7 @@ def _drafting(ctx: ProposerContext, width: int) -> DraftModelProposer:
     prefix = draft_prefix(ctx.target, draft.model)  # not inside the make below: shared() is not re-entrant
     drafter = ctx.target.shared((Drafter, draft.model, size), lambda: Drafter(
         draft.model, draft_vocabulary(draft.tokenizer, draft.model.config.vocab_size, size), prefix))
-    return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width)
+    return DraftModelProposer(drafter, ctx.prompt_ids, ctx.params, capacity, width, ctx.scope)
 
 
 PREFIX_SHARE = 4  # a draft's prefix cache holds at most a quarter of its target's budget (a draft's

@@ -27,6 +27,7 @@ class Member(Protocol):
     """What the drafter reads of a proposer drafting with it (draft_model.py): its request's own."""
     tokens: list[int]         # the committed sequence
     prompt_len: int           # tokens[prompt_len:] were generated (what penalties count)
+    scope: str                # its request's prefix-cache scope (prefix_cache.py)
     width: int                # 1: it drafts chains; more: trees, running this many nodes per level
     capacity: int             # slots it may use
     horizon: int              # the sequence length at which its request ends at the latest
@@ -70,6 +71,7 @@ class RowPool:
         self.taken: list[bool] = []          # per cache row: a live member owns it
         self.owners: list[list[int]] = []    # per cache row: its member's committed tokens (the member's
                                              # own list, read for the prefix cache once the member is gone)
+        self.scopes: list[str] = []          # per cache row: its member's prefix-cache scope
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         # per live member its state, dropped when the member is garbage (its row then in `released`)
@@ -102,8 +104,10 @@ class RowPool:
             self._grow(rows, max_len)
         self.taken += [False] * (rows - len(self.taken))
         self.owners += [[] for _ in range(rows - len(self.owners))]
+        self.scopes += [""] * (rows - len(self.scopes))
         self.free_from += [0] * (rows - len(self.free_from))
         self.taken[row], self.owners[row], self.free_from[row] = True, member.tokens, 0
+        self.scopes[row] = member.scope
         self.cache.lengths[row] = 0
         self.members[member] = state = DraftRow(row)
         weakref.finalize(member, self.released.append, row)
@@ -115,7 +119,8 @@ class RowPool:
         while self.released:
             row = self.released.popleft()
             if self.prefix is not None:
-                self.prefix.store(self.owners[row][:self.cache.lengths[row]], self.cache, row)
+                self.prefix.store(self.owners[row][:self.cache.lengths[row]], self.cache, row,
+                                  scope=self.scopes[row])
             self.taken[row], self.owners[row], self.free_from[row] = False, [], 0
             self.cache.lengths[row] = 0
 

@@ -143,7 +143,7 @@ class Drafter:
         catch-up's, or the row's they were stored from), and is offered to the prefix cache."""
         end = len(m.tokens) - 1
         if self._reusable(m, s) > s.cached:
-            s.cached = self.prefix.fetch_kv(m.tokens, end, self.rows.cache, s.row)
+            s.cached = self.prefix.fetch_kv(m.tokens, end, self.rows.cache, s.row, m.scope)
         if len(m.tokens) - s.cached > CATCH_UP:
             t0, behind = time.perf_counter(), end - s.cached
             for start in range(s.cached, end, self.chunk or behind):
@@ -152,7 +152,7 @@ class Drafter:
             self.caught_up += behind
             s.cached = end
             if self.prefix is not None:
-                self.prefix.store(m.tokens[:end], self.rows.cache, s.row)
+                self.prefix.store(m.tokens[:end], self.rows.cache, s.row, scope=m.scope)
         self.rows.settle(s)
 
     def _reusable(self, m: Member, s: DraftRow) -> int:
@@ -160,7 +160,7 @@ class Drafter:
         or the prefix cache's longest match (never the newest token: its logits start the draft)."""
         if self.prefix is None:
             return s.cached
-        return max(s.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1))
+        return max(s.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1, m.scope))
 
     def learn(self, member: Member, state: DraftRow, committed: Sequence[int]) -> None:
         """Calibrate on the member's last draft: a token counts as accepted where the committed

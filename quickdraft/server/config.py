@@ -18,7 +18,8 @@ class ServerConfig:
     engine: EngineConfig = EngineConfig(max_batch=8)
     max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get a 413 before they are parsed
     max_waiting: int = MAX_WAITING        # generation requests beyond the batch's rows; past it a 429
-    api_key: str | None = None            # if set, /v1 routes need Authorization: Bearer <api_key>
+    api_keys: tuple[str, ...] = ()        # if any, /v1 routes need Authorization: Bearer <one of them>; each
+                                          # key is a tenant with its own prefix-cache scope (prefix_cache.py)
     allowed_hosts: tuple[str, ...] = ()   # Host names answered besides loopback ones (guards.answered_hosts)
     connections: ConnectionLimits = ConnectionLimits()  # open at once, header and body timeouts (connections.py)
 
@@ -27,5 +28,6 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be at least 1, found {self.max_body_bytes}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be at least 0, found {self.max_waiting}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("the API key is empty (--api-key or QUICKDRAFT_API_KEY); give a key, or neither")
+        if any(not key.strip() for key in self.api_keys):
+            raise ValueError("an API key is empty (--api-key, --api-key-file or QUICKDRAFT_API_KEY); give a key, "
+                             "or none")

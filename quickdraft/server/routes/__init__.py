@@ -14,7 +14,7 @@ from quickdraft.server.config import ServerConfig
 
 def errors(config: ServerConfig, *statuses: int) -> dict[int | str, dict[str, Any]]:
     """The error statuses a route answers, 401 among them where the server has an API key."""
-    return openapi.errors(*sorted({*statuses, *((401,) if config.api_key is not None else ())}))
+    return openapi.errors(*sorted({*statuses, *((401,) if config.api_keys else ())}))
 
 
 def add_generation(app: FastAPI, path: str, endpoint: Callable[..., Any], config: ServerConfig) -> None:
