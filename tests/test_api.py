@@ -6,11 +6,13 @@ the returned ids, and the hand-written ChatML rendering of chat messages.
 """
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -328,6 +330,39 @@ def test_cli_chat_and_stop(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.
                  "--ignore-eos", "--stop", stop]) == 0
     obj = json.loads(capsys.readouterr().out)
     assert (obj["text"], obj["finish_reason"]) == (full[:k], "stop")
+
+
+def test_cli_chat_from_stdin(model_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--chat - reads the message from stdin (as llama.cpp's and mlx-lm's CLIs do), not the text "-"."""
+    user = MESSAGES[1]["content"]
+    args = ["generate", "--model", str(model_dir), "-n", "4", "--json", "--ignore-eos", "--spec", "none"]
+    assert main([*args, "--chat", user]) == 0
+    given = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(user))
+    assert main([*args, "--chat", "-"]) == 0
+    piped = json.loads(capsys.readouterr().out)
+    assert (piped["prompt_tokens"], piped["token_ids"]) == (given["prompt_tokens"], given["token_ids"])
+
+
+def test_cli_chat_without_a_template_is_refused_before_the_model_loads(
+        model_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quickdraft.cli import generate
+    monkeypatch.setattr(generate, "load_tokenizer", lambda source: SimpleNamespace(has_chat_template=False))
+    monkeypatch.setattr(generate, "load_llm", lambda *a, **kw: pytest.fail("the model loaded first"))
+    assert main(["generate", "--model", str(model_dir), "--chat", "hi"]) == 1
+    assert "has no chat template" in (err := capsys.readouterr().err) and "--prompt" in err, err
+
+
+@pytest.mark.parametrize("plain,spec,drafted,says", [
+    ([100, 100, 100], [116, 116, 116], 0, "nothing was drafted"),     # the issue's run: 1.16x, no draft
+    ([90, 100, 110], [105, 104, 106], 40, "within the run-to-run noise"),
+    ([100, 101, 100], [150, 148, 152], 40, "speedup 1.50x")])
+def test_compare_says_when_there_is_no_speedup_to_claim(plain, spec, drafted, says) -> None:
+    from quickdraft.cli.generate import Comparison
+    runs = [{"tokens_per_s": t} for t in plain]
+    results = [{"tokens_per_s": t, "_stats": SimpleNamespace(drafted_tokens=drafted // 3)} for t in spec]
+    verdict = Comparison.of(runs, results).verdict("ngram", 8)
+    assert says in verdict and ("speedup 1" in verdict) == (says.startswith("speedup")), verdict
 
 
 def test_cli_sampling_flags(llm: quickdraft.LLM, model_dir: Path, capsys: pytest.CaptureFixture) -> None:

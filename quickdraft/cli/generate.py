@@ -1,10 +1,13 @@
-"""`quickdraft generate`: one prompt, streamed to the terminal; --compare measures plain vs speculative."""
+"""`quickdraft generate`: one prompt, streamed to the terminal; --compare measures plain vs speculative
+(interleaved rounds, and a verdict that says when there is no speedup to claim)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -12,8 +15,12 @@ from quickdraft.cli.common import load_llm, sampling_from_args, set_threads, spe
 from quickdraft import kernels
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_METHOD, SpecConfig
+from quickdraft.weights import load_tokenizer
+from quickdraft.weights.resolve import resolve_model
 
 PLAIN = SpecConfig(method="none")
+ROUNDS = 3          # --compare: plain and speculative runs, interleaved, medians compared
+NOISE_FLOOR = 0.03  # a difference below this is never called a speedup, however steady the plain runs
 
 
 def _run(llm, args, params, spec, echo: bool) -> dict:
@@ -42,10 +49,14 @@ def _run(llm, args, params, spec, echo: bool) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     params, spec = sampling_from_args(args), spec_from_args(args)  # validate before the slow load
     if args.prompt is None and args.chat is None:
-        raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template)")
+        raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template); - reads stdin")
     if args.compare and not spec.enabled:
         raise QuickdraftError(f"--compare needs a proposer: leave --spec at its default ({DEFAULT_METHOD}) or name "
                               "one (ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")
+    args.prompt, args.chat = (sys.stdin.read() if text == "-" else text for text in (args.prompt, args.chat))
+    if args.chat is not None and not load_tokenizer(resolve_model(args.model)).has_chat_template:
+        raise QuickdraftError(f"{args.model or 'the model'} has no chat template, so --chat cannot format a "
+                              f"message; give the text with --prompt (raw text, continued as written)")
     set_threads(args.threads)  # before the load: the kernels and the engine read it from then on
     progress = sys.stderr.isatty() and not args.json
     llm = load_llm(args, spec, progress)
@@ -53,8 +64,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         warm = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 16))
         for s in (PLAIN, spec):
             _run(llm, args, warm, s, echo=False)
-    plain = _run(llm, args, params, PLAIN, echo=False) if args.compare else None
-    result = _run(llm, args, params, spec, echo=not args.json)
+    plains, results = [], []
+    for last in [False] * (ROUNDS - 1 if args.compare else 0) + [True]:  # interleaved: drift falls on both
+        if args.compare:
+            plains.append(_run(llm, args, params, PLAIN, echo=False))
+        results.append(_run(llm, args, params, spec, echo=last and not args.json))
+    result, plain = results[-1], plains[-1] if plains else None
     if not args.json:
         if plain is not None:
             print(f"plain:       {stats_line(plain['_stats'], plain['finish_reason'])}", file=sys.stderr)
@@ -62,11 +77,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{'speculative: ' if plain else ''}"
               f"{stats_line(result['_stats'], result['finish_reason'], ran, spec.method)}", file=sys.stderr)
     if plain is not None:
-        speedup = result["tokens_per_s"] / plain["tokens_per_s"] if plain["tokens_per_s"] else 0.0
-        identical = plain["token_ids"] == result["token_ids"]
+        compared = Comparison.of(plains, results)
+        identical = all(p["token_ids"] == r["token_ids"] for p, r in zip(plains, results))
         if not args.json:
-            print(f"speedup {speedup:.2f}x ({result['proposer']}, k={spec.k}: {result['tokens_per_s']:.1f} vs "
-                  f"{plain['tokens_per_s']:.1f} tokens/s); outputs identical: {'yes' if identical else 'no'}"
+            print(f"{compared.verdict(result['proposer'], spec.k)}; outputs identical: {'yes' if identical else 'no'}"
                   f"{'' if params.greedy else ' (sampling: outputs differ by design)'}", file=sys.stderr)
     if args.json:
         out = {key: value for key, value in result.items() if not key.startswith("_")}
@@ -75,8 +89,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if plain is not None:
             out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
                        speculative={key: value for key, value in result.items() if not key.startswith("_")},
-                       speedup=speedup, identical=identical)
+                       speedup=compared.speedup, noise=compared.noise, drafted=compared.drafted,
+                       rounds=ROUNDS, identical=identical)
         print(json.dumps(out))
     return 0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Plain against speculative decoding over interleaved rounds: medians, and what they can say."""
+    plain_tps: float   # median tokens/s of the plain runs
+    spec_tps: float    # ... of the speculative runs
+    noise: float       # the plain runs' spread around their median, (max - min) / 2 / median: run-to-run noise
+    drafted: int       # tokens the proposer drafted, all rounds
+
+    @classmethod
+    def of(cls, plains: list[dict], results: list[dict]) -> Comparison:
+        rates = [p["tokens_per_s"] for p in plains]
+        median = statistics.median(rates)
+        return cls(median, statistics.median(r["tokens_per_s"] for r in results),
+                   (max(rates) - min(rates)) / 2 / median if median else 0.0,
+                   sum(r["_stats"].drafted_tokens for r in results))
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tps / self.plain_tps if self.plain_tps else 0.0
+
+    def verdict(self, proposer: str, k: int) -> str:
+        """The speedup, and where it is none: nothing drafted, or within the plain runs' own spread."""
+        figures = (f"{self.speedup:.2f}x ({proposer}, k={k}: {self.spec_tps:.1f} vs {self.plain_tps:.1f} tokens/s, "
+                   f"medians of {ROUNDS} interleaved runs)")
+        if not self.drafted:
+            return (f"no speedup: nothing was drafted (1.00 tokens per pass), so speculative decoding ran as plain "
+                    f"decoding; the measured {figures} is noise")
+        if abs(self.speedup - 1) <= max(self.noise, NOISE_FLOOR):
+            return f"no clear speedup: {figures} is within the run-to-run noise (plain runs +-{self.noise:.0%})"
+        return f"speedup {figures}"
 
 

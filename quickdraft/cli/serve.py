@@ -58,7 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     llm = load_llm(args, spec, progress=sys.stderr.isatty())
     cost = startup_cost(llm, args.policy, measure=not args.no_measure_cost)
-    print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {engine.max_batch}, "
+    print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1, a playground on "
+          f"http://{args.host}:{args.port}/ (max batch {engine.max_batch}, "
           f"speculation {spec.method}{f' k={spec.k}' if spec.enabled else ''}, policy {args.policy}"
           f"{api_note(limits.get('api_keys', ()))})", file=sys.stderr)
     serve(llm, ServerConfig(name, spec, engine, **limits), args.host, args.port, args.shutdown_timeout, cost,
