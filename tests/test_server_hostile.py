@@ -22,7 +22,7 @@ from quickdraft.cli import main
 from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
-from quickdraft.server.schemas import MAX_TOOL_CALLS
+from quickdraft.server.schemas import MAX_PROMPTS, MAX_TOOL_CALLS
 from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
 
 
@@ -435,7 +435,8 @@ def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> 
     assert message["tool_calls"]["anyOf"][0]["maxItems"] == MAX_TOOL_CALLS
     assert message["content"]["anyOf"][0]["maxLength"] == MAX_BODY_BYTES
     prompt = components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
-    assert [form.get("maxLength", form.get("maxItems")) for form in prompt] == [MAX_BODY_BYTES, MAX_SEQ - 1, 1]
+    bounds = [form.get("maxLength", form.get("maxItems")) for form in prompt]  # a text, ids, [texts], [ids lists]
+    assert bounds[:2] == [MAX_BODY_BYTES, MAX_SEQ - 1] and bounds[2] == bounds[3] <= MAX_PROMPTS, bounds
     assert "408" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]
 
 

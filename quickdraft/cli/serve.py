@@ -45,7 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                     ("allowed_hosts", tuple(args.allowed_host))) if v is not None}
         limits["connections"] = ConnectionLimits(**{k: v for k, v in (
             ("max_connections", args.max_connections), ("header_timeout_s", args.header_timeout),
-            ("body_timeout_s", args.body_timeout)) if v is not None})
+            ("body_timeout_s", args.body_timeout), ("max_connections_per_peer", args.max_connections_per_peer),
+            ("min_body_rate", args.min_body_rate)) if v is not None})
         ServerConfig("check", spec, engine, **limits)  # the flags are checked before the model loads
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
@@ -130,16 +131,24 @@ def add_serve(sub) -> None:
                          "(default 64)")
     sv.add_argument("--max-connections", type=int,
                     help="connections open at once; one more is answered 503 and closed at once (default 256)")
+    sv.add_argument("--max-connections-per-peer", type=int, metavar="N",
+                    help="connections one client address (an IPv6 /64) may hold; one more is answered 429 and closed "
+                         "at once (default: half of --max-connections, at least 16; behind a reverse proxy every "
+                         "client is the proxy: give --max-connections)")
     sv.add_argument("--header-timeout", type=float, metavar="SECONDS",
                     help="a request's line and headers must arrive within this many seconds of the connection's "
                          "opening or the request's first byte, else a 408 and the connection closed (default 10)")
     sv.add_argument("--body-timeout", type=float, metavar="SECONDS",
                     help="a request's whole body must arrive within this many seconds of its headers, else a 408 "
                          "and the connection closed (default 30)")
+    sv.add_argument("--min-body-rate", type=int, metavar="BYTES_PER_S",
+                    help="after 5 s, a request's body must have come at this many bytes a second on average, else "
+                         "a 408 and the connection closed (default 1024; 0: no minimum)")
     sv.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                    help=f"require Authorization: Bearer KEY on /v1 routes (401 otherwise; /health and /metrics stay "
-                         f"open); repeatable: each key is a tenant whose requests share prefix-cache entries with no "
-                         f"other's (docs/server.md); default: the environment variable {API_KEY_ENV}")
+                    help=f"require Authorization: Bearer KEY (401 otherwise) on every route but /health, /metrics, "
+                         f"/openapi.json and the playground's page, files and config; repeatable: each key is a tenant whose "
+                         f"requests share prefix-cache entries with no other's (docs/server.md); default: the "
+                         f"environment variable {API_KEY_ENV}")
     sv.add_argument("--api-key-file", metavar="FILE",
                     help="API keys, one a line (blank lines and lines starting with # skipped), as --api-key; "
                          "keeps them out of the process list")

@@ -21,9 +21,11 @@ def body_too_large(limit: int) -> str:
 
 
 class DeclaredBodyLimit:
-    """A 413 for a Content-Length past the limit, before a byte of the body is read. Bodies without
-    one are counted as they stream in by FastAPI's per-route max_body_size (whose own answer to a
-    declared length is plain text, hence this)."""
+    """A 413 for a Content-Length past the limit, before a byte of the body is read, with `Connection:
+    close`: the connection then drains what of the body still comes and closes (connections.py), so
+    the client reads the 413 and its connection is not left open. Bodies without one are counted as
+    they stream in by FastAPI's per-route max_body_size (whose own answer to a declared length is plain
+    text, hence this)."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app, self.limit = app, max_body_bytes
@@ -32,7 +34,8 @@ class DeclaredBodyLimit:
         if scope["type"] == "http":
             length = Headers(scope=scope).get("content-length", "")
             if length.isdigit() and int(length) > self.limit:
-                await out.error_response(413, body_too_large(self.limit))(scope, receive, send)
+                await out.error_response(413, body_too_large(self.limit),
+                                         headers={"Connection": "close"})(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -75,19 +78,30 @@ class HostCheck:
 
 
 ANTHROPIC = "/v1/messages"  # Anthropic's routes: its clients send the key as x-api-key, get errors in its envelope
+# Open with keys: health and metrics for probes, the schema as OpenAI's is, the playground's page and files
+# (package data, nothing of this server: a browser loads them without a header) and its config (the model's
+# name, methods and context: what the schema publishes too; the page reads it before a key is typed).
+# All else needs a key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json", "/", "/playground/config"})
+OPEN_PREFIX = "/static/"
+
+
+def open_path(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIX)
 
 
 class ApiKey:
-    """/v1 routes need `Authorization: Bearer <key>` (Anthropic's also take `x-api-key: <key>`) with one of
-    the server's keys; /health, /metrics and the schema stay open. Each key is a tenant: the request's
-    scope gets its name under TENANT (a digest of the key), its prefix-cache scope (requests.cache_scope)."""
+    """Every route but the open ones (open_path) needs `Authorization: Bearer <key>` (Anthropic's also take
+    `x-api-key: <key>`) with one of the server's keys: the /v1 routes, the interactive docs, the playground's
+    config, unknown paths. Each key is a tenant: the request's scope gets its name under TENANT (a digest
+    of the key), its prefix-cache scope (requests.cache_scope)."""
 
     def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
         self.app = app
         self.expected = [(f"Bearer {key}".encode(), hashlib.sha256(key.encode()).hexdigest()[:32]) for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and not open_path(scope["path"]):
             headers = Headers(scope=scope)
             given = [headers.get("authorization", "")]
             anthropic = scope["path"].startswith(ANTHROPIC)
