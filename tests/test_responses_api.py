@@ -224,25 +224,26 @@ def test_a_stream_error_is_an_error_event() -> None:
     assert events.final is None
 
 
-def test_the_store_drops_the_least_recently_used_by_count_and_by_bytes() -> None:
+def test_the_store_drops_the_least_recently_used_by_count_and_by_bytes_and_keeps_tenants_apart() -> None:
     def kept(store: ResponseStore) -> list[str]:
-        return list(store.kept)
+        return [response_id for _, response_id in store.kept]
 
     def response(i: int, text: str = "") -> dict[str, Any]:
         return {"id": f"r{i}", "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
 
     store = ResponseStore(max_responses=3, max_bytes=10_000)
     for i in range(3):
-        store.put(response(i), [{"role": "user", "content": str(i)}])
-    assert store.get("r0").conversation() == [{"role": "user", "content": "0"}, *response(0)["output"]]
-    store.put(response(3), [])  # r1 is now the least recently used
-    assert kept(store) == ["r2", "r0", "r3"] and store.get("r1") is None
-    small = store.kept["r3"].size
-    store.put(response(4, "x" * (10_000 - 2 * small)), [])  # r2 goes by count, r0 by bytes: r3 and r4 fill them
+        store.put(response(i), [{"role": "user", "content": str(i)}], "a")
+    assert store.get("r0", "a").conversation() == [{"role": "user", "content": "0"}, *response(0)["output"]]
+    assert store.get("r0", "b") is None and not store.delete("r0", "b")  # another key's: not found
+    store.put(response(3), [], "a")  # r1 is now the least recently used
+    assert kept(store) == ["r2", "r0", "r3"] and store.get("r1", "a") is None
+    small = store.kept["a", "r3"].size
+    store.put(response(4, "x" * (10_000 - 2 * small)), [], "a")  # r2 goes by count, r0 by bytes: r3, r4 fill them
     assert kept(store) == ["r3", "r4"] and store.bytes == 10_000
-    store.put(response(5, "x" * 20_000), [])  # larger than the whole budget: not kept, nothing dropped
+    store.put(response(5, "x" * 20_000), [], "a")  # larger than the whole budget: not kept, nothing dropped
     assert kept(store) == ["r3", "r4"]
-    assert store.delete("r4") and not store.delete("r4") and store.bytes == small
+    assert store.delete("r4", "a") and not store.delete("r4", "a") and store.bytes == small
 
 
 # -- the route, on the tiny random model -----------------------------------------------------------------------

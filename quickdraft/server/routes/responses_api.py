@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import BadRequest
+from quickdraft.server.guards import TENANT
 from quickdraft.server.response_store import MAX_BYTES, MAX_RESPONSES, ResponseStore, Stored
 from quickdraft.server.responses_answer import Events, new_id, output_of, response
 from quickdraft.server.responses_api import Item, ResponsesRequest, chat_request, renamed
@@ -41,29 +42,30 @@ async def create(body: ResponsesRequest, http: HTTPRequest) -> Response:
     store: ResponseStore = http.app.state.responses
     items = body.items()
     if body.previous_response_id is not None:
-        items = [*_stored(store, body.previous_response_id, "previous_response_id").conversation(), *items]
+        items = [*_stored(http, body.previous_response_id, "previous_response_id").conversation(), *items]
     try:
         answer = await chat(chat_request(body, items), http)
     except BadRequest as e:
         raise renamed(e) from None
     response_id, created_at = new_id("resp"), int(time.time())
     kept = store if body.store else None
+    tenant = http.scope.get(TENANT, "")
     if isinstance(answer, StreamingResponse):
         events = Events(body, response_id, created_at)
         chunks: AsyncGenerator[str, None] = answer.body_iterator  # type: ignore[assignment] (streaming.stream's)
-        return StreamingResponse(_events(chunks, events, kept, items), media_type="text/event-stream")
+        return StreamingResponse(_events(chunks, events, kept, items, tenant), media_type="text/event-stream")
     if answer.status_code != 200:
         return answer  # the client left (499), the engine failed (500) or is shutting down (503)
     completion = json.loads(answer.body)
     output, finish = output_of(completion)
     result = response(body, response_id, created_at, output, finish, completion["usage"])
     if kept is not None:
-        kept.put(result, items)
+        kept.put(result, items, tenant)
     return JSONResponse(result)
 
 
-async def _events(chunks: AsyncGenerator[str, None], events: Events, store: ResponseStore | None, items: list[Item]
-                  ) -> AsyncGenerator[str, None]:
+async def _events(chunks: AsyncGenerator[str, None], events: Events, store: ResponseStore | None, items: list[Item],
+                  tenant: str) -> AsyncGenerator[str, None]:
     """The chat stream's chunks as Responses events; the response kept once it has ended."""
     try:
         for event in events.start():
@@ -74,23 +76,23 @@ async def _events(chunks: AsyncGenerator[str, None], events: Events, store: Resp
                 for event in events.chunk(json.loads(data)):
                     yield event
         if store is not None and events.final is not None:
-            store.put(events.final, items)
+            store.put(events.final, items, tenant)
     finally:  # also when the client left: the chat stream's own finally cancels the request
         await chunks.aclose()
 
 
 async def stored(response_id: ResponseId, http: HTTPRequest) -> JSONResponse:
     """GET: a kept response; DELETE: drop it. One route for both, so a 405 lists both in Allow."""
-    store: ResponseStore = http.app.state.responses
     if http.method == "GET":
-        return JSONResponse(_stored(store, response_id, None).response)
-    if not store.delete(response_id):
+        return JSONResponse(_stored(http, response_id, None).response)
+    if not http.app.state.responses.delete(response_id, http.scope.get(TENANT, "")):
         raise _not_stored(response_id, None)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-def _stored(store: ResponseStore, response_id: str, param: str | None) -> Stored:
-    found = store.get(response_id)
+def _stored(http: HTTPRequest, response_id: str, param: str | None) -> Stored:
+    """The response kept under `response_id` for this request's tenant, or a 404."""
+    found = http.app.state.responses.get(response_id, http.scope.get(TENANT, ""))
     if found is None:
         raise _not_stored(response_id, param)
     return found
