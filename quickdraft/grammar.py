@@ -13,6 +13,7 @@ import json
 import logging
 import sys
 import time
+from collections import deque
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -29,6 +30,13 @@ DEAD_END = "grammar_dead_end"  # the finish reason of a request whose grammar al
 # its prompt gave ("age": 23 for "who is 36"); with the spaces it wrote them right, in as many tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 Ended = Literal["stop", "grammar_dead_end"] | None
+# A compile walks the grammar's first steps (probe): llguidance builds lexer states and parser rows as
+# text reaches them, so its limits are met there, not by validate_grammar.
+PROBE_STATES = 32    # masks computed (~5 ms for a 49k vocabulary; a step that meets a limit, up to ~150 ms)
+PROBE_BRANCHES = 4   # one-byte tokens followed from a state that forces none
+PROBE_FORCED = 16    # forced tokens taken as one step
+PROBE_FREE = 24      # a state allowing more of PROBE_BYTES is free text
+PROBE_BYTES = b'"{[-0123456789tfn,:]} ' + bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
 
 
 class GrammarError(QuickdraftError, ValueError):
@@ -56,6 +64,9 @@ class Vocabulary:
         self.eos = sorted(tokenizer.eos_token_ids)
         self.tokenizer = ll.hf.from_tokenizer(tokenizer.hf, n_vocab=size, eos_token=self.eos or None)
         self._encode = tokenizer.encode
+        singles = (self.tokenizer.tokenize_bytes(bytes([b])) for b in PROBE_BYTES)
+        ones = [ids[0] for ids in singles if len(ids) == 1]
+        self.probe = np.array(sorted(set(ones), key=ones.index), dtype=np.int64)  # probe's steps, in order
 
     def special(self, texts: Iterable[str]) -> frozenset[str]:
         """Those of `texts` that are one token llguidance holds as special (written <text> in Lark,
@@ -110,7 +121,68 @@ def constrain(vocabulary: Vocabulary, grammar: str) -> Constraint:
     matcher = ll.LLMatcher(vocabulary.tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
+    if problem := probe(matcher, vocabulary):
+        raise GrammarError(problem)
     return Constraint(matcher, vocabulary)
+
+
+def probe(matcher: Any, vocabulary: Vocabulary) -> str | None:
+    """Why the grammar cannot be used, or None, from a walk of its first steps (on copies of the
+    matcher). A regex or an alternative past llguidance's limits (a pattern "^a{1000000}$", an anyOf
+    of 5,000 objects) compiles, and fails at the first mask that reaches it; a grammar that allows
+    no text (a schema only a $ref to itself) fails at the first mask. Breadth first, PROBE_STATES
+    masks: from each state its forced tokens (PROBE_FORCED of them), else the first PROBE_BRANCHES
+    one-byte tokens it allows, JSON's structure first. A path no token goes on from (the vocabulary
+    cannot spell what the grammar wants) is left: a request may never take it. A limit met past the
+    walk, or that dead end, ends the request with DEAD_END while it decodes."""
+    words = np.zeros(vocabulary.words, dtype=np.int32)
+    queue: deque[tuple[list[int], Any, list[int]]] = deque([([], matcher, [])])  # path, its parent's state, step
+    for _ in range(PROBE_STATES):
+        if not queue:
+            return None
+        path, parent, step = queue.popleft()
+        # a copy (~1 us) of the parent's state, which computed its mask and forced tokens before the step as
+        # the engine's matcher does (llguidance meets some limits only then); one in error never leaves it
+        walker = parent.deep_copy()
+        walker.consume_tokens(step)
+        if not walker.is_error():
+            walker.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        forced = [] if walker.is_error() or walker.is_stopped() else walker.compute_ff_tokens()[:PROBE_FORCED]
+        if walker.is_error():
+            why = walker.get_error().split("\n<state>")[0].strip()  # llguidance appends its parser's state
+            if why != "NoExtensionBias" or not path:
+                return _refusal(why, vocabulary.tokenizer.decode_str(path))
+            continue
+        if not path and not _writes(words, vocabulary):
+            return "the grammar allows no text: nothing but the end may come first"
+        allows = vocabulary.probe[_bits(words, vocabulary.probe)] if not walker.is_stopped() else []
+        # in free text (a string's) one step, the first (its closing quote): the rest is more of the same
+        steps = [forced] if forced else [[int(t)] for t in allows[:1 if len(allows) > PROBE_FREE else
+                                                                   PROBE_BRANCHES]]
+        queue.extend((path + next_step, walker, next_step) for next_step in steps)
+    return None
+
+
+def _writes(words: np.ndarray, vocabulary: Vocabulary) -> bool:
+    """Whether the bitmask `words` allows a token other than the end."""
+    tokens = allowed(torch.from_numpy(words[None]), vocabulary.size)[0].nonzero().flatten().tolist()
+    return not set(tokens) <= set(vocabulary.eos)
+
+
+def _bits(words: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Whether each of `tokens` is allowed by the bitmask `words`."""
+    return ((words.view(np.uint32)[tokens >> 5] >> (tokens & 31).astype(np.uint32)) & 1).astype(bool)
+
+
+def _refusal(why: str, text: str) -> str:
+    if not text and why == "NoExtensionBias":
+        return ("the grammar allows no text: nothing can be written at its start (a schema that is only a "
+                "reference to itself, such as {\"$ref\": \"#\"}, has no value)")
+    if "too many expressions" in why:
+        why += " (its lexer's work per token: a regex too large to match, such as a pattern or length with a " \
+               "repetition count in the thousands)"
+    where = f"after {text if len(text) <= 40 else text[:20] + '...' + text[-20:]!r}" if text else "at its start"
+    return f"the grammar exceeds a limit of the grammar library (llguidance) {where}: {why}; give a simpler one"
 
 
 def allowed(bits: torch.Tensor, size: int) -> torch.Tensor:

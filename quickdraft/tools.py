@@ -45,7 +45,7 @@ class Function:
     name: str
     parameters: Mapping[str, Any] = field(default_factory=lambda: dict(NO_ARGUMENTS))  # its arguments' JSON schema
     description: str | None = None
-    strict: bool = False  # keywords the grammar library does not implement: refused (True) or unchecked
+    strict: bool = True  # keywords the grammar library does not implement: refused (true or unset) or unchecked
 
     def as_tool(self) -> dict[str, Any]:
         """OpenAI's shape, as chat templates take it."""
@@ -212,7 +212,7 @@ def _function(tool: Any, where: str) -> Function:
     for ok, key, expected, found in checks:
         if not ok:
             raise ToolsError(f"{where}.function.{key}: expected {expected}, found {found!r}", f"{where}.function.{key}")
-    return Function(name, parameters if parameters is not None else NO_ARGUMENTS, description, strict is True)
+    return Function(name, parameters if parameters is not None else NO_ARGUMENTS, description, strict is not False)
 
 
 # -- the prompt -------------------------------------------------------------------------------------------

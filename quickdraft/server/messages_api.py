@@ -16,7 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstra
                       field_validator)
 
 from quickdraft.server.errors import BadRequest
-from quickdraft.server.schemas import (IGNORED, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
+from quickdraft.server.schemas import (IGNORED, STRICT_TOOL, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
                                        ChatMessage, Count, FunctionName, Json, Name, NonNegative, Speculative,
                                        StopList, Text, only)
 
@@ -107,8 +107,7 @@ class CustomTool(BaseModel):
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
     input_schema: Json
-    strict: bool | None = Field(default=None, description="true: schema keywords the grammar library does not "
-                                "implement are a 400; else they pass unchecked")
+    strict: bool | None = Field(default=None, description=STRICT_TOOL)
     cache_control: CacheControl | None = Field(default=None, description=CACHED)
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
 
 from quickdraft.server.errors import BadRequest, validation_error
-from quickdraft.server.schemas import (IGNORED, MAX_CONTENT_PARTS, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_METADATA,
+from quickdraft.server.schemas import (IGNORED, STRICT_TOOL, MAX_CONTENT_PARTS, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_METADATA,
                                        MAX_TOOLS, ChatCompletionRequest, Count, FunctionName, Json, JsonSchemaFormat,
                                        Name, NonNegative, Seed, Speculative, Text, only)
 
@@ -73,8 +73,7 @@ class FunctionTool(BaseModel):
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
     parameters: Json | None = Field(default=None, description="the arguments' JSON schema (unset: no arguments)")
-    strict: bool | None = Field(default=None, description="true: schema keywords the grammar library does not "
-                                "implement are a 400; else they pass unchecked")
+    strict: bool | None = Field(default=None, description=STRICT_TOOL)
 
 
 class FunctionToolChoice(BaseModel):

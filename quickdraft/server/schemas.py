@@ -300,14 +300,18 @@ MAX_TOOLS = 128  # OpenAI's limit
 FunctionName = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 
 
+# a function's strict, here and in /v1/responses' and /v1/messages' tools (tools.py: strict unless false)
+STRICT_TOOL = ("unset or true: schema keywords the grammar library does not implement are a 400; false: they "
+               "pass unchecked")
+
+
 class FunctionDefinition(BaseModel):
     """A function the model may call (docs/tools.md): its arguments are JSON under `parameters`."""
     model_config = ConfigDict(strict=True, extra="forbid")
     name: FunctionName
     description: Annotated[str, StringConstraints(max_length=MAX_DESCRIPTION_CHARS)] | None = None
     parameters: Json | None = Field(default=None, description="the arguments' JSON schema (unset: no arguments)")
-    strict: bool | None = Field(default=None, description="true: schema keywords the grammar library does not "
-                                "implement are a 400; else they pass unchecked")
+    strict: bool | None = Field(default=None, description=STRICT_TOOL)
 
 
 class Tool(BaseModel):
