@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
-from quickdraft.bench.soak import Soak, own_rss
+from quickdraft.bench.soak import MAX_RSS_GROWTH, Soak, SoakReport, memory_sample, own_rss, prefix_caches
 from quickdraft.cli import main
 from quickdraft.server.connections import ConnectionLimits
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
@@ -36,3 +37,44 @@ def test_the_soak_reports_an_answer_it_did_not_expect(llm) -> None:  # noqa: F81
     assert report.failure_count == report.sent["oversized"], report.failures[:3]
     assert all("expected 413" in f for f in report.failures)
     assert report.server_errors == 0 and report.left_running == 0
+
+
+def _run_of(rest_mb: Callable[[float], float], cache_mb: Callable[[float], float], budget_mb: float = 2048) -> SoakReport:
+    """A 600 s soak's memory, read every 5 s by fake readers (no server): the process's RSS is
+    `rest_mb(t)` plus what the prefix cache holds, which /metrics reports as `cache_mb(t)`."""
+    report = SoakReport(600, 4, warmup_s=60)
+    for t in range(0, 605, 5):
+        metrics = (f"# TYPE quickdraft_prefix_cache_bytes gauge\nquickdraft_prefix_cache_bytes {cache_mb(t) * 2**20!r}\n"
+                   f"quickdraft_prefix_cache_budget_bytes {budget_mb * 2**20!r}\n"
+                   f"quickdraft_prefix_cache_evicted_blocks_total 12.0\n")
+        report.memory.append(memory_sample(t, lambda: int((rest_mb(t) + cache_mb(t)) * 2**20), lambda: metrics))
+    return report
+
+
+def test_memory_is_judged_less_the_prefix_cache_filling_to_its_budget() -> None:
+    """Issue 45: RSS 601 -> 2,289 MiB as the default 2 GiB cache fills, the rest flat. Under the old
+    rule (RSS alone) that is +170% and a failure; less the cache's bytes it is flat and passes. A
+    leak beside the same cache (the rest +10%) still fails, and so does a cache past its budget."""
+    filling = lambda t: min(1700.0, 3.0 * t)  # noqa: E731 - MiB held at t s, full (below the budget) by ~570 s
+    flat = _run_of(lambda t: 600.0 + min(t, 50) + (3.0 if t % 10 else 0.0), filling)  # warms up, then noise alone
+    assert flat.rss_growth > 1.0 and not flat.rss_growth < MAX_RSS_GROWTH  # the old rule: a failure
+    assert abs(flat.rest_growth) < 0.01 and flat.memory_flat and flat.passed, flat.as_dict()
+    report = flat.as_dict()
+    assert report["rss_mb"][-1] == (600, 2350.0) and report["prefix_cache_mb"][-1] == (600, 1700.0)
+    assert report["rss_less_cache_mb"][-1] == (600, 650.0) and "RSS less the cache 600 -> 650 MiB" in flat.summary()
+
+    leak = _run_of(lambda t: 600.0 + 0.1 * t, filling)  # the rest +9% from the warm-up's end
+    assert leak.rest_growth > MAX_RSS_GROWTH and not leak.passed
+    over = _run_of(lambda t: 600.0, lambda t: 10.0 * t, budget_mb=2048)  # past its budget from 205 s
+    assert over.prefix_over_budget > 0 and not over.passed
+
+
+def test_every_prefix_cache_on_metrics_is_counted() -> None:
+    """The target's cache and any other series of the family (a draft model's, by its labels), each
+    against the budget of its own labels."""
+    text = ('quickdraft_prefix_cache_bytes 3.0e+06\nquickdraft_prefix_cache_budget_bytes 4.0e+06\n'
+            'quickdraft_prefix_cache_bytes{model="draft"} 2.0e+06\nquickdraft_prefix_cache_budget_bytes{model="draft"} 1.0e+06\n'
+            'quickdraft_prefix_cache_hit_tokens_total 99.0\n')
+    assert prefix_caches(text) == (5_000_000, True)
+    assert prefix_caches(text.replace("2.0e+06", "5.0e+05")) == (3_500_000, False)
+    assert prefix_caches("quickdraft_requests_running 0.0\n") == (0, False)  # --no-prefix-cache

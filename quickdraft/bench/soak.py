@@ -10,10 +10,12 @@ connections (each then served), and chat conversations resending their history t
 (a few fixed ones, whose answers are checked, and ones under a system prompt of their own, which
 keep the prefix cache evicting). Passes when no answer is a 5xx, every well-formed request gets a
 200 and the text it gets alone (asked before the load starts), every bad one its 4xx, no row is
-left running, the prefix cache never holds more than its budget, and the server's memory grows
-less than 5% after a warm-up.
+left running, the prefix cache never holds more than its budget, and the server's memory less the
+prefix caches' bytes grows less than 5% after a warm-up (the caches fill as the run goes, up to
+their budget: memory they are meant to hold, bounded apart).
 
-Knows the server only over HTTP; `rss()` reads the memory of the process that serves.
+Knows the server only over HTTP (its /metrics: the prefix caches' bytes); `rss()` reads the memory
+of the process that serves.
 """
 from __future__ import annotations
 
@@ -87,6 +89,46 @@ def malformed_requests(model: str) -> list[tuple[str, str, bytes, int]]:
     ]
 
 
+@dataclass(frozen=True)
+class MemorySample:
+    at_s: float      # seconds into the load
+    rss_mb: float    # the serving process's resident memory, MiB
+    cache_mb: float  # of it, what the prefix caches hold (/metrics), MiB
+    over_budget: bool = False  # a prefix cache held more than its budget
+
+    @property
+    def rest_mb(self) -> float:
+        """The memory that must stay flat: RSS less the prefix caches' bytes."""
+        return self.rss_mb - self.cache_mb
+
+
+def prefix_caches(metrics: str) -> tuple[int, bool]:
+    """(bytes the prefix caches hold, whether one holds more than its budget) from /metrics' text:
+    every series of quickdraft_prefix_cache_bytes (each cache's, by its labels), against the budget
+    of the same labels; (0, False) with none."""
+    held: dict[str, float] = {}
+    budget: dict[str, float] = {}
+    for line in metrics.splitlines():
+        for name, into in (("quickdraft_prefix_cache_bytes", held), ("quickdraft_prefix_cache_budget_bytes", budget)):
+            if line.startswith((f"{name} ", f"{name}{{")):
+                series, value = line.rsplit(maxsplit=1)
+                into[series[len(name):]] = float(value)
+    return int(sum(held.values())), any(b > budget[labels] for labels, b in held.items() if labels in budget)
+
+
+def memory_sample(at_s: float, rss: Callable[[], int], metrics: Callable[[], str]) -> MemorySample:
+    """RSS and the prefix caches' bytes now: `rss` the serving process's bytes, `metrics` its /metrics."""
+    cache, over = prefix_caches(metrics())
+    return MemorySample(round(at_s, 1), rss() / 2**20, cache / 2**20, over)
+
+
+def growth(samples: list[MemorySample], warmup_s: float, of: Callable[[MemorySample], float]) -> float:
+    """The last sample's `of` over that of the first sample past the warm-up (the first sample's if
+    none is), minus 1."""
+    base = next((s for s in samples[:-1] if s.at_s >= warmup_s), samples[0])
+    return of(samples[-1]) / of(base) - 1
+
+
 @dataclass
 class SoakReport:
     duration_s: float
@@ -95,35 +137,59 @@ class SoakReport:
     statuses: Counter = field(default_factory=Counter)        # by status, every answer seen
     failures: list[str] = field(default_factory=list)         # what went wrong, the first 50
     failure_count: int = 0
-    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds in, MiB)
-    rss_growth: float = 0.0  # end over the warm-up's end, minus 1
+    memory: list[MemorySample] = field(default_factory=list)  # RSS and the prefix caches' bytes, as the run goes
+    warmup_s: float = 0.0
     left_running: float = 0.0
-    prefix_over_budget: int = 0  # samples of /metrics where the prefix cache held more than its budget
+
+    @property
+    def rss_growth(self) -> float:
+        """RSS at the end over RSS past the warm-up, minus 1: the prefix caches' filling included."""
+        return growth(self.memory, self.warmup_s, lambda s: s.rss_mb)
+
+    @property
+    def rest_growth(self) -> float:
+        """The same for RSS less the prefix caches' bytes: what must stay flat."""
+        return growth(self.memory, self.warmup_s, lambda s: s.rest_mb)
+
+    @property
+    def prefix_over_budget(self) -> int:
+        """Samples of /metrics where a prefix cache held more than its budget."""
+        return sum(s.over_budget for s in self.memory)
 
     @property
     def server_errors(self) -> int:
         return sum(n for status, n in self.statuses.items() if status >= 500)
 
     @property
+    def memory_flat(self) -> bool:
+        return self.rest_growth < MAX_RSS_GROWTH and self.prefix_over_budget == 0
+
+    @property
     def passed(self) -> bool:
-        return (self.failure_count == 0 and self.server_errors == 0 and self.rss_growth < MAX_RSS_GROWTH
-                and self.left_running == 0 and self.prefix_over_budget == 0)
+        return (self.failure_count == 0 and self.server_errors == 0 and self.memory_flat
+                and self.left_running == 0)
 
     def as_dict(self) -> dict[str, Any]:
+        m = self.memory
         return {"duration_s": self.duration_s, "concurrency": self.concurrency, "sent": dict(self.sent),
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())}, "server_errors": self.server_errors,
-                "failures": self.failure_count, "first_failures": self.failures[:10], "rss_mb": self.rss_mb,
-                "rss_growth": self.rss_growth, "left_running": self.left_running,
+                "failures": self.failure_count, "first_failures": self.failures[:10], "warmup_s": self.warmup_s,
+                "rss_mb": [(s.at_s, s.rss_mb) for s in m], "prefix_cache_mb": [(s.at_s, s.cache_mb) for s in m],
+                "rss_less_cache_mb": [(s.at_s, s.rest_mb) for s in m], "rss_growth": self.rss_growth,
+                "rss_less_cache_growth": self.rest_growth, "left_running": self.left_running,
                 "prefix_over_budget": self.prefix_over_budget, "passed": self.passed}
 
     def summary(self) -> str:
         sent = ", ".join(f"{n} {kind}" for kind, n in sorted(self.sent.items()))
         statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items()))
+        first, last = self.memory[0], self.memory[-1]
         return (f"{sum(self.sent.values())} requests in {self.duration_s:.0f} s at concurrency {self.concurrency} "
                 f"({sent})\nstatuses: {statuses}\n5xx: {self.server_errors}, failures: {self.failure_count}, rows "
-                f"left running: {self.left_running:g}, RSS {self.rss_mb[0][1]:.0f} -> {self.rss_mb[-1][1]:.0f} MiB "
-                f"(growth after warm-up {100 * self.rss_growth:+.2f}%), prefix cache over its budget in "
-                f"{self.prefix_over_budget} samples\n" + ("PASS" if self.passed else "FAIL"))
+                f"left running: {self.left_running:g}\nRSS {first.rss_mb:.0f} -> {last.rss_mb:.0f} MiB "
+                f"({100 * self.rss_growth:+.2f}% after warm-up), of it the prefix cache {first.cache_mb:.0f} -> "
+                f"{last.cache_mb:.0f} MiB; RSS less the cache {first.rest_mb:.0f} -> {last.rest_mb:.0f} MiB "
+                f"({100 * self.rest_growth:+.2f}% after warm-up, at most {100 * MAX_RSS_GROWTH:g}%), prefix cache over "
+                f"its budget in {self.prefix_over_budget} samples\n" + ("PASS" if self.passed else "FAIL"))
 
 
 class Soak:
@@ -152,27 +218,23 @@ class Soak:
         with httpx.Client(timeout=120, headers=self.headers) as client:
             self.expected = [self._text(client, r, report) for r in self.valid]  # each alone, before the load
             self.conversations = [self._converse(client, system, report) for system in SYSTEMS]
-        warmup_s = duration_s / 10 if warmup_s is None else warmup_s
+        report.warmup_s = duration_s / 10 if warmup_s is None else warmup_s
         start = time.monotonic()
         deadline = start + duration_s
         threads = [threading.Thread(target=self._client, args=(i, deadline, report)) for i in range(concurrency)]
         for t in threads:
             t.start()
-        baseline = None
         while any(t.is_alive() for t in threads):
             now = time.monotonic() - start
-            report.rss_mb.append((round(now, 1), self.rss() / 2**20))
-            report.prefix_over_budget += self._prefix_over_budget()
-            if baseline is None and now >= warmup_s:
-                baseline = report.rss_mb[-1][1]
+            report.memory.append(memory_sample(now, self.rss, self._metrics))
             if progress:
+                m = report.memory[-1]
                 progress(f"{now:.0f}/{duration_s:.0f} s, {sum(report.sent.values())} requests, "
-                         f"{report.failure_count} failures, RSS {report.rss_mb[-1][1]:.0f} MiB")
+                         f"{report.failure_count} failures, RSS {m.rss_mb:.0f} MiB (prefix cache {m.cache_mb:.0f})")
             time.sleep(min(5.0, max(0.5, duration_s / 60)))
         for t in threads:
             t.join()
-        report.rss_mb.append((round(time.monotonic() - start, 1), self.rss() / 2**20))
-        report.rss_growth = report.rss_mb[-1][1] / (baseline or report.rss_mb[0][1]) - 1
+        report.memory.append(memory_sample(time.monotonic() - start, self.rss, self._metrics))
         report.left_running = self._drained()
         return report
 
@@ -373,21 +435,15 @@ class Soak:
             if len(report.failures) < 50:
                 report.failures.append(what)
 
-    def _prefix_over_budget(self) -> int:
-        """1 if /metrics says the prefix cache holds more than its budget, else 0 (also with none)."""
-        values = {line.split()[0]: float(line.split()[1])
-                  for line in httpx.get(f"{self.url}/metrics", headers=self.headers).text.splitlines()
-                  if line.startswith("quickdraft_prefix_cache_")}
-        held, budget = values.get("quickdraft_prefix_cache_bytes"), values.get("quickdraft_prefix_cache_budget_bytes")
-        return int(held is not None and budget is not None and held > budget)
+    def _metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", headers=self.headers).text
 
     def _drained(self, timeout_s: float = 10.0) -> float:
         """Requests still holding a row once every client is done (cancelled ones are freed at the
         next step)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            metrics = httpx.get(f"{self.url}/metrics", headers=self.headers).text
-            running = sum(float(line.split()[1]) for line in metrics.splitlines()
+            running = sum(float(line.split()[1]) for line in self._metrics().splitlines()
                           if line.startswith(("quickdraft_requests_running ", "quickdraft_requests_waiting ")))
             if running == 0 or time.monotonic() > deadline:
                 return running

@@ -41,6 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = EngineConfig(max_batch=args.max_batch, max_seq_len=args.max_seq_len, policy=args.policy,
                               max_step_tokens=args.max_step_tokens)
         limits = {k: v for k, v in (("max_body_bytes", args.max_body_bytes), ("max_waiting", args.max_waiting),
+                                    ("max_request_tokens", args.max_request_tokens),
                                     ("api_keys", api_keys(args)),
                                     ("allowed_hosts", tuple(args.allowed_host))) if v is not None}
         limits["connections"] = ConnectionLimits(**{k: v for k, v in (
@@ -129,6 +130,10 @@ def add_serve(sub) -> None:
     sv.add_argument("--max-waiting", type=int,
                     help="generation requests that may wait for a batch row; more get a 429 with Retry-After "
                          "(default 64)")
+    sv.add_argument("--max-request-tokens", type=int, metavar="N",
+                    help="new tokens one request may ask for over all its choices: n x max_tokens (n x the context's "
+                         "rest where max_tokens is unset); more is a 400 (default: 4 x the context, so every "
+                         "single-choice request fits)")
     sv.add_argument("--max-connections", type=int,
                     help="connections open at once; one more is answered 503 and closed at once (default 256)")
     sv.add_argument("--max-connections-per-peer", type=int, metavar="N",

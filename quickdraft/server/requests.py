@@ -30,6 +30,7 @@ from quickdraft.tools import Tools, conversation
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 CONTEXT = "context_length_exceeded"
+REQUEST_TOKENS = "request_tokens_exceeded"  # n x max_tokens past --max-request-tokens
 GRAMMAR_TIMEOUT_S = 10.0  # a response_format's schema compiled for longer is a 400 (other requests go on meanwhile)
 
 Budget = dict[str, int | None]  # the body's fields that bound the new tokens, by name: the first one given decides
@@ -124,12 +125,16 @@ async def chat_prompt(prompts: Prompts, body: ChatCompletionRequest, tools: Tool
 async def tokenized(served: Served, text: str, budget: Budget, param: str, http: HTTPRequest,
                     add_special_tokens: bool, n: int) -> list[int]:
     """The text's token ids: refused first if its length alone says it cannot fit, then n places
-    in the queue (n choices), then the tokenizer (off the event loop, a few at a time)."""
+    in the queue (n choices), then the tokenizer (off the event loop, a few at a time; stopped once
+    a prefix is past the context)."""
     prompts = served.prompts
     try:
         fits(served, await prompts.min_tokens(text), budget, param, at_least=True)
+        check_request_tokens(served, budget, n)
         http.scope[ADMIT](n)
-        return await prompts.encode(text, add_special_tokens)
+        return await prompts.encode(text, add_special_tokens, served.context)
+    except ContextTooLong as e:  # from a prefix (prompts.bounded)
+        raise BadRequest(400, str(e), param, CONTEXT) from None
     except QuickdraftError as e:
         raise BadRequest(400, str(e), param) from None
     finally:
@@ -139,6 +144,7 @@ async def tokenized(served: Served, text: str, budget: Budget, param: str, http:
 def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest, n: int) -> list[int]:
     """A prompt given as token ids: it fits, each is in the vocabulary; then n places in the queue."""
     fits(served, len(ids), budget, "prompt")
+    check_request_tokens(served, budget, n)
     vocab = served.llm.model.config.vocab_size
     if not all(0 <= t < vocab for t in ids):
         raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
@@ -168,6 +174,27 @@ def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = Fa
                                   f"holds {limit}{note}; expected at most {limit - n} new tokens", field, CONTEXT)
 
 
+def check_request_tokens(served: Served, budget: Budget, choices: int, prompt: int | None = None) -> None:
+    """A request's new tokens over its `choices` (n, or n per prompt of a batch) within
+    --max-request-tokens, or a 400 naming the field that sets them: choices x max_tokens, known
+    before the prompt is tokenized; where no field is given (a chat runs to the context), choices x
+    the context's rest once the prompt's `prompt` tokens are known (None: not yet)."""
+    bound = served.config.request_tokens(served.context)
+    field, wanted = next(((field, wanted) for field, wanted in budget.items() if wanted is not None), (None, None))
+    unset = wanted is None
+    if unset:
+        if prompt is None or not budget:  # not known yet; or no budget at all, not a generation (count_tokens)
+            return
+        field, wanted = next(iter(budget)), served.context - prompt
+    if choices * wanted <= bound:
+        return
+    each = f"is unset, so each runs to the context's end, {wanted}" if unset else f"asks for {wanted}"
+    raise BadRequest(400, f"{field}: {each} new tokens for each of {choices} choices, {choices * wanted} in all, "
+                          f"but this server generates at most {bound} for one request (--max-request-tokens); "
+                          f"expected at most {bound // choices} each for {choices} choices, or fewer choices (n)",
+                     field, REQUEST_TOKENS)
+
+
 def cache_scope(http: HTTPRequest, body: _Common) -> str:
     """The prefix-cache scope of a request (prefix_cache.py): its API key's tenant (guards.ApiKey), narrowed
     by the request's cache_salt (vLLM's name) and prompt_cache_key (OpenAI's); "" with none of them, the
@@ -182,6 +209,7 @@ def prepare(served: Served, body: _Common, spec: SpecConfig, constraints: list[C
     settings they share but for their seeds. scope: the prefix-cache scope (cache_scope)."""
     llm, limit = served.llm, served.context
     fits(served, len(ids), budget, "messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    check_request_tokens(served, budget, body.n, len(ids))
     max_tokens = next((wanted for wanted in budget.values() if wanted is not None), None)
     bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
     vocab = llm.model.config.vocab_size
