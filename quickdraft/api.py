@@ -17,22 +17,31 @@ import torch
 
 from quickdraft.engine import GenerationStats
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
-from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.errors import ModelLoadError, QuickdraftError
 from quickdraft.grammar import Constraint, Vocabulary, constrain, grammar_text
 from quickdraft.logprobs import TokenLogprob
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache, default_budget_mb
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
-from quickdraft.proposers.registry import runs
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
+from quickdraft.proposers.registry import runs
+from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.tool_reply import read
-from quickdraft.tools import Syntax, Tools, ToolsError, compile_tools, conversation, kept_markers, request_tools, template_syntax
+from quickdraft.tools import (
+    Syntax,
+    Tools,
+    ToolsError,
+    compile_tools,
+    conversation,
+    kept_markers,
+    request_tools,
+    template_syntax,
+)
 from quickdraft.weights import LoadedModel, load_model
 from quickdraft.weights.packaged import PACKAGED_DRAFTS, packaged_draft
 

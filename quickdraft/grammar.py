@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from quickdraft.errors import QuickdraftError
 from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft
+from quickdraft.errors import QuickdraftError
 from quickdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("quickdraft.grammar")

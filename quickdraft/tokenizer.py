@@ -237,8 +237,7 @@ def gguf_tokenizer(metadata: dict[str, Any], extra_eos_ids: Sequence[int] = ()) 
     """Rebuild the tokenizer a GGUF file describes, reusing transformers' GGUF converters; read back
     from the user's cache where this metadata was rebuilt before (_backend_key says why)."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
     if "tokenizer.ggml.tokens" not in metadata:
         raise ModelLoadError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")

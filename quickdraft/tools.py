@@ -22,8 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import (JSON_OPTIONS, Constraint, GrammarError, Vocabulary, constrain, grammar_text, lark_grammar,
-                                response_schema)
+from quickdraft.grammar import (
+    JSON_OPTIONS,
+    Constraint,
+    GrammarError,
+    Vocabulary,
+    constrain,
+    grammar_text,
+    lark_grammar,
+    response_schema,
+)
 
 Choice = Literal["none", "auto", "required", "function"]
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names

@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.kernels import argmax
 from quickdraft.draft_contract import Draft
+from quickdraft.kernels import argmax
 from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample
 
 

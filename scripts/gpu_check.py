@@ -132,11 +132,10 @@ class Home:
     tokenizer = SimpleNamespace(hf=SimpleNamespace(added_tokens_decoder={}), eos_token_ids=(2,))  # draft_vocab.py
 
     def __init__(self, model_name: str, device: str) -> None:
+        from quickdraft.proposers.head import on_target
         from test_head import identity_head
         from test_lookup_draft import noisy
         from test_spec_exactness import tiny
-
-        from quickdraft.proposers.head import on_target
         self.model = tiny(model_name, init=0.1, device=device)
         self.draft = noisy(model_name, 0.3, device)
         self.head = on_target(identity_head(self.model), self.model).requires_grad_(False).eval()
@@ -169,10 +168,9 @@ def divergence(model: Any, prompt: list[int], ref: list[int], got: list[int]) ->
 def exact_case(method: str, model_name: str, k: int, batched: bool, device: str, plain: dict) -> dict[str, Any]:
     """Every job's greedy tokens with `method` against the job decoded plainly alone (3 rows for 7
     requests: rows join, finish (one on a stop token) and wait; one row decodes plainly)."""
-    from test_batch_engine import JOBS, run_batched
-
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.proposers import PROPOSERS, ProposerContext, SpecConfig
+    from test_batch_engine import JOBS, run_batched
     home = Home(model_name, device)
     spec = SpecConfig(method, k=k, options={"draft_vocab": DRAFT_VOCAB})
 
@@ -204,10 +202,9 @@ def exact_case(method: str, model_name: str, k: int, batched: bool, device: str,
 
 def exactness(report: Report, scale: Scale, device: str, deadline: float) -> None:
     """Greedy speculative == plain for every registered proposer, model and k, alone and batched."""
+    from quickdraft.proposers import PROPOSERS
     from test_batch_engine import JOBS
     from test_spec_exactness import tiny
-
-    from quickdraft.proposers import PROPOSERS
     plain: dict[Any, Any] = {"alone": scale.alone}
     for name in scale.models:
         model = tiny(name, init=0.1, device=device)
@@ -243,11 +240,10 @@ def parity(report: Report, scale: Scale, device: str) -> None:
 def sampling(report: Report, scale: Scale, device: str, deadline: float) -> None:
     """The first sampled tokens follow plain sampling's law (chi-square at ALPHA, the law computed
     on CPU from the same weights); the same counts against another temperature must be rejected."""
+    from quickdraft.sampling import SamplingParams
     from test_batch_engine import sampled_in_batches
     from test_spec_exactness import N_TOKENS, PROMPT16, plain_law, sampled_counts, tiny16
     from test_verify import chi_square_p_value
-
-    from quickdraft.sampling import SamplingParams
     law, other = (plain_law(tiny16(), PROMPT16, SamplingParams(temperature=t, top_p=p), N_TOKENS)
                   for t, p in ((1.0, 1.0), (0.75, 1.0)))
     law_topp = plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0, top_p=0.9), N_TOKENS)
@@ -279,15 +275,14 @@ def api(report: Report, device: str, tmp: Path) -> None:
     """quickdraft.load onto the device from an HF directory and a GGUF file, generation through
     LLM.generate with speculation, and a draft head loaded for a bfloat16 target."""
     import quickdraft
-    from test_head import random_head
-    from tiny_tokenizer import tiny_llm_dir, tiny_model, write_llama_gguf
-
     from quickdraft import SamplingParams, SpecConfig
     from quickdraft.engine import generate_tokens
     from quickdraft.model.build import build_transformer
     from quickdraft.model.rope import inverse_frequencies
     from quickdraft.proposers.head import load_head, save_head
     from quickdraft.weights.gguf_file import read_gguf
+    from test_head import random_head
+    from tiny_tokenizer import tiny_llm_dir, tiny_model, write_llama_gguf
     path = tiny_llm_dir(tmp / "model")
     llm = quickdraft.load(path, device=device)
     params, prompt = SamplingParams(max_new_tokens=24, ignore_eos=True), "hello hello 中文 hello"

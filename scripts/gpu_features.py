@@ -17,13 +17,12 @@ def cached_prefixes(device: str, batch: int, chunk: int | None) -> dict[str, Any
     """test_prefix_cache's sessions (a shared system prompt, rows joining and leaving, prompt lookup
     and draft models) through one engine with a prefix cache, `chunk`-token prefill passes and
     `batch` rows: every request emits what it emits alone, uncached."""
-    from test_batch_engine import Job, drive, greedy, ngram
-    from test_prefix_cache import CONVERSATION, MODEL, prefix_for
-    from test_spec_exactness import tiny
-
     from quickdraft.engine.batch import Engine, EngineConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
     from quickdraft.proposers.drafter import Drafter
+    from test_batch_engine import Job, drive, greedy, ngram
+    from test_prefix_cache import CONVERSATION, MODEL, prefix_for
+    from test_spec_exactness import tiny
     model = tiny(MODEL, init=0.1, device=device)
     drafters = {"draft_same": Drafter(model), "draft_random": Drafter(tiny(MODEL, seed=1, device=device))}
 
@@ -48,9 +47,8 @@ def run(report: Any, device: str, tmp: Path, case: Case) -> None:
     speculative output against plain decoding of the same model. `case(report, section, fields,
     check)` records each (gpu_check.case)."""
     import quickdraft
-    from tiny_tokenizer import tiny_llm_dir
-
     from quickdraft import SamplingParams, SpecConfig
+    from tiny_tokenizer import tiny_llm_dir
     for batch, chunk in ((1, None), (3, None), (3, 5)):
         case(report, "features", {"case": "prefix cache", "batch": batch, "chunk": chunk},
              lambda: cached_prefixes(device, batch, chunk))  # noqa: B023 - called at once

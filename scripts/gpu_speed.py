@@ -29,8 +29,8 @@ import torch
 from quickdraft.bench.hf_reference import hf_greedy
 from quickdraft.engine import batch, generate_tokens
 from quickdraft.engine.cost import measure_forward_cost
-from quickdraft.model.config import ModelConfig
 from quickdraft.model.build import build_transformer
+from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# the lint first: a few seconds, and an unsorted import or an unbound loop variable fails the run
+.venv/bin/ruff check quickdraft tests scripts
 exec .venv/bin/python -m pytest -m "slow or not slow" "$@"

@@ -20,8 +20,8 @@ import torch
 import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.cli import main
-from quickdraft.sampling import probabilities, sample
 from quickdraft.proposers import SpecConfig
+from quickdraft.sampling import probabilities, sample
 from tiny_models import transformers_greedy
 from tiny_tokenizer import build_tokenizer, render_chatml, tiny_llm_dir, tiny_model
 

@@ -20,15 +20,27 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.model.llama import Transformer
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.head import MAX_REST, Rest
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
-from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
-                                 assert_plain_sampling_law, kv_mismatch, tiny, tiny16, tiny16_draft)
+from quickdraft.sampling import SamplingParams
+from test_spec_exactness import (
+    KV_TOL,
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    V16,
+    assert_plain_sampling_law,
+    kv_mismatch,
+    tiny,
+    tiny16,
+    tiny16_draft,
+)
 
 MODEL = "llama-gqa-untied"
 

@@ -16,12 +16,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 import quickdraft
+import quickdraft.engine.batch as engine_batch
+import quickdraft.engine.rows as engine_rows
 import quickdraft.proposers.draft_chain as draft_chain
 import quickdraft.proposers.draft_cost as draft_cost
 import quickdraft.proposers.draft_rows as draft_rows
 from quickdraft.engine import generate_tokens
-import quickdraft.engine.batch as engine_batch
-import quickdraft.engine.rows as engine_rows
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
@@ -29,8 +29,20 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
-from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW,
-                                 assert_plain_sampling_law, draft_state, kv_mismatch, plain_law, tiny16, tiny16_draft)
+from test_spec_exactness import (
+    KV_TOL,
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    assert_plain_sampling_law,
+    draft_state,
+    kv_mismatch,
+    plain_law,
+    tiny16,
+    tiny16_draft,
+)
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import tiny_llm_dir
@@ -244,7 +256,7 @@ def test_full_collections_run_once_per_doubling_of_the_pool(monkeypatch: pytest.
     monkeypatch.setattr(draft_rows.gc, "collect", lambda: collections.append(1) or gc_collect())
     drafter = Drafter(noisy_draft())
     alive = []
-    for i in range(32):
+    for _ in range(32):
         alive.append(DraftModelProposer(drafter, [1, 2, 3], greedy(4), 12))
         alive[-1].propose(2)
     assert len(drafter.rows.taken) == 32 and len(collections) == 5  # joining a full pool of 1, 2, 4, 8 and 16 rows

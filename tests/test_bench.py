@@ -19,8 +19,16 @@ import pytest
 import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.bench import questions as qmod
-from quickdraft.bench.questions import (OWN_QUESTIONS, SPEC_BENCH_GROUPS, Question, bench_questions, load_questions,
-                                        parse_groups, resolve_questions_path, select_questions)
+from quickdraft.bench.questions import (
+    OWN_QUESTIONS,
+    SPEC_BENCH_GROUPS,
+    Question,
+    bench_questions,
+    load_questions,
+    parse_groups,
+    resolve_questions_path,
+    select_questions,
+)
 from quickdraft.bench.report import summarize
 from quickdraft.bench.specbench import parse_methods, run_questions
 from quickdraft.cli import main

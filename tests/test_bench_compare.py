@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from quickdraft.bench import vs_llamacpp
-from quickdraft.bench.compare import (CompareConfig, comparison_json, load_engines, markdown_tables,
-                                      run_comparison)
+from quickdraft.bench.compare import CompareConfig, comparison_json, load_engines, markdown_tables, run_comparison
 from quickdraft.bench.qd_engine import QuickdraftEngine
 from quickdraft.cli import main
 from quickdraft.weights import load_model

@@ -19,8 +19,14 @@ import torch
 
 from quickdraft.bench import llamacpp_engine
 from quickdraft.bench import questions as qmod
-from quickdraft.bench.questions import (HUMANEVAL, bench_questions, humaneval_file, load_humaneval, parse_groups,
-                                        select_questions)
+from quickdraft.bench.questions import (
+    HUMANEVAL,
+    bench_questions,
+    humaneval_file,
+    load_humaneval,
+    parse_groups,
+    select_questions,
+)
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
 from quickdraft.tokenizer import Tokenizer

@@ -17,12 +17,23 @@ import pytest
 
 from quickdraft.bench import llama_server, multiturn
 from quickdraft.bench.amx_guard import has_amx
-from quickdraft.bench.multiturn import (SessionPlan, history, plan_sessions, run_sessions, shared_system_prompt,
-                                        truncate)
-from quickdraft.bench.multiturn_report import (build_results, first_turns, markdown_report, per_turn, summarize,
-                                               write_outputs)
-from quickdraft.bench.multiturn_targets import (ServerSettings, Target, llama_server_command, measure_rounds,
-                                                parse_targets, quickdraft_command)
+from quickdraft.bench.multiturn import SessionPlan, history, plan_sessions, run_sessions, shared_system_prompt, truncate
+from quickdraft.bench.multiturn_report import (
+    build_results,
+    first_turns,
+    markdown_report,
+    per_turn,
+    summarize,
+    write_outputs,
+)
+from quickdraft.bench.multiturn_targets import (
+    ServerSettings,
+    Target,
+    llama_server_command,
+    measure_rounds,
+    parse_targets,
+    quickdraft_command,
+)
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.data import user_turns, without_benchmark
 

@@ -155,8 +155,15 @@ def test_openai_agents_tool_then_output_type_on_both_models(server: Server) -> N
     OpenAIChatCompletionsModel: tool_choice "required" forces the first turn's call (the agent runs
     the tool, then resets tool_choice), the second turn answers Report's JSON under its schema."""
     pytest.importorskip("agents")
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner,
-                        function_tool, set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     set_tracing_disabled(True)
     cities: list[str] = []
 

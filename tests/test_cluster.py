@@ -36,7 +36,6 @@ from test_prefix_cache import MODEL, prefix_for, random_cache, tokens
 from test_spec_exactness import tiny
 from tiny_tokenizer import save_tokenizer
 
-
 # -- digests: the router's names for what a prefix cache holds -----------------------------------------
 
 def test_a_prompts_digests_are_those_of_the_blocks_the_prefix_cache_holds() -> None:

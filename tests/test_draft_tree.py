@@ -16,16 +16,28 @@ import pytest
 
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.policy import StepCost
-from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, SpecConfigError
-from quickdraft.proposers.draft_model import DraftModelProposer
-from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers import draft_tree
+from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, SpecConfigError
+from quickdraft.proposers.draft_cost import ForwardTimes
+from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_batched_draft import Counted, noisy_draft
-from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW,
-                                 assert_plain_sampling_law, draft_state, kv_mismatch, plain_law, tiny16, tiny16_draft)
+from test_spec_exactness import (
+    KV_TOL,
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    assert_plain_sampling_law,
+    draft_state,
+    kv_mismatch,
+    plain_law,
+    tiny16,
+    tiny16_draft,
+)
 from test_verify import ALPHA, chi_square_p_value
 
 
@@ -208,7 +220,7 @@ def test_tree_levels_run_only_where_they_pay(monkeypatch: pytest.MonkeyPatch) ->
         log = {"trees": 0, "kept": 0}
         job = Job([1, 17, 42, 8, 77, 23], greedy(30), members(Drafter(model), (3,), [], log), 6)
         drafts: list[Draft] = []
-        monkeypatch.setattr(Drafter, "propose", lambda self, ms, ks: drafts.extend(made := propose(self, ms, ks)) or made)
+        monkeypatch.setattr(Drafter, "propose", lambda self, ms, ks, drafts=drafts: drafts.extend(made := propose(self, ms, ks)) or made)
         out, _, _ = run_batched(model, [job], EngineConfig(max_batch=1, policy=policy), check_kv=False)
         assert out["0"] == Job(job.prompt, job.params, None, 0).alone(model)
         depths[policy] = [max(d.depths(), default=0) for d in drafts[2:]]  # after the first measurement

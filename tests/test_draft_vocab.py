@@ -26,9 +26,9 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import load_hf_tokenizer
 from test_batch_engine import Job, greedy, run_batched, target
+from test_batched_draft import first_tokens, noisy_draft
 from test_draft_tree import members
 from test_spec_exactness import N_TOKENS, PROMPT16, assert_plain_sampling_law, plain_law, tiny16, tiny16_draft
-from test_batched_draft import first_tokens, noisy_draft
 from test_verify import ALPHA, chi_square_p_value
 from tiny_tokenizer import save_tokenizer
 

@@ -11,15 +11,14 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Callable, Iterator, TypeVar
 
 import httpx
-import torch
-
 import pytest
+import torch
 
 import quickdraft
 from quickdraft import SamplingParams

@@ -19,8 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import quickdraft
-from quickdraft import (ContextTooLong, InvalidSamplingParams, ModelLoadError, QuickdraftError,
-                        SamplingParams, UnsupportedArchitecture)
+from quickdraft import (
+    ContextTooLong,
+    InvalidSamplingParams,
+    ModelLoadError,
+    QuickdraftError,
+    SamplingParams,
+    UnsupportedArchitecture,
+)
 from quickdraft.api import parse_device, parse_dtype
 from quickdraft.cli import main
 from quickdraft.weights import resolve

@@ -13,7 +13,6 @@ from quickdraft.model.config import ModelConfig
 from quickdraft.model.families import FAMILIES
 from tiny_models import BASE, hf_model
 
-
 # -- what each row reads, and what is refused ----------------------------------------------------
 
 @pytest.mark.parametrize("name, fields", [
@@ -52,6 +51,7 @@ def test_every_field_of_the_families_config_class_is_used_or_refused(model_type)
     the config we resolve, is refused by name, or is listed as changing no logits: a new field in a
     newer transformers fails here until it is accounted for."""
     import dataclasses
+
     from transformers import AutoConfig
     windowed = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1) if "qwen" in model_type else {}
     base = AutoConfig.for_model(model_type, **{**BASE, "head_dim": 16, **windowed}).to_dict()
@@ -128,6 +128,7 @@ def test_rope_frequencies_and_attention_factor_equal_transformers(rope, head_dim
     over real head widths and contexts (the tiny models' parity covers a 16-wide head only)."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from quickdraft.model.rope import RotaryTable, inverse_frequencies
     hf = AutoConfig.for_model("llama", hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
                               max_position_embeddings=32768, rope_parameters=dict(rope))
@@ -144,6 +145,7 @@ def test_longrope_runs_within_the_original_context_with_transformers_frequencies
     K/V already cached cannot follow, so the model's context is the original one."""
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from quickdraft.model.rope import RotaryTable, inverse_frequencies
     n = head_dim // 2
     hf = AutoConfig.for_model("phi3", hidden_size=head_dim * 4, num_attention_heads=4, pad_token_id=None,

@@ -101,6 +101,7 @@ def test_the_rebuilt_tokenizer_is_cached_and_read_back_identical(llm: quickdraft
     """The 262k vocabulary's rebuild (8.5 s a load) is kept in the user's cache: a second load reads
     it back without the converter, and tokenizes and decodes as the rebuilt one, specials included."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
+
     from quickdraft.tokenizer import gguf_tokenizer
     from quickdraft.weights.gguf_file import open_reader, read_metadata
 

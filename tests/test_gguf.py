@@ -3,7 +3,6 @@ writes them (its metadata keys, its tensor names, its q/k row permutation for "l
 to the model the safetensors directory gives, and quantized files to their exact dequantization."""
 from __future__ import annotations
 
-
 import gguf
 import numpy as np
 import pytest
@@ -11,12 +10,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from gguf_writer import gguf_name, llama_cpp_permute, write_gguf
 from quickdraft.kernels import KERNEL_TYPES, QuantizedWeight
 from quickdraft.model.build import build_transformer
 from quickdraft.weights import hf_dir
 from quickdraft.weights.gguf_file import read_gguf
 from quickdraft.weights.gguf_reader import GGUFFile
-from gguf_writer import gguf_name, llama_cpp_permute, write_gguf
 from tiny_models import BASE, hf_model, save_hf_dir
 
 VOCAB = BASE["vocab_size"]
@@ -125,6 +124,7 @@ def test_quantized_gguf_loads_its_exact_dequantization(name, qtype, tmp_path, to
 def test_k_quant_tensors_dequantize_to_ggufs_values(qtype, tmp_path):
     """gguf cannot quantize to K-quants, so the file holds random blocks with finite scales."""
     from gguf.constants import GGML_QUANT_SIZES
+
     from quickdraft.weights.gguf_file import dequantize_tensor, open_reader
 
     block, nbytes = GGML_QUANT_SIZES[qtype]

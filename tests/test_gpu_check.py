@@ -48,6 +48,7 @@ def test_the_exactness_check_fails_an_engine_that_accepts_wrong_drafts(monkeypat
     monkeypatch.syspath_prepend(str(SCRIPTS))
     import gpu_check
     import gpu_speed
+
     from test_batch_engine import JOBS
     from test_spec_exactness import tiny
     name = "llama-gqa-untied"

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import jsonschema
 import pytest
 import torch
-from tokenizers import Tokenizer as RawTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request

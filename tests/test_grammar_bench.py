@@ -102,7 +102,7 @@ def test_a_turn_writes_the_schemas_json(model_dir: Path) -> None:
     llm = quickdraft.load(model_dir, prefix_cache_mb=0)
     for q in load_questions(OWN_FILES[GROUP])[:3]:
         for method in ("none", "ngram"):
-            run = lambda prompt, params, schema: _quickdraft_turn(llm, SpecConfig(method=method), prompt, params,
+            run = lambda prompt, params, schema, method=method: _quickdraft_turn(llm, SpecConfig(method=method), prompt, params,
                                                                   schema)
             (record,) = run_conversation(llm, q.turns, SamplingParams(max_new_tokens=16), run, schema=q.schema)
             assert record["text"].startswith('{"' + next(iter(q.schema["properties"])) + '": '), record["text"]

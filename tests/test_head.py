@@ -20,13 +20,23 @@ from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.model.rope import inverse_frequencies
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import EACH, Committed, Draft, SpecConfig, SpecConfigError
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load_head, on_target, save_head
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
-from test_spec_exactness import (KV_TOL, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16,
-                                 assert_plain_sampling_law, tiny, tiny16)
+from quickdraft.sampling import SamplingParams
+from test_spec_exactness import (
+    KV_TOL,
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    V16,
+    assert_plain_sampling_law,
+    tiny,
+    tiny16,
+)
 from tiny_tokenizer import tiny_llm_dir
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]

@@ -15,6 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+
+from quickdraft.engine import generate_tokens
+from quickdraft.goodput import Acceptance
+from quickdraft.model.llama import Transformer
+from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
+from quickdraft.proposers.base import EACH, ProposerContext
+from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.drafter import Drafter
+from quickdraft.proposers.hybrid import (
+    AUTO_MEASURED,
+    HybridProposer,
+    Measured,
+    make_auto,
+)
+from quickdraft.proposers.ngram import NgramProposer
+from quickdraft.proposers.registry import PROPOSERS
+from quickdraft.sampling import SamplingParams
+from quickdraft.sequences import common_prefix
+from quickdraft.tokenizer import Tokenizer, load_hf_tokenizer
 from test_spec_exactness import (
     K_QUANT_SHAPE,
     N_SAMPLES,
@@ -34,25 +53,6 @@ from test_spec_exactness import (
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import save_tokenizer
-
-from quickdraft.goodput import Acceptance
-from quickdraft.engine import generate_tokens
-from quickdraft.model.llama import Transformer
-from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
-from quickdraft.proposers.base import EACH, ProposerContext
-from quickdraft.proposers.draft_model import DraftModelProposer
-from quickdraft.proposers.drafter import Drafter
-from quickdraft.proposers.hybrid import (
-    AUTO_MEASURED,
-    HybridProposer,
-    Measured,
-    make_auto,
-)
-from quickdraft.sequences import common_prefix
-from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.proposers.registry import PROPOSERS
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Tokenizer, load_hf_tokenizer
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeats: the lookup finds matches
 MAX_NEW = 40

@@ -17,15 +17,14 @@ import httpx
 import jsonschema
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
+from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from quickdraft.server.choices import Choice
-from pydantic import ValidationError
-
 from quickdraft.server.errors import BadRequest, validation_error
 from quickdraft.server.messages_answer import AnthropicErrors, Events, matched_stop, message
-from quickdraft.server.schemas import MAX_MESSAGES
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
+from quickdraft.server.schemas import MAX_MESSAGES
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from test_server_hostile import unbounded
 
@@ -322,14 +321,13 @@ def test_a_tool_loop_calls_then_reads_the_result(server: Server) -> None:
 
 
 def test_count_tokens_is_the_prompt_create_runs(server: Server) -> None:
-    for tools in ((), TOOLS):
-        extra = {"tools": list(tools)} if tools else {}
+    counts = []
+    for extra in ({}, {"tools": list(TOOLS)}):
         counted = server.anthropic.messages.count_tokens(model=NAME, system="Be brief.", messages=USER, **extra)
         m = server.anthropic.messages.create(model=NAME, max_tokens=1, system="Be brief.", messages=USER, **extra)
         assert counted.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
-        if tools:  # the generic syntax lists the tools in the system turn
-            assert counted.input_tokens > without
-        without = counted.input_tokens
+        counts.append(counted.input_tokens)
+    assert counts[1] > counts[0]  # the generic syntax lists the tools in the system turn
 
 
 def test_errors_are_anthropic_s_envelope_with_the_routes_statuses(server: Server) -> None:

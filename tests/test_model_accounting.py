@@ -18,14 +18,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import quickdraft
+from gguf_writer import write_gguf
 from quickdraft import SamplingParams, UnsupportedArchitecture
 from quickdraft.cli import main
 from quickdraft.errors import ModelLoadError
-from quickdraft.model.config import ModelConfig
 from quickdraft.model.build import build_transformer
+from quickdraft.model.config import ModelConfig
 from quickdraft.proposers import SpecConfig
 from quickdraft.weights.gguf_file import config_from_metadata, open_reader, read_gguf, read_metadata
-from gguf_writer import write_gguf
 from tiny_models import BASE, hf_model, transformers_greedy
 from tiny_tokenizer import tiny_llm_dir, tiny_model, write_llama_gguf
 

@@ -22,12 +22,20 @@ from gguf import GGMLQuantizationType
 import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.build import build_transformer
 from quickdraft.model.llama import RMSNorm
 from quickdraft.proposers import SpecConfig
-from quickdraft.kernels import QuantizedWeight
-from tiny_models import (BASE, CONFIGS, NEW_FAMILIES, hf_model, ours_from_hf, quantized_tensors, save_hf_dir,
-                         transformers_greedy)
+from tiny_models import (
+    BASE,
+    CONFIGS,
+    NEW_FAMILIES,
+    hf_model,
+    ours_from_hf,
+    quantized_tensors,
+    save_hf_dir,
+    transformers_greedy,
+)
 from tiny_tokenizer import assert_plain_and_speculative, both_formats, save_tokenizer, tiny_model, write_llama_gguf
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
@@ -90,7 +98,7 @@ def run_engine(llm, prompts: list[str], spec: SpecConfig) -> dict[str, list[int]
     """Every prompt a request of one engine of up to 3 rows, drafting with `spec`."""
     engine = Engine(llm.model, EngineConfig(max_batch=3, policy="fixed"))
     out: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
+    for p in prompts:
         ids = llm.tokenizer.encode(p)
         engine.add(Request(ids, GREEDY, frozenset(), llm.proposer(ids, GREEDY, spec), spec.k, adaptive=False, id=p))
         out[p] = []

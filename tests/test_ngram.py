@@ -89,7 +89,7 @@ def test_commit_extends_the_index() -> None:
 @pytest.mark.parametrize("max_n, min_n", [(4, 1), (3, 2), (1, 1), (6, 3)])
 def test_matches_brute_force_on_random_sequences(max_n: int, min_n: int) -> None:
     rng = random.Random(max_n * 10 + min_n)
-    for trial in range(60):
+    for _ in range(60):
         vocab = rng.choice([2, 3, 5, 8])
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
         prop = NgramProposer(prompt, max_n, min_n)

@@ -16,15 +16,15 @@ import json
 import math
 import re
 from collections import Counter
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig
-from quickdraft.server import BackgroundServer, ServerConfig
 from quickdraft.proposers import SpecConfig
+from quickdraft.server import BackgroundServer, ServerConfig
 
 pytestmark = pytest.mark.slow  # ~40 s: the default model, a browser, three answers
 

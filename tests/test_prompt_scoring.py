@@ -23,8 +23,8 @@ from quickdraft import kernels
 from quickdraft.logprobs import TokenLogprob
 from quickdraft.proposers import SpecConfig
 from quickdraft.sampling import SamplingParams
-from test_server import MAX_SEQ, NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from test_sampling_options_server import token_bytes
+from test_server import MAX_SEQ, NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from tiny_tokenizer import tiny_model, write_llama_gguf
 
 EXACT = kernels.active_library() is not None  # else torch's kernels: each pass's sums by its own shape

@@ -113,9 +113,9 @@ def test_chunks_that_ride_along_change_no_output(ragged, monkeypatch):
     trees): every request's tokens equal its own run alone, every row's K/V those of a fresh
     forward; in ragged passes the chunks shared the decode rows' pass (counted), otherwise they ran
     in passes of their own (the padded path, as on CUDA)."""
-    from test_batch_engine import Job, draft_same, greedy, ngram, run_batched, target
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.model.llama import Transformer
+    from test_batch_engine import Job, draft_same, greedy, ngram, run_batched, target
 
     model = target()
     monkeypatch.setattr(Transformer, "ragged", property(lambda self: ragged))

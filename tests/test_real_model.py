@@ -14,9 +14,9 @@ import torch
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.proposers import SpecConfig
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.cli import main
+from quickdraft.proposers import SpecConfig
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,22 @@ from typing import Any
 
 import pytest
 import torch
+
+import quickdraft
+from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.goodput import Acceptance
+from quickdraft.model.llama import Transformer
+from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
+from quickdraft.proposers.ngram import NgramProposer
+from quickdraft.proposers.recycle import (
+    EMPTY,
+    SHARED_WEIGHT,
+    Recycled,
+    RecycleProposer,
+    make_lookup_recycle,
+    make_recycle,
+)
+from quickdraft.sampling import SamplingParams
 from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from test_spec_exactness import (
     N_SAMPLES,
@@ -20,15 +36,6 @@ from test_spec_exactness import (
     assert_plain_sampling_law,
     tiny16,
 )
-
-import quickdraft
-from quickdraft.engine.batch import EngineConfig, Request
-from quickdraft.goodput import Acceptance
-from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
-from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.proposers.recycle import EMPTY, SHARED_WEIGHT, RecycleProposer, Recycled, make_lookup_recycle, make_recycle
-from quickdraft.sampling import SamplingParams
 
 VOCAB = 96  # the tiny target's
 

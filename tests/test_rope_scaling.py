@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import quickdraft
+from gguf_writer import write_gguf
 from quickdraft import ContextTooLong, SamplingParams, UnsupportedArchitecture
 from quickdraft.model.rope import RotaryTable
-from gguf_writer import write_gguf
 from tiny_models import transformers_greedy
 from tiny_tokenizer import assert_plain_and_speculative, both_formats, tiny_model
 

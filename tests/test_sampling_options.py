@@ -26,8 +26,7 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.sampling import SamplingParams, penalize, probabilities
 from quickdraft.verify import node_paths
 from test_batch_engine import Job, draft_random, draft_same, drafter, first_tokens_in_batches, ngram, target
-from test_spec_exactness import (N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, plain_law, tiny16,
-                                 tiny16_draft)
+from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, plain_law, tiny16, tiny16_draft
 from test_verify import ALPHA, chi_square_p_value
 
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4}
@@ -183,7 +182,8 @@ def test_sampling_with_penalties_through_a_draft_follows_the_penalized_law(width
 @pytest.mark.parametrize("method", ["ngram", "ngram-tree", "draft-same", "draft-random", "draft-tree"])
 def test_under_a_json_schema_tokens_and_logprobs_equal_constrained_plain_decodings(method: str) -> None:
     """Issue 36's acceptance: under a grammar's masks (and penalties), every proposer, batch 1 and N."""
-    from test_grammar import EOS_ID, PROPOSERS as GRAMMAR_PROPOSERS, SCHEMAS, prompt_for, schema_constraint
+    from test_grammar import EOS_ID, SCHEMAS, prompt_for, schema_constraint
+    from test_grammar import PROPOSERS as GRAMMAR_PROPOSERS
     from test_grammar import target as grammar_target
     params = SamplingParams(max_new_tokens=60, logprobs=4, presence_penalty=0.3, frequency_penalty=0.2)
 

@@ -25,8 +25,17 @@ from quickdraft.server.openapi import ids_up_to
 from quickdraft.verify import verify
 from test_batch_engine import Job, draft_same, first_tokens_in_batches, ngram, run_batched, target
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
-from test_spec_exactness import (N_SAMPLES, PROMPT16, SAMPLE_K, SAMPLE_NEW, V16, assert_plain_sampling_law, plain_law,
-                                 tiny16, tiny16_draft)
+from test_spec_exactness import (
+    N_SAMPLES,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    V16,
+    assert_plain_sampling_law,
+    plain_law,
+    tiny16,
+    tiny16_draft,
+)
 from test_verify import ALPHA, chi_square_p_value
 
 BIAS16 = {3: 2.0, 7: -3.0, 11: 1.5, 0: 0.7}

@@ -26,10 +26,10 @@ import pytest
 import quickdraft
 from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
-from quickdraft.sampling import SamplingParams
-from quickdraft.server import BackgroundServer, ServerConfig
 from quickdraft.proposers import EACH, Committed, Draft, SpecConfig
 from quickdraft.proposers.registry import PROPOSERS, Registration
+from quickdraft.sampling import SamplingParams
+from quickdraft.server import BackgroundServer, ServerConfig
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"

@@ -23,13 +23,23 @@ import openai
 import pytest
 
 import quickdraft
+from quickdraft.proposers import SpecConfig
 from quickdraft.sampling import SamplingParams
 from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.guards import answered_hosts
-from quickdraft.proposers import SpecConfig
 from quickdraft.tools import GENERIC, conversation
-from test_server import (MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, serve_process,  # noqa: F401 (fixtures)
-                         stream_text, wait_for)
+from test_server import (  # noqa: F401 (fixtures)
+    MAX_SEQ,
+    NAME,
+    PROMPTS,
+    Server,
+    alone,
+    dirs,
+    llm,
+    serve_process,
+    stream_text,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out
-from quickdraft.server.choices import Choice
 from quickdraft.server.app import GENERATION_PATHS
+from quickdraft.server.choices import Choice
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import install_error_handlers
 from quickdraft.server.guards import Admission

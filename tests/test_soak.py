@@ -47,7 +47,7 @@ def _run_of(rest_mb: Callable[[float], float], cache_mb: Callable[[float], float
         metrics = (f"# TYPE quickdraft_prefix_cache_bytes gauge\nquickdraft_prefix_cache_bytes {cache_mb(t) * 2**20!r}\n"
                    f"quickdraft_prefix_cache_budget_bytes {budget_mb * 2**20!r}\n"
                    f"quickdraft_prefix_cache_evicted_blocks_total 12.0\n")
-        report.memory.append(memory_sample(t, lambda: int((rest_mb(t) + cache_mb(t)) * 2**20), lambda: metrics))
+        report.memory.append(memory_sample(t, lambda t=t: int((rest_mb(t) + cache_mb(t)) * 2**20), lambda metrics=metrics: metrics))
     return report
 
 

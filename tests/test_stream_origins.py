@@ -14,8 +14,8 @@ import pytest
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig
-from quickdraft.server import BackgroundServer, ServerConfig
 from quickdraft.proposers import SpecConfig
+from quickdraft.server import BackgroundServer, ServerConfig
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"

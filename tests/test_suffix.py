@@ -9,6 +9,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
+
+from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.proposers.base import ProposerContext, SpecConfig
+from quickdraft.proposers.suffix import Corpus, SuffixProposer, make_suffix
+from quickdraft.sampling import SamplingParams
 from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from test_recycle import (
     Home,
@@ -22,11 +27,6 @@ from test_spec_exactness import (
     assert_plain_sampling_law,
     tiny16,
 )
-
-from quickdraft.engine.batch import EngineConfig, Request
-from quickdraft.proposers.base import ProposerContext, SpecConfig
-from quickdraft.proposers.suffix import Corpus, SuffixProposer, make_suffix
-from quickdraft.sampling import SamplingParams
 
 
 def suffixing(corpus: Corpus, branches: int = 4):

@@ -11,7 +11,8 @@ import json
 import random
 
 import pytest
-from tokenizers import AddedToken, Tokenizer as RawTokenizer, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as RawTokenizer
 from transformers import PreTrainedTokenizerFast
 
 from quickdraft.tokenizer import Tokenizer

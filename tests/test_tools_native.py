@@ -25,8 +25,8 @@ from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import StreamDetokenizer, Tokenizer
 from quickdraft.tool_reply import Call, read
 from quickdraft.tools import HERMES, LLAMA3, MISTRAL, Tools, conversation, grammar, syntax_of
-from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
 from test_server import NAME, Server
+from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
 from tiny_models import save_hf_dir
 from tiny_tokenizer import VOCAB_SIZE, build_tokenizer, tiny_model
 

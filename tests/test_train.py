@@ -12,10 +12,10 @@ import torch
 
 from quickdraft.cli import main
 from quickdraft.engine import generate_tokens
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.head import DraftHead, head_config, load_head
-from quickdraft.train.data import iter_sharegpt, without_benchmark
+from quickdraft.sampling import SamplingParams
 from quickdraft.train import trainer
+from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train.responses import Example, generate_examples
 from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, train_head
 from test_spec_exactness import tiny

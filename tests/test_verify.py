@@ -14,8 +14,8 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.base import Draft
+from quickdraft.sampling import SamplingParams
 from quickdraft.verify import verify
 
 GREEDY = SamplingParams()

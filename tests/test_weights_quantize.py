@@ -9,16 +9,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from quickdraft.cli import main
-from quickdraft.errors import ModelLoadError
-from quickdraft.kernels import QuantizedWeight
-from quickdraft.model.config import ModelConfig
-from quickdraft.model.build import build_transformer
-from quickdraft.weights import load_model
 import quickdraft
 import tiny_tokenizer
 from gguf_writer import write_gguf
-from quickdraft.weights import activations, resolve_model
+from quickdraft.cli import main
+from quickdraft.errors import ModelLoadError
+from quickdraft.kernels import QuantizedWeight
+from quickdraft.model.build import build_transformer
+from quickdraft.model.config import ModelConfig
+from quickdraft.weights import activations, load_model, resolve_model
 from quickdraft.weights.activations import activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from tiny_models import hf_model, save_hf_dir

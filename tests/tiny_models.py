@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.kernels.quantized import Part
-from quickdraft.model.config import ModelConfig
 from quickdraft.model.build import build_transformer
+from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
 from quickdraft.weights.activations import with_activation_bits
 

@@ -120,7 +120,7 @@ def _q_sweep(engine: BenchEngine, cfg: CompareConfig, reverse: bool, clock: Cloc
     n = len(cfg.context_ids)
     times = {}
     for q in sorted(cfg.q_values, reverse=reverse):
-        times[q] = _timed(clock, lambda: engine.feed(cfg.fed_ids[:q]))
+        times[q] = _timed(clock, lambda q=q: engine.feed(cfg.fed_ids[:q]))
         engine.truncate(n)
     return times
 
@@ -161,7 +161,7 @@ def _round(engines: Sequence[BenchEngine], samples: Sequence[_Samples], cfg: Com
                 samples[i].outputs.append(tuple(tokens))
     for ids in cfg.prefill_ids:
         for i in order:
-            samples[i].prefill.setdefault(len(ids), []).append(_timed(clock, lambda: engines[i].prefill(ids)))
+            samples[i].prefill.setdefault(len(ids), []).append(_timed(clock, lambda i=i, ids=ids: engines[i].prefill(ids)))
     for i in order:
         for q, s in _q_sweep(engines[i], cfg, r % 2 == 1, clock).items():
             samples[i].t_q.setdefault(q, []).append(s)

@@ -196,7 +196,7 @@ def run_on_replicas(counts: Sequence[int], start: Callable[[int], ContextManager
     for n in counts:
         with start(n) as url:
             readings: list[dict[str, ReplicaLoad]] = []
-            results = bench(url, lambda: readings.append(read_loads(url)))
+            results = bench(url, lambda readings=readings: readings.append(read_loads(url)))
             load = load_between(readings[0], read_loads(url))
             health = httpx.get(f"{url}/health", timeout=60).json()
         runs[str(n)] = {**results, "load": {replica: lo.as_dict() for replica, lo in load.items()}, "server": health}

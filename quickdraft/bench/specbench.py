@@ -25,9 +25,9 @@ from tqdm import tqdm
 from quickdraft.api import LLM, load, parse_dtype
 from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_names
+from quickdraft.sampling import SamplingParams
 from quickdraft.tokenizer import Message
 
 PLAIN = "plain"

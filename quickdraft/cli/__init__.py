@@ -9,11 +9,16 @@ import argparse
 import sys
 from typing import Sequence
 
-from quickdraft.cli.bench import (add_bench_forward_cost, add_bench_plain, add_bench_quality, add_bench_serve,
-                                  add_bench_specbench)
-from quickdraft.cli.multiturn import add_bench_multiturn
+from quickdraft.cli.bench import (
+    add_bench_forward_cost,
+    add_bench_plain,
+    add_bench_quality,
+    add_bench_serve,
+    add_bench_specbench,
+)
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
+from quickdraft.cli.multiturn import add_bench_multiturn
 from quickdraft.cli.serve import add_serve
 from quickdraft.cli.soak import add_bench_soak
 from quickdraft.cli.stall import add_bench_stall

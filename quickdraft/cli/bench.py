@@ -133,6 +133,7 @@ def _specbench_command(args: argparse.Namespace) -> str:
 def cmd_bench_specbench(args: argparse.Namespace) -> int:
     import platform
     import time
+
     import torch
 
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
@@ -299,11 +300,12 @@ def add_bench_quality(bsub) -> None:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from itertools import zip_longest
+
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig
-    from quickdraft.server import BackgroundServer, ServerConfig
     from quickdraft.proposers import PROPOSERS, SpecConfig
+    from quickdraft.server import BackgroundServer, ServerConfig
 
     try:
         levels = [int(c) for c in args.concurrency.split(",")]

@@ -8,9 +8,9 @@ from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.prefix_cache import DEFAULT_MB
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD, PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_fields
+from quickdraft.sampling import SamplingParams
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL

@@ -14,9 +14,9 @@ from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 def cmd_bench_soak(args: argparse.Namespace) -> int:
     from quickdraft.bench.soak import Soak, own_rss
     from quickdraft.engine.batch import EngineConfig
+    from quickdraft.proposers import SpecConfig
     from quickdraft.server import BackgroundServer, ServerConfig
     from quickdraft.server.connections import ConnectionLimits
-    from quickdraft.proposers import SpecConfig
 
     if args.duration <= 0 or args.concurrency < 1 or args.max_batch < 1:
         raise QuickdraftError("--duration must be > 0, --concurrency and --max-batch >= 1")

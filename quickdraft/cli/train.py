@@ -17,10 +17,10 @@ EXAMPLES = "examples.pt"  # the generated responses and features, reused by a re
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.bench.questions import OWN_QUESTIONS, default_questions_path, load_questions
+    from quickdraft.proposers.head import load_head, target_probe
     from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
     from quickdraft.train.responses import generate_examples, load_examples, save_examples
     from quickdraft.train.trainer import TrainConfig, acceptance, train_head
-    from quickdraft.proposers.head import load_head, target_probe
 
     try:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,

@@ -27,8 +27,16 @@ from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
 from quickdraft.engine.leaving import Leaving
 from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import RETIME
-from quickdraft.engine.rows import (Events, Request, Row, check_context, cut_at_stop, generated_tokens,
-                                    grammar_masks, step_logprobs)
+from quickdraft.engine.rows import (
+    Events,
+    Request,
+    Row,
+    check_context,
+    cut_at_stop,
+    generated_tokens,
+    grammar_masks,
+    step_logprobs,
+)
 from quickdraft.logprobs import TokenLogprob
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache

@@ -11,13 +11,13 @@ from contextlib import closing
 from typing import Iterator, Sequence
 
 from quickdraft.cache import KVCache
+from quickdraft.draft_contract import Proposer
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.service import EngineService
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
 from quickdraft.sampling import SamplingParams
-from quickdraft.draft_contract import Proposer
 
 
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from quickdraft.kernels.build import active_library

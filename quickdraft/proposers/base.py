@@ -15,14 +15,13 @@ from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
-from quickdraft.draft_contract import (MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup,
-                                       attempt)
+from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup, attempt
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import topk_indices
 from quickdraft.model.llama import Transformer
 from quickdraft.prefix_cache import PrefixCache
-from quickdraft.sampling import SamplingParams
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
+from quickdraft.sampling import SamplingParams
 
 T = TypeVar("T")
 

@@ -106,7 +106,7 @@ class Drafter:
         going = draft_cost.worth([b for b, k in enumerate(ks) if k > 0], members, states, gains, calibration, plan,
                                  per_token, self.times.first, first=True)
         going = [b for b in going if draft_cost.catching_up_pays(
-            members[b], states[b], ks[b], calibration[b], self.times, lambda: self._reusable(members[b], states[b]))]
+            members[b], states[b], ks[b], calibration[b], self.times, lambda b=b: self._reusable(members[b], states[b]))]
         drafts = [NO_DRAFT] * len(members)
         for b, s in enumerate(states):
             s.idle = 0 if b in going else s.idle + 1

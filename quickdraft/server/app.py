@@ -21,8 +21,15 @@ from quickdraft.proposers import SpecConfig, SpecConfigError
 from quickdraft.server import openapi
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import install_error_handlers
-from quickdraft.server.guards import (ANTHROPIC, Admission, ApiKey, CountErrors, DeclaredBodyLimit, HostCheck,
-                                     answered_hosts)
+from quickdraft.server.guards import (
+    ANTHROPIC,
+    Admission,
+    ApiKey,
+    CountErrors,
+    DeclaredBodyLimit,
+    HostCheck,
+    answered_hosts,
+)
 from quickdraft.server.messages_answer import AnthropicErrors
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts

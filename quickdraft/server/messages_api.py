@@ -12,13 +12,36 @@ import json
 import re
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationInfo,
-                      field_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationInfo,
+    field_validator,
+)
 
 from quickdraft.server.errors import BadRequest
-from quickdraft.server.schemas import (IGNORED, STRICT_TOOL, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest,
-                                       ChatMessage, Count, FunctionName, Json, Name, NonNegative, Speculative,
-                                       StopList, Text, only)
+from quickdraft.server.schemas import (
+    IGNORED,
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    STRICT_TOOL,
+    ChatCompletionRequest,
+    ChatMessage,
+    Count,
+    FunctionName,
+    Json,
+    Name,
+    NonNegative,
+    Speculative,
+    StopList,
+    Text,
+    only,
+)
 
 CACHED = "accepted and ignored: the prefix cache keeps every prompt without being asked (usage.cache_read_input_tokens)"
 PREFILL = "prefill_not_supported"  # the code of a conversation that ends with the assistant's turn

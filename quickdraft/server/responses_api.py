@@ -14,9 +14,26 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, ValidationError
 
 from quickdraft.server.errors import BadRequest, validation_error
-from quickdraft.server.schemas import (IGNORED, STRICT_TOOL, MAX_CONTENT_PARTS, MAX_DESCRIPTION_CHARS, MAX_MESSAGES, MAX_METADATA,
-                                       MAX_TOOLS, ChatCompletionRequest, Count, FunctionName, Json, JsonSchemaFormat,
-                                       Name, NonNegative, Seed, Speculative, Text, only)
+from quickdraft.server.schemas import (
+    IGNORED,
+    MAX_CONTENT_PARTS,
+    MAX_DESCRIPTION_CHARS,
+    MAX_MESSAGES,
+    MAX_METADATA,
+    MAX_TOOLS,
+    STRICT_TOOL,
+    ChatCompletionRequest,
+    Count,
+    FunctionName,
+    Json,
+    JsonSchemaFormat,
+    Name,
+    NonNegative,
+    Seed,
+    Speculative,
+    Text,
+    only,
+)
 
 Item = dict[str, Any]  # an input or output item, as validated (model_dump) or as responses_answer.py writes it
 

@@ -11,15 +11,32 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetCoreSchemaHandler,
-                      GetJsonSchemaHandler, StringConstraints, ValidationInfo, create_model, field_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    StringConstraints,
+    ValidationInfo,
+    create_model,
+    field_validator,
+)
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
-from quickdraft.sampling import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS,
-                                 PENALTY_RANGE)
 from quickdraft.proposers import MAX_K
 from quickdraft.proposers.registry import option_fields
+from quickdraft.sampling import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_RANGE,
+)
 from quickdraft.tokenizer import unicode_error
 
 

@@ -19,7 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from quickdraft.api import Chunk, TextAssembler
 from quickdraft.engine.events import TokenEvent
 from quickdraft.sampling import SamplingParams
-from quickdraft.server import responses as out, tool_calls
+from quickdraft.server import responses as out
+from quickdraft.server import tool_calls
 from quickdraft.server.choices import Choice, Echo
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.requests import Made

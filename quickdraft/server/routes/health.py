@@ -2,7 +2,8 @@
 Prometheus' text format."""
 from __future__ import annotations
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import PlainTextResponse
 
 from quickdraft import kernels

@@ -12,10 +12,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from quickdraft.server import messages_answer as answer_of, tool_calls
+from quickdraft.server import messages_answer as answer_of
+from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.guards import ANTHROPIC

@@ -1,7 +1,8 @@
 """/v1/models: the one model this server serves."""
 from __future__ import annotations
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.routes import errors

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
@@ -18,7 +19,6 @@ from quickdraft.proposers import MAX_K
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.requests import methods
 from quickdraft.server.state import served
-
 
 STATIC = Path(__file__).parent.with_name("static")  # server/static, shipped as package data (pyproject.toml)
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Path, Request as HTTPRequest
+from fastapi import FastAPI, Path
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quickdraft.server.config import ServerConfig
