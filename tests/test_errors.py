@@ -304,7 +304,7 @@ def test_cli_missing_model_package(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     ("temperature", 101.0), ("temperature", True), ("temperature", None),
     ("top_k", -1), ("top_k", 1.5), ("top_k", True),
     ("top_p", 0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", math.nan), ("top_p", "0.9"),
-    ("max_new_tokens", 0), ("max_new_tokens", -3), ("max_new_tokens", 2.0),
+    ("max_new_tokens", -3), ("max_new_tokens", 2.0),
     ("seed", -1), ("seed", 2**63), ("seed", "42"), ("seed", 1.0),
     ("stop", ("",)), ("stop", ""), ("stop", ("ok", "")), ("stop", ("s",) * 17), ("stop", (1,)),
     ("stop", 5),

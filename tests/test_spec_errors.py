@@ -191,7 +191,8 @@ def test_cli_compare_json(spec_args: tuple[str, ...], llm: quickdraft.LLM, dirs:
     assert 0 <= spec["stats"]["accepted_tokens"] <= spec["stats"]["drafted_tokens"]
     assert spec["stats"]["target_passes"] + spec["stats"]["accepted_tokens"] >= spec["stats"]["new_tokens"]
     assert spec["stats"]["new_tokens"] == plain["stats"]["new_tokens"] == 12
-    assert obj["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"])
+    medians = obj["median_tokens_per_s"]  # of the interleaved rounds; the last round's runs are plain and speculative
+    assert obj["speedup"] == pytest.approx(medians["speculative"] / medians["plain"]) and obj["rounds"] == 3
 
 
 def test_cli_spec_json_has_stats(dirs: dict[str, Path], capsys: pytest.CaptureFixture) -> None:

@@ -69,6 +69,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags as SamplingParams; a command that generates asks for at least one token
+    (max_new_tokens 0, a prompt only scored, is the API's and the server's: LLM.score, echo)."""
+    if args.max_new_tokens < 1:
+        raise QuickdraftError(f"max_new_tokens must be at least 1 (-n), found {args.max_new_tokens}")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, stop=tuple(args.stop),
                           stop_token_ids=tuple(args.stop_token_id), ignore_eos=args.ignore_eos)

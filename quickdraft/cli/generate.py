@@ -90,6 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out.update(plain={key: value for key, value in plain.items() if not key.startswith("_")},
                        speculative={key: value for key, value in result.items() if not key.startswith("_")},
                        speedup=compared.speedup, noise=compared.noise, drafted=compared.drafted,
+                       median_tokens_per_s={"plain": compared.plain_tps, "speculative": compared.spec_tps},
                        rounds=ROUNDS, identical=identical)
         print(json.dumps(out))
     return 0
