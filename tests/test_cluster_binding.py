@@ -35,7 +35,9 @@ def listening(root: psutil.Process) -> list[tuple[str, str, int]]:
     found = []
     for proc in [root, *root.children(recursive=True)]:
         try:
-            name = " ".join(proc.cmdline())[:80] or proc.name()
+            # the executable's name and the command line's tail: a cut command line would lose the name
+            # of a binary that sits deep in the venv (gcs_server, raylet) on a long checkout path
+            name = f"{proc.name()} {' '.join(proc.cmdline())[-80:]}"
             found += [(name, c.laddr.ip, c.laddr.port) for c in proc.net_connections(kind="tcp")
                       if c.status == psutil.CONN_LISTEN]
         except psutil.NoSuchProcess:  # a short-lived helper of Ray's that ended meanwhile
