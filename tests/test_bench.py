@@ -212,10 +212,10 @@ def test_each_method_keeps_its_own_shared_state(model_dir: Path) -> None:
           for q in QUESTIONS]
     made = []
     shared = llm.shared
-    llm.shared = lambda key, make: made.append((llm._scope, key[0])) or shared(key, make)
+    llm.shared = lambda key, make: made.append((llm._scope, key)) or shared(key, make)
     methods = parse_methods("suffix:4", k=4, verify_all=True)
     run_questions(llm, qs, methods, max_new_tokens=8, progress=False)
-    scopes = {scope for scope, kind in made if kind == "suffix"}
+    scopes = {scope for scope, key in made if key[0] == "per scope" and key[1][0] == "suffix"}
     assert scopes == {"suffix k=4", "suffix k=4 all", ("warm-up", "suffix k=4"), ("warm-up", "suffix k=4 all")}
     assert llm._scope is None  # the default scope again, for whatever runs next
 
@@ -236,7 +236,7 @@ def test_traffic_runs_through_each_speculative_method_before_it_is_measured(mode
     assert made == ["suffix k=4"] * len(traffic) + [("warm-up", "suffix k=4")] + ["suffix k=4"] * turns
     assert len(records) == len(qs) and all(set(r["runs"]) == {"plain", "suffix k=4"} for r in records)
     # the corpus holds the traffic's responses and the questions'
-    corpus = next(state for key, state in llm._shared["suffix k=4"].items() if key[0] == "suffix")
+    corpus = next(state for key, state in llm._shared["suffix k=4"].items() if key[1][0] == "suffix").get("")
     assert len(corpus.docs) == len(traffic) + turns
 
 

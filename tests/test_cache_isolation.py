@@ -92,11 +92,11 @@ def test_a_guess_at_another_tenant_s_prompt_looks_like_an_unseen_prompt(server: 
 
 @pytest.mark.parametrize("shared", [False, True])  # True: both under one key, the negative control
 def test_a_long_prompt_of_one_tenant_leaves_another_s_prefixes(shared: bool) -> None:
-    s = Server(quickdraft.load(prefix_cache_mb=32), max_batch=2, api_keys=(KEY_A, KEY_B))  # ~40 blocks
+    s = Server(quickdraft.load(prefix_cache_mb=32), max_batch=2, max_seq=4096, api_keys=(KEY_A, KEY_B))  # ~40 blocks
     try:
         prompt = secret(7, words=200)
         ask(s, KEY_A, prompt)
-        ask(s, KEY_A if shared else KEY_B, secret(8, words=1900))  # ~1,900 tokens: three times the budget
+        ask(s, KEY_A if shared else KEY_B, secret(8, words=2500))  # ~2,500 tokens: four times the budget
         cached, _ = ask(s, KEY_A, prompt)
     finally:
         s.stop()

@@ -113,17 +113,21 @@ def test_sampled_recycle_trees_through_the_engine_follow_plain_sampling(lookup: 
 
 @pytest.mark.parametrize("method", ["recycle", "lookup-recycle"])
 def test_a_second_request_drafts_from_the_first_requests_table(method: str) -> None:
-    """One LLM's requests share one table and its ranks' counts (Target.shared): the second run of
-    a prompt accepts more than the first, and the table keeps its shape [V, K] whatever ran."""
+    """One LLM's requests of one scope share one table and its ranks' counts (scoped.py): the second
+    run of a prompt accepts more than the first, and the table keeps its shape [V, K] whatever ran;
+    the same prompt in another scope drafts from a table of its own, as the first run did."""
     model = target()
     llm = Home(model)
     spec = SpecConfig(method, k=8, adaptive=False, options={"recycle_top": 4})
     job = Job(JOBS[1].prompt, JOBS[1].params, None, 8)
     factory = make_recycle if method == "recycle" else make_lookup_recycle
     made: list[RecycleProposer] = []
-    make = lambda prompt, params: made.append(factory(ProposerContext(list(prompt), params, spec, llm))) or made[-1]
+    made_in = lambda scope: lambda prompt, params: made.append(
+        factory(ProposerContext(list(prompt), params, spec, llm, scope))) or made[-1]
+    make = made_in("")
     first = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
-    recycled = llm.state[("recycle", VOCAB, 4)]
+    tables = llm.state[("per scope", ("recycle", VOCAB, 4))]
+    recycled = tables.get("")
     offered = lambda: sum(counts.trials for key, counts in recycled.counts.items() if key[0] == "top")
     learned = offered()
     second = run_batched(model, [replace(job, make=make)], EngineConfig(policy="fixed"))[1]["0"].stats
@@ -131,9 +135,12 @@ def test_a_second_request_drafts_from_the_first_requests_table(method: str) -> N
     assert learned > 0 and offered() > learned  # one record of the table's candidates, grown by both requests
     assert second.accepted_tokens > first.accepted_tokens
     assert second.target_passes < first.target_passes
+    elsewhere = run_batched(model, [replace(job, make=made_in("another"))], EngineConfig(policy="fixed"))[1]["0"].stats
+    assert made[2].recycled is not recycled and made[2].recycled is tables.get("another")
+    assert (elsewhere.accepted_tokens, elsewhere.target_passes) == (first.accepted_tokens, first.target_passes)
     for _ in range(3):
         run_batched(model, [replace(j, make=make, k=8) for j in JOBS], EngineConfig(max_batch=4))
-    assert list(llm.state) == [("recycle", VOCAB, 4)] and recycled.table.shape == (VOCAB, 4)
+    assert list(llm.state) == [("per scope", ("recycle", VOCAB, 4))] and recycled.table.shape == (VOCAB, 4)
 
 
 def test_commit_records_every_scored_position_rejected_nodes_included() -> None:

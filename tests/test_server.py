@@ -56,8 +56,9 @@ def llm(dirs) -> quickdraft.LLM:
 
 
 class Server(BackgroundServer):
-    def __init__(self, llm: quickdraft.LLM, max_batch: int, shutdown_timeout_s: float = 30.0, **config) -> None:
-        engine = EngineConfig(max_batch=max_batch, max_seq_len=MAX_SEQ)
+    def __init__(self, llm: quickdraft.LLM, max_batch: int, shutdown_timeout_s: float = 30.0, max_seq: int = MAX_SEQ,
+                 **config) -> None:
+        engine = EngineConfig(max_batch=max_batch, max_seq_len=max_seq)
         super().__init__(llm, ServerConfig(NAME, llm.spec, engine, **config), shutdown_timeout_s=shutdown_timeout_s)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
 

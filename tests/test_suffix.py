@@ -12,6 +12,7 @@ import pytest
 
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.proposers.base import ProposerContext, SpecConfig
+from quickdraft.proposers.scoped import PerScope
 from quickdraft.proposers.suffix import Corpus, SuffixProposer, make_suffix
 from quickdraft.sampling import SamplingParams
 from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
@@ -59,24 +60,29 @@ def test_sampled_suffix_trees_through_the_engine_follow_plain_sampling() -> None
 
 
 def test_a_second_request_drafts_from_the_first_requests_response() -> None:
-    """One target's requests share one corpus (Target.shared): a prompt run again is drafted from
-    the first run's response, so it takes fewer passes; the corpus keeps to its budget."""
+    """One target's requests of one scope share one corpus (scoped.py): a prompt run again is drafted
+    from the first run's response, so it takes fewer passes, but not in another scope, where it runs
+    as the first did; the corpus keeps to its budget."""
     model = target()
     home = Home(model)
     spec = SpecConfig("suffix", k=8, adaptive=False, options={"suffix_tokens": 100, "suffix_responses": 3})
-    make = lambda prompt, params: make_suffix(ProposerContext(list(prompt), params, spec, home))
+    made_in = lambda scope: lambda prompt, params: make_suffix(ProposerContext(list(prompt), params, spec, home, scope))
+    make = made_in("")
     job = Job([1, 17, 42, 8, 77, 23], SamplingParams(max_new_tokens=40, ignore_eos=True), make, 8)
     first = run_batched(model, [job], EngineConfig(policy="fixed"))[1]["0"].stats
     second = run_batched(model, [job], EngineConfig(policy="fixed"))[1]["0"].stats
+    elsewhere = run_batched(model, [replace(job, make=made_in("another"))], EngineConfig(policy="fixed"))[1]["0"].stats
     assert second.accepted_tokens > first.accepted_tokens
     assert second.target_passes < first.target_passes
-    (corpus,) = home.state.values()
+    assert (elsewhere.accepted_tokens, elsewhere.target_passes) == (first.accepted_tokens, first.target_passes)
+    (scopes,) = home.state.values()
+    corpus = scopes.get("")
     for _ in range(3):
         run_batched(model, [replace(j, make=make, k=8) for j in JOBS], EngineConfig(max_batch=4))
         assert corpus.size <= 100 and len(corpus.docs) <= 3
         assert corpus.size == sum(map(len, corpus.docs.values()))
         assert sum(len(ends) for docs in corpus.index.values() for ends in docs.values()) <= 4 * corpus.size
-    assert list(home.state) == [("suffix", 100, 3, 4, 1)]
+    assert list(home.state) == [("per scope", ("suffix", 100, 3, 4, 1))] and list(scopes.states) == ["another", ""]
 
 
 def test_corpus_finds_the_longest_match_newest_first_and_evicts_the_oldest() -> None:
@@ -92,3 +98,12 @@ def test_corpus_finds_the_longest_match_newest_first_and_evicts_the_oldest() -> 
     assert all(a not in docs for docs in corpus.index.values())
     corpus.extend(a, [1, 2])  # an evicted response takes nothing more
     assert corpus.size == 9
+
+
+def test_scopes_keep_the_most_recently_used_tables() -> None:
+    """Scopes come from clients, so their tables are bounded: the oldest goes, a returning scope starts afresh."""
+    tables = PerScope(lambda: [], limit=2)
+    a, b = tables.get("a"), tables.get("b")
+    assert tables.get("a") is a and tables.get("b") is b and a is not b
+    tables.get("c")  # "a" was used least recently
+    assert list(tables.states) == ["b", "c"] and tables.get("a") is not a

@@ -2,8 +2,8 @@
 
 Every pass scores each fed token and each verified draft node, rejected ones included; their top
 candidates are kept in an adjacency table [V, K] (for each token, the target's K likeliest next
-tokens the last time it was scored), shared by every request of the target (`Target.shared`), so
-its memory is V x K int32 whatever the traffic. A draft is a tree grown from the newest committed
+tokens the last time it was scored), shared by the target's requests of one scope (scoped.py), so
+its memory is V x K int32 per scope whatever the traffic. A draft is a tree grown from the newest committed
 token through the table: a node's children are its row's candidates in rank order. The tree's
 shape follows each rank's measured chance of being accepted (best-first on the chance of reaching
 a node, at most k nodes), so it branches near the root and narrows deeper, like the paper's static
@@ -29,6 +29,7 @@ from quickdraft.kernels import TOPK_MAX
 from quickdraft.proposers.base import EACH, Committed, Draft, ProposerContext, register
 from quickdraft.proposers.ngram import NgramOptions, NgramProposer
 from quickdraft.proposers.registry import check_ranges, option
+from quickdraft.proposers.scoped import scoped
 
 EMPTY = -1  # a table row not filled yet
 
@@ -148,9 +149,9 @@ class RecycleProposer:
 
 
 def recycled(ctx: ProposerContext) -> Recycled:
-    """The target's shared table for the options' width."""
+    """The table for the options' width shared by the target's requests in ctx's scope."""
     vocab, top = ctx.target.model.config.vocab_size, ctx.options.recycle_top
-    return ctx.target.shared(("recycle", vocab, top), lambda: Recycled(vocab, top))
+    return scoped(ctx, ("recycle", vocab, top), lambda: Recycled(vocab, top))
 
 
 @register("recycle", RecycleOptions,

@@ -1,6 +1,6 @@
 """Suffix decoding: draft what followed the text's end in this server's earlier responses too.
 
-A corpus of recent responses is shared by every request of the target (`Target.shared`), kept to
+A corpus of recent responses is shared by the target's requests of one scope (scoped.py), kept to
 a token budget and a number of responses (the oldest leave first), and indexed by n-gram as
 prompt lookup indexes a request's own text. A draft merges (ngram.merge) the continuations of the
 longest matches of the text's end, in the request's own prompt and output (prompt lookup) and in
@@ -22,6 +22,7 @@ from quickdraft.proposers.base import (
 )
 from quickdraft.proposers.ngram import NgramProposer, NgramTreeOptions, merge
 from quickdraft.proposers.registry import check_ranges, option
+from quickdraft.proposers.scoped import scoped
 
 Found = tuple[tuple[str, int, int], list[int]]  # ((where, match length, rank), the tokens that followed)
 
@@ -132,6 +133,6 @@ class SuffixProposer:
           about="suffix decoding: prompt lookup over the request's text and this server's recent responses, as a tree")
 def make_suffix(ctx: ProposerContext) -> SuffixProposer:
     o = ctx.options
-    corpus = ctx.target.shared(("suffix", o.suffix_tokens, o.suffix_responses, o.ngram_max, o.ngram_min),
-                               lambda: Corpus(o.suffix_tokens, o.suffix_responses, o.ngram_max, o.ngram_min))
+    corpus = scoped(ctx, ("suffix", o.suffix_tokens, o.suffix_responses, o.ngram_max, o.ngram_min),
+                    lambda: Corpus(o.suffix_tokens, o.suffix_responses, o.ngram_max, o.ngram_min))
     return SuffixProposer(ctx.prompt_ids, corpus, o.ngram_max, o.ngram_min, o.ngram_branches)
