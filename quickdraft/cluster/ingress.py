@@ -148,8 +148,8 @@ class Ingress:
                 if started:
                     self.lost.labels(outcome="stream_ended").inc()
                     if sse:
-                        await send({"type": "http.response.body", "more_body": True, "body": out.sse_error(
-                            "the replica running this request stopped; send it again").encode()})
+                        stopped = out.error_chunk("the replica running this request stopped; send it again")
+                        await send({"type": "http.response.body", "more_body": True, "body": out.sse(stopped).encode()})
                         await send({"type": "http.response.body", "body": out.SSE_DONE.encode(),
                                     "more_body": False})
                     else:

@@ -6,7 +6,7 @@ Knows OpenAI's and Anthropic's shapes, not the engine.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel
@@ -97,7 +97,7 @@ def event(name: str, data: dict[str, Any]) -> str:
 
 
 class Events:
-    """A chat stream's chunks (responses.sse_chunk) as Anthropic's events: message_start; a content
+    """A chat answer's chunks (responses.chunk) as Anthropic's events: message_start; a content
     block (start, deltas, stop) per run of text and per tool call; message_delta with the stop reason and
     the usage; message_stop. message_start's input_tokens are the prompt's; message_delta's, the final
     ones, leave out the tokens read from the prefix cache (known once the engine has the prompt)."""
@@ -153,26 +153,22 @@ class Events:
         return event("content_block_delta", {"index": self.index, "delta": delta})
 
 
-async def stream(chunks: AsyncIterator[str], events: Events, stop_sequence: Callable[[], str | None]
-                 ) -> AsyncIterator[str]:
-    """The chat stream (streaming.stream) as Anthropic's events; an error ends it with an error event.
-    stop_sequence: asked once the chat stream has ended."""
+async def stream(chunks: AsyncGenerator[dict[str, Any], None], events: Events,
+                 stop_sequence: Callable[[], str | None]) -> AsyncIterator[str]:
+    """The chat answer's chunks (streaming.chunks) as Anthropic's events; an error ends it with an
+    error event. stop_sequence: asked once the answer has ended."""
     try:
         yield events.start()
         async for chunk in chunks:
-            data = chunk.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                for done in events.end(stop_sequence()):
-                    yield done
+            if "error" in chunk:
+                yield event("error", error_body(500, chunk["error"]))
                 return
-            parsed = json.loads(data)
-            if "error" in parsed:
-                yield event("error", error_body(500, parsed["error"]))
-                return
-            for piece in events.chunk(parsed):
+            for piece in events.chunk(chunk):
                 yield piece
-    finally:  # also when the client left: the chat stream's own finally cancels the request
-        await chunks.aclose()  # type: ignore[attr-defined]
+        for done in events.end(stop_sequence()):
+            yield done
+    finally:  # also when the client left: the chunks' own finally cancels the request
+        await chunks.aclose()
 
 
 class AnthropicErrors:

@@ -105,11 +105,11 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
             "drafted_at": stats.drafted_at, "accepted_at": stats.accepted_at}
 
 
-def sse_chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_reason: str | None,
-              stats: GenerationStats | None = None, first: bool = False,
-              origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> str:
-    """One server-sent event of choice `index`; its last one (finish_reason set) carries usage and
+def chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_reason: str | None,
+          stats: GenerationStats | None = None, first: bool = False,
+          origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One stream chunk of choice `index`; its last one (finish_reason set) carries usage and
     stats; origins: the "quickdraft" extension field (token_origins); logprobs: this chunk's
     tokens', as logprobs() writes them; tool_calls: the delta's calls (server/tool_calls.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -124,18 +124,24 @@ def sse_chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_
         body.update(usage=usage(stats), stats=stats.to_dict())
     if origins is not None:
         body["quickdraft"] = origins
-    return f"data: {json.dumps(body)}\n\n"
+    return body
 
 
-def sse_usage(kind: Kind, request_id: str, model: str, stats: Sequence[GenerationStats], prompts: int = 1) -> str:
+def usage_chunk(kind: Kind, request_id: str, model: str, stats: Sequence[GenerationStats],
+                prompts: int = 1) -> dict[str, Any]:
     """stream_options.include_usage: after the last choice chunk, one with no choices and the usage
     (of every choice: `stats`, of a batch's `prompts`)."""
-    body = {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(*stats, prompts=prompts)}
+    return {**_envelope(kind, request_id, model, chunk=True), "choices": [], "usage": usage(*stats, prompts=prompts)}
+
+
+def error_chunk(message: str, kind: str = "server_error") -> dict[str, Any]:
+    """What ends a stream that failed: an error body, as OpenAI's streams send one."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def sse(body: dict[str, Any]) -> str:
+    """One server-sent event of a chat or completion stream."""
     return f"data: {json.dumps(body)}\n\n"
-
-
-def sse_error(message: str, kind: str = "server_error") -> str:
-    return f"data: {json.dumps({'error': {'message': message, 'type': kind, 'param': None, 'code': None}})}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

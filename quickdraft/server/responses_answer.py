@@ -83,7 +83,7 @@ def output_of(completion: dict[str, Any]) -> tuple[list[Item], str]:
 
 
 class Events:
-    """One streamed answer's Responses events, from the chat stream's chunks: items opened as their
+    """One streamed answer's Responses events, from the chat answer's chunks (streaming.chunks): items opened as their
     first text or call arrives, their deltas, and each closed when the next opens or the answer ends."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, created_at: int) -> None:
@@ -103,7 +103,7 @@ class Events:
         return [self.event("response.created", response=now), self.event("response.in_progress", response=now)]
 
     def chunk(self, chunk: dict[str, Any]) -> list[str]:
-        """A chat stream chunk's events; its error, an error event."""
+        """A chat chunk's events; its error, an error event."""
         if "error" in chunk:
             error = chunk["error"]
             return [self.event("error", code=error.get("code") or error["type"], message=error["message"],

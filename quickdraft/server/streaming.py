@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -88,6 +89,13 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
 
 async def whole(answer: Answer, http: HTTPRequest) -> Response:
     """The answer as one JSON body once every choice has ended; 499 if the client left first."""
+    body = await completed(answer, http)
+    return JSONResponse(body) if isinstance(body, dict) else body
+
+
+async def completed(answer: Answer, http: HTTPRequest) -> dict[str, Any] | Response:
+    """The answer's completion body once every choice has ended, or the error answer that ends it
+    (499: the client left first; 500: the engine failed; 503: the server is shutting down)."""
     watcher = asyncio.create_task(_put_none_on_disconnect(http, answer.events))
     try:
         left = len(answer.choices)
@@ -106,16 +114,29 @@ async def whole(answer: Answer, http: HTTPRequest) -> Response:
                 answer.finished(choice)
                 left -= 1
         bodies = [tool_calls.rewritten(c.body(), reply) for c, reply in zip(answer.choices, answer.replies)]
-        return JSONResponse(out.whole(answer.kind, answer.choices[0].request.id, answer.model, bodies,
-                                      [c.stats for c in answer.choices], answer.prompts))
+        return out.whole(answer.kind, answer.choices[0].request.id, answer.model, bodies,
+                         [c.stats for c in answer.choices], answer.prompts)
     finally:
         watcher.cancel()
         answer.close()
 
 
 async def stream(answer: Answer, include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events, a chunk per choice's new text, then (include_usage) one
-    with the usage of every choice, then [DONE]; an engine error ends it with an error event."""
+    """The answer's chunks as server-sent events, then [DONE]."""
+    pieces = chunks(answer, include_usage)
+    try:
+        async for body in pieces:
+            yield out.sse(body)
+        yield out.SSE_DONE
+    finally:  # also when the client disconnected and this generator was cancelled
+        await pieces.aclose()
+
+
+async def chunks(answer: Answer, include_usage: bool) -> AsyncGenerator[dict[str, Any], None]:
+    """The answer as stream chunks, one per choice's new text, then (include_usage) one with the
+    usage of every choice; an engine error ends it with an error chunk (responses.error_chunk).
+    The chat and completion routes send them as OpenAI's server-sent events, /v1/responses and
+    /v1/messages as their own events."""
     request_id = answer.choices[0].request.id  # one id for the whole stream, each chunk naming its choice
     try:
         left = len(answer.choices)
@@ -125,26 +146,25 @@ async def stream(answer: Answer, include_usage: bool) -> AsyncIterator[str]:
             if choice.finish_reason is not None:
                 continue
             if event.error is not None:
-                yield out.sse_error(str(event.error) if isinstance(event.error, ShuttingDown)
-                                    else f"generation failed: {event.error}")
-                break
+                yield out.error_chunk(str(event.error) if isinstance(event.error, ShuttingDown)
+                                      else f"generation failed: {event.error}")
+                return
             chunk = choice.feed(event)
             if choice.first and choice.echo is not None:  # the prompt first, in a chunk of its own
-                yield out.sse_chunk(answer.kind, request_id, answer.model, choice.echo.text, None, index=index,
-                                    logprobs=choice.echo_logprobs())
+                yield out.chunk(answer.kind, request_id, answer.model, choice.echo.text, None, index=index,
+                                logprobs=choice.echo_logprobs())
                 choice.first = False
             if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
                 content, calls, finish = tool_calls.delta(chunk.text, chunk.finish_reason, answer.replies[index])
-                yield out.sse_chunk(answer.kind, request_id, answer.model, content, finish, chunk.stats, choice.first,
-                                    out.token_origins(chunk), index, choice.chunk_logprobs(chunk), tool_calls=calls)
+                yield out.chunk(answer.kind, request_id, answer.model, content, finish, chunk.stats, choice.first,
+                                out.token_origins(chunk), index, choice.chunk_logprobs(chunk), tool_calls=calls)
                 choice.first = False
             if chunk.finish_reason is not None:
                 answer.finished(choice)
                 left -= 1
-        if not left and include_usage:
-            yield out.sse_usage(answer.kind, request_id, answer.model, [c.stats for c in answer.choices],
-                                answer.prompts)
-        yield out.SSE_DONE
+        if include_usage:
+            yield out.usage_chunk(answer.kind, request_id, answer.model, [c.stats for c in answer.choices],
+                                  answer.prompts)
     finally:  # also when the client disconnected and this generator was cancelled
         answer.close()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +25,7 @@ from quickdraft.server.requests import chat_prompt, check_model, tokenized
 from quickdraft.server.routes import errors
 from quickdraft.server.routes.chat import prepared
 from quickdraft.server.state import served
-from quickdraft.server.streaming import stream, submit, whole
+from quickdraft.server.streaming import chunks, completed, submit
 
 
 async def messages(body: MessagesRequest, http: HTTPRequest) -> Response:
@@ -40,12 +39,12 @@ async def messages(body: MessagesRequest, http: HTTPRequest) -> Response:
     stop_sequence = functools.partial(answer_of.matched_stop, first, params.stop, s.llm.tokenizer.decode)
     if body.stream:
         events = answer_of.Events(first.request.id, answer.model, len(first.request.prompt_ids))
-        return StreamingResponse(answer_of.stream(stream(answer, include_usage=False), events, stop_sequence),
+        return StreamingResponse(answer_of.stream(chunks(answer, include_usage=False), events, stop_sequence),
                                  media_type="text/event-stream")
-    reply = await whole(answer, http)
-    if reply.status_code != 200:
+    reply = await completed(answer, http)
+    if not isinstance(reply, dict):
         return reply  # the client left (499), the engine failed (500) or is shutting down (503)
-    return JSONResponse(answer_of.message(json.loads(reply.body), stop_sequence()))
+    return JSONResponse(answer_of.message(reply, stop_sequence()))
 
 
 async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str, int]:

@@ -1,12 +1,12 @@
 """/v1/responses: OpenAI's Responses API, an adapter over the chat route. A request becomes the chat
-request it is (responses_api.py), the chat route checks and answers it as any chat, and its answer,
-whole or streamed, becomes a response object or Responses events (responses_answer.py). Responses
+request it is (responses_api.py), which the chat route's own code checks, renders and tokenizes
+(routes/chat.py `prepared`) and the engine answers as any chat (streaming.py); the answer's
+completion or chunks become a response object or Responses events (responses_answer.py). Responses
 with store: true are kept (response_store.py, on `app.state.responses`) for GET and DELETE
 /v1/responses/{id} and to be continued with previous_response_id.
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncGenerator
 from typing import Annotated, Any
@@ -22,8 +22,10 @@ from quickdraft.server.response_store import MAX_BYTES, MAX_RESPONSES, ResponseS
 from quickdraft.server.responses_answer import Events, new_id, output_of, response
 from quickdraft.server.responses_api import Item, ResponsesRequest, chat_request, renamed
 from quickdraft.server.routes import errors
-from quickdraft.server.routes.chat import chat
+from quickdraft.server.routes.chat import prepared
 from quickdraft.server.schemas import MAX_NAME_CHARS
+from quickdraft.server.state import served
+from quickdraft.server.streaming import chunks, completed, submit
 
 ResponseId = Annotated[str, Path(max_length=MAX_NAME_CHARS)]
 # each server-sent event: its name and its JSON data, whose type is that name
@@ -44,20 +46,22 @@ async def create(body: ResponsesRequest, http: HTTPRequest) -> Response:
     items = body.items()
     if body.previous_response_id is not None:
         items = [*_stored(http, body.previous_response_id, "previous_response_id").conversation(), *items]
+    arrived = time.perf_counter()
     try:
-        answer = await chat(chat_request(body, items), http)
+        made, params, tools = await prepared(chat_request(body, items), http)
     except BadRequest as e:
         raise renamed(e) from None
+    answer = submit(served(http), "chat", made, params, arrived, tools, pieces=False)
     response_id, created_at = new_id("resp"), int(time.time())
     kept = store if body.store else None
     tenant = http.scope.get(TENANT, "")
-    if isinstance(answer, StreamingResponse):
+    if body.stream:
         events = Events(body, response_id, created_at)
-        chunks: AsyncGenerator[str, None] = answer.body_iterator  # type: ignore[assignment] (streaming.stream's)
-        return StreamingResponse(_events(chunks, events, kept, items, tenant), media_type="text/event-stream")
-    if answer.status_code != 200:
-        return answer  # the client left (499), the engine failed (500) or is shutting down (503)
-    completion = json.loads(answer.body)
+        return StreamingResponse(_events(chunks(answer, include_usage=False), events, kept, items, tenant),
+                                 media_type="text/event-stream")
+    completion = await completed(answer, http)
+    if not isinstance(completion, dict):
+        return completion  # the client left (499), the engine failed (500) or is shutting down (503)
     output, finish = output_of(completion)
     result = response(body, response_id, created_at, output, finish, completion["usage"])
     if kept is not None:
@@ -65,21 +69,19 @@ async def create(body: ResponsesRequest, http: HTTPRequest) -> Response:
     return JSONResponse(result)
 
 
-async def _events(chunks: AsyncGenerator[str, None], events: Events, store: ResponseStore | None, items: list[Item],
-                  tenant: str) -> AsyncGenerator[str, None]:
-    """The chat stream's chunks as Responses events; the response kept once it has ended."""
+async def _events(pieces: AsyncGenerator[dict[str, Any], None], events: Events, store: ResponseStore | None,
+                  items: list[Item], tenant: str) -> AsyncGenerator[str, None]:
+    """The chat answer's chunks as Responses events; the response kept once it has ended."""
     try:
         for event in events.start():
             yield event
-        async for chunk in chunks:
-            data = chunk.removeprefix("data: ").strip()
-            if data != "[DONE]":  # chat's end; a Responses stream ends with its last event
-                for event in events.chunk(json.loads(data)):
-                    yield event
+        async for chunk in pieces:
+            for event in events.chunk(chunk):
+                yield event
         if store is not None and events.final is not None:
             store.put(events.final, items, tenant)
-    finally:  # also when the client left: the chat stream's own finally cancels the request
-        await chunks.aclose()
+    finally:  # also when the client left: the chunks' own finally cancels the request
+        await pieces.aclose()
 
 
 async def stored(response_id: ResponseId, http: HTTPRequest) -> JSONResponse:
