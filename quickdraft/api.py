@@ -36,6 +36,7 @@ from quickdraft.tools import (
     Syntax,
     Tools,
     ToolsError,
+    call_id,
     compile_tools,
     conversation,
     kept_markers,
@@ -331,8 +332,6 @@ class LLM:
         if messages is not None:
             if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
                 raise QuickdraftError(f"chat messages are objects with a role and content, found {odd!r}")
-            # OpenAI's history leaves an assistant's content null beside its calls; templates take text
-            messages = [{**m, "content": m.get("content") or ""} if m.get("tool_calls") else m for m in messages]
             turns, listed = conversation(messages, tools, self.tool_syntax())
             return self.tokenizer.encode(self.tokenizer.chat_text(turns, tools=listed), add_special_tokens=False)
         return self.tokenizer.encode(prompt)
@@ -398,9 +397,9 @@ class LLM:
         if chosen is None or not chosen.callable():
             return done
         reply = read(chosen, self.tool_syntax(), done.text)
-        call = f"call_{uuid.uuid4().hex[:12]}"  # as OpenAI's, unique; prompts never show it (tools.conversation)
+        request_id = uuid.uuid4().hex
         return replace(done, content=reply.content,
-                       tool_calls=[ToolCall(f"{call}_{i}", c.name, json.loads(c.arguments))
+                       tool_calls=[ToolCall(call_id(request_id, i), c.name, json.loads(c.arguments))
                                    for i, c in enumerate(reply.whole)],
                        finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
                        done.finish_reason)

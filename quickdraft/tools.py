@@ -225,12 +225,34 @@ def _function(tool: Any, where: str) -> Function:
 
 # -- the prompt -------------------------------------------------------------------------------------------
 
+def call_id(request_id: str, index: int) -> str:
+    """The id of a reply's call `index`, as OpenAI's: unique per request (prompts never show it:
+    conversation numbers earlier calls by position)."""
+    return f"call_{request_id}_{index}"
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat message as chat templates take it, from the server's bodies and the Python
+    API's dicts alike: its content as text (text parts joined; the null content OpenAI's history
+    leaves beside an assistant's calls, empty) and "developer", OpenAI's newer name for the system
+    role, as "system", the one templates know."""
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        if (odd := next((p for p in content if not isinstance(p, Mapping) or p.get("type") != "text"), None)):
+            raise QuickdraftError(f"a message's content is text or a list of text parts "
+                                  f"({{\"type\": \"text\", \"text\": ...}}), found the part {odd!r}")
+        content = "".join(str(part.get("text", "")) for part in content)
+    role = message.get("role")
+    return {**message, "role": "system" if role == "developer" else role, "content": content or ""}
+
+
 def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syntax: Syntax
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) as the chat template takes them. Native: earlier calls' arguments are objects
-    (templates write them with tojson; OpenAI sends JSON text), their ids positional. GENERIC: the tools
-    and how to call them in the system turn (unless choice none), earlier calls and tool results as
-    JSON text in their turns."""
+    """(messages, tools) as the chat template takes them, each message as template_message writes it.
+    Native: earlier calls' arguments are objects (templates write them with tojson; OpenAI sends JSON
+    text), their ids positional. GENERIC: the tools and how to call them in the system turn (unless
+    choice none), earlier calls and tool results as JSON text in their turns."""
+    messages = [template_message(m) for m in messages]
     listed = tools.functions if tools is not None and tools.choice != "none" else ()
     if syntax.native:
         return _native_turns(messages), [f.as_tool() for f in listed] or None

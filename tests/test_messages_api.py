@@ -25,6 +25,7 @@ from quickdraft.server.errors import BadRequest, validation_error
 from quickdraft.server.messages_answer import AnthropicErrors, Events, matched_stop, message
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
 from quickdraft.server.schemas import MAX_MESSAGES
+from quickdraft.tools import template_message
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from test_server_hostile import unbounded
 
@@ -58,7 +59,7 @@ def test_a_conversation_becomes_the_chat_it_is() -> None:
         stop_sequences=["\n\n"], temperature=0.5, top_k=3, tools=TOOLS,
         tool_choice={"type": "any", "disable_parallel_tool_use": True}))
     call = {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 3})}
-    assert chat.chat() == [
+    assert [template_message(m) for m in chat.chat()] == [
         {"role": "system", "content": "Be brief. Be kind."}, *USER,
         {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "toolu_1", "type": "function",
                                                                          "function": call}]},

@@ -26,6 +26,7 @@ from quickdraft.server.response_store import ResponseStore
 from quickdraft.server.responses_answer import Events, output_of
 from quickdraft.server.responses_api import ResponsesRequest, chat_request, renamed, responses_param
 from quickdraft.server.schemas import MAX_MESSAGES
+from quickdraft.tools import template_message
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures: the tiny model)
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
@@ -75,7 +76,7 @@ def test_a_conversation_becomes_the_chat_request_it_is() -> None:
     chat = chat_request(body, body.items())
     calls = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
              {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
-    assert chat.chat() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather here?"},
+    assert [template_message(m) for m in chat.chat()] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather here?"},
                            {"role": "assistant", "content": "Checking.", "tool_calls": calls},
                            {"role": "tool", "content": "sun", "tool_call_id": "a"},
                            {"role": "tool", "content": "rain", "tool_call_id": "b"},

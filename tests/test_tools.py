@@ -333,3 +333,22 @@ def test_generic_prompt_names_tool_results_without_their_random_ids() -> None:
            {"role": "tool", "tool_call_id": "c3", "content": "a"}, {"role": "tool", "tool_call_id": "c7", "content": "b"}]
     turns = conversation(two, None, GENERIC)[0]
     assert [json.loads(t["content"])["tool_response"]["call"] for t in turns[2:]] == [1, 0]
+
+
+def test_the_server_and_the_python_api_render_one_chat_the_same() -> None:
+    """One rendering of a chat (tools.conversation over template_message): a server body (pydantic,
+    text parts, the developer role, null content beside calls) gives the template the messages the
+    Python API's dicts give it; a part that is not text is refused by name, not a traceback."""
+    from quickdraft.errors import QuickdraftError
+    from quickdraft.server.schemas import ChatCompletionRequest
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+                HISTORY[0], {**HISTORY[1], "content": None}, HISTORY[2]]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    tools = Tools(FUNCTIONS, "auto")
+    for syntax in (GENERIC, HERMES):
+        assert conversation(body.chat(), tools, syntax) == conversation(messages, tools, syntax)
+    turns, _ = conversation(messages, None, HERMES)
+    assert turns[0] == {"role": "system", "content": "Be brief."}
+    assert [t["content"] for t in turns if t.get("tool_calls")] == [""]  # OpenAI's null beside the calls
+    with pytest.raises(QuickdraftError, match="image_url"):
+        conversation([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], None, HERMES)

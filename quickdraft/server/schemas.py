@@ -298,14 +298,9 @@ class ChatMessage(BaseModel):
         return content
 
     def to_template(self) -> dict[str, Any]:
-        """The message as chat templates take it: OpenAI's keys, text content."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
-        # "developer" is OpenAI's newer name for the system role; chat templates know "system".
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
-        if self.tool_calls:
-            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
-        message.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
-        return message
+        """The message with OpenAI's keys, as the Python API takes it (tools.template_message writes
+        it for the chat template)."""
+        return self.model_dump(exclude_none=True, exclude={"tool_calls"} if not self.tool_calls else set())
 
 
 TOP_LOGPROBS_NEED_LOGPROBS = {  # the published schema states the check of _with_logprobs

@@ -12,7 +12,7 @@ from quickdraft.grammar import Constraint, Vocabulary
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
 from quickdraft.tool_reply import Reader, Reply, calls_of
-from quickdraft.tools import Syntax, Tools, ToolsError, request_tools
+from quickdraft.tools import Syntax, Tools, ToolsError, call_id, request_tools
 from quickdraft.tools import compile_tools as compile_tools_of
 
 CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
@@ -45,7 +45,7 @@ class ToolReply:
         self.reader = Reader(tools, syntax)
 
     def call_id(self, index: int) -> str:
-        return f"call_{self.request_id}_{index}"
+        return call_id(self.request_id, index)
 
     def delta(self, text: str, finished: bool) -> tuple[str | None, list[dict[str, Any]] | None]:
         """A stream chunk's (content, tool_calls) from its text; finished: the reply's last chunk."""
