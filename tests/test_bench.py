@@ -430,7 +430,7 @@ def test_built_in_prompts_are_raw_text_for_a_model_without_a_chat_template(tmp_p
     """A base model (Gemma 3 270M's GGUF has no chat template) is benchmarked on the prompts' text,
     and the run says so; a chat model on a user turn of its template."""
     from quickdraft.bench.plain import PROMPTS, prompt_format, prompt_ids
-    from quickdraft.tokenizer import load_hf_tokenizer
+    from quickdraft.weights.tokenizers import load_hf_tokenizer
     from tiny_tokenizer import save_tokenizer
 
     chat = load_hf_tokenizer(save_tokenizer(tmp_path / "chat"))

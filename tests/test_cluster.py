@@ -31,7 +31,7 @@ from quickdraft.prefix_cache import BLOCK
 from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
-from quickdraft.tokenizer import load_hf_tokenizer
+from quickdraft.weights.tokenizers import load_hf_tokenizer
 from test_prefix_cache import MODEL, prefix_for, random_cache, tokens
 from test_spec_exactness import tiny
 from tiny_tokenizer import save_tokenizer

@@ -102,8 +102,8 @@ def test_the_rebuilt_tokenizer_is_cached_and_read_back_identical(llm: quickdraft
     it back without the converter, and tokenizes and decodes as the rebuilt one, specials included."""
     from transformers.integrations.gguf import gguf_tokenizer_mapping
 
-    from quickdraft.tokenizer import gguf_tokenizer
     from quickdraft.weights.gguf_file import open_reader, read_metadata
+    from quickdraft.weights.tokenizers import gguf_tokenizer
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     meta = read_metadata(open_reader(llm.loaded.source.path))

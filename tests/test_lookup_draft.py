@@ -33,7 +33,8 @@ from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import PROPOSERS
 from quickdraft.sampling import SamplingParams
 from quickdraft.sequences import common_prefix
-from quickdraft.tokenizer import Tokenizer, load_hf_tokenizer
+from quickdraft.tokenizer import Tokenizer
+from quickdraft.weights.tokenizers import load_hf_tokenizer
 from test_spec_exactness import (
     K_QUANT_SHAPE,
     N_SAMPLES,

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer, load_hf_tokenizer
+from quickdraft.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer
+from quickdraft.weights.tokenizers import load_hf_tokenizer
 from tiny_tokenizer import EOS_ID, SPECIAL, build_tokenizer, render_chatml, save_tokenizer
 
 MULTIBYTE_TEXTS = [
@@ -240,7 +241,7 @@ def test_gguf_add_bos_token_is_the_files_word(add_bos: bool | None) -> None:
     """Gemma's GGUFs say add_bos_token true and llama.cpp prepends <bos>: without it Gemma 3 270M
     greedy-decoded " France. The The The ..." (transformers' rebuilt backend adds none by default).
     False or absent: no BOS, as llama.cpp's BPE vocabularies."""
-    from quickdraft.tokenizer import gguf_tokenizer
+    from quickdraft.weights.tokenizers import gguf_tokenizer
 
     extra = {} if add_bos is None else {"tokenizer.ggml.add_bos_token": add_bos}
     tok = gguf_tokenizer(gguf_metadata(**extra))

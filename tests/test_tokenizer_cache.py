@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from transformers.integrations.gguf import gguf_tokenizer_mapping
 
-from quickdraft.tokenizer import gguf_tokenizer
 from quickdraft.weights.gguf_file import open_reader, read_metadata
+from quickdraft.weights.tokenizers import gguf_tokenizer
 from tiny_tokenizer import tiny_model, write_llama_gguf
 
 TEXTS = ["the cat sat on the mat", "hello world, hello", "héllo wörld ✓ 日本語 🙂", "  leading  and\ttabs\n\n",

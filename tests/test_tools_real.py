@@ -16,10 +16,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 import quickdraft
-from quickdraft.tokenizer import gguf_tokenizer
 from quickdraft.tools import HERMES, Function, Tools, conversation, syntax_of
 from quickdraft.weights.gguf_file import open_reader, read_metadata
 from quickdraft.weights.resolve import resolve_model
+from quickdraft.weights.tokenizers import gguf_tokenizer
 from test_server import NAME, Server
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args, set_threads
-from quickdraft.cli.serve import startup_cost
+from quickdraft.cli.common import add_model_args, add_option_args, load_llm, options_from_args
 from quickdraft.cluster import ROUTER_NAMES
+from quickdraft.engine.startup import set_threads, startup_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD

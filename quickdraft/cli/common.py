@@ -123,13 +123,3 @@ def stats_line(stats: GenerationStats, finish: str | None, proposer: str | None 
     if proposer is not None:
         line += f" | proposer: {proposer}" + (f" ({asked})" if asked and asked != proposer else "")
     return f"[{line} | finish: {finish}]"
-
-
-
-
-def set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise QuickdraftError(f"--threads must be >= 1, found {threads}")
-        import torch
-        torch.set_num_threads(threads)

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft import kernels
-from quickdraft.cli.common import load_llm, sampling_from_args, set_threads, spec_from_args, stats_line
+from quickdraft.cli.common import load_llm, sampling_from_args, spec_from_args, stats_line
+from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_METHOD, SpecConfig
 from quickdraft.weights import load_tokenizer

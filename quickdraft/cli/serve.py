@@ -7,29 +7,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quickdraft.cli.common import add_model_args, add_spec_args, load_kwargs, load_llm, set_threads, spec_from_args
+from quickdraft.cli.common import add_model_args, add_spec_args, load_kwargs, load_llm, spec_from_args
 from quickdraft.cluster import ROUTER_NAMES
 from quickdraft.engine.batch import EngineConfig
-from quickdraft.engine.policy import POLICIES, StepCost
+from quickdraft.engine.policy import POLICIES
+from quickdraft.engine.startup import set_threads, startup_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 
 if TYPE_CHECKING:
     from quickdraft.server import ServerConfig
 
-COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
 API_KEY_ENV = "QUICKDRAFT_API_KEY"  # the key, when not given by --api-key (which would show in `ps`)
-
-
-def startup_cost(llm, policy: str, measure: bool) -> StepCost:
-    """The goodput policy's step-time model, seeded with this machine's forward-cost curve."""
-    from quickdraft.engine.cost import measure_forward_cost
-    cost = StepCost()
-    context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
-    if policy == "goodput" and measure and context > 0:
-        print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
-        cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
-    return cost
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from quickdraft.cli.common import add_model_args, load_llm, set_threads
+from quickdraft.cli.common import add_model_args, load_llm
+from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 

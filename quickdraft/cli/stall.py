@@ -8,8 +8,9 @@ import platform
 import statistics
 import sys
 
-from quickdraft.cli.common import add_model_args, load_llm, set_threads
+from quickdraft.cli.common import add_model_args, load_llm
 from quickdraft.engine.service import loaded_objects_frozen
+from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
 
 

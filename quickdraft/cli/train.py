@@ -8,7 +8,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from quickdraft.cli.common import add_model_args, load_llm, set_threads
+from quickdraft.cli.common import add_model_args, load_llm
+from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
 
 HELD_OUT = 8  # prompts after the training ones, for the acceptance report

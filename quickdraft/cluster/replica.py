@@ -68,8 +68,7 @@ class EngineReplica:
 
     def _run(self, setup: ReplicaSetup, loaded: threading.Event) -> None:
         from quickdraft.api import load
-        from quickdraft.cli.common import set_threads
-        from quickdraft.cli.serve import startup_cost
+        from quickdraft.engine.startup import set_threads, startup_cost
         from quickdraft.server import create_app
         try:
             set_threads(setup.threads)

@@ -10,11 +10,12 @@ from quickdraft.errors import ModelLoadError
 from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
-from quickdraft.tokenizer import Tokenizer, gguf_tokenizer, load_hf_tokenizer
+from quickdraft.tokenizer import Tokenizer
 from quickdraft.weights import gguf_file, hf_dir
 from quickdraft.weights.activations import CALIBRATION, activation_bits, choose_bits, with_activation_bits
 from quickdraft.weights.quantize import quantize_tensors
 from quickdraft.weights.resolve import DEFAULT_MODEL, ModelSource, resolve_model
+from quickdraft.weights.tokenizers import gguf_tokenizer, load_hf_tokenizer
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "load_model", "load_tokenizer", "resolve_model"]
 

@@ -1,0 +1,37 @@
+"""What a process that runs a model's engine sets up first, the same for `quickdraft serve`, each
+replica of a cluster (cluster/replica.py), `bench serve` and every other command: torch's CPU
+threads before the model loads (the kernels and the engine read them from then on), and the
+goodput policy's step-time model seeded with this machine's forward-cost curve.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from quickdraft.engine.policy import StepCost
+from quickdraft.errors import QuickdraftError
+
+if TYPE_CHECKING:
+    from quickdraft.api import LLM
+
+COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's CPU threads (None: torch's choice)."""
+    if threads is not None:
+        if threads < 1:
+            raise QuickdraftError(f"--threads must be >= 1, found {threads}")
+        import torch
+        torch.set_num_threads(threads)
+
+
+def startup_cost(llm: LLM, policy: str, measure: bool) -> StepCost:
+    """The goodput policy's step-time model, seeded with this machine's forward-cost curve."""
+    from quickdraft.engine.cost import measure_forward_cost
+    cost = StepCost()
+    context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
+    if policy == "goodput" and measure and context > 0:
+        print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
+        cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
+    return cost
