@@ -9,18 +9,26 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
 from quickdraft.errors import ContextTooLong
-from quickdraft.model.config import ModelConfig
 
 # Where a forward's K/V go: positions [T] of a single row, or an index_put_ index for a batch.
 Slots = torch.Tensor | tuple[torch.Tensor, ...]
 ALIGN = 64  # bytes: a cache line, as torch's own allocator aligns
 PAGE, HUGE_PAGE, MADV_NOHUGEPAGE = 4096, 2 << 20, 15  # Linux's (asm-generic/mman-common.h)
+
+
+class KVShape(Protocol):
+    """What K/V memory needs to know of a model (a model's ModelConfig is one): the model imports
+    this module, not the other way round."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int  # the last layer's output kept beside the K/V (prefix_cache.py's features)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -57,7 +65,7 @@ def _libc() -> ctypes.CDLL:
 class KVCache:
     """k[layer], v[layer]: [B, Hkv, max_len, hd]; lengths: committed tokens per row (host ints)."""
 
-    def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
+    def __init__(self, config: KVShape, batch_size: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         if max_len <= 0 or batch_size <= 0:
             raise ValueError(f"cache needs batch_size > 0 and max_len > 0, found {batch_size}, {max_len}")

@@ -39,8 +39,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from quickdraft.cache import KVCache
-from quickdraft.model.config import ModelConfig
+from quickdraft.cache import KVCache, KVShape
 from quickdraft.sequences import common_prefix
 
 BLOCK = 16  # tokens per node (a tail: fewer)
@@ -80,7 +79,7 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, config: ModelConfig, dtype: torch.dtype, features: bool = True) -> None:
+    def __init__(self, budget_bytes: int, config: KVShape, dtype: torch.dtype, features: bool = True) -> None:
         """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's; features:
         whether blocks keep features too (a draft model's cache keeps K/V only: `fetch_kv`)."""
         self.features = features
@@ -105,7 +104,7 @@ class PrefixCache:
                 self._owner = None
 
     @staticmethod
-    def block_size(config: ModelConfig, dtype: torch.dtype, features: bool = True) -> int:
+    def block_size(config: KVShape, dtype: torch.dtype, features: bool = True) -> int:
         """Bytes one block holds: BLOCK tokens' K/V of every layer, and their features."""
         per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + features * config.hidden_size
         return BLOCK * per_token * dtype.itemsize
