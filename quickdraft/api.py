@@ -1,7 +1,9 @@
-"""The Python API: `quickdraft.load(...)` and generation returning text, token ids and stats.
+"""The Python API: `quickdraft.load(...)` and an `LLM` that generates (text, token ids and stats,
+whole or streamed), scores prompts, and serves as the server's and the CLI's door to the model.
 
-Layered iterators: the engine yields token events, the detokenizer turns them into text
-deltas, stop strings are applied to that text. The CLI and (later) the server consume the same.
+Layered iterators: the model's one engine (EngineService) yields token events, the detokenizer
+turns them into text deltas, stop strings are applied to that text (TextAssembler, which the
+server's answers use too). A chat is rendered as the server renders it (tools.conversation).
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ class LLM:
         self._vocabulary: Vocabulary | None = None
         self._vocabulary_lock = threading.Lock()
         self._tool_syntax: Syntax | None = None
-        if self.spec.draft_model or (self.spec.enabled and PROPOSERS[self.spec.method].loads == "draft_model"):
+        if self.spec.draft_model or self.spec.needs_draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
             self.draft_head(self.spec.head)

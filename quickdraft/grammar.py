@@ -367,5 +367,3 @@ class Constraint:
             self.matcher.consume_token(tokens[m])
         return list(target)
 
-
-MakeConstraint = Callable[[], Constraint]

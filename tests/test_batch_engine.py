@@ -672,7 +672,9 @@ def test_proposers_are_told_what_the_pass_they_draft_for_costs() -> None:
             seen.append((self.name, step.cost.rows))
             super().commit(step)
 
-    engine = Engine(target(), EngineConfig(max_batch=4))
+    # a fixed prefill chunk: the allowance measured from step times would let a busy machine put d's
+    # prompt off a step
+    engine = Engine(target(), EngineConfig(max_batch=4, prefill_chunk=64))
     for name in "abc":
         engine.add(Request([1, 2, 3, 1, 2], greedy(6), frozenset(), Told(name, [1, 2, 3, 1, 2]), 4, id=name))
     engine.step()  # the three prompts' passes, one after another

@@ -304,7 +304,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from quickdraft.bench.questions import bench_questions, parse_groups, select_questions
     from quickdraft.bench.serve import markdown_table, run_serve_bench
     from quickdraft.engine.batch import EngineConfig
-    from quickdraft.proposers import PROPOSERS, SpecConfig
+    from quickdraft.proposers import SpecConfig
     from quickdraft.server import BackgroundServer, ServerConfig
 
     try:
@@ -349,7 +349,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                f"{f' --draft-model {args.draft_model}' if args.draft_model else ''}")
     results["config"] = {"command": command, "model": args.model, "dtype": args.dtype, "spec": args.spec,
                          "draft_model": (llm.draft_name(args.draft_model)
-                                         if PROPOSERS[spec.method].loads == "draft_model" else None),
+                                         if spec.needs_draft_model else None),
                          "k": args.k, "policy": args.policy, "requests": len(questions),
                          "questions": [q.question_id for q in questions]}
     print(markdown_table(results), end="")

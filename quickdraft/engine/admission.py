@@ -6,7 +6,6 @@ engine/prefill.py.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
@@ -202,10 +201,10 @@ class Admission:
         if row.leaving:
             assert self.ended is None, "an admission leaves the ended row's K/V whole first"
             self.ended = row
-        return [(row.request.id, TokenEvent([], "length", copy.deepcopy(stats), prompt_logprobs=row.scored))]
+        return [(row.request.id, TokenEvent([], "length", stats.snapshot(), prompt_logprobs=row.scored))]
 
     def _fill_failed(self, row: Row, error: Exception) -> Events:
         """The filling row's prompt pass raised: only its request ends."""
         self.filling = None
         row.stats.total_s = time.perf_counter() - row.start
-        return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
+        return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]

@@ -1,7 +1,9 @@
 """The batched engine: the only place that knows the order of a decoding step. Each step runs, as
-phases over every running row: choose drafts -> build inputs -> ONE target pass -> verify ->
-commit (the cache keeps the accepted path) -> propose -> emit. Requests join and leave between
-steps (continuous batching); each row has its own draft tree, sampling settings and seeded
+phases over every running row: the proposers told what the last step committed and asked for
+their drafts -> rows that ended freed -> choose draft lengths -> build inputs -> ONE target pass
+(a waiting prompt's chunk may ride in it) -> verify -> commit (the cache keeps the accepted path)
+-> emit; then waiting requests are admitted and prefilled into free rows. Requests join and leave
+between steps (continuous batching); each row has its own draft tree, sampling settings and seeded
 generator. Plain decoding is the same step with empty drafts, batch 1 the same step with one row.
 
 Admission and prefill (engine/admission.py) and rows leaving (engine/leaving.py) are mixins of
@@ -11,7 +13,6 @@ Not thread-safe: one thread owns an Engine (the server's engine thread, or gener
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, replace
 from functools import partial
@@ -305,7 +306,7 @@ class Engine(Admission, Leaving):
         row.stats.total_s = time.perf_counter() - row.start
         row.failed = True
         self.finished.append(row)
-        return [(row.request.id, TokenEvent([], "error", copy.deepcopy(row.stats), error))]
+        return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]
 
     def _emit(self, rows: list[Row], steps: Sequence[Committed], step_s: float,
               origins: Sequence[list[TokenOrigin]], logprobs: Sequence[list[TokenLogprob]]) -> Events:
@@ -321,7 +322,7 @@ class Engine(Admission, Leaving):
             stats.total_s = time.perf_counter() - row.start
             if stats.ttft_s == 0.0 and (emitted or finish):
                 stats.ttft_s = stats.total_s
-            events.append((row.request.id, TokenEvent(emitted, finish, copy.deepcopy(stats), None,
+            events.append((row.request.id, TokenEvent(emitted, finish, stats.snapshot(), None,
                                                       origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)

@@ -1,7 +1,7 @@
 """What the engine yields: token events and per-request statistics."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Sequence
 
 from quickdraft.logprobs import TokenLogprob
@@ -30,6 +30,12 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
     propose_s: float = 0.0    # time in the proposer
     verify_s: float = 0.0     # time in target forward passes and verification
+
+    def snapshot(self) -> GenerationStats:
+        """A copy an event can carry while the row's own stats go on counting: its lists copied,
+        nothing else to copy (the engine takes one per row every step; deepcopy's generic walk is
+        the slow way to the same)."""
+        return replace(self, drafted_at=list(self.drafted_at), accepted_at=list(self.accepted_at))
 
     @property
     def tokens_per_s(self) -> float:

@@ -204,7 +204,11 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     (a ragged pass, B = 1), None: its batch row -> [B, T, n_q * D]."""
     B, T, _ = qkv.shape
     D = k_cache.shape[-1]
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (D, 1) and kv_len <= k_cache.shape[2]
+    if not (k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (D, 1) and kv_len <= k_cache.shape[2]):
+        # the C code walks both buffers with one stride and reads kv_len slots: checked, not asserted
+        # (python -O drops asserts), since a wrong layout would read outside the buffers
+        raise ValueError(f"K/V buffers of strides {k_cache.stride()}, {v_cache.stride()} and shape "
+                         f"{tuple(k_cache.shape)} cannot hold {kv_len} slots as the kernel reads them")
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty(B, T, n_q * D, dtype=torch.float32)

@@ -79,7 +79,9 @@ def run_layer(x: torch.Tensor, fused: FusedLayer, cos: torch.Tensor, sin: torch.
     visible [B, T, kv_len] or None (causal: each token sees its row's keys at slots 0..its own); rows [B * T] int64: each token's
     cache row (a ragged pass, B = 1), None: its batch row."""
     B, T, _ = x.shape
-    assert k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]
+    if not (k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]):  # python -O drops asserts
+        raise ValueError(f"K/V buffers of strides {k_cache.stride()}, {v_cache.stride()} and shape "
+                         f"{tuple(k_cache.shape)} cannot hold {kv_len} slots as the kernel reads them")
     out = x.contiguous().clone()
     status = active_library().qd_layer(
         out.data_ptr(), ctypes.addressof(fused.layer), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),

@@ -128,6 +128,11 @@ class SpecConfig:
         return self.method != "none" and self.k > 0
 
     @property
+    def needs_draft_model(self) -> bool:
+        """The proposer drafts with a draft model (which must load)."""
+        return self.enabled and registration(self.method).loads == "draft_model"
+
+    @property
     def needs_head(self) -> bool:
         """A draft head must load: the proposer cannot do without one, or one is named."""
         if not self.enabled:

@@ -74,7 +74,7 @@ def unusable(served: Served, spec: SpecConfig) -> str | None:
     if spec.needs_head and served.head_error:
         return served.head_error
     try:
-        if spec.enabled and PROPOSERS[spec.method].loads == "draft_model":
+        if spec.needs_draft_model:
             served.llm.draft_name(spec.draft_model)  # loads nothing; an error names the missing flag
     except SpecConfigError as e:
         return str(e)
