@@ -11,10 +11,10 @@ USER_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The public names load on first use (PEP 562), not with the package: a module that needs neither
-# the model nor the kernels (draft_contract.py, sequences.py) imports without them.
+# the model nor the kernels (spec/draft_contract.py, spec/sequences.py) imports without them.
 _PUBLIC = {"LLM": "api", "Chunk": "api", "Completion": "api", "load": "api", "ContextTooLong": "errors",
            "InvalidSamplingParams": "errors", "ModelLoadError": "errors", "QuickdraftError": "errors",
-           "UnsupportedArchitecture": "errors", "SamplingParams": "sampling", "SpecConfig": "proposers",
+           "UnsupportedArchitecture": "errors", "SamplingParams": "spec.sampling", "SpecConfig": "proposers",
            "SpecConfigError": "proposers"}
 
 

@@ -23,18 +23,18 @@ from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.errors import ModelLoadError, QuickdraftError
-from quickdraft.grammar import Constraint, Vocabulary, constrain, grammar_text
-from quickdraft.logprobs import TokenLogprob
+from quickdraft.kv.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache, default_budget_mb
+from quickdraft.model.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
-from quickdraft.tool_reply import read
-from quickdraft.tools import (
+from quickdraft.spec.logprobs import TokenLogprob
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import Constraint, Vocabulary, constrain, grammar_text
+from quickdraft.structured.tool_reply import read
+from quickdraft.structured.tools import (
     Syntax,
     Tools,
     ToolsError,

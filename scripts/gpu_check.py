@@ -240,7 +240,7 @@ def parity(report: Report, scale: Scale, device: str) -> None:
 def sampling(report: Report, scale: Scale, device: str, deadline: float) -> None:
     """The first sampled tokens follow plain sampling's law (chi-square at ALPHA, the law computed
     on CPU from the same weights); the same counts against another temperature must be rejected."""
-    from quickdraft.sampling import SamplingParams
+    from quickdraft.spec.sampling import SamplingParams
     from test_batch_engine import sampled_in_batches
     from test_spec_exactness import N_TOKENS, PROMPT16, plain_law, sampled_counts, tiny16
     from test_verify import chi_square_p_value

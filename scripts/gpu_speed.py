@@ -35,8 +35,8 @@ from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams
-from quickdraft.verify import Verdict
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.spec.verify import Verdict
 
 
 @dataclass(frozen=True)

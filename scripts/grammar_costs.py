@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from quickdraft.tokenizer import gguf_tokenizer
+from quickdraft.model.tokenizer import gguf_tokenizer
 from quickdraft.weights import gguf_file, resolve_model
 
 SCHEMAS = {

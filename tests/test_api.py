@@ -21,7 +21,7 @@ import quickdraft
 from quickdraft import SamplingParams
 from quickdraft.cli import main
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import probabilities, sample
+from quickdraft.spec.sampling import probabilities, sample
 from tiny_models import transformers_greedy
 from tiny_tokenizer import build_tokenizer, render_chatml, tiny_llm_dir, tiny_model
 

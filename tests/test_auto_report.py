@@ -14,7 +14,7 @@ from quickdraft.proposers.head import save_head
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import runs
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_head import random_head
 from tiny_tokenizer import tiny_llm_dir
 

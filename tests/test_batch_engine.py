@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
-import quickdraft.verify as verify_module
+import quickdraft.spec.verify as verify_module
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
@@ -26,7 +26,7 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.head import MAX_REST, Rest
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_spec_exactness import (
     KV_TOL,
     N_SAMPLES,

@@ -27,7 +27,7 @@ from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_spec_exactness import (
     KV_TOL,

@@ -37,7 +37,7 @@ from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import EACH, Committed, Draft
 from quickdraft.proposers.registry import PROPOSERS, Registration
-from quickdraft.verify import Verdict
+from quickdraft.spec.verify import Verdict
 from tiny_tokenizer import tiny_llm_dir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"

@@ -29,7 +29,7 @@ from quickdraft.bench.questions import (
 )
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.weights import load_model
 from tiny_tokenizer import tiny_llm_dir, tiny_model, write_llama_gguf
 

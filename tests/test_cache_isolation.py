@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 import quickdraft
-from quickdraft.prefix_cache import BLOCK
+from quickdraft.kv.prefix_cache import BLOCK
 from test_server import NAME, Server
 
 pytestmark = pytest.mark.slow

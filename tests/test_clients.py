@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 import quickdraft
 from quickdraft.api import Completion
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_server import NAME, Server
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from quickdraft.cluster.ingress import REPLICA_HEADER, RETRIES, Ingress, Replica
 from quickdraft.cluster.load import ONE_PROCESS, ReplicaLoad, load_between, load_table, replica_loads
 from quickdraft.cluster.placement import replica_threads
 from quickdraft.errors import QuickdraftError
-from quickdraft.prefix_cache import BLOCK
+from quickdraft.kv.prefix_cache import BLOCK
 from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts

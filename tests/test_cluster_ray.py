@@ -25,10 +25,10 @@ from quickdraft.api import load
 from quickdraft.cluster.ingress import REPLICA_HEADER
 from quickdraft.cluster.load import ReplicaLoad, replica_loads
 from quickdraft.engine.batch import EngineConfig
-from quickdraft.prefix_cache import BLOCK
+from quickdraft.kv.prefix_cache import BLOCK
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import ServerConfig, listen
+from quickdraft.spec.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

@@ -1,12 +1,12 @@
-"""The contract types (quickdraft/draft_contract.py) load without the model or the kernels, and the
+"""The contract types (quickdraft/spec/draft_contract.py) load without the model or the kernels, and the
 engine and verifier take them from there."""
 import subprocess
 import sys
 
 import pytest
 
-from quickdraft import draft_contract
 from quickdraft.proposers import base
+from quickdraft.spec import draft_contract
 
 
 def _modules_after(statement: str) -> set[str]:
@@ -15,7 +15,7 @@ def _modules_after(statement: str) -> set[str]:
     return set(out.split())
 
 
-@pytest.mark.parametrize("module", ["quickdraft.draft_contract", "quickdraft.goodput"])
+@pytest.mark.parametrize("module", ["quickdraft.spec.draft_contract", "quickdraft.spec.goodput"])
 def test_contract_imports_neither_model_nor_kernels(module: str):
     loaded = _modules_after(f"import {module}")
     assert module in loaded

@@ -11,10 +11,10 @@ import pytest
 
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import StepCost
-from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.spec.goodput import Acceptance
 from test_batch_engine import Job, greedy, run_batched, target
 from test_batched_draft import Counted
 from test_spec_exactness import draft_state

@@ -16,12 +16,12 @@ import torch
 import quickdraft
 from quickdraft import kernels
 from quickdraft.engine import generate_tokens
-from quickdraft.prefix_cache import BLOCK, PrefixCache
+from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import PassCost, SpecConfig
 from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import greedy, target
 from test_prefix_cache import random_cache, tokens
 from test_spec_exactness import draft_state, tiny

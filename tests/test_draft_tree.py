@@ -21,7 +21,7 @@ from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, Sp
 from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_batched_draft import Counted, noisy_draft
 from test_spec_exactness import (

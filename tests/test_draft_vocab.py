@@ -23,7 +23,7 @@ from quickdraft.kernels.quantized import Part, QuantizedWeight
 from quickdraft.proposers.base import Draft, SpecConfig
 from quickdraft.proposers.draft_vocab import VocabHead, draft_vocabulary
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.weights.tokenizers import load_hf_tokenizer
 from test_batch_engine import Job, greedy, run_batched, target
 from test_batched_draft import first_tokens, noisy_draft

@@ -133,7 +133,7 @@ def test_tails_under_threads_stay_exact_and_within_the_budget() -> None:
     import random
     import threading
 
-    from quickdraft.prefix_cache import BLOCK, PrefixCache
+    from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 
     model = tiny("llama-gqa-untied")
     base = [(i * 11 + 5) % 40 + 3 for i in range(70)]
@@ -208,7 +208,7 @@ def test_prompts_cut_at_blocks_and_tails_prefill_from_the_cache_bitwise() -> Non
     prompt's K/V equal bitwise those of the same schedule without a prefix cache, and every output
     equals its request's run alone."""
     from quickdraft.engine.batch import Engine
-    from quickdraft.prefix_cache import BLOCK, PrefixCache
+    from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 
     model = target()
     assert model.ragged  # chunks ride along

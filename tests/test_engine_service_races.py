@@ -22,10 +22,10 @@ import torch
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.cache import KVCache
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.events import TokenEvent
+from quickdraft.kv.cache import KVCache
 from quickdraft.proposers import SpecConfig
 from quickdraft.server import BackgroundServer, ServerConfig
 from tiny_tokenizer import tiny_llm_dir
@@ -109,7 +109,7 @@ def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monke
     for t in cache.k + cache.v:
         t.normal_()
     before = [t.clone() for t in cache.k + cache.v]
-    allocate, calls = quickdraft.cache.zeros, []
+    allocate, calls = quickdraft.kv.cache.zeros, []
 
     def fails_third(*args, **kwargs) -> torch.Tensor:
         calls.append(1)
@@ -117,7 +117,7 @@ def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monke
             raise RuntimeError("out of memory")
         return allocate(*args, **kwargs)
 
-    monkeypatch.setattr(quickdraft.cache, "zeros", fails_third)
+    monkeypatch.setattr(quickdraft.kv.cache, "zeros", fails_third)
     with pytest.raises(RuntimeError, match="out of memory"):
         cache.reserve(2, 8)
     assert (cache.batch_size, cache.max_len) == (1, 4)

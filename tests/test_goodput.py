@@ -1,8 +1,8 @@
-"""The one goodput model (quickdraft/goodput.py) that the engine's policy and a draft model's
+"""The one goodput model (quickdraft/spec/goodput.py) that the engine's policy and a draft model's
 drafter both ask, and the acceptance counts every estimating proposer keeps."""
 import pytest
 
-from quickdraft.goodput import EMA, Acceptance, agreement, best_extension, smoothed
+from quickdraft.spec.goodput import EMA, Acceptance, agreement, best_extension, smoothed
 
 
 def test_best_extension_takes_the_prefix_with_the_best_rate() -> None:

@@ -20,14 +20,22 @@ from tokenizers import decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.grammar import DEAD_END, Constraint, GrammarError, Vocabulary, allowed, constrain, grammar_text
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.proposers.base import EACH, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.tokenizer import Tokenizer
-from quickdraft.verify import verify
+from quickdraft.spec.sampling import SamplingParams, probabilities
+from quickdraft.spec.verify import verify
+from quickdraft.structured.grammar import (
+    DEAD_END,
+    Constraint,
+    GrammarError,
+    Vocabulary,
+    allowed,
+    constrain,
+    grammar_text,
+)
 from test_batch_engine import first_tokens_in_batches
 from test_spec_exactness import PROMPT16, V16, plain_law, tiny, tiny16, tiny16_draft
 from test_verify import ALPHA, chi_square_p_value

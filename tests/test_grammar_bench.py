@@ -20,8 +20,8 @@ from quickdraft import SamplingParams
 from quickdraft.bench.questions import OWN_FILES, bench_questions, load_questions
 from quickdraft.bench.specbench import _quickdraft_turn, response_format, run_conversation
 from quickdraft.cli import main
-from quickdraft.grammar import constrain, grammar_text
 from quickdraft.proposers import SpecConfig
+from quickdraft.structured.grammar import constrain, grammar_text
 from test_grammar import vocabulary
 from tiny_tokenizer import tiny_llm_dir
 

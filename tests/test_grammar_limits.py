@@ -23,11 +23,11 @@ from tokenizers import AddedToken, Tokenizer
 
 import quickdraft
 from quickdraft.errors import ContextTooLong
-from quickdraft.grammar import GrammarError
 from quickdraft.proposers import SpecConfig
 from quickdraft.server.prompts import PREFIX_CHARS, PREFIX_SLACK, bounded
 from quickdraft.server.requests import GRAMMAR_TIMEOUT_S
-from quickdraft.tools import ToolsError
+from quickdraft.structured.grammar import GrammarError
+from quickdraft.structured.tools import ToolsError
 from test_server import MAX_SEQ, NAME, Server
 from tiny_tokenizer import tiny_llm_dir
 

@@ -17,7 +17,7 @@ import pytest
 
 import quickdraft.server.requests as requests_module
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

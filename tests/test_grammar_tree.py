@@ -17,10 +17,10 @@ import llguidance
 import torch
 
 from quickdraft.engine.batch import Request
-from quickdraft.grammar import Constraint
 from quickdraft.proposers.base import Draft
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import Constraint
 from test_batch_engine import first_tokens_in_batches
 from test_grammar import LETTERS, letters
 from test_spec_exactness import V16, plain_law, tiny16

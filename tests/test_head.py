@@ -24,7 +24,7 @@ from quickdraft.proposers import EACH, Committed, Draft, SpecConfig, SpecConfigE
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load_head, on_target, save_head
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_spec_exactness import (
     KV_TOL,
     N_SAMPLES,

@@ -17,8 +17,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from quickdraft.engine import generate_tokens
-from quickdraft.goodput import Acceptance
 from quickdraft.model.llama import Transformer
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
 from quickdraft.proposers.base import EACH, ProposerContext
 from quickdraft.proposers.draft_model import DraftModelProposer
@@ -31,9 +31,9 @@ from quickdraft.proposers.hybrid import (
 )
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import PROPOSERS
-from quickdraft.sampling import SamplingParams
-from quickdraft.sequences import common_prefix
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.spec.goodput import Acceptance
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.spec.sequences import common_prefix
 from quickdraft.weights.tokenizers import load_hf_tokenizer
 from test_spec_exactness import (
     K_QUANT_SHAPE,

@@ -12,16 +12,16 @@ from typing import Sequence
 import pytest
 import torch
 
-from quickdraft.cache import KVCache
 from quickdraft.engine import admission
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME, STALL, next_admitted, step_allowance
+from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import Job, draft_random, draft_same, drive, greedy, ngram
 from test_spec_exactness import KV_TOL, N_SAMPLES, SAMPLE_K, kv_mismatch, plain_law, tiny, tiny16
 from test_verify import ALPHA, chi_square_p_value

@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType
 
 import quickdraft
 from quickdraft import kernels
-from quickdraft.logprobs import TokenLogprob
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.logprobs import TokenLogprob
+from quickdraft.spec.sampling import SamplingParams
 from test_sampling_options_server import token_bytes
 from test_server import MAX_SEQ, NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from tiny_tokenizer import tiny_model, write_llama_gguf

@@ -14,7 +14,6 @@ import torch
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig, Request
-from quickdraft.goodput import Acceptance
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
 from quickdraft.proposers.ngram import NgramProposer
@@ -26,7 +25,8 @@ from quickdraft.proposers.recycle import (
     make_lookup_recycle,
     make_recycle,
 )
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.goodput import Acceptance
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from test_spec_exactness import (
     N_SAMPLES,

@@ -33,7 +33,7 @@ def test_every_front_door_has_the_same_default_proposer(argv: list[str], tmp_pat
 
 def test_the_python_api_speculates_by_default(tmp_path) -> None:
     import quickdraft
-    from quickdraft.sampling import SamplingParams
+    from quickdraft.spec.sampling import SamplingParams
     from tiny_tokenizer import tiny_llm_dir
     llm = quickdraft.load(tiny_llm_dir(tmp_path / "model"))
     assert llm.spec == SpecConfig()

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from quickdraft.sampling import SamplingParams, probabilities, sample
+from quickdraft.spec.sampling import SamplingParams, probabilities, sample
 
 V = 8
 
@@ -278,7 +278,7 @@ def test_chi_square_rejects_a_different_distribution() -> None:
 
 @pytest.mark.parametrize("scale", [8.0, 0.01])  # peaky: the candidates hold top_p; flat: full sort
 def test_top_p_candidates_give_the_full_sort_result(scale: float) -> None:
-    import quickdraft.sampling as sampling
+    import quickdraft.spec.sampling as sampling
 
     g = torch.Generator().manual_seed(3)
     probs = torch.softmax(torch.randn(3, 5000, generator=g) * scale, dim=-1)

@@ -18,13 +18,13 @@ import torch
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.errors import InvalidSamplingParams
-from quickdraft.logprobs import token_logprobs
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import SamplingParams, penalize, probabilities
-from quickdraft.verify import node_paths
+from quickdraft.spec.logprobs import token_logprobs
+from quickdraft.spec.sampling import SamplingParams, penalize, probabilities
+from quickdraft.spec.verify import node_paths
 from test_batch_engine import Job, draft_random, draft_same, drafter, first_tokens_in_batches, ngram, target
 from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, plain_law, tiny16, tiny16_draft
 from test_verify import ALPHA, chi_square_p_value

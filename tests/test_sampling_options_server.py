@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from quickdraft.proposers.base import SpecConfig
-from quickdraft.sampling import SamplingParams
 from quickdraft.server.guards import ADMIT, Admission, QueueFull
 from quickdraft.server.schemas import MAX_CHOICES
+from quickdraft.spec.sampling import SamplingParams
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from tiny_tokenizer import byte_symbols
 

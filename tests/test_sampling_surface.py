@@ -20,9 +20,9 @@ from quickdraft.errors import InvalidSamplingParams
 from quickdraft.proposers.base import Draft, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
-from quickdraft.sampling import MAX_LOGIT_BIAS, SamplingParams, probabilities
 from quickdraft.server.openapi import ids_up_to
-from quickdraft.verify import verify
+from quickdraft.spec.sampling import MAX_LOGIT_BIAS, SamplingParams, probabilities
+from quickdraft.spec.verify import verify
 from test_batch_engine import Job, draft_same, first_tokens_in_batches, ngram, run_batched, target
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from test_spec_exactness import (

@@ -28,8 +28,8 @@ from quickdraft import kernels
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.proposers import EACH, Committed, Draft, SpecConfig
 from quickdraft.proposers.registry import PROPOSERS, Registration
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import BackgroundServer, ServerConfig
+from quickdraft.spec.sampling import SamplingParams
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"

@@ -24,10 +24,10 @@ import pytest
 
 import quickdraft
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
 from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.guards import answered_hosts
-from quickdraft.tools import GENERIC, conversation
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.tools import GENERIC, conversation
 from test_server import (  # noqa: F401 (fixtures)
     MAX_SEQ,
     NAME,

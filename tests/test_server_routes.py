@@ -27,7 +27,6 @@ from quickdraft.cluster.ingress import Ingress
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out
 from quickdraft.server.app import GENERATION_PATHS
 from quickdraft.server.choices import Choice
@@ -39,6 +38,7 @@ from quickdraft.server.prompts import Prompts
 from quickdraft.server.routes import chat, completions, health, models
 from quickdraft.server.state import Served
 from quickdraft.server.streaming import Answer, stream, whole
+from quickdraft.spec.sampling import SamplingParams
 from test_cluster import FakeReplicas, ask, body, start
 from tiny_tokenizer import tiny_llm_dir
 

@@ -24,7 +24,7 @@ from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.draft_rows import DraftRow
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.spec.sampling import SamplingParams, probabilities
 from test_verify import ALPHA, chi_square_p_value
 from tiny_models import hf_model, ours_from_hf
 

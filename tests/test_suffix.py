@@ -14,7 +14,7 @@ from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.proposers.base import ProposerContext, SpecConfig
 from quickdraft.proposers.scoped import PerScope
 from quickdraft.proposers.suffix import Corpus, SuffixProposer, make_suffix
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from test_recycle import (
     Home,

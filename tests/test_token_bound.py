@@ -15,7 +15,7 @@ from tokenizers import AddedToken, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 from tiny_tokenizer import SPECIAL, build_tokenizer
 
 

@@ -14,7 +14,7 @@ import quickdraft
 from quickdraft.engine import generate_tokens
 from quickdraft.engine.events import TokenOrigin, token_origins
 from quickdraft.proposers import EACH, NO_DRAFT, Committed, Draft, SpecConfig
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from tiny_tokenizer import tiny_llm_dir
 
 At = TokenOrigin  # (kind, depth)

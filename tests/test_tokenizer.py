@@ -11,7 +11,7 @@ import time
 import pytest
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer
+from quickdraft.model.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.weights.tokenizers import load_hf_tokenizer
 from tiny_tokenizer import EOS_ID, SPECIAL, build_tokenizer, render_chatml, save_tokenizer
 

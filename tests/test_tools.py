@@ -14,11 +14,21 @@ import jsonschema
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from quickdraft.grammar import constrain, lark_grammar
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Tokenizer
-from quickdraft.tool_reply import Call, CallPiece, Reader, calls_of, read
-from quickdraft.tools import GENERIC, HERMES, MISTRAL, Function, Tools, conversation, grammar, instructions, syntax_of
+from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import constrain, lark_grammar
+from quickdraft.structured.tool_reply import Call, CallPiece, Reader, calls_of, read
+from quickdraft.structured.tools import (
+    GENERIC,
+    HERMES,
+    MISTRAL,
+    Function,
+    Tools,
+    conversation,
+    grammar,
+    instructions,
+    syntax_of,
+)
 from test_grammar import PROPOSERS, run, text, tokenizer, vocabulary
 from tiny_tokenizer import CHATML, EOS, build_tokenizer
 

@@ -15,10 +15,10 @@ import jsonschema
 import pytest
 
 import quickdraft
-from quickdraft.grammar import GrammarError
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
-from quickdraft.tools import GENERIC, ToolsError
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import GrammarError
+from quickdraft.structured.tools import GENERIC, ToolsError
 from test_tools import TIME, WEATHER
 from tiny_tokenizer import tiny_llm_dir
 

@@ -19,12 +19,12 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 import quickdraft
-from quickdraft.grammar import Vocabulary, constrain, lark_grammar
+from quickdraft.model.tokenizer import StreamDetokenizer, Tokenizer
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import StreamDetokenizer, Tokenizer
-from quickdraft.tool_reply import Call, read
-from quickdraft.tools import HERMES, LLAMA3, MISTRAL, Tools, conversation, grammar, syntax_of
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import Vocabulary, constrain, lark_grammar
+from quickdraft.structured.tool_reply import Call, read
+from quickdraft.structured.tools import HERMES, LLAMA3, MISTRAL, Tools, conversation, grammar, syntax_of
 from test_server import NAME, Server
 from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
 from tiny_models import save_hf_dir

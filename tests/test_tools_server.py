@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
-from quickdraft.tools import GENERIC, Function, Tools, conversation
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.tools import GENERIC, Function, Tools, conversation
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

@@ -13,7 +13,7 @@ import torch
 from quickdraft.cli import main
 from quickdraft.engine import generate_tokens
 from quickdraft.proposers.head import DraftHead, head_config, load_head
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train import trainer
 from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train.responses import Example, generate_examples

@@ -14,14 +14,14 @@ from typing import Sequence
 import pytest
 import torch
 
-import quickdraft.verify as verify_module
+import quickdraft.spec.verify as verify_module
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.inputs import build_inputs
 from quickdraft.engine.policy import RowDraft
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.sampling import SamplingParams, probabilities
-from quickdraft.verify import sibling_ranks, verify
+from quickdraft.spec.sampling import SamplingParams, probabilities
+from quickdraft.spec.verify import sibling_ranks, verify
 from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, V16, assert_plain_sampling_law, plain_law, tiny16
 from test_verify import ALPHA, C0, JOINT, N_K1, PM, QM, T1, P, Q, chi_square_p_value, clear_logits, counts_of, log

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from quickdraft.proposers.base import Draft
-from quickdraft.sampling import SamplingParams
-from quickdraft.verify import verify
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.spec.verify import verify
 
 GREEDY = SamplingParams()
 T1 = SamplingParams(temperature=1.0)

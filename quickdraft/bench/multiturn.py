@@ -19,7 +19,7 @@ import httpx
 
 from quickdraft.bench.sse import sse_chunks
 from quickdraft.cluster import REPLICA_HEADER
-from quickdraft.tokenizer import Message
+from quickdraft.model.tokenizer import Message
 
 SPARE_ANSWERS = 64  # ShareGPT answers average a few hundred tokens: a shared system prompt of 10k+
 SYSTEM_PREAMBLE = "You are a helpful assistant. Use the reference notes below where they help.\n\n"

@@ -13,8 +13,8 @@ import torch
 from quickdraft.api import load, parse_dtype
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.engine import generate_tokens
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.spec.sampling import SamplingParams
 
 PROMPTS = [
     "What is the capital of France? Tell me about its history.",

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 import torch
 
 from quickdraft.engine import generate_tokens
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.weights import LoadedModel, load_model
 
 

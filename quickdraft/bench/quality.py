@@ -16,7 +16,7 @@ from quickdraft.bench.questions import load_humaneval
 from quickdraft.engine import generate_tokens
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.llama import Transformer
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train.data import iter_sharegpt, sharegpt_path
 from quickdraft.weights import LoadedModel, load_model
 

@@ -25,10 +25,10 @@ from tqdm import tqdm
 from quickdraft.api import LLM, load, parse_dtype
 from quickdraft.bench.questions import Question
 from quickdraft.errors import QuickdraftError
+from quickdraft.model.tokenizer import Message
 from quickdraft.proposers import PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_names
-from quickdraft.sampling import SamplingParams
-from quickdraft.tokenizer import Message
+from quickdraft.spec.sampling import SamplingParams
 
 PLAIN = "plain"
 # the other engines' rows: label -> (engine, its decoding)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from quickdraft.api import LLM
 from quickdraft.engine.events import TokenEvent
 from quickdraft.proposers import SpecConfig
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 
 SETTLE = 8  # the stream's first gaps (its prompt, the policy's first timings) are not its usual step
 

@@ -21,7 +21,7 @@ from quickdraft.bench.plain import PROMPTS, prompt_format, prompt_ids
 from quickdraft.bench.qd_engine import QuickdraftEngine
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import kernel_info
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.weights.resolve import resolve_model
 
 PROMPT_ROOM = 128  # tokens kept for a built-in chat prompt (with any template's system turn) in n_ctx

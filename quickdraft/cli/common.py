@@ -7,10 +7,10 @@ from typing import Any
 from quickdraft.api import DTYPES, LLM, load
 from quickdraft.engine import GenerationStats
 from quickdraft.errors import QuickdraftError
-from quickdraft.prefix_cache import DEFAULT_MB
+from quickdraft.kv.prefix_cache import DEFAULT_MB
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD, PROPOSERS, SpecConfig
 from quickdraft.proposers.registry import option_fields
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.quantize import SCHEMES
 from quickdraft.weights.resolve import DEFAULT_MODEL

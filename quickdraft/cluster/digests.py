@@ -12,7 +12,7 @@ from array import array
 from hashlib import blake2b
 from typing import Sequence
 
-from quickdraft.prefix_cache import BLOCK, PrefixCache
+from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 
 ROOT = 0  # the empty prefix's digest
 MAX_ADVERTISED = 1 << 16  # digests a replica advertises at most (~3,000 blocks fill the default budget on SmolLM2)

@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from quickdraft.draft_contract import NO_DRAFT, Committed
 from quickdraft.engine.events import GenerationStats, TokenEvent, TokenOrigin
 from quickdraft.engine.prefill import next_admitted, step_allowance
 from quickdraft.engine.rows import Events, Request, Row, grammar_masks, step_logprobs
-from quickdraft.logprobs import token_logprobs
 from quickdraft.proposers.base import TopTokens
-from quickdraft.verify import verify
+from quickdraft.spec.draft_contract import NO_DRAFT, Committed
+from quickdraft.spec.logprobs import token_logprobs
+from quickdraft.spec.verify import verify
 
 log = logging.getLogger("quickdraft.engine")
 SCORE_ROWS = 64  # prompt positions the LM head scores at a time where any count is batch invariant: bounds

@@ -20,8 +20,6 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.cache import KVCache
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, ProposerGroup, attempt
 from quickdraft.engine.admission import Admission
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
@@ -38,11 +36,13 @@ from quickdraft.engine.rows import (
     grammar_masks,
     step_logprobs,
 )
-from quickdraft.logprobs import TokenLogprob
+from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.base import EACH, Outcome, TopTokens, together
-from quickdraft.verify import verify
+from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, ProposerGroup, attempt
+from quickdraft.spec.logprobs import TokenLogprob
+from quickdraft.spec.verify import verify
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_context", "cut_at_stop"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Sequence
 
-from quickdraft.logprobs import TokenLogprob
+from quickdraft.spec.logprobs import TokenLogprob
 
 # error: the request's proposer or pass failed; grammar_dead_end: its grammar (grammar.py) allows no
 # token where the text is incomplete

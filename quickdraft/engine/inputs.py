@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.draft_contract import Draft
+from quickdraft.spec.draft_contract import Draft
 
 
 @dataclass(frozen=True)

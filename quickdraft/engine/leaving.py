@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from quickdraft.engine.rows import Row, features_of
-from quickdraft.prefix_cache import BLOCK
+from quickdraft.kv.prefix_cache import BLOCK
 
 OFFER_BLOCKS = 16  # prefix-cache blocks a prompt's K/V are copied in per step (256 tokens: a few ms)
 log = logging.getLogger("quickdraft.engine")

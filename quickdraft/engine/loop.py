@@ -10,14 +10,14 @@ from __future__ import annotations
 from contextlib import closing
 from typing import Iterator, Sequence
 
-from quickdraft.cache import KVCache
-from quickdraft.draft_contract import Proposer
 from quickdraft.engine.batch import Engine, EngineConfig, Request, check_context
 from quickdraft.engine.events import TokenEvent
 from quickdraft.engine.service import EngineService
+from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.draft_contract import Proposer
+from quickdraft.spec.sampling import SamplingParams
 
 
 def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: SamplingParams,

@@ -16,8 +16,8 @@ from itertools import accumulate
 from operator import mul
 from typing import Literal, Sequence
 
-from quickdraft.draft_contract import Draft
-from quickdraft.goodput import best_extension, smoothed
+from quickdraft.spec.draft_contract import Draft
+from quickdraft.spec.goodput import best_extension, smoothed
 
 MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not drafting: step times
                      # and acceptance estimates are noisy, and picking the best-looking option

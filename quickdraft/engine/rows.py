@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quickdraft.draft_contract import NO_DRAFT, Draft, Proposer
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
-from quickdraft.grammar import Constraint
-from quickdraft.logprobs import TokenLogprob, token_logprobs
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.draft_contract import NO_DRAFT, Draft, Proposer
+from quickdraft.spec.logprobs import TokenLogprob, token_logprobs
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import Constraint
 
 Events = list[tuple[str, TokenEvent]]
 

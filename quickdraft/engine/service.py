@@ -20,9 +20,9 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from quickdraft.draft_contract import Proposer
 from quickdraft.engine.batch import Engine, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.spec.draft_contract import Proposer
 
 log = logging.getLogger("quickdraft.engine")
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quickdraft import kernels
-from quickdraft.cache import KVCache, Slots
 from quickdraft.kernels import QuantizedWeight, linear
 from quickdraft.kernels.layer import FusedLayer, fused_layer_usable, run_layer
+from quickdraft.kv.cache import KVCache, Slots
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.rope import RotaryTable, apply_rope, inverse_frequencies
 

@@ -1,7 +1,7 @@
 """The proposer wing's shared parts: SpecConfig, the Target and ProposerContext factories get,
 the group of the proposers that draft alone (EACH), a group's call with each member's failure its
 own (together), the target's top tokens (TopTokens). The contract types (Draft, Committed,
-Proposer, ProposerGroup) live in quickdraft/draft_contract.py, re-exported here.
+Proposer, ProposerGroup) live in quickdraft/spec/draft_contract.py, re-exported here.
 
 A proposer guesses the next tokens of one request; the engine verifies them with the target.
 It must not know the engine's loop: it is told what was committed and nothing else.
@@ -15,13 +15,13 @@ from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup, attempt
 from quickdraft.errors import QuickdraftError
 from quickdraft.kernels import topk_indices
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.registry import PROPOSERS, option_names, register, registration
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, Proposer, ProposerGroup, attempt
+from quickdraft.spec.sampling import SamplingParams
 
 T = TypeVar("T")
 

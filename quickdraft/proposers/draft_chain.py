@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from quickdraft.draft_contract import Draft
 from quickdraft.proposers import draft_cost
 from quickdraft.proposers.draft_cost import Calibration, Plan
 from quickdraft.proposers.draft_rows import DraftRow, Member
-from quickdraft.sampling import penalize, probabilities, sample
+from quickdraft.spec.draft_contract import Draft
+from quickdraft.spec.sampling import penalize, probabilities, sample
 
 if TYPE_CHECKING:
     from quickdraft.proposers.drafter import Drafter

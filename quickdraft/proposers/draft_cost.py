@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from quickdraft.draft_contract import PassCost
-from quickdraft.goodput import Acceptance, best_extension, smoothed
+from quickdraft.spec.draft_contract import PassCost
+from quickdraft.spec.goodput import Acceptance, best_extension, smoothed
 
 if TYPE_CHECKING:
     from quickdraft.proposers.draft_rows import DraftRow, Member

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Sequence
 
-from quickdraft.cache import KVCache
+from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, Target, register
 from quickdraft.proposers.draft_vocab import draft_vocabulary
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.registry import check_ranges, option
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 
 DRAFT_SEED_SALT = 0x5EED_D2AF7  # the draft's RNG must not replay the verifier's draws
 

@@ -15,12 +15,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from quickdraft.cache import KVCache
-from quickdraft.draft_contract import Committed, PassCost
+from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers.draft_cost import CATCH_UP
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.draft_contract import Committed, PassCost
+from quickdraft.spec.sampling import SamplingParams
 
 
 class Member(Protocol):

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from quickdraft.draft_contract import Draft
 from quickdraft.proposers import draft_cost
 from quickdraft.proposers.draft_chain import penalized
 from quickdraft.proposers.draft_cost import Calibration, Plan
 from quickdraft.proposers.draft_rows import DraftRow, Member
 from quickdraft.proposers.growing_tree import GrowingTree
+from quickdraft.spec.draft_contract import Draft
 
 if TYPE_CHECKING:
     from quickdraft.proposers.drafter import Drafter

@@ -20,7 +20,7 @@ import torch
 from quickdraft.kernels import linear
 from quickdraft.kernels.quantized import QuantizedWeight
 from quickdraft.model.llama import Transformer
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 
 
 def draft_vocabulary(tokenizer: Tokenizer, vocab_size: int, size: int) -> torch.Tensor | None:

@@ -32,14 +32,14 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.draft_contract import NO_DRAFT, Committed, Draft, attempt
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
-from quickdraft.prefix_cache import PrefixCache
 from quickdraft.proposers import draft_chain, draft_cost, draft_tree
 from quickdraft.proposers.draft_cost import CATCH_UP, Calibration, ForwardTimes, Plan
 from quickdraft.proposers.draft_rows import DraftRow, Member, RowPool
 from quickdraft.proposers.draft_vocab import VocabHead
-from quickdraft.sequences import common_prefix
+from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft, attempt
+from quickdraft.spec.sequences import common_prefix
 
 
 class Drafter:

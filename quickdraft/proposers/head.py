@@ -31,16 +31,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from quickdraft.cache import KVCache
-from quickdraft.goodput import Acceptance
 from quickdraft.kernels import linear
+from quickdraft.kv.cache import KVCache
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
-from quickdraft.sampling import SamplingParams, probabilities
+from quickdraft.spec.goodput import Acceptance
+from quickdraft.spec.sampling import SamplingParams, probabilities
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import mul
 
-from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
     EACH,
     PROPOSERS,
@@ -35,7 +34,8 @@ from quickdraft.proposers.base import (
 from quickdraft.proposers.draft_model import DraftOptions, make_draft
 from quickdraft.proposers.head import make_head
 from quickdraft.proposers.ngram import NgramOptions, make_ngram
-from quickdraft.sequences import common_prefix
+from quickdraft.spec.goodput import Acceptance
+from quickdraft.spec.sequences import common_prefix
 
 NGRAM_ENOUGH = 1.0  # expected accepted n-gram tokens that make a drafter's forwards not worth running
 LOOKUP = "ngram"    # Draft.source of the lookup's drafts

@@ -23,9 +23,9 @@ import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
-from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import EACH, Committed, Draft, ProposerContext, register
 from quickdraft.proposers.registry import check_ranges, option
+from quickdraft.spec.goodput import Acceptance
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from quickdraft.goodput import Acceptance
 from quickdraft.kernels import TOPK_MAX
 from quickdraft.proposers.base import EACH, Committed, Draft, ProposerContext, register
 from quickdraft.proposers.ngram import NgramOptions, NgramProposer
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.proposers.scoped import scoped
+from quickdraft.spec.goodput import Acceptance
 
 EMPTY = -1  # a table row not filled yet
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from quickdraft.goodput import Acceptance
 from quickdraft.proposers.base import (
     EACH,
     Committed,
@@ -23,6 +22,7 @@ from quickdraft.proposers.base import (
 from quickdraft.proposers.ngram import NgramProposer, NgramTreeOptions, merge
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.proposers.scoped import scoped
+from quickdraft.spec.goodput import Acceptance
 
 Found = tuple[tuple[str, int, int], list[int]]  # ((where, match length, rank), the tokens that followed)
 

@@ -12,9 +12,9 @@ from typing import Any, Callable
 from quickdraft.api import Chunk
 from quickdraft.engine.batch import Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
-from quickdraft.logprobs import TokenLogprob
 from quickdraft.server import responses as out
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest
+from quickdraft.spec.logprobs import TokenLogprob
 
 SEEDS = 2**63  # SamplingParams' seeds are below it
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from quickdraft.engine.events import GenerationStats, TokenEvent
-from quickdraft.prefix_cache import BLOCK, PrefixCache
+from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 
 PREFIX = "quickdraft"
 LATENCY_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from quickdraft.errors import ContextTooLong
-from quickdraft.tokenizer import Message, StreamDetokenizer, Tokenizer
-from quickdraft.tools import template_syntax
+from quickdraft.model.tokenizer import Message, StreamDetokenizer, Tokenizer
+from quickdraft.structured.tools import template_syntax
 
 TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
 LONG_CHARS = 1 << 14     # a long text (~16 ms to tokenize and up)

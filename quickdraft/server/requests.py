@@ -16,9 +16,7 @@ from fastapi import Request as HTTPRequest
 from quickdraft.engine.batch import Request, check_context
 from quickdraft.engine.service import MakeProposer
 from quickdraft.errors import ContextTooLong, QuickdraftError
-from quickdraft.grammar import Constraint, GrammarError
 from quickdraft.proposers import PROPOSERS, SpecConfig, SpecConfigError
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import tool_calls
 from quickdraft.server.choices import logprobs_asked, prompt_logprobs_asked, seeds
 from quickdraft.server.errors import BadRequest
@@ -26,7 +24,9 @@ from quickdraft.server.guards import ADMIT, TENANT
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, _Common
 from quickdraft.server.state import Served
-from quickdraft.tools import Tools, conversation
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.grammar import Constraint, GrammarError
+from quickdraft.structured.tools import Tools, conversation
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 CONTEXT = "context_length_exceeded"

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 
 from quickdraft.api import Chunk
 from quickdraft.engine.events import GenerationStats
-from quickdraft.logprobs import TokenLogprob
+from quickdraft.spec.logprobs import TokenLogprob
 
 Kind = Literal["completion", "chat"]
 Spell = Callable[[int], bytes]  # a token id -> its bytes (Tokenizer.token_bytes)

@@ -27,9 +27,10 @@ from pydantic import (
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
+from quickdraft.model.tokenizer import unicode_error
 from quickdraft.proposers import MAX_K
 from quickdraft.proposers.registry import option_fields
-from quickdraft.sampling import (
+from quickdraft.spec.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_STOP_CHARS,
@@ -37,7 +38,6 @@ from quickdraft.sampling import (
     MAX_TOP_LOGPROBS,
     PENALTY_RANGE,
 )
-from quickdraft.tokenizer import unicode_error
 
 
 def _integral(value: object) -> object:

@@ -19,7 +19,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quickdraft.api import Chunk, TextAssembler
 from quickdraft.engine.events import TokenEvent
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import responses as out
 from quickdraft.server import tool_calls
 from quickdraft.server.choices import Choice, Echo
@@ -28,7 +27,8 @@ from quickdraft.server.requests import Made
 from quickdraft.server.schemas import _Common
 from quickdraft.server.state import Served
 from quickdraft.server.worker import ShuttingDown
-from quickdraft.tools import Tools, kept_markers
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.tools import Tools, kept_markers
 
 Events = asyncio.Queue[tuple[int, TokenEvent] | None]  # (choice index, event) from the engine thread; None: the client left
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from quickdraft.grammar import Constraint, Vocabulary
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
-from quickdraft.tool_reply import Reader, Reply, calls_of
-from quickdraft.tools import Syntax, Tools, ToolsError, call_id, request_tools
-from quickdraft.tools import compile_tools as compile_tools_of
+from quickdraft.structured.grammar import Constraint, Vocabulary
+from quickdraft.structured.tool_reply import Reader, Reply, calls_of
+from quickdraft.structured.tools import Syntax, Tools, ToolsError, call_id, request_tools
+from quickdraft.structured.tools import compile_tools as compile_tools_of
 
 CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
 

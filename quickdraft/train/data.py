@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from quickdraft.extras import require
-from quickdraft.tokenizer import Message, Tokenizer
+from quickdraft.model.tokenizer import Message, Tokenizer
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "system": "system"}

@@ -17,11 +17,11 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from quickdraft.draft_contract import NO_DRAFT, Committed, Draft
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft
+from quickdraft.spec.sampling import SamplingParams
 
 STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, noise far below the head's error
 

@@ -30,7 +30,7 @@ from quickdraft.engine import generate_tokens
 from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, on_target, save_head
-from quickdraft.sampling import SamplingParams
+from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train.responses import Example
 
 CHECKPOINT = "checkpoint.pt"

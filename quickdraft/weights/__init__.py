@@ -10,7 +10,7 @@ from quickdraft.errors import ModelLoadError
 from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.weights import gguf_file, hf_dir
 from quickdraft.weights.activations import CALIBRATION, activation_bits, choose_bits, with_activation_bits
 from quickdraft.weights.quantize import quantize_tensors

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from quickdraft.errors import ModelLoadError
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.weights.packaged import default_cache_dir
 
 

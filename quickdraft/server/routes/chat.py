@@ -8,7 +8,6 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from quickdraft.sampling import SamplingParams
 from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.requests import (
@@ -25,7 +24,8 @@ from quickdraft.server.routes import add_generation
 from quickdraft.server.schemas import ChatCompletionRequest
 from quickdraft.server.state import served
 from quickdraft.server.streaming import respond
-from quickdraft.tools import Tools
+from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.tools import Tools
 
 
 async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:

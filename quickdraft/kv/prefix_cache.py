@@ -39,8 +39,8 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from quickdraft.cache import KVCache, KVShape
-from quickdraft.sequences import common_prefix
+from quickdraft.kv.cache import KVCache, KVShape
+from quickdraft.spec.sequences import common_prefix
 
 BLOCK = 16  # tokens per node (a tail: fewer)
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from quickdraft.sequences import common_prefix
+from quickdraft.spec.sequences import common_prefix
 
 EMA = 0.2  # weight of a new time measurement (the engine's step times, a drafter's forwards)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 from quickdraft.errors import QuickdraftError
-from quickdraft.grammar import (
+from quickdraft.structured.grammar import (
     JSON_OPTIONS,
     Constraint,
     GrammarError,
@@ -241,9 +241,10 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
         if (odd := next((p for p in content if not isinstance(p, Mapping) or p.get("type") != "text"), None)):
             raise QuickdraftError(f"a message's content is text or a list of text parts "
                                   f"({{\"type\": \"text\", \"text\": ...}}), found the part {odd!r}")
-        content = "".join(str(part.get("text", "")) for part in content)
-    role = message.get("role")
-    return {**message, "role": "system" if role == "developer" else role, "content": content or ""}
+        return template_message({**message, "content": "".join(str(part.get("text", "")) for part in content)})
+    if content is None and message.get("tool_calls"):
+        return template_message({**message, "content": ""})
+    return {**message, "role": "system"} if message.get("role") == "developer" else dict(message)
 
 
 def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syntax: Syntax

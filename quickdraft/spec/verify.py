@@ -31,9 +31,9 @@ from typing import Sequence
 
 import torch
 
-from quickdraft.draft_contract import Draft
 from quickdraft.kernels import argmax
-from quickdraft.sampling import SamplingParams, biased, penalize, probabilities, sample
+from quickdraft.spec.draft_contract import Draft
+from quickdraft.spec.sampling import SamplingParams, biased, penalize, probabilities, sample
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from quickdraft.draft_contract import MAX_K, NO_DRAFT, Committed, Draft
 from quickdraft.errors import QuickdraftError
-from quickdraft.tokenizer import Tokenizer
+from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, Draft
 
-log = logging.getLogger("quickdraft.grammar")
+log = logging.getLogger("quickdraft.structured.grammar")
 DEAD_END = "grammar_dead_end"  # the finish reason of a request whose grammar allows no token and is not complete
 # JSON on one line as json.dumps writes it (", " and ": "): a small model cannot loop on blank lines,
 # and the grammar forces the separators. Fully compact JSON (",", ":") made SmolLM2-135M drop facts

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from quickdraft.tools import ENDING, Syntax, Tools
+from quickdraft.structured.tools import ENDING, Syntax, Tools
 
 HEAD = '{"name": "'
 BARE_KEYS = ({"name", "arguments"}, {"name", "parameters"})  # a bare call's keys (llama.cpp takes both)

@@ -1,0 +1,1 @@
+"""K/V memory: the batched cache and the prefix cache."""

@@ -1,0 +1,1 @@
+"""The speculation core: the draft contract, verification, sampling, goodput, logprobs."""

@@ -1,0 +1,1 @@
+"""Structured output: grammars, tools, tool replies."""
