@@ -1,8 +1,10 @@
 """Writing tiny HF models as GGUF files the way llama.cpp's converter does (its metadata keys,
-tensor names through the family's row, its q/k row permutation for "llama"), for the tests."""
+tensor names through the family's row, its q/k row permutation for "llama", every expert's matrix
+of a layer stacked in one tensor), for the tests."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -13,6 +15,7 @@ from gguf.quants import quantize
 
 from quickdraft.model.families import FAMILIES, gguf_family
 from quickdraft.weights.names import gguf_name_for_hf
+from tiny_models import checkpoint_tensors
 
 
 def gguf_name(hf: str, model_type: str = "llama") -> str:
@@ -88,17 +91,31 @@ def write_rope_scaling(writer: gguf.GGUFWriter, cfg, arch: str) -> dict[str, np.
     return tensors
 
 
+def _stacked_experts(sd: dict) -> dict[str, np.ndarray]:
+    """float32 tensors by HF name, each layer's expert matrices stacked in expert order ([E, rows,
+    cols]) under the name with "{e}" for the expert, as the converter stacks them."""
+    out: dict[str, np.ndarray | dict[int, np.ndarray]] = {}
+    for name, tensor in sd.items():
+        m = re.search(r"\.experts\.(\d+)\.", name)
+        if m is None:
+            out[name] = tensor.float().numpy()
+        else:
+            out.setdefault(name.replace(m.group(0), ".experts.{e}."), {})[int(m.group(1))] = tensor.float().numpy()
+    return {name: np.stack([w[e] for e in sorted(w)]) if isinstance(w, dict) else w for name, w in out.items()}
+
+
 def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: str | None = None,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None,
                window: int | None = None) -> dict[str, np.ndarray]:
-    """Write `hf` as llama.cpp would; 2-D weights quantized to `qtype` when given, 1-D kept F32.
+    """Write `hf` as llama.cpp would; matrices (but routers) quantized to `qtype` when given, 1-D kept F32.
     `arch` overrides general.architecture (to write unsupported ones); `metadata` adds more keys
     (a tokenizer); `window` writes `attention.sliding_window` (llama.cpp's Phi-3 converter does; for
     Mistral, which it writes as "llama" without it, the file is then the windowed model). Returns what was stored per GGUF name (quantized bytes where quantized)."""
     cfg = hf.config
     family = FAMILIES[cfg.model_type]
     arch = arch or family.gguf_arch or "llama"  # Mistral: "llama", as llama.cpp writes it
-    names = gguf_family(arch) if arch in {f.gguf_arch for f in FAMILIES.values()} else family
+    names = gguf_family(arch, family.moe) if (arch, family.moe) in {(f.gguf_arch, f.moe) for f in FAMILIES.values()} \
+        else family
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -111,6 +128,11 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     writer.add_rope_freq_base(rope_parameters(cfg)["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+    if family.moe:  # as the converter writes them (Qwen MoE: an expert's width apart from the dense one)
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if family.gguf_expert_size_key:
+            writer.add_expert_feed_forward_length(getattr(cfg, family.expert_size_key))
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's, as the converter writes them
         if getattr(cfg, key, None) and arch == "gemma2":
             getattr(writer, f"add_{key}")(getattr(cfg, key))
@@ -133,19 +155,18 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
         GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
 
     stored: dict[str, np.ndarray] = {}
-    sd = hf.state_dict()
+    sd = checkpoint_tensors(hf)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
-    for name, tensor in sd.items():
-        w = tensor.float().numpy()
+    for name, w in _stacked_experts(sd).items():
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             w = w + 1  # the converter stores Gemma's norm gains, 1 + w
-        gguf_name = gguf_name_for_hf(name, names)
+        gguf_name = gguf_name_for_hf(name.replace("{e}", "0"), names)
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if qtype is not None and w.ndim == 2:
+        if qtype is not None and w.ndim >= 2 and not gguf_name.endswith("ffn_gate_inp.weight"):  # routers stay F32
             data = quantize(w, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=qtype)
         else:

@@ -29,12 +29,13 @@ def test_each_family_resolves_to_the_fields_transformers_builds(name, fields):
 
 
 # Fields of transformers' config classes that change no logits: dropout (off at inference), training
-# and output plumbing, the padding index (only where gradients go); Phi-3's
-# original_max_position_embeddings is read by LongRoPE alone (its own test below).
+# and output plumbing (the experts' load-balancing loss and router jitter too), the padding index (only
+# where gradients go); Phi-3's original_max_position_embeddings is read by LongRoPE alone (its own test
+# below).
 NO_MATH = {"attention_dropout", "embd_pdrop", "resid_pdrop", "initializer_range", "use_cache", "pad_token_id",
            "chunk_size_feed_forward", "dtype", "id2label", "label2id", "problem_type", "is_encoder_decoder",
            "output_hidden_states", "return_dict", "transformers_version", "pretraining_tp",
-           "original_max_position_embeddings"}
+           "original_max_position_embeddings", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise"}
 # Another value for each field that changes the math: the resolved config must differ, or refuse it.
 CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu", hidden_size=128, intermediate_size=96,
                max_position_embeddings=512, num_attention_heads=2, num_hidden_layers=3, num_key_value_heads=1,
@@ -42,7 +43,9 @@ CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu
                rope_parameters=dict(rope_type="default", rope_theta=5000.0), sliding_window=5,
                use_sliding_window=False, max_window_layers=0, layer_types=["sliding_attention", "full_attention"],
                architectures=["LlamaForTokenClassification"], hidden_activation="gelu", query_pre_attn_scalar=64,
-               final_logit_softcapping=20.0, attn_logit_softcapping=40.0, use_bidirectional_attention=True)
+               final_logit_softcapping=20.0, attn_logit_softcapping=40.0, use_bidirectional_attention=True,
+               num_experts=16, num_local_experts=16, num_experts_per_tok=1, moe_intermediate_size=48,
+               norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[0])
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -103,11 +106,13 @@ def test_every_family_row_names_each_part_once_and_both_ways():
     architectures are those llama.cpp's converter writes for them."""
     from quickdraft.weights.names import gguf_name_for_hf, hf_name_for_gguf
     assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma2",
-                                                        "gemma3"}
+                                                        "gemma3", "qwen3moe"}
     for family in FAMILIES.values():
         for role, (hf, gguf) in family.names.items():
             hf0, gguf0 = hf.replace("{i}", "3"), gguf.replace("{i}", "3")
-            assert gguf_name_for_hf(hf0, family) == gguf0 and hf_name_for_gguf(gguf0, family) == hf0, (role, family)
+            # an expert's matrix: one GGUF tensor of every expert's, its HF name with "{e}" left in
+            assert gguf_name_for_hf(hf0.replace("{e}", "5"), family) == gguf0, (role, family)
+            assert hf_name_for_gguf(gguf0, family) == hf0, (role, family)
 
 
 # -- RoPE scaling ---------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def gguf_meta(tmp_path_factory) -> tuple[dict, set[str]]:
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("llama.expert_count", 8, "'llama.expert_count' = 8 \\(a mixture of experts\\)"),
+    ("llama.expert_shared_count", 1, "'llama.expert_shared_count' = 1 \\(a shared expert\\)"),
     ("llama.rope.dimension_count", 8, "'llama.rope.dimension_count' = 8 \\(partial rotary"),
     ("llama.attention.value_length", 32, "'llama.attention.value_length' = 32"),
     ("llama.attention.key_length_swa", 32, "'llama.attention.key_length_swa' = 32 \\(another head size in sliding"),
@@ -265,11 +265,12 @@ def test_gguf_linear_rope_scaling_is_read_as_llama_cpp_reads_it(gguf_meta):
         config_from_metadata({**meta, "llama.rope.scaling.type": "none", "llama.rope.scale_linear": 2.0}, names)
 
 
-def test_a_mixture_of_experts_gguf_is_refused_before_its_tensors_are_read(tmp_path):
+def test_experts_in_an_architecture_whose_row_has_none_are_refused_before_its_tensors_are_read(tmp_path):
+    """(A "llama" file with experts is Mixtral's: tests/test_moe.py.)"""
     path = tmp_path / "moe.gguf"
-    write_gguf(hf_model("llama-gqa-untied"), path,
+    write_gguf(hf_model("qwen2-qkv-bias"), path,
                metadata=lambda w: (w.add_expert_count(8), w.add_expert_used_count(2)))
-    with pytest.raises(UnsupportedArchitecture, match="mixture of experts"):
+    with pytest.raises(UnsupportedArchitecture, match="'qwen2' with experts \\(a mixture of experts\\)"):
         read_gguf(path)
 
 

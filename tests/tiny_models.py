@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from quickdraft.kernels import QuantizedWeight
@@ -67,13 +68,23 @@ CONFIGS = {
     "gemma3-sandwich": dict(model_type="gemma3_text", num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
                             sliding_window=6, rope_theta=1e6, tie_word_embeddings=False),
 }
+# mixtures of experts (tests/test_moe.py): 2 layers of 8 (Qwen3-MoE) or 4 (Mixtral) experts, top-2
+MOE_CONFIGS = {
+    "qwen3moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2,
+                     moe_intermediate_size=32, norm_topk_prob=True),
+    # transformers' default: the top-k weights as the softmax gave them (llama.cpp renormalizes every
+    # qwen3moe GGUF, so this one is safetensors only)
+    "qwen3moe-unnormalized": dict(model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, norm_topk_prob=False, attention_bias=True),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+}
 # the families other than Llama and Qwen2, built through transformers' Auto classes
 NEW_FAMILIES = [name for name, cfg in CONFIGS.items()
                 if cfg["model_type"] not in ("llama", "qwen2") and name != "phi3-longrope"]  # no GGUF of it
 
 
 def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    cfg = {**BASE, **CONFIGS[name], **overrides}
+    cfg = {**BASE, **(CONFIGS | MOE_CONFIGS)[name], **overrides}
     model_type = cfg.pop("model_type")
     torch.manual_seed(seed)
     if model_type == "qwen2":
@@ -112,12 +123,23 @@ def transformers_greedy(hf: torch.nn.Module, prompt_ids: list[int], n: int) -> l
     return ids[len(prompt_ids):]
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors as its checkpoints hold them: the state dict, but for experts, which
+    transformers 5 stacks in memory ([E, ...]) and save_pretrained writes one matrix per expert."""
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not any(k.endswith("experts.gate_up_proj") for k in sd):
+        return sd
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return dict(load_file(f"{tmp}/model.safetensors"))
+
+
 def save_hf_dir(model: torch.nn.Module, path: Path) -> Path:
     """config.json + model.safetensors, as save_pretrained writes them."""
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
     (path / "config.json").write_text(json.dumps(cfg))
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    sd = checkpoint_tensors(model)
     if model.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     save_file(sd, str(path / "model.safetensors"))
@@ -163,9 +185,9 @@ def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32,
     """Our model of the same weights; with `qtype`, its matrices held as those GGUF blocks,
     multiplying activations rounded to `activation_bits`."""
     config = ModelConfig.from_hf(model.config.to_dict())
-    tensors = dict(model.state_dict())
+    tensors = checkpoint_tensors(model)
     if config.tie_word_embeddings:
-        del tensors["lm_head.weight"]  # the embeddings again, as save_hf_dir leaves it out
+        tensors.pop("lm_head.weight", None)  # the embeddings again, as save_hf_dir leaves it out
     if qtype is not None:
         tensors = with_activation_bits(quantized_tensors(tensors, qtype), activation_bits)
     return build_transformer(config, tensors, dtype=dtype)

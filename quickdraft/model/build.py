@@ -1,8 +1,9 @@
 """Building a Transformer from a checkpoint's tensors under its family's Hugging Face names.
 
-q|k|v and gate|up become one matrix each (as the checkpoint holds them, or concatenated; GGUF
-blocks stay blocks when every piece is), every tensor is taken by its role in the family's row
-(families.py) or refused by name: a tensor the model never took is math it would skip.
+q|k|v and gate|up (each expert's too) become one matrix each (as the checkpoint holds them, or
+concatenated; GGUF blocks stay blocks when every piece is), every tensor is taken by its role in
+the family's row (families.py) or refused by name: a tensor the model never took is math it would
+skip.
 Knows no file formats (weights/ reads them) and nothing of generation.
 """
 from __future__ import annotations
@@ -118,11 +119,20 @@ def _fuse(config: ModelConfig, take: _Taker) -> dict[str, torch.Tensor | Quantiz
 def _fuse_layer(config: ModelConfig, take: _Taker, n: dict[str, str], ours: str
                 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """One layer (n: role -> its tensor's name): q|k|v and gate|up as one matrix each (as the
-    checkpoint has them, or concatenated), their biases likewise where the family has them."""
+    checkpoint has them, or concatenated), their biases likewise where the family has them; or
+    the router and each expert's gate|up and down."""
     out = {f"{ours}wqkv.weight": take(n["qkv"]) if "qkv" in n else _cat([take(n[p]) for p in "qkv"]),
-           f"{ours}wo.weight": take(n["o"]),
-           f"{ours}w_gate_up.weight": take(n["gate_up"]) if "gate_up" in n else _cat([take(n["gate"]), take(n["up"])]),
-           f"{ours}w_down.weight": take(n["down"])}
+           f"{ours}wo.weight": take(n["o"])}
+    if config.num_experts:
+        out[f"{ours}moe.router.weight"] = take(n["router"])
+        for e in range(config.num_experts):
+            name = {role: n[role].replace("{e}", str(e)) for role in ("expert_gate", "expert_up", "expert_down")}
+            out[f"{ours}moe.experts.{e}.w_gate_up.weight"] = _cat([take(name["expert_gate"]), take(name["expert_up"])])
+            out[f"{ours}moe.experts.{e}.w_down.weight"] = take(name["expert_down"])
+    else:
+        out[f"{ours}w_gate_up.weight"] = take(n["gate_up"]) if "gate_up" in n else _cat([take(n["gate"]),
+                                                                                        take(n["up"])])
+        out[f"{ours}w_down.weight"] = take(n["down"])
     for role in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm"):
         if role in n:
             out[f"{ours}{role}.weight"] = take(n[role])

@@ -77,6 +77,15 @@ class ModelConfig:
     qk_norm: str | None = None  # RMSNorm of q and k before RoPE: "head" (per head), "proj" (whole projection)
     # the sliding window of each layer (None: the whole context); () for no window anywhere
     layer_windows: tuple[int | None, ...] = ()
+    # a mixture of experts in place of every layer's MLP (0: a dense MLP of intermediate_size): each
+    # token's output sums its experts_per_token experts (gated MLPs of expert_size), weighted by the
+    # router's softmax, the top-k weights renormalized where norm_topk, multiplied in float32 where
+    # expert_weights_float32 (Mixtral; else cast to the activations' dtype first)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk: bool = False
+    expert_weights_float32: bool = False
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -99,6 +108,10 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelLoadError(f"model config: head_dim must be even for RoPE, found {self.head_dim}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.expert_size > 0):
+            raise ModelLoadError(f"model config: {self.num_experts} experts need 1 to {self.num_experts} experts per "
+                                 f"token and a positive expert size, found {self.experts_per_token} and "
+                                 f"{self.expert_size}")
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or any(
                 w is not None and (not isinstance(w, int) or w <= 0) for w in self.layer_windows)):
             raise ModelLoadError(f"model config: layer_windows must be a positive window or None for each of "
@@ -132,6 +145,8 @@ class ModelConfig:
         if model_type is None:
             raise ModelLoadError("config.json has no 'model_type' key; expected e.g. 'llama' or 'qwen2'")
         spec = family(model_type)
+        if "num_experts" in cfg:  # transformers' alias of num_local_experts (Qwen MoE checkpoints write it)
+            cfg = {**cfg, "num_local_experts": cfg["num_experts"]}
         cfg = {**dict(spec.defaults), **cfg}  # an explicit null stays null (Mistral's window)
         rope, local_theta = _rope_of_layer_types(cfg) if spec.rope_per_layer_type else (_rope_parameters(cfg), None)
         _refuse_unsupported_hf(cfg, rope, spec)
@@ -170,11 +185,30 @@ class ModelConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **_experts(cfg, spec),
             )
         except KeyError as e:
             raise ModelLoadError(f"config.json is missing required key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json has a malformed value: {e}") from None
+
+
+def _experts(cfg: dict[str, Any], spec: Family) -> dict[str, Any]:
+    """A mixture of experts' settings as transformers' class of the family reads them; layers it
+    would give a dense MLP (Qwen MoE's decoder_sparse_step, mlp_only_layers) are refused by name."""
+    if not spec.moe:
+        return {}
+    count, step, dense = cfg["num_local_experts"], cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers")
+    if spec.sparse_step_keys and (step != 1 or dense):
+        raise UnsupportedArchitecture(
+            f"decoder_sparse_step {step!r} / mlp_only_layers {dense!r} (dense MLP layers among the experts' "
+            f"layers) is not supported; expected 1 / [] (experts in every layer)")
+    if not isinstance(count, int) or count <= 0:
+        raise UnsupportedArchitecture(f"num_experts {count!r} is not supported; expected a mixture of experts "
+                                      f"(a positive count)")
+    return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
+                expert_size=int(cfg[spec.expert_size_key]), norm_topk=_flag(cfg, spec.norm_topk),
+                expert_weights_float32=spec.expert_weights_float32)
 
 
 def _cap(value: Any) -> float | None:
@@ -260,8 +294,10 @@ def _layer_windows(cfg: dict[str, Any], spec: Family) -> tuple[int | None, ...]:
     if spec.window == "pattern" and not cfg.get("layer_types"):
         every = int(cfg["sliding_window_pattern"])
         cfg = {**cfg, "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]}
-    if spec.window == "layer_types" and not cfg.get("use_sliding_window"):
+    if spec.window in ("flag", "layer_types") and not cfg.get("use_sliding_window"):
         return ()  # Qwen's window applies only with use_sliding_window
+    if spec.window == "flag":
+        return (window,) * layers
     types = cfg.get("layer_types") or [
         "sliding_attention" if i >= int(cfg["max_window_layers"]) else "full_attention" for i in range(layers)]
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})

@@ -4,7 +4,8 @@ followed by the one Block (model/llama.py).
 A row says how a checkpoint of the family is read (HF `model_type`, GGUF architecture, tensor
 names, the defaults transformers' config class assumes, which config keys turn biases on, how
 the sliding window is chosen per layer) and what math it asks for (norm placement, QK-norm,
-activation). Adding a family is a row here plus tests. Knows nothing of torch, files or kernels.
+activation, a mixture of experts and its routing). Adding a family is a row here plus tests. Knows
+nothing of torch, files or kernels.
 """
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ _FUSED: TensorNames = (
     ("qkv", "model.layers.{i}.self_attn.qkv_proj.weight", "blk.{i}.attn_qkv.weight"),
     ("gate_up", "model.layers.{i}.mlp.gate_up_proj.weight", "blk.{i}.ffn_up.weight"),
 )
+# A mixture of experts in place of the MLP: the router, and each expert's gated MLP, one matrix per
+# expert ("{e}") in a checkpoint, every expert's in one stacked tensor ([E, rows, cols]) in a GGUF
+_DENSE_MLP = ("gate", "up", "down", "gate.bias", "up.bias", "down.bias")
+_QWEN_EXPERTS: TensorNames = (
+    ("router", "model.layers.{i}.mlp.gate.weight", "blk.{i}.ffn_gate_inp.weight"),
+    ("expert_gate", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "blk.{i}.ffn_gate_exps.weight"),
+    ("expert_up", "model.layers.{i}.mlp.experts.{e}.up_proj.weight", "blk.{i}.ffn_up_exps.weight"),
+    ("expert_down", "model.layers.{i}.mlp.experts.{e}.down_proj.weight", "blk.{i}.ffn_down_exps.weight"),
+)
+_MIXTRAL_EXPERTS: TensorNames = (
+    ("router", "model.layers.{i}.block_sparse_moe.gate.weight", "blk.{i}.ffn_gate_inp.weight"),
+    ("expert_gate", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "blk.{i}.ffn_gate_exps.weight"),
+    ("expert_up", "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", "blk.{i}.ffn_up_exps.weight"),
+    ("expert_down", "model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", "blk.{i}.ffn_down_exps.weight"),
+)
 
 
 # transformers' hidden_act names -> the gate activation of the gated MLP the kernels run
@@ -93,18 +109,31 @@ class Family:
     gguf_unscaled_layers: int | None = None  # the layer count of the size whose attention scale GGUF does not hold
                                              # (Gemma's 27B): (hidden / heads) ** -0.5 there, as llama.cpp
     # none: every layer sees the whole context; all: `sliding_window` (null: none) on every layer;
-    # layer_types: Qwen's `use_sliding_window`, `max_window_layers` or `layer_types`; pattern:
-    # `layer_types`, else every `sliding_window_pattern`-th layer full and the others sliding (Gemma 3)
-    window: Literal["none", "all", "layer_types", "pattern"] = "none"
+    # flag: the same where `use_sliding_window` (Qwen3-MoE); layer_types: Qwen's `use_sliding_window`,
+    # `max_window_layers` or `layer_types`; pattern: `layer_types`, else every
+    # `sliding_window_pattern`-th layer full and the others sliding (Gemma 3)
+    window: Literal["none", "all", "flag", "layer_types", "pattern"] = "none"
     defaults: tuple[tuple[str, Any], ...] = ()  # what the config class assumes for keys a config.json leaves out
     gguf_permuted_qk: bool = False  # llama.cpp's converter permutes q/k rows for its interleaved RoPE
     # tokens that end generation beside the GGUF's eos_token_id (which holds one): the ones the
     # family's generation_config.json lists, which llama.cpp also ends on (Gemma: <end_of_turn>)
     gguf_end_tokens: tuple[str, ...] = ()
+    # a mixture of experts in place of every layer's MLP (the expert count: `num_experts`, else
+    # `num_local_experts`; top-k: `num_experts_per_tok`), routed as transformers' class routes:
+    # softmax over every expert in float32, the top k, their weights renormalized (a config key or
+    # always) and multiplied in float32 (Mixtral) or first cast to the activations' dtype (Qwen3-MoE)
+    moe: bool = False
+    expert_size_key: str = "intermediate_size"  # the config key of an expert's MLP width
+    norm_topk: str | bool = True
+    expert_weights_float32: bool = False
+    sparse_step_keys: bool = False  # decoder_sparse_step / mlp_only_layers choose dense layers (read, and
+                                    # only every layer sparse supported)
+    gguf_expert_size_key: str | None = None  # GGUF's key of an expert's width (None: feed_forward_length)
 
     def __post_init__(self) -> None:
         roles = {role for role, _, _ in self.tensors}
-        assert ("qkv" in roles) != ("q" in roles) and ("gate_up" in roles) != ("gate" in roles), self.model_type
+        mlp = ("expert_gate" in roles) + ("gate_up" in roles) + ("gate" in roles)
+        assert ("qkv" in roles) != ("q" in roles) and mlp == 1 and self.moe == ("router" in roles), self.model_type
         assert (self.norm != "post") == ("attn_norm" in roles) and (self.qk_norm is None) != ("q_norm" in roles)
         assert (self.norm != "pre") == ("attn_post_norm" in roles), self.model_type
 
@@ -149,22 +178,57 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
            defaults=(("rms_norm_eps", 1e-6), ("head_dim", 256), ("hidden_activation", "gelu_pytorch_tanh"),
                      ("query_pre_attn_scalar", 256), ("sliding_window", 4096), ("sliding_window_pattern", 6),
                      ("tie_word_embeddings", True), ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0))),
+    # Qwen3's attention (QK-norm per head) over N experts, top-k; its window on every layer with
+    # use_sliding_window; llama.cpp renormalizes the top-k weights of every qwen3moe file
+    Family("qwen3_moe", "qwen3moe", _without(_LLAMA_TENSORS, *_DENSE_MLP) + _QK_NORMS + _QWEN_EXPERTS,
+           qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head", window="flag", moe=True,
+           expert_size_key="moe_intermediate_size", norm_topk="norm_topk_prob", sparse_step_keys=True,
+           gguf_expert_size_key="expert_feed_forward_length",
+           defaults=(("rms_norm_eps", 1e-6), ("use_sliding_window", False), ("sliding_window", 4096),
+                     ("num_local_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
+                     ("norm_topk_prob", False))),
+    # Mistral's attention over 8 experts, top-2; llama.cpp writes it as "llama" with expert tensors
+    Family("mixtral", "llama", _without(_LLAMA_TENSORS, *_DENSE_MLP) + _MIXTRAL_EXPERTS, window="all", moe=True,
+           expert_weights_float32=True, gguf_permuted_qk=True,
+           defaults=(("rms_norm_eps", 1e-5), ("sliding_window", None), ("num_local_experts", 8),
+                     ("num_experts_per_tok", 2))),
 )})
 
-GGUF_FAMILIES: Mapping[str, Family] = MappingProxyType({f.gguf_arch: f for f in FAMILIES.values() if f.gguf_arch})
+# GGUF architecture and whether the file has experts (`{arch}.expert_count` > 0) -> the row
+GGUF_FAMILIES: Mapping[tuple[str, bool], Family] = MappingProxyType(
+    {(f.gguf_arch, f.moe): f for f in FAMILIES.values() if f.gguf_arch})
+
+# Families users reach for that this decoder does not run (yet), by HF model_type and by GGUF
+# architecture, and the math that is missing
+NOT_YET: Mapping[str, str] = MappingProxyType({
+    "qwen2_moe": "a mixture of experts with a shared expert",
+    "gpt_oss": "a mixture of experts with biased, clamped SwiGLU experts, and attention sinks",
+    "deepseek_v2": "shared experts, grouped expert routing and multi-head latent attention",
+    "deepseek_v3": "shared experts, grouped sigmoid expert routing and multi-head latent attention",
+    "qwen2moe": "a mixture of experts with a shared expert",
+    "gpt-oss": "a mixture of experts with biased, clamped SwiGLU experts, and attention sinks",
+    "deepseek2": "shared experts, grouped expert routing and multi-head latent attention",
+})
 
 
 def family(model_type: str) -> Family:
     """The row of a Hugging Face `model_type`; an UnsupportedArchitecture naming the ones there are."""
     if model_type not in FAMILIES:
+        why = f" ({NOT_YET[model_type]})" if model_type in NOT_YET else ""
         raise UnsupportedArchitecture(
-            f"model_type {model_type!r} is not supported; expected one of {', '.join(FAMILIES)}")
+            f"model_type {model_type!r}{why} is not supported; expected one of {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 
-def gguf_family(arch: Any) -> Family:
-    """The row of a GGUF `general.architecture`."""
-    if arch not in GGUF_FAMILIES:
-        raise UnsupportedArchitecture(
-            f"GGUF architecture {arch!r} is not supported; expected one of {', '.join(GGUF_FAMILIES)}")
-    return GGUF_FAMILIES[arch]
+def gguf_family(arch: Any, experts: bool = False) -> Family:
+    """The row of a GGUF `general.architecture`, of its files with experts or without."""
+    if (arch, experts) not in GGUF_FAMILIES:
+        archs = ", ".join(f"{a} (with experts)" if moe else a for a, moe in GGUF_FAMILIES)
+        if arch in NOT_YET:
+            what = f" ({NOT_YET[arch]})"
+        elif experts:
+            what = " with experts (a mixture of experts)"
+        else:
+            what = " without experts" if (arch, True) in GGUF_FAMILIES else ""
+        raise UnsupportedArchitecture(f"GGUF architecture {arch!r}{what} is not supported; expected one of {archs}")
+    return GGUF_FAMILIES[arch, experts]

@@ -21,6 +21,7 @@ from quickdraft.kernels import QuantizedWeight, linear
 from quickdraft.kernels.layer import FusedLayer, fused_layer_usable, run_layer
 from quickdraft.kv.cache import KVCache, Slots
 from quickdraft.model.config import ModelConfig
+from quickdraft.model.experts import Experts
 from quickdraft.model.rope import RotaryTable, apply_rope, inverse_frequencies
 
 
@@ -133,7 +134,8 @@ class Block(nn.Module):
     """One decoder layer. Pre-norm families (Llama) normalize each sublayer's input, fused into its
     first matmul; post-norm families (OLMo 2) normalize its output before the residual add; Gemma 3
     both. QK-norm (Qwen3, Gemma 3: per head; OLMo 2: over the whole projection) runs between the
-    q|k|v matmul and RoPE."""
+    q|k|v matmul and RoPE. A mixture of experts (model/experts.py) takes the MLP's place where the
+    config has experts."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -156,8 +158,10 @@ class Block(nn.Module):
             self.k_norm = RMSNorm(c.head_dim if per_head else c.num_kv_heads * c.head_dim, c.rms_norm_eps)
         self.wqkv = nn.Linear(c.hidden_size, qkv_out, bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
-        self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.moe = Experts(c) if c.num_experts else None
+        if self.moe is None:
+            self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+            self.w_down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
         self.fused: FusedLayer | None = None  # the weights packed for layer.c, on first use
 
     def _norm_weights(self) -> dict[str, torch.Tensor | None]:
@@ -168,9 +172,10 @@ class Block(nn.Module):
         mask, visible = at.masks(self.window)
         # a draft head (proposers/head.py) runs one block with one table of its own: at.local is None
         cos, sin = at.local if self.local_rope and at.local is not None else (at.cos, at.sin)
-        linears = (self.wqkv, self.wo, self.w_gate_up, self.w_down)
+        linears = (self.wqkv, self.wo) + ((self.w_gate_up, self.w_down) if self.moe is None else ())
         eps = (self.attn_norm if self.pre else self.attn_post_norm).eps
-        if fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):  # GGUF blocks on CPU: one C call
+        # GGUF blocks on CPU: one C call (layer.c has no experts)
+        if self.moe is None and fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
                                            self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
@@ -195,13 +200,21 @@ class Block(nn.Module):
             attn = _attention(q, keys, values, mask, self.scale, self.softcap)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
         # biases (None where the family has none) are added before the residual and before SwiGLU
+        norm = self.mlp_norm.fused if self.pre else None
         if self.post:
             x = x + self.attn_post_norm(linear(attn.to(x.dtype), self.wo.weight, self.wo.bias))
-            h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused if self.pre else None)
-            return x + self.mlp_post_norm(linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate))
+            return x + self.mlp_post_norm(self._mlp(x, norm))
         x = linear(attn.to(x.dtype), self.wo.weight, self.wo.bias, residual=x)
-        h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=self.mlp_norm.fused)
+        if self.moe is not None:
+            return x + self.moe(x, norm)
+        h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=norm)
         return linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate, residual=x)
+
+    def _mlp(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x, norm)
+        h = linear(x, self.w_gate_up.weight, self.w_gate_up.bias, norm=norm)
+        return linear(h, self.w_down.weight, self.w_down.bias, swiglu=self.gate)
 
     def _qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
         """q and k of qkv [B, T, (n_q + 2 n_kv) * hd] normalized: per head, or each projection whole."""
@@ -287,8 +300,10 @@ class Transformer(nn.Module):
         as stored, or the C kernels do not run here, which makes no pass batch-invariant anyway)."""
         if self.device.type != "cpu" or kernels.active_library() is None:
             return None
+        # (experts feed the C kernel at most MAX_ROWS rows a call: invariant at any count, experts.py)
         names = ("wqkv", "wo", "w_gate_up", "w_down")
-        stored = all(isinstance(getattr(block, name).weight, QuantizedWeight) for block in self.blocks for name in names)
+        stored = all(isinstance(getattr(block, name).weight, QuantizedWeight)
+                     for block in self.blocks for name in names if hasattr(block, name))
         return None if stored else kernels.MAX_ROWS
 
     @property

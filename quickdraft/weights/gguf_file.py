@@ -1,12 +1,14 @@
 """Loading a single GGUF file: config and tokenizer metadata, and tensors either kept in their
 block formats (`QuantizedWeight`, a view of the memory-mapped file) or dequantized with `gguf`.
 
-The architecture picks the family's row (model/families.py): its tensor names, and whether
-llama.cpp stored the q/k projections permuted for its interleaved RoPE (`llama`); they are
-permuted back here (whole rows of blocks, so quantized rows move unchanged) so the model has one
-RoPE layout for every format. Every tensor is handed on (one outside the family's names under its
-own name, for the model to refuse by name), and metadata that changes the math is read or refused,
-never assumed.
+The architecture, and whether the file has experts (Mixtral is "llama" with experts), picks the
+family's row (model/families.py): its tensor names, and whether llama.cpp stored the q/k
+projections permuted for its interleaved RoPE (`llama`); they are permuted back here (whole rows of
+blocks, so quantized rows move unchanged) so the model has one RoPE layout for every format. A
+stacked expert tensor ([E, rows, cols]) becomes one matrix per expert, each a view of the file's
+blocks where the kernel runs their type, as every matrix is. Every tensor is handed on (one outside
+the family's names under its own name, for the model to refuse by name), and metadata that changes
+the math is read or refused, never assumed.
 """
 from __future__ import annotations
 
@@ -67,7 +69,16 @@ NEUTRAL_KEYS: dict[str, tuple[Any, str]] = {
     "attention.causal": (True, "non-causal attention"),
     "use_parallel_residual": (False, "parallel attention and MLP"),
     "expert_used_count": (0, "experts per token"),
+    # llama.cpp's routing of the families with experts here: softmax, the top-k weights renormalized
+    "expert_shared_count": (0, "a shared expert"),
+    "expert_shared_feed_forward_length": (0, "a shared expert"),
+    "expert_gating_func": (1, "expert gating other than softmax"),
+    "expert_weights_norm": (True, "top-k expert weights not renormalized"),
+    "expert_weights_scale": (1.0, "scaled expert weights"),
+    "expert_group_count": (0, "grouped expert routing"),
+    "leading_dense_block_count": (0, "dense layers before the experts"),
 }
+EXPERT_KEYS = ("expert_count", "expert_used_count")  # read where the family has experts
 # The other `{arch}.*` keys the families' files hold, each read by config_from_metadata (or checked
 # by _refuse_unsupported_keys; `{arch}.rope.*`: gguf_rope.py). A key outside these and NEUTRAL_KEYS
 # may change the math in a way this loader cannot tell: refused by name.
@@ -75,7 +86,8 @@ READ_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
     "attention.key_length_swa", "attention.value_length_swa", "attention.layer_norm_rms_epsilon",
-    "attention.layer_norm_epsilon", "attention.sliding_window", "attention.sliding_window_pattern"})
+    "attention.layer_norm_epsilon", "attention.sliding_window", "attention.sliding_window_pattern",
+    "expert_feed_forward_length"})
 
 
 def config_from_metadata(meta: dict[str, Any], names: set[str],
@@ -84,7 +96,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
     there or not) and values of its rope tensors (gguf_rope.ROPE_TENSORS: LongRoPE's factors);
     keys that change the math and are not implemented are refused by name."""
     arch = meta.get("general.architecture")
-    spec = gguf_family(arch)
+    spec = gguf_family(arch, experts=bool(meta.get(f"{arch}.expert_count")))
     gguf_names = {role: gguf for role, (_, gguf) in spec.names.items()}
 
     def has(role: str) -> bool:
@@ -131,7 +143,20 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=((int(eos),) if eos is not None else ()) + _end_token_ids(tokens, spec),
+        **(_experts(get, spec) if spec.moe else {}),
     )
+
+
+def _experts(get: Any, spec: Family) -> dict[str, Any]:
+    """A mixture of experts as llama.cpp runs these families: softmax routing, the top-k weights
+    renormalized (every qwen3moe and llama file), an expert's width its own key or else
+    feed_forward_length (a qwen3moe file without it: feed_forward_length / experts used, as llama.cpp)."""
+    count, used = int(get("expert_count")), int(get("expert_used_count"))
+    size = get("feed_forward_length")
+    if spec.gguf_expert_size_key:
+        size = get(spec.gguf_expert_size_key, int(size) // max(used, 1))
+    return dict(num_experts=count, experts_per_token=used, expert_size=int(size), norm_topk=True,
+                expert_weights_float32=spec.expert_weights_float32)
 
 
 def _end_token_ids(tokens: list[str], spec: Family) -> tuple[int, ...]:
@@ -171,8 +196,9 @@ def _refuse_unsupported_keys(meta: dict[str, Any], arch: str, head_dim: int, spe
         raise UnsupportedArchitecture(f"GGUF key {unknown[0]!r} = {meta[unknown[0]]!r} is not supported (not a "
                                       f"setting this loader reads or knows to change nothing)")
     for key, (neutral, what) in NEUTRAL_KEYS.items():
-        if key == "attention.scale" and spec.attn_scale_key or key.endswith("softcapping") and spec.softcaps:
-            continue  # read: the family's own scale and soft-caps
+        if key == "attention.scale" and spec.attn_scale_key or key.endswith("softcapping") and spec.softcaps \
+                or key in EXPERT_KEYS and spec.moe:
+            continue  # read: the family's own scale, soft-caps and experts
         value = meta.get(f"{arch}.{key}", neutral)
         if value != neutral:
             raise UnsupportedArchitecture(f"GGUF key '{arch}.{key}' = {value!r} ({what}) is not supported")
@@ -224,6 +250,9 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
         if t.name in rope:  # read into the config (LongRoPE's factors) or passed on (rope_freqs)
             continue
         hf = hf_name_for_gguf(t.name, spec) or t.name  # a name outside the table stays: the model refuses it by name
+        if "{e}" in hf:  # every expert's matrix in one tensor
+            tensors |= _per_expert(t, hf, quantized)
+            continue
         heads = _permuted_heads(spec, config, hf)
         if quantized and len(t.shape) == 2 and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
             tensors[hf] = _as_stored(t, heads)
@@ -231,6 +260,24 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
             w = torch.from_numpy(dequantize_tensor(t).copy())
             tensors[hf] = w if heads is None else _unpermute_qk(w, heads)
     return GGUFCheckpoint(config, tensors, meta, freq_factors)
+
+
+def _per_expert(t: Any, hf: str, quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """A stacked expert tensor ([E, rows, cols]) as E matrices under their Hugging Face names ("{e}"
+    filled): views of the file's blocks where the kernel runs their type, else of one float32
+    dequantization."""
+    if len(t.shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {t.name!r} has {len(t.shape)} dimensions; expected 3 (experts, rows, "
+                             f"columns)")
+    if quantized and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
+        blocks = np.asarray(t.data)  # [E, rows, row_bytes]
+        try:
+            return {hf.replace("{e}", str(e)): QuantizedWeight([Part(GGMLQuantizationType(t.tensor_type), blocks[e])],
+                                                                int(t.shape[0])) for e in range(blocks.shape[0])}
+        except ValueError as err:
+            raise ModelLoadError(f"GGUF tensor {t.name!r}: {err}") from None
+    w = torch.from_numpy(dequantize_tensor(t).copy())
+    return {hf.replace("{e}", str(e)): w[e] for e in range(w.shape[0])}
 
 
 def _permuted_heads(spec: Family, config: ModelConfig, hf: str) -> int | None:

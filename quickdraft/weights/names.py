@@ -4,6 +4,9 @@
 
 The model is built from Hugging Face names and refuses a tensor it does not take; the GGUF loader
 renames through the family's names and keeps a name outside them as it is, so that refusal names it.
+An expert's matrices are one tensor per expert ("{e}") in a checkpoint and one stacked tensor of
+every expert's in a GGUF: a GGUF name renames to its HF name with "{e}" left in, for the loader to
+fill per expert.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ IGNORED_TENSORS: tuple[tuple[str, str], ...] = (
 
 
 def _pattern(template: str) -> re.Pattern[str]:
-    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(\d+)") + "$")
+    """"{i}" (a layer) and "{e}" (an expert) match an index."""
+    return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)") + "$")
 
 
 _IGNORED = [_pattern(hf) for hf, _ in IGNORED_TENSORS]
@@ -47,5 +51,8 @@ def _rename(name: str, family: Family, source: int) -> str | None:
     for pair in family.names.values():
         m = _pattern(pair[source]).match(name)
         if m:
-            return pair[1 - source].replace("{i}", m.group(1)) if m.groups() else pair[1 - source]
+            out = pair[1 - source]
+            for index, value in m.groupdict().items():
+                out = out.replace(f"{{{index}}}", value)
+            return out
     return None

@@ -17,7 +17,9 @@ from quickdraft.kernels.quantized import Part, QuantizedWeight
 
 SCHEMES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_1}
 GROUP = 32
-MATRICES = ("proj.weight", "lm_head.weight")  # attention and MLP projections, the output head
+# attention and MLP projections (experts' too: Mixtral names them w1, w2, w3), the output head; never
+# a router (mlp.gate), whose choice of experts stays that of the float weights
+MATRICES = ("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight", "lm_head.weight")
 
 
 def quantize_tensors(tensors: dict[str, torch.Tensor | QuantizedWeight], scheme: str,

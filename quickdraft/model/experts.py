@@ -1,0 +1,71 @@
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral): a router picks each token's
+top-k experts, each a gated MLP of its own, and sums their outputs weighted by the router.
+
+Routing follows transformers' order of ops (softmax in float32 over every expert, the top k, their
+weights renormalized where the family says), so the same experts win. A token's output is its own:
+the router and the experts run through kernels.linear, fed at most kernels.MAX_ROWS rows a call
+where float weights run the C kernel (each row the same bits at any row count; GGUF blocks are at
+any count), and a token's experts are summed in ascending expert index whichever other tokens share
+the pass. This is the torch loop over experts (one matmul pair per expert a pass chose); a C kernel
+running every expert of a pass in one call would take the same weights. Knows nothing of attention,
+caches or files.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quickdraft.kernels import MAX_ROWS, QuantizedWeight, linear, usable
+from quickdraft.model.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP: gate|up as one matrix (as the dense MLP's), then down."""
+
+    def __init__(self, hidden: int, size: int) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(hidden, 2 * size, bias=False)
+        self.w_down = nn.Linear(size, hidden, bias=False)
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(config.hidden_size, config.expert_size) for _ in range(config.num_experts))
+        self.top_k, self.norm_topk = config.experts_per_token, config.norm_topk
+        self.weights_float32 = config.expert_weights_float32
+        self.gate = config.activation
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [N, E] -> each token's experts' weights (float32) and indices, [N, k] each."""
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+        """x [..., D] the sublayer's input; `norm`: the RMSNorm (weight, eps) fused before the router
+        and each expert's first matmul (None: none). -> [..., D] the experts' weighted sum."""
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        weights, chosen = self.route(_rows_linear(flat, self.router.weight, norm=norm))
+        out = torch.zeros_like(flat)
+        # one host sync a layer: which experts the pass chose, in ascending order (each token's sum order)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.where(chosen == e)  # each token at most once: one add per token below
+            expert = self.experts[e]
+            h = _rows_linear(flat[rows], expert.w_gate_up.weight, norm=norm)
+            y = _rows_linear(h, expert.w_down.weight, swiglu=self.gate)
+            w = weights[rows, slot, None]
+            y = (y.float() * w).to(y.dtype) if self.weights_float32 else y * w.to(y.dtype)
+            out.index_add_(0, rows, y)
+        return out.view_as(x)
+
+
+def _rows_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, **kwargs) -> torch.Tensor:
+    """kernels.linear of x [N, K], at most MAX_ROWS rows a call where float weights run the C kernel:
+    torch's GEMM, which takes more, blocks its sums by the row count."""
+    if isinstance(weight, torch.Tensor) and x.shape[0] > MAX_ROWS and usable(x[:MAX_ROWS], weight):
+        return torch.cat([linear(part, weight, **kwargs) for part in x.split(MAX_ROWS)])
+    return linear(x, weight, **kwargs)
