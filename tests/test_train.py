@@ -1,57 +1,158 @@
-"""The head trainer: recorded examples are the target's own greedy output with its exact features,
-the loss falls, a trained head is accepted more often than an untrained one, a resumed run
-continues exactly, and the ShareGPT reader keeps what parses of a cut-off file."""
+"""The head trainer: responses are the target's own greedy output, generated resumably; features
+rebuilt by prefill are those recorded while decoding; the loss falls (in float32 and in bfloat16),
+a trained head is accepted more often than an untrained one, a resumed run continues exactly, and
+the ShareGPT reader keeps what parses of a cut-off file."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from quickdraft import kernels
 from quickdraft.cli import main
 from quickdraft.engine import generate_tokens
+from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.proposers.base import EACH
 from quickdraft.proposers.head import DraftHead, head_config, load_head
+from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.train import trainer
+from quickdraft.train import features, responses, trainer
 from quickdraft.train.data import iter_sharegpt, without_benchmark
-from quickdraft.train.responses import Example, generate_examples
-from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, train_head
+from quickdraft.train.features import FEATURES, Example, training_examples
+from quickdraft.train.responses import RESPONSES, generate_responses
+from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, step_rate, train_head, training_dtype
 from test_spec_exactness import tiny
 from tiny_tokenizer import tiny_llm_dir
 
-CONFIG = TrainConfig(steps=80, batch_size=8, max_len=48, lr=3e-3, warmup=5, checkpoint_every=40)
+CONFIG = TrainConfig(steps=80, batch_size=8, max_len=48, lr=3e-3, warmup=5, checkpoint_every=40, dtype="float32")
 
 
-def target():
-    return tiny("llama-gqa-untied", init=0.1)
+def target(name: str = "llama-gqa-untied"):
+    return tiny(name, init=0.1)
 
 
-def prompts(n: int, seed: int) -> list[list[int]]:
+def prompts(n: int, seed: int, lengths: tuple[int, int] = (4, 9)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 96, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+    return [torch.randint(3, 96, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
 
 def corpus(n: int, seed: int) -> list[Example]:
-    """The target's own greedy continuations of random prompts: the text a head must predict."""
-    return generate_examples(target(), prompts(n, seed), frozenset(), 40, batch_size=8, progress=False)
-
-
-def test_examples_are_plain_greedy_output_with_exact_features() -> None:
+    """The target's own greedy continuations of random prompts, with its features there: the text
+    a head must predict."""
     model = target()
-    examples = generate_examples(model, prompts(6, 3), frozenset(), 20, batch_size=4, progress=False)
-    for prompt, e in zip(prompts(6, 3), examples):
+    with tempfile.TemporaryDirectory() as tmp:
+        answers = generate_responses(model, prompts(n, seed), frozenset(), 40, Path(tmp) / RESPONSES, batch_size=8,
+                                     progress=False)
+        return training_examples(model, answers, Path(tmp) / FEATURES, progress=False)
+
+
+def test_responses_are_plain_greedy_output(tmp_path: Path) -> None:
+    model = target()
+    answers = generate_responses(model, prompts(6, 3), frozenset(), 20, tmp_path / RESPONSES, batch_size=4,
+                                 progress=False)
+    for prompt, r in zip(prompts(6, 3), answers):
         new = [t for ev in generate_tokens(model, prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
                for t in ev.token_ids]
-        # features of every position the engine ran and handed over: all but the last two (the final
-        # step's run is not handed to proposers, the last token never runs)
-        assert e.tokens == (prompt + new)[:len(e.features) + 1] and len(e.features) == len(prompt) + 18
-        assert e.prompt_len == len(prompt)
-        ids = torch.tensor([e.tokens[:-1]])
-        fresh = model(ids, torch.arange(ids.shape[1])[None], model.new_cache(1, ids.shape[1]), last_n=1).hidden[0]
-        assert torch.allclose(e.features.float(), fresh, rtol=2e-2, atol=2e-2)  # stored in bfloat16
+        assert r.tokens == prompt + new and r.prompt_len == len(prompt)
+
+
+def test_generation_resumes_where_it_stopped(tmp_path: Path, monkeypatch) -> None:
+    """A run killed after its first shard was saved, rerun, answers only the prompts still missing
+    and ends with the uninterrupted run's responses; a third run answers none."""
+    model, asked = target(), prompts(10, 4)
+
+    def run(path: Path):
+        # token 41 ends some responses early: rows finish out of prompt order
+        return generate_responses(model, asked, frozenset({41}), 12, path, batch_size=4, progress=False, shard=3)
+
+    whole = run(tmp_path / "whole" / RESPONSES)
+    real_save, real_request, saves, requested = responses.save_responses, responses.Request, [], []
+
+    def dies_at_second_save(*args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        return real_save(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        requested.append(args[0])
+        return real_request(*args, **kwargs)
+
+    path = tmp_path / "killed" / RESPONSES
+    monkeypatch.setattr(responses, "save_responses", dies_at_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        run(path)
+    monkeypatch.setattr(responses, "save_responses", real_save)
+    monkeypatch.setattr(responses, "Request", counted)
+    requested.clear()
+    assert run(path) == whole and requested == asked[3:]
+    requested.clear()
+    assert run(path) == whole and requested == []
+    assert sorted(len(r.tokens) - r.prompt_len for r in whole)[:3] == [0, 0, 2]  # as the stop token ended them
+    with pytest.raises(ValueError, match="other settings"):
+        generate_responses(model, asked, frozenset({41}), 13, path, progress=False)
+    with pytest.raises(ValueError, match="other settings"):
+        generate_responses(model, asked, frozenset(), 12, path, progress=False)
+    with pytest.raises(ValueError, match="other prompts"):
+        generate_responses(model, prompts(10, 5), frozenset({41}), 12, path, progress=False)
+
+
+class FeatureRecorder:
+    """A proposer that proposes nothing and records the features the engine commits (its steps are
+    plain decoding steps)."""
+    group = EACH
+
+    def __init__(self) -> None:
+        self.features: list[torch.Tensor] = []
+
+    def commit(self, step: Committed) -> None:
+        self.features.append(step.features.to("cpu", features.STORE_DTYPE))
+
+    def propose(self, k: int) -> Draft:
+        return NO_DRAFT
+
+
+@pytest.mark.parametrize("name, lengths", [("llama-gqa-untied", (4, 9)), ("llama-gqa-untied@Q8_0", (70, 90))])
+def test_prefill_features_are_those_recorded_while_decoding(tmp_path: Path, monkeypatch, name: str,
+                                                             lengths: tuple[int, int]) -> None:
+    """Bitwise where the target's passes are batch-invariant (the C kernels: float weights up to
+    kernels.MAX_ROWS tokens, GGUF blocks at any length); the cache is reused, and a changed
+    response recomputes its shard only."""
+    model, asked = target(name), prompts(5, 6, lengths)
+    answers = generate_responses(model, asked, frozenset(), 16, tmp_path / RESPONSES, batch_size=4, progress=False)
+    got = training_examples(model, answers, tmp_path / FEATURES, progress=False, shard=2)
+    engine = Engine(model, EngineConfig(max_batch=4, max_seq_len=lengths[1] + 16))
+    recorders = [FeatureRecorder() for _ in asked]
+    for i, (prompt, recorder) in enumerate(zip(asked, recorders)):
+        engine.add(Request(prompt, SamplingParams(max_new_tokens=16), frozenset(), recorder, k=1, id=str(i)))
+    while engine.has_work():
+        engine.step()
+    for r, e, recorder in zip(answers, got, recorders):
+        recorded = torch.cat(recorder.features)  # all but the last step's: the engine hands that to no one
+        assert e.tokens == r.tokens and e.prompt_len == r.prompt_len and len(e.features) == len(r.tokens) - 1
+        assert len(recorded) == len(e.features) - 1
+        if kernels.active_library() is not None:
+            assert torch.equal(e.features[:len(recorded)], recorded)
+        else:  # torch's GEMM: the last bits of float32 differ, seldom a bfloat16 rounding
+            assert torch.allclose(e.features[:len(recorded)].float(), recorded.float(), rtol=1e-2, atol=1e-2)
+    real, ran = features.prefill, []
+
+    def counted(model, tokens):
+        ran.append(tokens)
+        return real(model, tokens)
+
+    monkeypatch.setattr(features, "prefill", counted)
+    again = training_examples(model, answers, tmp_path / FEATURES, progress=False, shard=2)
+    assert ran == [] and all(torch.equal(a.features, b.features) for a, b in zip(got, again))
+    changed = answers[:3] + [dataclasses.replace(answers[3], tokens=answers[3].tokens[:-1])] + answers[4:]
+    training_examples(model, changed, tmp_path / FEATURES, progress=False, shard=2)
+    assert ran == [r.tokens for r in changed[2:4]]
 
 
 def test_losses_count_where_the_head_drafts() -> None:
@@ -63,6 +164,27 @@ def test_losses_count_where_the_head_drafts() -> None:
     with pytest.raises(ValueError, match="response tokens"):  # a prompt with no answer teaches nothing
         train_head(target(), [Example(list(range(4)), torch.zeros(3, 32), prompt_len=3)], CONFIG,
                    Path("unused"), "tiny", progress=False)
+    # nor one whose answer starts past the positions a step reads: a batch of them had a NaN loss
+    long_prompt = Example(list(range(CONFIG.max_len + 10)), torch.zeros(CONFIG.max_len + 9, 64), CONFIG.max_len)
+    with pytest.raises(ValueError, match="response tokens"):
+        train_head(target(), [long_prompt], CONFIG, Path("unused"), "tiny", progress=False)
+
+
+def test_cross_entropy_equals_the_log_softmax_form() -> None:
+    """The loss's H(p, q) = logsumexp(W h) - h.(p W) and its gradient are -(p log_softmax(W h)).sum()'s."""
+    g = torch.Generator().manual_seed(0)
+    h0, weight = torch.randn(50, 16, generator=g), torch.randn(300, 16, generator=g)
+    p = torch.softmax(3 * torch.randn(50, 300, generator=g), dim=-1)
+    h = h0.clone().requires_grad_(True)
+    log_total, best = trainer.LogSumExp.apply(h @ weight.T)
+    ours = (log_total - (h * (p @ weight)).sum(-1)).mean()
+    ours.backward()
+    h_ref = h0.clone().requires_grad_(True)
+    logits = h_ref @ weight.T
+    reference = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+    reference.backward()
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    assert torch.allclose(h.grad, h_ref.grad, rtol=1e-4, atol=1e-6) and torch.equal(best, logits.argmax(-1))
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +218,40 @@ def test_training_lowers_the_loss_and_raises_acceptance(trained) -> None:
     assert rate_after > rate_before + 0.05 and per_pass > 1.05
     info = json.loads((out / "head.json").read_text())
     assert info["target"] == "tiny" and info["training"]["steps"] == CONFIG.steps
+    assert info["training"]["dtype"] == "float32"
+
+
+def test_bfloat16_training_lowers_the_loss(trained, tmp_path: Path) -> None:
+    """Under autocast: the first step's loss is the float32 one up to bfloat16's rounding (and not
+    bitwise, or the matmuls did not run in bfloat16), and the loss falls as in float32."""
+    _, record = trained
+    config = dataclasses.replace(CONFIG, steps=40, dtype="bfloat16")
+    half = train_head(target(), corpus(48, 0), config, tmp_path, "tiny", progress=False)
+    first, first32 = half["history"][0], record["history"][0]
+    assert first["loss"] == pytest.approx(first32["loss"], rel=2e-2) and first["loss"] != first32["loss"]
+    history = half["history"]
+    assert mean(h["loss"] for h in history[-10:]) < 0.85 * mean(h["loss"] for h in history[:10])
+    assert mean(h["top1"] for h in history[-10:]) > mean(h["top1"] for h in history[:10]) + 0.1
+    assert half["dtype"] == "bfloat16" and json.loads((tmp_path / "head.json").read_text())["training"]["dtype"] == \
+        "bfloat16"
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_multiplies_it(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    for flags, expected in [({"avx512f", "amx_bf16"}, torch.bfloat16), ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+                            ({"avx512f", "avx2"}, torch.float32), (None, torch.float32)]:
+        monkeypatch.setattr(trainer, "cpu_flags", lambda flags=flags: flags)
+        assert training_dtype("auto", cpu) == expected
+    assert training_dtype("float32", cpu) == torch.float32
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        TrainConfig(dtype="float16")
+
+
+def test_step_rate_times_the_steps_train_head_runs(trained) -> None:
+    _, record = trained
+    rate, history = step_rate(target(), corpus(48, 0), CONFIG, steps=3, warmup=2)
+    assert rate > 0 and [h["loss"] for h in history] == pytest.approx([h["loss"] for h in record["history"][:5]],
+                                                                        rel=1e-5)
 
 
 def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
@@ -141,16 +297,20 @@ def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None
     model_dir = tiny_llm_dir(tmp_path / "model", max_position_embeddings=512)
     out = tmp_path / "head"
     args = ["train-head", "--model", str(model_dir), "--out", str(out), "--conversations", "6",
-            "--batch-size", "2", "--max-len", "64", "--max-new-tokens", "12", "--no-progress"]
+            "--batch-size", "2", "--max-new-tokens", "12", "--no-progress",
+            "--train-dtype", "float32"]
     assert main(args + ["--steps", "3"]) == 0
     assert (out / "head.safetensors").is_file() and (out / "checkpoint.pt").is_file()
+    assert (out / RESPONSES).is_file() and (out / FEATURES / "00000.pt").is_file()
     info = json.loads((out / "head.json").read_text())
     assert info["training"]["examples"] == 6 and info["training"]["steps"] == 3
-    # a rerun asking for more steps reuses the generated examples and resumes the checkpoint
+    # a rerun asking for more steps reuses the responses and their features and resumes the checkpoint
     def no_generation(*args, **kwargs):
-        raise AssertionError("the examples should have been reused")
+        raise AssertionError("the responses and features should have been reused")
 
-    monkeypatch.setattr("quickdraft.train.responses.generate_examples", no_generation)
+    monkeypatch.setattr(responses, "Engine", no_generation)
+    monkeypatch.setattr(features, "prefill", no_generation)
     assert main(args + ["--steps", "5"]) == 0
     info = json.loads((out / "head.json").read_text())
-    assert info["training"]["steps"] == 5 and len(json.loads((out / "history.json").read_text())) == 5
+    history = json.loads((out / "history.json").read_text())
+    assert info["training"]["steps"] == 5 and len(history) == 5 and all(math.isfinite(h["loss"]) for h in history)

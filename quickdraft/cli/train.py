@@ -1,6 +1,6 @@
-"""`quickdraft train-head`: ShareGPT prompts -> the target's own responses with its features ->
-a draft head, with progress, checkpoints and resume; reports the head's acceptance on held-out
-prompts at the end."""
+"""`quickdraft train-head`: ShareGPT prompts -> the target's own responses -> its features over
+them -> a draft head, each stage saved in the output folder so that a rerun resumes where it
+stopped; reports the head's acceptance on held-out prompts at the end."""
 from __future__ import annotations
 
 import argparse
@@ -11,22 +11,23 @@ from pathlib import Path
 from quickdraft.cli.common import add_model_args, load_llm
 from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
+from quickdraft.train.trainer import DTYPES
 
 HELD_OUT = 8  # prompts after the training ones, for the acceptance report
-EXAMPLES = "examples.pt"  # the generated responses and features, reused by a rerun with the same data flags
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.bench.questions import OWN_QUESTIONS, default_questions_path, load_questions
-    from quickdraft.proposers.head import load_head, target_probe
+    from quickdraft.proposers.head import load_head
     from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
-    from quickdraft.train.responses import generate_examples, load_examples, save_examples
-    from quickdraft.train.trainer import TrainConfig, acceptance, train_head
+    from quickdraft.train.features import FEATURES, training_examples
+    from quickdraft.train.responses import RESPONSES, generate_responses
+    from quickdraft.train.trainer import TrainConfig, acceptance, train_head, training_dtype
 
     try:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              unroll=args.unroll, draft_vocab=args.draft_vocab,
-                             checkpoint_every=args.checkpoint_every, seed=args.seed)
+                             checkpoint_every=args.checkpoint_every, seed=args.seed, dtype=args.train_dtype)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
@@ -45,18 +46,16 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     held_out, train = prompts[args.conversations:], prompts[:args.conversations]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"target_probe": target_probe(llm.model), "dtype": str(llm.model.compute_dtype),
-                "prompts": train, "max_new_tokens": args.max_new_tokens}
-    examples = load_examples(out / EXAMPLES, settings)
-    if examples is None:
-        print(f"quickdraft: the target answers {len(train)} prompts from {data.name} (greedy, up to "
-              f"{args.max_new_tokens} tokens each)", file=sys.stderr)
-        examples = generate_examples(llm.model, train, llm.tokenizer.eos_token_ids, args.max_new_tokens,
-                                     args.gen_batch, progress=not args.no_progress)
-        save_examples(examples, out / EXAMPLES, settings)
-    print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens", file=sys.stderr)
+    progress = not args.no_progress
+    print(f"quickdraft: the target answers {len(train)} prompts from {data.name} (greedy, up to "
+          f"{args.max_new_tokens} tokens each; those in {out / RESPONSES} are kept)", file=sys.stderr)
     try:
-        train_head(llm.model, examples, config, out, args.model, progress=not args.no_progress)
+        responses = generate_responses(llm.model, train, llm.tokenizer.eos_token_ids, args.max_new_tokens,
+                                       out / RESPONSES, args.gen_batch, progress)
+        examples = training_examples(llm.model, responses, out / FEATURES, progress)
+        print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens; training "
+              f"in {str(training_dtype(config.dtype, llm.model.device)).removeprefix('torch.')}", file=sys.stderr)
+        train_head(llm.model, examples, config, out, args.model, progress=progress)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     head = load_head(out, llm.model)
@@ -86,6 +85,10 @@ def add_train_head(sub) -> None:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head may draft")
     tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--train-dtype", choices=DTYPES, default="auto",
+                    help="dtype of the training's matmuls (the head's weights stay float32; --dtype is the target's); "
+                         "auto: bfloat16 where the CPU multiplies it natively (AMX-BF16 or AVX512-BF16) or on "
+                         "a GPU that does, else float32")
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=cmd_train_head)

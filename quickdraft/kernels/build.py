@@ -130,17 +130,23 @@ def _compile(compiler: str, flags: list[str], target: Path) -> str | None:
     return None
 
 
-def cpu_has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
-    """Whether this CPU has what the avx512vnni build needs, from the kernel's flags; None where
-    they cannot be read (not Linux): then the AVX2 build is built to ask the CPU itself."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
+    """The CPU's feature flags as the Linux kernel names them; None where they cannot be read."""
     try:
         text = cpuinfo.read_text()
     except OSError:
         return None
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(VNNI_FLAGS) <= set(line.partition(":")[2].split())
+            return set(line.partition(":")[2].split())
     return None
+
+
+def cpu_has_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool | None:
+    """Whether this CPU has what the avx512vnni build needs, from the kernel's flags; None where
+    they cannot be read (not Linux): then the AVX2 build is built to ask the CPU itself."""
+    flags = cpu_flags(cpuinfo)
+    return None if flags is None else set(VNNI_FLAGS) <= flags
 
 
 def _has_vnni() -> bool | None:

@@ -1,89 +1,106 @@
-"""Training examples for a draft head: the target's own greedy responses to conversation prompts,
-with the target's features recorded while it generates them.
+"""The text a draft head trains on: the target's own greedy responses to conversation prompts,
+kept as token ids with the settings that made them (train/features.py rebuilds the target's
+features over them by prefill).
 
 A head is used on the target's own output, so that is what it learns from (self-distillation, as
 Medusa-2 does): ShareGPT's answers were written by other models, and a 135M target agrees with
 their next token only about a third of the time, so features of that text teach a head what the
-target would *not* say. Generating through the batched engine also yields every feature for free:
-the engine hands each step's features to proposers that want them, and `FeatureRecorder` is a
-proposer that keeps them and proposes nothing, so its steps are plain decoding steps.
+target would *not* say. Tokens are a few MB (gzip'd JSON) where features are hundreds: they are
+what is kept, and they are saved every SHARD prompts, so a killed run's rerun generates only the
+responses still missing.
 """
 from __future__ import annotations
 
+import gzip
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from tqdm import tqdm
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import EACH
-from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft
+from quickdraft.proposers.head import target_probe
 from quickdraft.spec.sampling import SamplingParams
 
-STORE_DTYPE = torch.bfloat16  # features on disk and in memory: half the bytes, noise far below the head's error
+RESPONSES = "responses.json.gz"
+SHARD = 64  # responses saved together: what a killed run loses at most, besides those running
 
 
-@dataclass
-class Example:
-    tokens: list[int]          # s_0 .. s_n: prompt and response
-    features: torch.Tensor     # [n, D] f_0 .. f_{n-1}: the target's last-layer output at each fed position
-    prompt_len: int            # s_0 .. s_{prompt_len-1} are the prompt
+@dataclass(frozen=True)
+class Response:
+    tokens: list[int]  # s_0 .. s_n: prompt and response (a stop token ends it, not part of it)
+    prompt_len: int    # s_0 .. s_{prompt_len-1} are the prompt
 
 
-class FeatureRecorder:
-    """A proposer that proposes nothing and records the tokens and features the engine commits."""
-    group = EACH  # drafts alone (proposers/base.py)
-
-    def __init__(self, prompt_ids: Sequence[int]) -> None:
-        self.tokens = list(prompt_ids)
-        self.prompt_len = len(self.tokens)
-        self.features: list[torch.Tensor] = []
-
-    def commit(self, step: Committed) -> None:
-        self.tokens.extend(step.tokens)
-        self.features.append(step.features.to("cpu", STORE_DTYPE))
-
-    def propose(self, k: int) -> Draft:
-        return NO_DRAFT
-
-    def example(self) -> Example:
-        features = torch.cat(self.features)
-        return Example(self.tokens[:len(features) + 1], features, self.prompt_len)
+def target_settings(target: Transformer) -> dict:
+    """What the target's output depends on besides its input: its weights as run and its dtype."""
+    return {"target_probe": target_probe(target), "weights": target.weight_format, "dtype": str(target.compute_dtype)}
 
 
-def generate_examples(target: Transformer, prompts: Sequence[list[int]], eos_token_ids: frozenset[int],
-                      max_new_tokens: int, batch_size: int = 32, progress: bool = True) -> list[Example]:
-    """Greedy responses to `prompts` (batched, plain decoding) as examples, in prompt order."""
+def save_responses(path: Path, settings: dict, responses: Sequence[Response]) -> None:
+    """Written whole and renamed into place: a run killed while writing leaves the last file."""
+    text = json.dumps({"settings": settings, "responses": [{"prompt_len": r.prompt_len, "tokens": r.tokens}
+                                                           for r in responses]}, separators=(",", ":"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(gzip.compress(text.encode(), compresslevel=6, mtime=0))
+    os.replace(partial, path)
+
+
+def load_responses(path: Path, settings: dict, prompts: Sequence[list[int]]) -> list[Response]:
+    """The responses saved at `path` to the first of `prompts` ([] where there is no file); a file
+    made with other settings or to other prompts is an error rather than overwritten."""
+    if not path.is_file():
+        return []
+    saved = json.loads(gzip.decompress(path.read_bytes()))
+    responses = [Response(r["tokens"], r["prompt_len"]) for r in saved["responses"]][:len(prompts)]
+    if saved["settings"] != settings:
+        # the probe's floats would tell a reader nothing
+        theirs, ours = ({k: v for k, v in d.items() if k != "target_probe"} for d in (saved["settings"], settings))
+        raise ValueError(f"{path} holds responses of another target or made with other settings (saved: {theirs}; "
+                         f"this run: {ours}); use another --out or delete it")
+    differ = next((i for i, (r, p) in enumerate(zip(responses, prompts)) if r.tokens[:r.prompt_len] != p), None)
+    if differ is not None:
+        raise ValueError(f"{path} holds responses to other prompts (prompt {differ} differs: other data flags); "
+                         f"use another --out or delete it")
+    return responses
+
+
+def generate_responses(target: Transformer, prompts: Sequence[list[int]], eos_token_ids: frozenset[int],
+                       max_new_tokens: int, path: Path, batch_size: int = 32, progress: bool = True,
+                       shard: int = SHARD) -> list[Response]:
+    """Greedy responses to `prompts` (batched, plain decoding), in prompt order: those saved at
+    `path` and the rest, generated and saved there in order every `shard` prompts."""
+    settings = {**target_settings(target), "max_new_tokens": max_new_tokens, "stop": sorted(eos_token_ids)}
+    done = load_responses(path, settings, prompts)
+    todo = range(len(done), len(prompts))
+    if not todo:
+        return done
     engine = Engine(target, EngineConfig(max_batch=batch_size,
-                                         max_seq_len=max(map(len, prompts)) + max_new_tokens))
+                                         max_seq_len=max(len(prompts[i]) for i in todo) + max_new_tokens))
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    recorders: dict[str, FeatureRecorder] = {}
-    for i, prompt in enumerate(prompts):
-        recorders[str(i)] = FeatureRecorder(prompt)
-        engine.add(Request(list(prompt), params, eos_token_ids, recorders[str(i)], k=1, id=str(i)))
-    bar = tqdm(total=len(prompts), desc="responses", unit="resp", disable=not progress)
+    for i in todo:
+        engine.add(Request(list(prompts[i]), params, eos_token_ids, id=str(i)))
+    new: dict[int, list[int]] = {i: [] for i in todo}
+    finished: set[int] = set()
+    bar = tqdm(total=len(prompts), initial=len(done), desc="responses", unit="resp", disable=not progress)
     while engine.has_work():
-        for _, event in engine.step():
+        for request_id, event in engine.step():
             if event.error is not None:
                 raise event.error
-            bar.update(event.finish_reason is not None)
+            new[int(request_id)].extend(event.token_ids)
+            if event.finish_reason is not None:
+                finished.add(int(request_id))
+                bar.update(1)
+        # rows finish out of order: a shard is saved once all of its prompts are answered
+        while len(done) < len(prompts):
+            next_shard = range(len(done), min(len(done) + shard, len(prompts)))
+            if not finished.issuperset(next_shard):
+                break
+            done += [Response(list(prompts[i]) + new.pop(i), len(prompts[i])) for i in next_shard]
+            save_responses(path, settings, done)
     bar.close()
-    return [recorders[str(i)].example() for i in range(len(prompts))]
-
-
-def save_examples(examples: Sequence[Example], path: Path, settings: dict) -> None:
-    torch.save({"settings": settings, "tokens": [e.tokens for e in examples],
-                "features": [e.features for e in examples], "prompt_lens": [e.prompt_len for e in examples]}, path)
-
-
-def load_examples(path: Path, settings: dict) -> list[Example] | None:
-    """The examples saved at `path` if they were made with `settings`, else None."""
-    if not path.is_file():
-        return None
-    saved = torch.load(path, weights_only=True)
-    if saved.get("settings") != settings:
-        return None
-    return [Example(t, f, n) for t, f, n in zip(saved["tokens"], saved["features"], saved["prompt_lens"])]
+    return done

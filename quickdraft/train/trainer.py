@@ -11,29 +11,38 @@ over the draft vocabulary) against the target's own distribution there; pass j w
 `unroll_decay`^j. Losses count on the response positions only, where the head drafts (the
 prompt's pairs run for context), as EAGLE masks user turns. A checkpoint (head, optimizer, step,
 losses) is written every `checkpoint_every` steps; a rerun with the same output folder resumes.
+
+The head's weights and the optimizer stay float32; with `dtype` bfloat16 (`auto`: where the CPU
+multiplies bfloat16 natively, AMX or AVX512-BF16, or on a CUDA GPU that does) the matmuls of the
+head and of the losses run in bfloat16 under autocast, and the losses' reductions in float32.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import random
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from quickdraft.engine import generate_tokens
-from quickdraft.kernels import linear
+from quickdraft.kernels.build import cpu_flags
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, on_target, save_head
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.train.responses import Example
+from quickdraft.train.features import Example
 
 CHECKPOINT = "checkpoint.pt"
+DTYPES = ("auto", "float32", "bfloat16")
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names of native bfloat16 matmuls
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class TrainConfig:
     draft_vocab: int = 8192      # the most frequent tokens of the data the head may draft
     checkpoint_every: int = 100
     seed: int = 0
+    dtype: str = "auto"          # of the matmuls (DTYPES; auto: training_dtype's choice)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll"):
@@ -56,11 +66,26 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0 or not 0 < self.unroll_decay <= 1:
             raise ValueError("lr must be > 0, warmup and ce_weight >= 0, unroll_decay in (0, 1]")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, found {self.dtype!r}")
 
 
 def _resumable(config: dict) -> dict:
-    """The settings a resumed run must share with the checkpoint (more steps may be asked for)."""
-    return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every")}
+    """The settings a resumed run must share with the checkpoint: more steps may be asked for, and
+    another dtype (the weights and the optimizer's state are float32 in either)."""
+    return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every", "dtype")}
+
+
+def training_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The matmuls' dtype `name` asks for on `device`; auto: bfloat16 where the hardware multiplies
+    it natively (elsewhere it is emulated, slower than float32), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+    else:
+        native = device.type == "cpu" and bool(set(BF16_FLAGS) & (cpu_flags() or set()))
+    return torch.bfloat16 if native else torch.float32
 
 
 def draft_vocabulary(examples: Sequence[Example], vocab_size: int, size: int) -> torch.Tensor:
@@ -98,9 +123,34 @@ def loss_positions(batch: Sequence[Example], pairs: int) -> torch.Tensor:
                         dtype=torch.bool).reshape(len(batch), pairs)
 
 
+class LogSumExp(torch.autograd.Function):
+    """logsumexp of each row of logits [N, V] in float32 whatever their dtype, and the row's argmax;
+    the gradient, softmax x the incoming one, is made in the buffer the forward's exp left. 7 passes
+    over [N, V] in all, where log_softmax, a product with p, an argmax and their backward took about
+    twice as many: most of a bfloat16 step's time outside the matmuls."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = logits.to(torch.float32, copy=True)  # [N, V]: overwritten by its exp
+        top, best = z.max(-1)
+        e = z.sub_(top[:, None]).exp_()
+        total = e.sum(-1)
+        ctx.save_for_backward(e, total)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(best)
+        return top + total.log(), best
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        e, total = ctx.saved_tensors
+        return e.mul_((grad / total)[:, None]).to(ctx.logits_dtype)
+
+
 def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
               config: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    device, dtype = target.device, target.compute_dtype
+    """The step's loss (module docstring) and its parts. In float32 but for the matmuls, which an
+    enclosing autocast may run in bfloat16."""
+    device, dtype = target.device, torch.float32  # the head's weights' dtype (new_head)
     n = max(len(e.features) for e in batch)  # features per row; pairs per row: n - 1
     features = torch.zeros(len(batch), n, target.config.hidden_size, device=device, dtype=dtype)  # [B, n, D]
     tokens = torch.zeros(len(batch), n + 1, dtype=torch.long, device=device)                      # [B, n+1]
@@ -109,47 +159,80 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
         tokens[b, :len(e.tokens)] = torch.tensor(e.tokens, device=device)
     valid = loss_positions(batch, n - 1).to(device)
     positions = torch.arange(n - 1, device=device).expand(len(batch), n - 1)
-    gain, eps = target.norm.fused
+    gain, eps = target.norm.weight.to(dtype), target.norm.eps
     D = features.shape[-1]
     with torch.no_grad():
         embeds = target.embed(tokens[:, 1:n]).to(dtype)                      # [B, n-1, D]: e(s_{t+1})
         lm_weight = target.lm_head.weight[head.vocab].to(dtype)              # [Vd, D]
         goal = features[:, 1:][valid]                                        # [N, D]: f_{t+1}
-        p = torch.softmax(linear(goal, lm_weight, norm=target.norm.fused).float(), dim=-1)  # [N, Vd]
+        goal_normed = gain * F.rms_norm(goal, (D,), eps=eps)                 # what the LM head reads
+        p = torch.softmax(F.linear(goal_normed, lm_weight).float(), dim=-1)  # [N, Vd]
         best = p.argmax(-1)
-        goal_normed = gain * F.rms_norm(goal, (D,), eps=eps)
+        # H(p, q) = logsumexp(z) - p.z with z = W h: p.z = h.(p W), and p W is the same every pass
+        p_weight = (p @ lm_weight).float()                                   # [N, D]
     inputs, total, parts = features[:, :-1], torch.zeros((), device=device), {}
     for j in range(config.unroll):
         predicted = head(inputs, embeds, positions, head.new_cache(n - 1, device, dtype, len(batch)))  # [B, n-1, D]
-        mine = predicted[valid]
-        # regression after the target's final norm: what its LM head reads, scale-free (last-layer
-        # features of real models carry a few huge outlier dimensions that would dominate otherwise)
-        regression = F.smooth_l1_loss(gain * F.rms_norm(mine, (D,), eps=eps), goal_normed)
-        log_q = torch.log_softmax(linear(mine, lm_weight, norm=target.norm.fused).float(), dim=-1)
-        ce = -(p * log_q).sum(-1).mean()
+        # after the target's final norm: what its LM head reads; the regression there is scale-free
+        # (last-layer features of real models carry a few huge outlier dimensions that would
+        # dominate otherwise)
+        normed = gain * F.rms_norm(predicted[valid].float(), (D,), eps=eps)  # [N, D]
+        regression = F.smooth_l1_loss(normed, goal_normed)
+        log_total, mine_best = LogSumExp.apply(F.linear(normed, lm_weight))
+        ce = (log_total - (normed * p_weight).sum(-1)).mean()
         total = total + config.unroll_decay ** j * (regression + config.ce_weight * ce)
-        top1 = (log_q.argmax(-1) == best).float().mean().item()
+        top1 = (mine_best == best).float().mean().item()
         parts.update({"regression": regression.item(), "ce": ce.item(), "top1": top1} if j == 0 else
                      {f"top1_{j + 1}": top1})
         # the next pass reads at position t this pass's prediction of f_t (position 0: the target's)
-        inputs = torch.cat([features[:, :1], predicted[:, :-1].detach()], dim=1)
+        inputs = torch.cat([features[:, :1], predicted[:, :-1].detach().to(dtype)], dim=1)
     return total, parts
+
+
+def new_head(target: Transformer, examples: Sequence[Example],
+             config: TrainConfig) -> tuple[DraftHead, torch.optim.Optimizer]:
+    """An untrained head for `target` (float32, whatever the target's dtype) and its optimizer."""
+    torch.manual_seed(config.seed)
+    head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
+                                                                  config.draft_vocab))
+    head = on_target(head, target).float().requires_grad_(True).train()
+    return head, torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+
+
+def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Optimizer,
+                examples: Sequence[Example], config: TrainConfig, step: int = 0) -> Iterator[dict]:
+    """Training steps `step` + 1 .. config.steps, each yielding its history entry."""
+    dtype = training_dtype(config.dtype, target.device)
+    while step < config.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, config)
+        with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss, parts = head_loss(target, head, batch_of(examples, step, config), config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        yield {"step": step, "loss": loss.item(), **parts}
+
+
+def usable_examples(examples: Sequence[Example], config: TrainConfig) -> list[Example]:
+    """The examples a head can learn from; none is an error."""
+    # a pair to learn from within the max_len positions a step reads (a batch without one has a NaN loss)
+    examples = [e for e in examples if min(len(e.features), config.max_len) > max(1, e.prompt_len)]
+    if not examples:
+        raise ValueError(f"no training examples (each needs a prompt and at least two response tokens, the first "
+                         f"within max_len = {config.max_len} positions)")
+    return examples
 
 
 def train_head(target: Transformer, examples: Sequence[Example], config: TrainConfig, out: Path,
                target_name: str, progress: bool = True) -> dict:
     """Train (or resume training) a head for `target` on `examples`; writes DIR/head.safetensors,
     DIR/head.json and DIR/checkpoint.pt. Returns the training record saved in head.json."""
-    examples = [e for e in examples if len(e.features) > max(1, e.prompt_len)]  # a pair to learn from
-    if not examples:
-        raise ValueError("no training examples (each needs a prompt and at least two response tokens)")
+    examples = usable_examples(examples, config)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(config.seed)
-    head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
-                                                                  config.draft_vocab))
-    head = on_target(head, target)
-    head.requires_grad_(True).train()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    head, optimizer = new_head(target, examples, config)
     step, history = 0, []
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file():
@@ -160,29 +243,40 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
-    bar = tqdm(total=config.steps, initial=step, desc="train-head", unit="step", disable=not progress)
-    while step < config.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
-        loss, parts = head_loss(target, head, batch_of(examples, step, config), config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        history.append({"step": step, "loss": loss.item(), **parts})
+    bar = tqdm(total=config.steps, initial=step, desc="train-head", unit="step", disable=not progress,
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
+    for entry in train_steps(target, head, optimizer, examples, config, step):
+        step = entry["step"]
+        history.append(entry)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{parts['top1']:.2f}",
-                        **{k: f"{v:.2f}" for k, v in parts.items() if k.startswith("top1_")})
+        bar.set_postfix(loss=f"{entry['loss']:.3f}", top1=f"{entry['top1']:.2f}",
+                        **{k: f"{v:.2f}" for k, v in entry.items() if k.startswith("top1_")})
         if step % config.checkpoint_every == 0 or step == config.steps:
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                         "history": history, "config": dataclasses.asdict(config)}, checkpoint)
     bar.close()
-    record = {"config": dataclasses.asdict(config), "examples": len(examples), "steps": step,
-              "final": history[-1] if history else {}}
+    dtype = str(training_dtype(config.dtype, target.device)).removeprefix("torch.")
+    record = {"config": dataclasses.asdict(config), "dtype": dtype,
+              "examples": len(examples), "steps": step, "final": history[-1] if history else {}}
     save_head(head.requires_grad_(False).eval(), target, out, target_name, training=record)
     (out / "history.json").write_text(json.dumps(history))
     return {**record, "history": history}
+
+
+def step_rate(target: Transformer, examples: Sequence[Example], config: TrainConfig, steps: int = 20,
+              warmup: int = 3) -> tuple[float, list[dict]]:
+    """Median steps/s of `steps` training steps after `warmup` ones, as train_head runs them from
+    scratch (nothing written), and the history entries of all of them."""
+    if config.steps < warmup + steps:
+        raise ValueError(f"config.steps must be >= warmup + steps = {warmup + steps}, found {config.steps}")
+    examples = usable_examples(examples, config)
+    head, optimizer = new_head(target, examples, config)
+    history, seconds, start = [], [], time.perf_counter()
+    for entry in itertools.islice(train_steps(target, head, optimizer, examples, config), warmup + steps):
+        seconds.append(time.perf_counter() - start)
+        history.append(entry)
+        start = time.perf_counter()
+    return 1 / statistics.median(seconds[warmup:]), history
 
 
 def acceptance(target: Transformer, head: DraftHead, prompts: Sequence[list[int]], k: int = 4,
