@@ -276,6 +276,33 @@ def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
         train_head(target(), data, dataclasses.replace(CONFIG, lr=1e-4), tmp_path, "tiny", progress=False)
 
 
+def test_a_checkpoint_kept_without_the_optimizer_resumes_with_fresh_moments(trained, tmp_path: Path, monkeypatch,
+                                                                           capsys) -> None:
+    """A repository keeps checkpoint.pt alone: a rerun resumes from its step and says the moments start
+    afresh; its losses then leave the uninterrupted run's (the optimizer's state mattered)."""
+    _, record = trained
+    data = corpus(48, 0)
+    real, calls = trainer.head_loss, []
+
+    def dies_at_step_41(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 41:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "head_loss", dies_at_step_41)
+    with pytest.raises(KeyboardInterrupt):
+        train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
+    monkeypatch.setattr(trainer, "head_loss", real)
+    (tmp_path / trainer.OPTIMIZER).unlink()
+    resumed = train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
+    assert "moments afresh" in capsys.readouterr().err
+    losses, uninterrupted = [h["loss"] for h in resumed["history"]], [h["loss"] for h in record["history"]]
+    # step 41's loss is taken before its update, on the same weights; the updates from there differ
+    assert len(losses) == len(uninterrupted) and losses[:41] == pytest.approx(uninterrupted[:41], rel=1e-5)
+    assert losses[41:] != pytest.approx(uninterrupted[41:], rel=1e-5) and all(map(math.isfinite, losses))
+
+
 def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},

@@ -9,8 +9,11 @@ smooth-L1 regression of the predicted feature onto f_{t+1} (both through the tar
 plus `ce_weight` x the cross-entropy of the head's next-token distribution (final norm + LM head
 over the draft vocabulary) against the target's own distribution there; pass j weighs
 `unroll_decay`^j. Losses count on the response positions only, where the head drafts (the
-prompt's pairs run for context), as EAGLE masks user turns. A checkpoint (head, optimizer, step,
-losses) is written every `checkpoint_every` steps; a rerun with the same output folder resumes.
+prompt's pairs run for context), as EAGLE masks user turns. A checkpoint (the head, step, losses:
+checkpoint.pt, small enough for a repository to keep) and the optimizer's state beside it
+(optimizer.pt, twice the head's size) are written every `checkpoint_every` steps; a rerun with the
+same output folder resumes, exactly where optimizer.pt is there for that step, else with the
+optimizer's moments started afresh (they rebuild within a few dozen steps).
 
 The head's weights and the optimizer stay float32; with `dtype` bfloat16 (`auto`: where the CPU
 multiplies bfloat16 natively, AMX or AVX512-BF16, or on a CUDA GPU that does) the matmuls of the
@@ -22,8 +25,10 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +45,7 @@ from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, on_t
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train.features import Example
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT, OPTIMIZER = "checkpoint.pt", "optimizer.pt"
 DTYPES = ("auto", "float32", "bfloat16")
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names of native bfloat16 matmuls
 
@@ -226,6 +231,16 @@ def usable_examples(examples: Sequence[Example], config: TrainConfig) -> list[Ex
     return examples
 
 
+def save_checkpoint(out: Path, head: DraftHead, optimizer: torch.optim.Optimizer, step: int, history: list[dict],
+                    config: TrainConfig) -> None:
+    """checkpoint.pt and optimizer.pt of `step`, each whole or as it was (a run killed while writing)."""
+    for name, state in ((OPTIMIZER, {"optimizer": optimizer.state_dict(), "step": step}),
+                        (CHECKPOINT, {"head": head.state_dict(), "step": step, "history": history,
+                                      "config": dataclasses.asdict(config)})):
+        torch.save(state, out / f"{name}.partial")
+        os.replace(out / f"{name}.partial", out / name)
+
+
 def train_head(target: Transformer, examples: Sequence[Example], config: TrainConfig, out: Path,
                target_name: str, progress: bool = True) -> dict:
     """Train (or resume training) a head for `target` on `examples`; writes DIR/head.safetensors,
@@ -241,8 +256,15 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
             raise ValueError(f"{checkpoint} was written with other settings ({state['config']}); use another "
                              f"--out or delete it")
         head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
+        moments = out / OPTIMIZER
+        kept = torch.load(moments, map_location=target.device, weights_only=False) if moments.is_file() else None
+        if kept is not None and kept["step"] == step:
+            optimizer.load_state_dict(kept["optimizer"])
+        else:
+            found = "missing" if kept is None else f"of step {kept['step']}"
+            print(f"quickdraft: resuming at step {step} with the optimizer's moments afresh ({moments} is {found})",
+                  file=sys.stderr)
     bar = tqdm(total=config.steps, initial=step, desc="train-head", unit="step", disable=not progress,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
     for entry in train_steps(target, head, optimizer, examples, config, step):
@@ -252,8 +274,7 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
         bar.set_postfix(loss=f"{entry['loss']:.3f}", top1=f"{entry['top1']:.2f}",
                         **{k: f"{v:.2f}" for k, v in entry.items() if k.startswith("top1_")})
         if step % config.checkpoint_every == 0 or step == config.steps:
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "history": history, "config": dataclasses.asdict(config)}, checkpoint)
+            save_checkpoint(out, head, optimizer, step, history, config)
     bar.close()
     dtype = str(training_dtype(config.dtype, target.device)).removeprefix("torch.")
     record = {"config": dataclasses.asdict(config), "dtype": dtype,
