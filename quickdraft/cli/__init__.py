@@ -11,6 +11,7 @@ from typing import Sequence
 
 from quickdraft.cli.bench import (
     add_bench_forward_cost,
+    add_bench_head,
     add_bench_plain,
     add_bench_quality,
     add_bench_serve,
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_forward_cost(bsub)
     add_bench_serve(bsub)
     add_bench_quality(bsub)
+    add_bench_head(bsub)
     add_bench_soak(bsub)
     add_bench_stall(bsub)
     add_bench_multiturn(bsub)

