@@ -164,11 +164,11 @@ def test_a_group_call_failing_in_its_tree_levels_leaves_its_members_as_they_were
     calls = []
     grow = draft_tree.grow
 
-    def broken_in_groups(self, members, *args):
-        calls.append([m.width for m in members])
-        if len(members) > 1:
+    def broken_in_groups(self, proposal, *args):
+        calls.append([m.width for m in proposal.members])
+        if len(proposal.members) > 1:
             raise RuntimeError("tree level failed")
-        return grow(self, members, *args)
+        return grow(self, proposal, *args)
     monkeypatch.setattr(draft_tree, "grow", broken_in_groups)
     make = members(drafter, (1, 1, 3), [], {"trees": 0, "kept": 0})
     batch = [Job([1, 17, 42, 8], greedy(15), make, 4), Job([44, 12, 19], greedy(15), make, 3),

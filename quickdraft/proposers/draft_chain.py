@@ -11,21 +11,20 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from quickdraft.proposers import draft_cost
-from quickdraft.proposers.draft_cost import Calibration, Plan
-from quickdraft.proposers.draft_rows import DraftRow, Member
+from quickdraft.proposers.draft_rows import Member
 from quickdraft.spec.draft_contract import Draft
 from quickdraft.spec.sampling import penalize, probabilities, sample
 
 if TYPE_CHECKING:
-    from quickdraft.proposers.drafter import Drafter
+    from quickdraft.proposers.drafter import Drafter, Proposal
 
 
-def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow], going: list[int],
-         ks: Sequence[int], logits: torch.Tensor, t0: float, drafts: list[Draft], gains: list[float],
-         calibration: Sequence[Calibration], plan: Plan | None, per_token: float) -> None:
-    """A chain for each member of `going` (logits [len(going), V] after its newest token), drawn
-    from its q, one level per forward while a level pays (draft_cost.worth), into drafts[b] and
-    its state's offered tokens, confidences and nodes."""
+def grow(drafter: Drafter, proposal: Proposal, going: list[int], logits: torch.Tensor, t0: float) -> None:
+    """A chain for each member b of `going` (logits [len(going), V] after its newest token; t0: when
+    their forward began), drawn from its q, one level per forward while a level pays
+    (draft_cost.worth), into proposal.drafts[b] and its state's offered tokens, confidences and nodes."""
+    members, states, ks, calibration = proposal.members, proposal.states, proposal.ks, proposal.calibration
+    gains = proposal.gains
     qs: dict[int, list[torch.Tensor]] = {b: [] for b in going}
     estimates: dict[int, list[float]] = {b: [] for b in going}
     drafting = list(going)
@@ -43,7 +42,7 @@ def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow]
             gains[b] *= estimates[b][-1]
         drafter.times.observe("first" if i == 0 else "later", time.perf_counter() - t0)
         drafting = draft_cost.worth([b for b in drafting if ks[b] > i + 1], members, states, gains, calibration,
-                                    plan, per_token, drafter.times.later)
+                                    proposal.plan, proposal.per_token, drafter.times.later)
         if not drafting:
             break
         t0 = time.perf_counter()
@@ -53,7 +52,7 @@ def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow]
         m, s = members[b], states[b]
         n = len(s.offered)  # every token but the last was fed, each in the slot after its parent's
         s.nodes = [(x, i - 1, len(m.tokens) + i if i < n - 1 else None) for i, x in enumerate(s.offered)]
-        drafts[b] = Draft(list(s.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
+        proposal.drafts[b] = Draft(list(s.offered), None if m.params.greedy else torch.cat(qs[b]), estimates[b])
 
 
 def draw(logits: torch.Tensor, members: Sequence[Member], chains: Sequence[list[int]],

@@ -7,26 +7,22 @@ Knows the drafter's forward and its members' settings; nothing of the engine.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from quickdraft.proposers import draft_cost
 from quickdraft.proposers.draft_chain import penalized
-from quickdraft.proposers.draft_cost import Calibration, Plan
-from quickdraft.proposers.draft_rows import DraftRow, Member
 from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.spec.draft_contract import Draft
 
 if TYPE_CHECKING:
-    from quickdraft.proposers.drafter import Drafter
+    from quickdraft.proposers.drafter import Drafter, Proposal
 
 
-def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow], going: list[int],
-         ks: Sequence[int], logits: torch.Tensor, drafts: list[Draft], calibration: Sequence[Calibration],
-         plan: Plan | None, per_token: float) -> None:
+def grow(drafter: Drafter, proposal: Proposal, going: list[int], logits: torch.Tensor) -> None:
     """EAGLE-2's dynamic tree for each member of `going` (logits [len(going), V] after its
-    newest token), into drafts[b] and its state's nodes and likeliest path: level by level, the `width` nodes of the newest level likeliest
+    newest token), into proposal.drafts[b] and its state's nodes and likeliest path: level by level, the `width` nodes of the newest level likeliest
     to be reached (the product of the draft's probabilities along their paths) run in one forward
     for every tree row, each adding its `width` likeliest tokens as children; a row stops when
     its newest level cannot hold one of its k likeliest nodes, or when the level's forward
@@ -37,6 +33,7 @@ def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow]
     the verifier's recursive rejection takes exactly for sampled rows too (a rejected sibling's
     token leaves p before the next is tried), and no drawn token decides what is verified, so
     every row's estimates may read the draft's probabilities."""
+    members, states, ks, calibration = proposal.members, proposal.states, proposal.ks, proposal.calibration
     grown = {b: GrowingTree() for b in going}
     expanded = {b: [-1] for b in going}  # per row, the nodes whose children the logits give
     level_logits = {b: logits[i:i + 1] for i, b in enumerate(going)}  # [len(expanded), V]
@@ -56,7 +53,7 @@ def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow]
         # a node's chance to be reached and accepted: its path's calibrated estimates (siblings
         # exclude each other, so a level's chances sum to at most one token)
         gains = [sum(grown[b].chance[n] for n in run[b]) if b in run else 0.0 for b in range(len(members))]
-        growing = draft_cost.worth(list(run), members, states, gains, calibration, plan, per_token,
+        growing = draft_cost.worth(list(run), members, states, gains, calibration, proposal.plan, proposal.per_token,
                                    drafter.times.tree)
         if not growing:
             break
@@ -80,6 +77,6 @@ def grow(drafter: Drafter, members: Sequence[Member], states: Sequence[DraftRow]
         s.nodes = [(tree.tokens[n], p, tree.slot.get(n)) for n, p in zip(keep, parents)]
         spine = tree.spine(keep)  # calibrated as a chain is: its likeliest path
         s.offered, s.confidences = [tree.tokens[n] for n in spine], [tree.probs[n] for n in spine]
-        drafts[b] = Draft([tree.tokens[n] for n in keep], None,
+        proposal.drafts[b] = Draft([tree.tokens[n] for n in keep], None,
                           [calibration[b].estimate(tree.probs[n]) for n in keep], parents)
 

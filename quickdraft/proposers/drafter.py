@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Sequence
 
@@ -40,6 +41,20 @@ from quickdraft.proposers.draft_rows import DraftRow, Member, RowPool
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft, attempt
 from quickdraft.spec.sequences import common_prefix
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One batched proposal: its members, their rows' state, and what each level of their drafts
+    is weighed with (draft_cost.worth); the chain and tree growers write each member's draft."""
+    members: Sequence[Member]
+    states: Sequence[DraftRow]
+    ks: Sequence[int]                    # per member, the draft tokens it may offer at most
+    calibration: Sequence[Calibration]   # per member, its draft's calibration (greedy or sampled)
+    plan: Plan | None                    # what verification costs the pass (None: draft ks whole)
+    per_token: float
+    drafts: list[Draft]                  # out: per member its draft (NO_DRAFT where it offers none)
+    gains: list[float]                   # per member, the chance its next draft token is reached
 
 
 class Drafter:
@@ -123,14 +138,13 @@ class Drafter:
                               [members[b].tokens[s:] for b, s in zip(going, starts)], starts)  # [len(going), V]
         chains = [i for i, b in enumerate(going) if members[b].width == 1]
         trees = [i for i, b in enumerate(going) if members[b].width > 1]
+        proposal = Proposal(members, states, ks, calibration, plan, per_token, drafts, gains)
         if chains:
-            draft_chain.grow(self, members, states, [going[i] for i in chains], ks, logits[chains], t0, drafts,
-                             gains, calibration, plan, per_token)
+            draft_chain.grow(self, proposal, [going[i] for i in chains], logits[chains], t0)
         if trees:
             if not chains:
                 self.times.observe("first", time.perf_counter() - t0)
-            draft_tree.grow(self, members, states, [going[i] for i in trees], ks, logits[trees], drafts,
-                            calibration, plan, per_token)
+            draft_tree.grow(self, proposal, [going[i] for i in trees], logits[trees])
         for b in going:  # only now: a failure above leaves each member as it was, to be asked alone
             s = states[b]
             s.cached = self.rows.cache.lengths[s.row] = len(members[b].tokens)
