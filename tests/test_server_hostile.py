@@ -132,7 +132,10 @@ def vm_rss_mb() -> float:
 def test_slow_bodies_hold_no_place_in_the_queue(llm) -> None:  # noqa: F811
     """100 connections send a generation body a byte at a time; a request beside them gets its 200
     in about its usual time (they took every place in the queue, and it got a 429)."""
-    s = Server(llm, max_batch=2, max_waiting=0)
+    # four places (two rows, two waiting): the steady stream's and the timed request's, and room for a
+    # request sent while the one before it is still giving its place back; 100 slow bodies holding
+    # places would still take them all
+    s = Server(llm, max_batch=2, max_waiting=2)
     slow: list[socket.socket] = []
     try:
         body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
