@@ -254,10 +254,8 @@ def test_step_rate_times_the_steps_train_head_runs(trained) -> None:
                                                                         rel=1e-5)
 
 
-def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
-    """A run killed after its step-40 checkpoint, rerun, ends as the uninterrupted run did."""
-    _, record = trained
-    data = corpus(48, 0)
+def killed_after_step_40(data: list[Example], out: Path, monkeypatch) -> None:
+    """A training run into `out` killed while taking step 41 (its step-40 checkpoint written)."""
     real, calls = trainer.head_loss, []
 
     def dies_at_step_41(*args, **kwargs):
@@ -268,8 +266,15 @@ def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(trainer, "head_loss", dies_at_step_41)
     with pytest.raises(KeyboardInterrupt):
-        train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
+        train_head(target(), data, CONFIG, out, "tiny", progress=False)
     monkeypatch.setattr(trainer, "head_loss", real)
+
+
+def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
+    """A run killed after its step-40 checkpoint, rerun, ends as the uninterrupted run did."""
+    _, record = trained
+    data = corpus(48, 0)
+    killed_after_step_40(data, tmp_path, monkeypatch)
     resumed = train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
     assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in record["history"]], rel=1e-5)
     with pytest.raises(ValueError, match="other settings"):
@@ -282,18 +287,7 @@ def test_a_checkpoint_kept_without_the_optimizer_resumes_with_fresh_moments(trai
     afresh; its losses then leave the uninterrupted run's (the optimizer's state mattered)."""
     _, record = trained
     data = corpus(48, 0)
-    real, calls = trainer.head_loss, []
-
-    def dies_at_step_41(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 41:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "head_loss", dies_at_step_41)
-    with pytest.raises(KeyboardInterrupt):
-        train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
-    monkeypatch.setattr(trainer, "head_loss", real)
+    killed_after_step_40(data, tmp_path, monkeypatch)
     (tmp_path / trainer.OPTIMIZER).unlink()
     resumed = train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
     assert "moments afresh" in capsys.readouterr().err
