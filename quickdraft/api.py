@@ -3,7 +3,7 @@ whole or streamed), scores prompts, and serves as the server's and the CLI's doo
 
 Layered iterators: the model's one engine (EngineService) yields token events, the detokenizer
 turns them into text deltas, stop strings are applied to that text (TextAssembler, which the
-server's answers use too). A chat is rendered as the server renders it (tools.conversation).
+server's answers use too). A chat is rendered as the server renders it (conversation.conversation).
 """
 from __future__ import annotations
 
@@ -32,15 +32,14 @@ from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.conversation import call_id, conversation
 from quickdraft.structured.grammar import Constraint, Vocabulary, constrain, grammar_text
 from quickdraft.structured.tool_reply import read
 from quickdraft.structured.tools import (
     Syntax,
     Tools,
     ToolsError,
-    call_id,
     compile_tools,
-    conversation,
     kept_markers,
     request_tools,
     template_syntax,
@@ -327,7 +326,7 @@ class LLM:
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                    tools: Tools | None = None) -> list[int]:
-        """The prompt's tokens; chat messages as the server writes them (tools.conversation: the tools
+        """The prompt's tokens; chat messages as the server writes them (conversation.conversation: the tools
         where the reply may call them, earlier calls and tool results in the template's syntax)."""
         if (prompt is None) == (messages is None):
             raise QuickdraftError("give exactly one of a prompt or chat messages")

@@ -25,7 +25,7 @@ from quickdraft.server.errors import BadRequest, validation_error
 from quickdraft.server.messages_answer import AnthropicErrors, Events, matched_stop, message
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
 from quickdraft.server.schemas import MAX_MESSAGES
-from quickdraft.structured.tools import template_message
+from quickdraft.structured.conversation import template_message
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 from test_server_hostile import unbounded
 

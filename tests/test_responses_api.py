@@ -26,7 +26,7 @@ from quickdraft.server.response_store import ResponseStore
 from quickdraft.server.responses_answer import Events, output_of
 from quickdraft.server.responses_api import ResponsesRequest, chat_request, renamed, responses_param
 from quickdraft.server.schemas import MAX_MESSAGES
-from quickdraft.structured.tools import template_message
+from quickdraft.structured.conversation import template_message
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures: the tiny model)
 
 EVENTS = TypeAdapter(ResponseStreamEvent)

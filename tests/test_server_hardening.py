@@ -27,7 +27,8 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.guards import answered_hosts
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.structured.tools import GENERIC, conversation
+from quickdraft.structured.conversation import conversation
+from quickdraft.structured.tools import GENERIC
 from test_server import (  # noqa: F401 (fixtures)
     MAX_SEQ,
     NAME,
@@ -378,7 +379,7 @@ def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage(server: 
 
 def test_earlier_tool_calls_in_the_conversation_are_history(server: Server, llm) -> None:  # noqa: F811
     """A conversation holding an assistant's tool call (content null) and the tool's result: a template
-    without tool syntax (the tiny model's ChatML) gets them as JSON turns (tools.conversation's
+    without tool syntax (the tiny model's ChatML) gets them as JSON turns (conversation.conversation's
     generic format, the calls as the model is told to write them)."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     messages = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -16,19 +16,10 @@ from transformers import PreTrainedTokenizerFast
 
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.conversation import conversation, instructions
 from quickdraft.structured.grammar import constrain, lark_grammar
 from quickdraft.structured.tool_reply import Call, CallPiece, Reader, calls_of, read
-from quickdraft.structured.tools import (
-    GENERIC,
-    HERMES,
-    MISTRAL,
-    Function,
-    Tools,
-    conversation,
-    grammar,
-    instructions,
-    syntax_of,
-)
+from quickdraft.structured.tools import GENERIC, HERMES, MISTRAL, Function, Tools, grammar, syntax_of
 from test_grammar import PROPOSERS, run, text, tokenizer, vocabulary
 from tiny_tokenizer import CHATML, EOS, build_tokenizer
 
@@ -346,7 +337,7 @@ def test_generic_prompt_names_tool_results_without_their_random_ids() -> None:
 
 
 def test_the_server_and_the_python_api_render_one_chat_the_same() -> None:
-    """One rendering of a chat (tools.conversation over template_message): a server body (pydantic,
+    """One rendering of a chat (conversation.conversation over template_message): a server body (pydantic,
     text parts, the developer role, null content beside calls) gives the template the messages the
     Python API's dicts give it; a part that is not text is refused by name, not a traceback."""
     from quickdraft.errors import QuickdraftError

@@ -22,9 +22,10 @@ import quickdraft
 from quickdraft.model.tokenizer import StreamDetokenizer, Tokenizer
 from quickdraft.proposers import SpecConfig
 from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.conversation import conversation
 from quickdraft.structured.grammar import Vocabulary, constrain, lark_grammar
 from quickdraft.structured.tool_reply import Call, read
-from quickdraft.structured.tools import HERMES, LLAMA3, MISTRAL, Tools, conversation, grammar, syntax_of
+from quickdraft.structured.tools import HERMES, LLAMA3, MISTRAL, Tools, grammar, syntax_of
 from test_server import NAME, Server
 from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
 from tiny_models import save_hf_dir

@@ -16,7 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 
 import quickdraft
-from quickdraft.structured.tools import HERMES, Function, Tools, conversation, syntax_of
+from quickdraft.structured.conversation import conversation
+from quickdraft.structured.tools import HERMES, Function, Tools, syntax_of
 from quickdraft.weights.gguf_file import open_reader, read_metadata
 from quickdraft.weights.resolve import resolve_model
 from quickdraft.weights.tokenizers import gguf_tokenizer

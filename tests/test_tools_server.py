@@ -4,7 +4,7 @@ history; bad tool fields a 400 naming the field.
 
 Oracles: jsonschema's validator for each call's arguments; the reply under plain decoding for the
 same request under speculation; the openai client's own stream accumulation against the whole reply;
-the prompt the server tokenized (usage) against tools.conversation written through the template.
+the prompt the server tokenized (usage) against conversation.conversation written through the template.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 from quickdraft.proposers import SpecConfig
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.structured.tools import GENERIC, Function, Tools, conversation
+from quickdraft.structured.conversation import conversation
+from quickdraft.structured.tools import GENERIC, Function, Tools
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

@@ -25,8 +25,9 @@ from quickdraft.server.prompts import Prompts
 from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, _Common
 from quickdraft.server.state import Served
 from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.conversation import conversation
 from quickdraft.structured.grammar import Constraint, GrammarError
-from quickdraft.structured.tools import Tools, conversation
+from quickdraft.structured.tools import Tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 CONTEXT = "context_length_exceeded"

@@ -298,7 +298,7 @@ class ChatMessage(BaseModel):
         return content
 
     def to_template(self) -> dict[str, Any]:
-        """The message with OpenAI's keys, as the Python API takes it (tools.template_message writes
+        """The message with OpenAI's keys, as the Python API takes it (conversation.template_message writes
         it for the chat template)."""
         return self.model_dump(exclude_none=True, exclude={"tool_calls"} if not self.tool_calls else set())
 

@@ -10,9 +10,10 @@ from typing import Any
 
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
+from quickdraft.structured.conversation import call_id
 from quickdraft.structured.grammar import Constraint, Vocabulary
 from quickdraft.structured.tool_reply import Reader, Reply, calls_of
-from quickdraft.structured.tools import Syntax, Tools, ToolsError, call_id, request_tools
+from quickdraft.structured.tools import Syntax, Tools, ToolsError, request_tools
 from quickdraft.structured.tools import compile_tools as compile_tools_of
 
 CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
