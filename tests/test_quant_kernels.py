@@ -185,6 +185,32 @@ def attention_case(B=2, Hq=4, Hkv=2, T=5, ctx=7, D=24, seed=7):
     return qkv, emb.cos(), emb.sin(), positions, k_cache, v_cache
 
 
+def attend(qkv, cos, sin, positions, k_cache, v_cache, visible, kv_len, n_q, n_kv, **options):
+    """kernels.rope_attention over cache rows k_cache, v_cache [B, n_kv, max_len, D] (a pool whose
+    blocks are the rows)."""
+    pages = kernels.Pages.rows(k_cache.shape[0], k_cache.shape[2])
+    return kernels.rope_attention(qkv, cos, sin, positions, pages, k_cache, v_cache, visible, kv_len, n_q, n_kv,
+                                  **options)
+
+
+def paged(k_cache, v_cache, block=16, seed=0):
+    """The same rows cut into blocks of `block` slots, stored at shuffled places of a pool whose
+    block 0 no table names -> (Pages' tables, k pool, v pool, gather: pool -> rows)."""
+    B, H, L, D = k_cache.shape
+    width = L // block
+    ids = (torch.randperm(B * width, generator=torch.Generator().manual_seed(seed)) + 1).to(torch.int32)
+    tables = ids.view(B, width).contiguous()
+
+    def scatter(rows):
+        pool = torch.full((B * width + 1, H, block, D), float("nan"))
+        pool[tables.flatten().long()] = rows.view(B, H, width, block, D).transpose(1, 2).reshape(-1, H, block, D)
+        return pool
+
+    def gather(pool):
+        return pool[tables.long()].transpose(1, 2).reshape(B, H, L, D)
+    return tables, scatter(k_cache), scatter(v_cache), gather
+
+
 def torch_reference(qkv, cos, sin, positions, k_cache, v_cache, Hq=4, Hkv=2):
     """Rotate-half RoPE, cache writes and SDPA in torch, as the model's non-CPU path does."""
     from quickdraft.model.rope import apply_rope
@@ -209,7 +235,7 @@ def test_rope_attention_equals_torch(D, ctx):
     ref, ref_k, ref_v = torch_reference(qkv, cos, sin, positions, k_cache, v_cache)
     kv_len = int(positions.max()) + 1
     mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
-    out = kernels.rope_attention(qkv, cos, sin, positions, k_cache, v_cache, mask, kv_len, 4, 2)
+    out = attend(qkv, cos, sin, positions, k_cache, v_cache, mask, kv_len, 4, 2)
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.allclose(k_cache, ref_k, atol=1e-6) and torch.equal(v_cache, ref_v)
 
@@ -219,11 +245,11 @@ def test_attention_of_a_query_does_not_depend_on_the_others(D, ctx):
     qkv, cos, sin, positions, k_cache, v_cache = attention_case(D=D, ctx=ctx)
     kv_len = int(positions.max()) + 1
     mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
-    full = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2)
+    full = attend(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2)
     k_step, v_step = k_cache.clone(), v_cache.clone()
     for t in range(qkv.shape[1]):  # one token at a time, as decoding feeds them: no mask, a shorter kv_len
         n = int(positions[0, t]) + 1
-        alone = kernels.rope_attention(qkv[:, t:t + 1], cos[:, :, t:t + 1], sin[:, :, t:t + 1], positions[:, t:t + 1],
+        alone = attend(qkv[:, t:t + 1], cos[:, :, t:t + 1], sin[:, :, t:t + 1], positions[:, t:t + 1],
                                        k_step, v_step, None, n, 4, 2)
         assert torch.equal(alone[:, 0], full[:, t]), t
 
@@ -247,12 +273,12 @@ def test_a_tree_nodes_attention_equals_its_paths_decode(D, ctx):
         while n >= 0:
             visible[0, i, ctx + n] = True
             n = parents[n]
-    tree = kernels.rope_attention(qkv, cos, sin, slots, k_cache.clone(), v_cache.clone(), visible, ctx + T, 4, 2)
+    tree = attend(qkv, cos, sin, slots, k_cache.clone(), v_cache.clone(), visible, ctx + T, 4, 2)
     path = [1, 2, 4, 6]
     assert [depth[n] for n in path] == [1, 2, 3, 4]  # the premise: a chain once its siblings are gone
     k_step, v_step = k_cache.clone(), v_cache.clone()
     for j, n in enumerate(path):  # decoding the path: one token a step, consecutive slots, no mask
-        alone = kernels.rope_attention(qkv[:, n:n + 1], cos[:, :, n:n + 1], sin[:, :, n:n + 1],
+        alone = attend(qkv[:, n:n + 1], cos[:, :, n:n + 1], sin[:, :, n:n + 1],
                                        torch.tensor([[ctx + j]]), k_step, v_step, None, ctx + j + 1, 4, 2)
         assert torch.equal(alone[:, 0], tree[:, n]), (n, float((alone[:, 0] - tree[:, n]).abs().max()))
 
@@ -269,7 +295,7 @@ def test_soft_capped_scores_equal_transformers_eager_attention_and_stay_batch_in
     mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
     cap, scale = 3.0, 0.3
     k_pass, v_pass = k_cache.clone(), v_cache.clone()
-    out = kernels.rope_attention(qkv, cos, sin, positions, k_pass, v_pass, mask, kv_len, 4, 2, scale=scale, softcap=cap)
+    out = attend(qkv, cos, sin, positions, k_pass, v_pass, mask, kv_len, 4, 2, scale=scale, softcap=cap)
     from quickdraft.model.rope import apply_rope
     q = apply_rope(qkv.view(B, T, 8, D).transpose(1, 2)[:, :4], cos, sin)
     keys = ref_k[:, :, :kv_len].repeat_interleave(2, dim=1)
@@ -277,11 +303,11 @@ def test_soft_capped_scores_equal_transformers_eager_attention_and_stay_batch_in
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
     ref = (probs @ ref_v[:, :, :kv_len].repeat_interleave(2, dim=1)).transpose(1, 2).reshape(B, T, 4 * D)
     assert torch.allclose(out, ref, atol=1e-5)
-    uncapped = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2,
+    uncapped = attend(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2,
                                       scale=scale)
     assert not torch.allclose(uncapped, ref, atol=1e-3)  # the premise: the cap changes the result
     t = T - 1
-    alone = kernels.rope_attention(qkv[:, t:], cos[:, :, t:], sin[:, :, t:], positions[:, t:], k_pass, v_pass, None,
+    alone = attend(qkv[:, t:], cos[:, :, t:], sin[:, :, t:], positions[:, t:], k_pass, v_pass, None,
                                    kv_len, 4, 2, scale=scale, softcap=cap)  # the last token, decoded after the others
     assert torch.equal(alone[:, 0], out[:, t])
 
@@ -295,14 +321,62 @@ def test_a_windowed_query_equals_the_same_query_over_its_window_alone(D, ctx, wi
     qkv, cos, sin, positions, k_cache, v_cache = attention_case(B=1, T=1, ctx=ctx + 12, D=D)
     p = int(positions[0, 0])
     visible = (torch.arange(p + 1) > p - window)[None, None].contiguous()  # [1, 1, kv_len]
-    masked = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), visible, p + 1, 4, 2)
+    masked = attend(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), visible, p + 1, 4, 2)
     k_win, v_win = k_cache.clone(), v_cache.clone()
     k_win[:, :, :window - 1] = k_cache[:, :, p - window + 1:p]
     v_win[:, :, :window - 1] = v_cache[:, :, p - window + 1:p]
-    alone = kernels.rope_attention(qkv, cos, sin, torch.tensor([[window - 1]]), k_win, v_win, None, window, 4, 2)
+    alone = attend(qkv, cos, sin, torch.tensor([[window - 1]]), k_win, v_win, None, window, 4, 2)
     assert torch.equal(masked, alone)
-    full = kernels.rope_attention(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), None, p + 1, 4, 2)
+    full = attend(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), None, p + 1, 4, 2)
     assert not torch.allclose(full, masked)  # the premise: the window changes the result
+
+
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES + [(64, 33), (128, 17)])
+@pytest.mark.parametrize("case", ["decode", "pass", "tree", "window", "ragged"])
+def test_keys_read_through_a_shuffled_block_table_give_the_same_bits(D, ctx, case):
+    """Rows of 16-slot blocks at shuffled places in a pool (paged K/V): the K/V land in the row's
+    blocks and every query's output is bitwise the one over the same keys laid out in one stretch,
+    for a decode step, a causal pass, a tree's mask, a sliding window and a ragged pass of several
+    rows; kv_len is rarely a multiple of 8 or 16 here."""
+    T = 1 if case == "decode" else 5
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(B=2, T=T, ctx=ctx, D=D)
+    kv_len, rows = int(positions.max()) + 1, None
+    visible = None
+    if case == "tree":  # each node sees the context and the even nodes before it
+        visible = torch.arange(kv_len) < ctx
+        visible = (visible | ((torch.arange(kv_len) - ctx) % 2 == 0) & (torch.arange(kv_len) <= positions[..., None]))
+        visible = visible.contiguous()
+    if case == "window":
+        visible = ((torch.arange(kv_len) > positions[..., None] - 6) & (torch.arange(kv_len) <= positions[..., None]))
+    if case == "ragged":  # both rows' tokens as one sequence of a batch of 1
+        rows = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 1, 0], dtype=torch.int64)
+        positions = torch.tensor([[ctx, ctx, ctx + 1, ctx + 1, ctx + 2, ctx + 2, ctx + 3, ctx + 3, ctx + 4, ctx + 4]])
+        qkv, cos, sin = qkv.reshape(1, 2 * T, -1), cos.transpose(0, 2).reshape(1, 1, 2 * T, D), \
+            sin.transpose(0, 2).reshape(1, 1, 2 * T, D)
+    if visible is not None:
+        visible = visible.contiguous()
+    tables, k_pool, v_pool, gather = paged(k_cache, v_cache)
+    pages = kernels.Pages(tables, 16, k_pool.shape[0], kv_len)
+    through_table = kernels.rope_attention(qkv, cos, sin, positions, pages, k_pool, v_pool, visible, kv_len, 4, 2,
+                                           rows=rows)
+    k_rows, v_rows = k_cache.clone(), v_cache.clone()
+    in_rows = attend(qkv, cos, sin, positions, k_rows, v_rows, visible, kv_len, 4, 2, rows=rows)
+    assert torch.equal(through_table, in_rows)
+    assert torch.equal(gather(k_pool), k_rows) and torch.equal(gather(v_pool), v_rows)
+    assert not torch.isnan(k_pool[1:]).any() and torch.isnan(k_pool[0]).all()  # block 0 neither read nor written
+
+
+def test_block_tables_that_the_kernel_cannot_read_safely_are_refused():
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the pool"):
+        kernels.Pages(tables, 16, 4, 20)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.Pages(tables, 16, 5, 33)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.Pages(tables, 12, 5, 20)
+    pages = kernels.Pages(tables, 16, 5, 20)
+    with pytest.raises(ValueError, match="not 5 float32 blocks of 16"):
+        pages.bind(torch.zeros(5, 2, 8, 64), torch.zeros(5, 2, 8, 64))
 
 
 def test_long_tasks_cover_every_row_on_any_thread_count():
@@ -338,7 +412,7 @@ def test_threads_share_the_work_without_changing_a_bit():
         for threads in (1, 2, 2):
             torch.set_num_threads(threads)
             k_cache, v_cache = case[4].clone(), case[5].clone()
-            att = kernels.rope_attention(case[0], case[1], case[2], case[3], k_cache, v_cache, None, kv_len, 4, 2)
+            att = attend(case[0], case[1], case[2], case[3], k_cache, v_cache, None, kv_len, 4, 2)
             results.append((kernels.linear(x, w), kernels.linear(x, dense), att, k_cache))
     finally:
         torch.set_num_threads(before)

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 from quickdraft.kernels.build import KernelInfo, active_library, prepare
 from quickdraft.kernels.layer import GATES
+from quickdraft.kernels.pages import Pages
 from quickdraft.kernels.quantized import ACTIVATION_BITS, KERNEL_TYPES, QuantizedWeight
 
-__all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
+__all__ = ["ACTIVATION_BITS", "KERNEL_TYPES", "KernelInfo", "MAX_ROWS", "Pages", "QuantizedWeight", "argmax", "kernel_info", "kernel_status", "linear",
            "prepare", "rope_attention", "rope_attention_usable", "TOPK_MAX", "topk_indices", "usable"]
 
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -191,32 +192,28 @@ def rope_attention_usable(qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
 
 
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
+                   pages: Pages, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
                    n_q: int, n_kv: int, scale: float | None = None, softcap: float | None = None,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """The attention half of a layer in one C call (attention.c): rotary embedding of q and k, k and v
-    written to the cache buffers at `positions`, each query attending alone over the keys it may
-    see, so its output does not depend on the batch it is in.
-    qkv [B, T, (n_q + 2 n_kv) * D]; cos, sin [B, 1, T, D]; positions [B, T]; k_cache, v_cache
-    [B, n_kv, max_len, D] (a layer's buffers); visible [B, T, kv_len] (True = may attend) or None
-    (causal: each token sees its row's keys at slots 0..its position); scale: the scores' (None: D ** -0.5); softcap: scores become
-    softcap * tanh(score / softcap) (None: not capped); rows [B * T] int64: each token's cache row
-    (a ragged pass, B = 1), None: its batch row -> [B, T, n_q * D]."""
+    written to the cache at `positions`, each query attending alone over the keys it may see, so its
+    output does not depend on the batch it is in.
+    qkv [B, T, (n_q + 2 n_kv) * D]; cos, sin [B, 1, T, D]; positions [B, T]; pages: the cache's block
+    tables, k, v [blocks, n_kv, block, D] the layer's pools (a cache of rows [B, n_kv, max_len, D]
+    is `Pages.rows(B, max_len)` over them); visible [B, T, kv_len] (True = may attend) or None
+    (causal: each token sees its row's keys at slots 0..its position); scale: the scores' (None:
+    D ** -0.5); softcap: scores become softcap * tanh(score / softcap) (None: not capped); rows
+    [B * T] int64: each token's cache row (a ragged pass, B = 1), None: its batch row
+    -> [B, T, n_q * D]."""
     B, T, _ = qkv.shape
-    D = k_cache.shape[-1]
-    if not (k_cache.stride() == v_cache.stride() and k_cache.stride()[2:] == (D, 1) and kv_len <= k_cache.shape[2]):
-        # the C code walks both buffers with one stride and reads kv_len slots: checked, not asserted
-        # (python -O drops asserts), since a wrong layout would read outside the buffers
-        raise ValueError(f"K/V buffers of strides {k_cache.stride()}, {v_cache.stride()} and shape "
-                         f"{tuple(k_cache.shape)} cannot hold {kv_len} slots as the kernel reads them")
+    D = k.shape[-1]
+    address = pages.bind(k, v)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty(B, T, n_q * D, dtype=torch.float32)
-    threads = torch.get_num_threads()
     scratch = torch.empty(B * T * n_q * D, dtype=torch.float32)
     active_library().qd_rope_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), None if rows is None else rows.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
-        k_cache.stride(0), k_cache.stride(1), D ** -0.5 if scale is None else scale, softcap or 0.0, scratch.data_ptr(),
-        threads)
+        address, None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
+        D ** -0.5 if scale is None else scale, softcap or 0.0, scratch.data_ptr(), torch.get_num_threads())
     return out

@@ -14,6 +14,26 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* One kv head's slots of one cache row (K or V), read through the row's table of blocks: what a
+ * key's address changes to; every sum below is taken by the key's logical slot j, so the bits do not
+ * depend on where its block lies (batch invariance, whatever rows shared the pool before). */
+typedef struct {
+    const float *base;    /* the head's start in block 0 of the pool (shift < 0: in the row's block) */
+    const int32_t *table; /* the row's block ids */
+    int64_t shift, stride, D;
+} Slots;
+
+INLINE const float *slot(const Slots *s, int64_t j) {
+    return s->shift < 0 ? s->base + j * s->D
+                        : s->base + s->table[j >> s->shift] * s->stride + (j & (((int64_t)1 << s->shift) - 1)) * s->D;
+}
+
+INLINE Slots row_slots(const QDPages *pg, const float *pool, int64_t row, int64_t head, int64_t D) {
+    const int32_t *table = pg->tables + row * pg->width;
+    const float *base = pool + head * pg->head_stride + (pg->shift < 0 ? table[0] * pg->block_stride : 0);
+    return (Slots){base, table, pg->shift, pg->block_stride, D};
+}
+
 INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -35,11 +55,11 @@ INLINE float dot(const float *a, const float *b, int64_t D) {
  * in: 8 FMA lanes over the head dimension, then pairs of lanes (hadd), then the two halves. A key's
  * score is then the same whatever kv_len is (a decode step and a verification pass see different
  * kv_len), and a block costs 9 reduction ops instead of 8 x 5. D a multiple of 8. */
-INLINE __m256 dot8(const float *qv, const float *kb, int64_t D, int64_t j0, int64_t kv_len) {
+INLINE __m256 dot8(const float *qv, const Slots *kb, int64_t D, int64_t j0, int64_t kv_len) {
     const float *key[8];
     __m256 acc[8];
     for (int i = 0; i < 8; i++) {
-        key[i] = kb + (j0 + i < kv_len ? j0 + i : kv_len - 1) * D;
+        key[i] = slot(kb, j0 + i < kv_len ? j0 + i : kv_len - 1);
         acc[i] = _mm256_setzero_ps();
     }
     for (int64_t d = 0; d < D; d += 8) {
@@ -77,13 +97,13 @@ INLINE __m256 exp_neg(__m256 x) {
  * 64 or 128 wide (a load and a store of o per key had waited on store forwarding). o is loaded
  * and stored exactly: summing a query's keys in spans, as attend_group does, gives the bits of one
  * pass over them all. */
-INLINE void weighted_span(const float *p, const float *vb, float *o, int64_t D, int64_t j0, int64_t j1, const int W) {
+INLINE void weighted_span(const float *p, const Slots *vb, float *o, int64_t j0, int64_t j1, const int W) {
     __m256 acc[16];
     for (int i = 0; i < W; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
     for (int64_t j = j0; j < j1; j++) {
         if (p[j] == 0.0f) continue;
         const __m256 pv = _mm256_set1_ps(p[j]);
-        const float *vj = vb + j * D;
+        const float *vj = slot(vb, j);
         for (int i = 0; i < W; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * i), acc[i]);
     }
     for (int i = 0; i < W; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
@@ -143,7 +163,7 @@ INLINE float soft_cap(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x
  * Blocks of 8 keys before the first visible one (a sliding window's past) and after the last (the
  * rest of a prefill chunk) are not scored: their p is 0 either way, and a key's score does not
  * depend on its block, so the bits are the same. s: n * kv_len floats of scratch. */
-static void attend_group(const float *qv, const float *kb, const float *vb, const uint8_t *vis, float *o, float *s,
+static void attend_group(const float *qv, const Slots *kb, const Slots *vb, const uint8_t *vis, float *o, float *s,
                          int n, int64_t D, int64_t kv_len, float scale, float softcap) {
     int64_t first = 0, last = kv_len;
     if (vis) {
@@ -161,7 +181,7 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
             float block[8], *si = s + i * kv_len;
             const float *q = qv + i * D;
             if (D % 8 == 0) _mm256_storeu_ps(block, dot8(q, kb, D, j0, kv_len));
-            else for (int r = 0; r < 8 && j0 + r < kv_len; r++) block[r] = dot(q, kb + (j0 + r) * D, D);
+            else for (int r = 0; r < 8 && j0 + r < kv_len; r++) block[r] = dot(q, slot(kb, j0 + r), D);
             for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
                 si[j] = vis && !vis[j] ? -INFINITY : soft_cap(block[j - j0] * scale, softcap);
                 m[i] = si[j] > m[i] ? si[j] : m[i];
@@ -175,14 +195,14 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
         for (int64_t j0 = start; j0 < last; j0 += KEY_SPAN) {
             const int64_t j1 = j0 + KEY_SPAN < last ? j0 + KEY_SPAN : last;
             for (int i = 0; i < n; i++) {  /* W a constant: o's 8 or 16 vectors stay in registers */
-                if (D == 64) weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 8);
-                else weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 16);
+                if (D == 64) weighted_span(s + i * kv_len, vb, o + i * D, j0, j1, 8);
+                else weighted_span(s + i * kv_len, vb, o + i * D, j0, j1, 16);
             }
         }
     } else {
         for (int i = 0; i < n; i++)
             for (int64_t k = 0; k < kv_len; k++)
-                for (int64_t d = 0; d < D; d++) o[i * D + d] += s[i * kv_len + k] * vb[k * D + d];
+                for (int64_t d = 0; d < D; d++) o[i * D + d] += s[i * kv_len + k] * slot(vb, k)[d];
     }
     for (int i = 0; i < n; i++) {
         const float inv = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
@@ -191,12 +211,13 @@ static void attend_group(const float *qv, const float *kb, const float *vb, cons
 }
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const QDPages *pages;
     const int64_t *rows;  /* each token's cache row, or NULL: token bt's is bt / T */
     const int64_t *slots; /* each token's cache slot: without `visible`, it sees keys 0..slot */
     const uint8_t *visible;
     float *out;
-    int64_t T, Hq, Hkv, D, kv_len, kv_batch, kv_head;
+    int64_t T, Hq, Hkv, D, kv_len;
     int64_t parts;  /* each GQA group's query heads split into this many tasks (parallelism for decode) */
     float scale, softcap;
 } AttentionJob;
@@ -212,39 +233,38 @@ static void attention_task(void *ctx, int64_t task) {
     const int64_t kv_len = j->visible ? j->kv_len : j->slots[bt] + 1;
     float *scores = malloc((size_t)((h1 - h0) * kv_len) * sizeof(float));
     if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
-    attend_group(j->q + (bt * j->Hq + h0) * j->D, j->k + b * j->kv_batch + g * j->kv_head,
-                 j->v + b * j->kv_batch + g * j->kv_head, j->visible ? j->visible + bt * j->kv_len : 0,
+    const Slots keys = row_slots(j->pages, j->pages->k, b, g, j->D), values = row_slots(j->pages, j->pages->v, b, g, j->D);
+    attend_group(j->q + (bt * j->Hq + h0) * j->D, &keys, &values, j->visible ? j->visible + bt * j->kv_len : 0,
                  j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, kv_len, j->scale, j->softcap);
     free(scores);
 }
 
-/* q: [B, T, Hq, D]; k, v: rows of D floats, key j of kv head g of cache row b at
- * b * kv_batch + g * kv_head + j * D, where b is the token's batch row, or rows[token] (a ragged
- * pass: tokens of several cache rows fed as one sequence); visible: [B, T, kv_len] (1 = may
+/* q: [B, T, Hq, D]; pages: the layer's K/V, key j of kv head g of cache row b as QDPages says,
+ * where b is the token's batch row, or rows[token] (a ragged pass: tokens of several cache rows fed
+ * as one sequence); visible: [B, T, kv_len] (1 = may
  * attend) or NULL (causal: a token sees the keys at slots 0..slots[token] of its row); out:
  * [B, T, Hq, D]. One task per (token, kv head), its group's query heads split in
  * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
-static void attention(const float *q, const float *k, const float *v, const int64_t *rows, const int64_t *slots,
-                      const uint8_t *visible, float *out,
-                      int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len,
-                      int64_t kv_batch, int64_t kv_head, float scale, float softcap, int threads) {
+static void attention(const float *q, const QDPages *pages, const int64_t *rows, const int64_t *slots,
+                      const uint8_t *visible, float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
+                      int64_t kv_len, float scale, float softcap, int threads) {
     const int64_t groups = B * T * Hkv, group = Hq / Hkv;
     int64_t parts = 1;
     while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
-    AttentionJob job = {q, k, v, rows, slots, visible, out, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, parts, scale, softcap};
+    AttentionJob job = {q, pages, rows, slots, visible, out, T, Hq, Hkv, D, kv_len, parts, scale, softcap};
     qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
 /* The attention half of a layer after its q|k|v matmul, in one call: rotary embedding of q and k
  * (Hugging Face's rotate-half form; cos/sin [B, T, D] hold each half twice), k and v written to the
  * cache at their positions, then every query attends as qd_attention does. qkv: [B, T, (Hq + 2Hkv)
- * * D]; positions: [B, T]; rows: [B * T] each token's cache row, or NULL (its batch row); k, v: the layer's cache buffers (strides as in qd_attention, slot p of a
- * head at p * D); scratch: B * T * Hq * D floats (the rotated queries); softcap: scores capped at
+ * * D]; positions: [B, T]; rows: [B * T] each token's cache row, or NULL (its batch row); pages: the
+ * layer's cache (QDPages); scratch: B * T * Hq * D floats (the rotated queries); softcap: scores capped at
  * softcap tanh(score / softcap) before the softmax (0: none). */
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
-                       const int64_t *rows, float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
-                       int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t kv_batch, int64_t kv_head,
-                       float scale, float softcap, float *scratch, int threads) {
+                       const int64_t *rows, const QDPages *pages, const uint8_t *visible, float *out, int64_t B,
+                       int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, float scale, float softcap,
+                       float *scratch, int threads) {
     const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
     float *q = scratch;
     for (int64_t bt = 0; bt < B * T; bt++) {
@@ -252,7 +272,8 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
         const float *row = qkv + bt * width, *c = cos + bt * D, *sn = sin + bt * D;
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             const float *x = row + h * D;
-            float *dst = h < Hq ? q + (bt * Hq + h) * D : k + b * kv_batch + (h - Hq) * kv_head + pos * D;
+            const Slots keys = row_slots(pages, pages->k, b, h < Hq ? 0 : h - Hq, D);
+            float *dst = h < Hq ? q + (bt * Hq + h) * D : (float *)slot(&keys, pos);
             for (int64_t i = 0; i < half; i++) {
                 dst[i] = x[i] * c[i] - x[i + half] * sn[i];
                 dst[i + half] = x[i + half] * c[i + half] + x[i] * sn[i + half];
@@ -260,9 +281,10 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
         }
         for (int64_t h = 0; h < Hkv; h++) {
             const float *x = row + (Hq + Hkv + h) * D;
-            float *dst = v + b * kv_batch + h * kv_head + pos * D;
+            const Slots values = row_slots(pages, pages->v, b, h, D);
+            float *dst = (float *)slot(&values, pos);
             for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
     }
-    attention(q, k, v, rows, positions, visible, out, B, T, Hq, Hkv, D, kv_len, kv_batch, kv_head, scale, softcap, threads);
+    attention(q, pages, rows, positions, visible, out, B, T, Hq, Hkv, D, kv_len, scale, softcap, threads);
 }

@@ -21,6 +21,16 @@ const float *qd_prologue(const float *x, int prologue, const float *g, float eps
 /* The most indices qd_topk_rows (argmax.c) keeps per row. */
 #define QD_TOPK_MAX 32
 
+/* A layer's K/V cache as the attention kernel reads it: cache row r's slot j of kv head g lies at
+ * k + tables[r * width + (j >> shift)] * block_stride + g * head_stride + (j & (2^shift - 1)) * D
+ * (and the same in v): rows are tables of blocks of 2^shift slots in one pool. shift = -1: one block
+ * per row (width 1) of any length, slot j at j * D in it. */
+typedef struct {
+    float *k, *v;
+    const int32_t *tables;  /* [rows, width] block ids in slot order */
+    int64_t width, shift, block_stride, head_stride;
+} QDPages;
+
 /* fn(ctx, t) for t in [0, tasks) on up to `threads` threads, the caller among them (pool.c). */
 void qd_parallel(void (*fn)(void *ctx, int64_t task), void *ctx, int64_t tasks, int threads);
 

@@ -36,9 +36,9 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
                     int act8, const float *b, const float *r, float *y, int prologue, const float *g, float eps,
                     float *scratch, int64_t M, int64_t N, int64_t K, int threads);
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
-                       const int64_t *rows, float *k, float *v, const uint8_t *visible, float *out, int64_t B, int64_t T,
-                       int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, int64_t kv_batch, int64_t kv_head,
-                       float scale, float softcap, float *scratch, int threads);
+                       const int64_t *rows, const QDPages *pages, const uint8_t *visible, float *out, int64_t B,
+                       int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, float scale, float softcap,
+                       float *scratch, int threads);
 
 static int linear(const QDLinear *w, const float *x, const float *r, float *y, int prologue, const float *g,
                   float eps, int64_t M, int threads) {
@@ -66,7 +66,7 @@ static void add_normed(float *x, float *y, const float *g, float eps, int64_t M,
 /* x: [B * T, hidden], updated in place; the rest as qd_rope_attention takes them. 0, or -1 when
  * memory ran out (x is then unspecified). */
 int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, const int64_t *positions,
-             const int64_t *rows, float *k_cache, float *v_cache, int64_t kv_batch, int64_t kv_head, const uint8_t *visible,
+             const int64_t *rows, const QDPages *pages, const uint8_t *visible,
              int64_t B, int64_t T, int64_t kv_len, int threads) {
     const int64_t M = B * T, att = L->n_q * L->head_dim, D = L->wo.N;
     const int pre = L->attn_norm != 0, post = L->attn_post_norm != 0;
@@ -78,8 +78,8 @@ int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, con
         status = linear(&L->qkv, x, 0, qkv, pre ? PRO_RMSNORM : PRO_NONE, L->attn_norm, L->eps, M, threads);
     if (status == 0) {
         if (L->q_norm) qk_norm(L, qkv, M);
-        qd_rope_attention(qkv, cos, sin, positions, rows, k_cache, v_cache, visible, a, B, T, L->n_q, L->n_kv, L->head_dim,
-                          kv_len, kv_batch, kv_head, L->scale, L->softcap, q, threads);
+        qd_rope_attention(qkv, cos, sin, positions, rows, pages, visible, a, B, T, L->n_q, L->n_kv, L->head_dim, kv_len,
+                          L->scale, L->softcap, q, threads);
         status = post ? linear(&L->wo, a, 0, y, PRO_NONE, 0, 0.0f, M, threads)
                       : linear(&L->wo, a, x, x, PRO_NONE, 0, 0.0f, M, threads);  /* residual in place */
         if (status == 0 && post) add_normed(x, y, L->attn_post_norm, L->eps, M, D);

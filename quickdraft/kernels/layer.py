@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from quickdraft.kernels.build import active_library
+from quickdraft.kernels.pages import Pages
 from quickdraft.kernels.quantized import QuantizedWeight
 
 GATES = {"silu": 2, "gelu_tanh": 3, "gelu": 4}  # kernels.h's gated prologues
@@ -72,20 +73,19 @@ def fused_layer_usable(x: torch.Tensor, cache_dtype: torch.dtype, *weights: obje
 
 
 def run_layer(x: torch.Tensor, fused: FusedLayer, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-              k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
+              pages: Pages, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
               rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, T, hidden] -> the layer's output (a new tensor); K/V written to the cache buffers
-    [B, n_kv, max_len, head_dim] at `positions` [B, T] (int64); cos, sin [B, 1, T, head_dim];
-    visible [B, T, kv_len] or None (causal: each token sees its row's keys at slots 0..its own); rows [B * T] int64: each token's
-    cache row (a ragged pass, B = 1), None: its batch row."""
+    """x [B, T, hidden] -> the layer's output (a new tensor); K/V written to the cache (pages: its
+    block tables, k, v [blocks, n_kv, block, head_dim] this layer's pools) at `positions` [B, T]
+    (int64); cos, sin [B, 1, T, head_dim]; visible [B, T, kv_len] or None (causal: each token sees its
+    row's keys at slots 0..its own); rows [B * T] int64: each token's cache row (a ragged pass,
+    B = 1), None: its batch row."""
     B, T, _ = x.shape
-    if not (k_cache.stride() == v_cache.stride() and kv_len <= k_cache.shape[2]):  # python -O drops asserts
-        raise ValueError(f"K/V buffers of strides {k_cache.stride()}, {v_cache.stride()} and shape "
-                         f"{tuple(k_cache.shape)} cannot hold {kv_len} slots as the kernel reads them")
+    address = pages.bind(k, v)
     out = x.contiguous().clone()
     status = active_library().qd_layer(
         out.data_ptr(), ctypes.addressof(fused.layer), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
-        positions.data_ptr(), None if rows is None else rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        positions.data_ptr(), None if rows is None else rows.data_ptr(), address,
         None if visible is None else visible.data_ptr(), B, T, kv_len, torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"a layer over {B * T} rows could not allocate its buffers")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from quickdraft.errors import ContextTooLong
+from quickdraft.kernels.pages import Pages
 
 # Where a forward's K/V go: positions [T] of a single row, or an index_put_ index for a batch.
 Slots = torch.Tensor | tuple[torch.Tensor, ...]
@@ -93,10 +94,18 @@ class KVCache:
 
     def buffers(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's whole K and V buffers [B, Hkv, max_len, hd], for a pass attending over kv_len slots."""
+        self._check(kv_len)
+        return self.k[layer], self.v[layer]
+
+    def pages(self, kv_len: int) -> Pages:
+        """The rows as the C kernel reads them, for a pass over kv_len slots (`buffers` its pools)."""
+        self._check(kv_len)
+        return Pages.rows(self.batch_size, self.max_len)
+
+    def _check(self, kv_len: int) -> None:
         if kv_len > self.max_len:
             raise ContextTooLong(
                 f"position {kv_len - 1} is past the KV cache's capacity of {self.max_len} tokens")
-        return self.k[layer], self.v[layer]
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
