@@ -106,22 +106,18 @@ def test_a_request_whose_cache_cannot_grow_ends_with_the_error(llm: quickdraft.L
 
 def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = llm.model.new_cache(1, 4)
-    for t in cache.k + cache.v:
-        t.normal_()
-    before = [t.clone() for t in cache.k + cache.v]
-    allocate, calls = quickdraft.kv.cache.zeros, []
+    c = llm.model.config
+    cache.write_rows(0, 0, torch.randn(c.num_layers, 2, c.num_kv_heads, 4, c.head_dim))
+    before, pool = cache.read(0, 0, 4), cache.pool.kv
 
-    def fails_third(*args, **kwargs) -> torch.Tensor:
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("out of memory")
-        return allocate(*args, **kwargs)
+    def fails(*args, **kwargs) -> torch.Tensor:
+        raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(quickdraft.kv.cache, "zeros", fails_third)
+    monkeypatch.setattr(quickdraft.kv.blocks, "zeros", fails)
     with pytest.raises(RuntimeError, match="out of memory"):
-        cache.reserve(2, 8)
-    assert (cache.batch_size, cache.max_len) == (1, 4)
-    assert all(torch.equal(t, b) for t, b in zip(cache.k + cache.v, before)), "some layers grew, others did not"
+        cache.reserve(2, 80)
+    assert (cache.batch_size, cache.max_len, tuple(cache.tables.shape)) == (1, 4, (1, 1))
+    assert cache.pool.kv is pool and torch.equal(cache.read(0, 0, 4), before)
 
 
 SYSTEM = "you are a cat you sat on the mat one two three a b c d e f g " * 2  # > 2 prefix-cache blocks

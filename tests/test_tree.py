@@ -210,16 +210,19 @@ def test_inputs_of_a_tree_row_beside_a_chain_row() -> None:
 
 def test_compact_moves_the_kept_path_into_place() -> None:
     model = target()
-    cache = model.new_cache(2, 12)
-    for t in cache.k + cache.v:
-        t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape))
-    before = [t.clone() for t in cache.k + cache.v]
-    cache.compact(1, 4, [5, 7, 8])
-    for t, old in zip(cache.k + cache.v, before):
-        assert torch.equal(t[1, :, 4:7], old[1, :, [5, 7, 8]])
-        assert torch.equal(t[0], old[0]) and torch.equal(t[1, :, :4], old[1, :, :4])
+    cache = model.new_cache(2, 40)  # rows of 3 blocks: the path crosses from one block into the next
+    c = model.config
+    for row in (0, 1):
+        n = c.num_layers * 2 * c.num_kv_heads * 40 * c.head_dim
+        cache.write_rows(row, 0, torch.arange(row * n, (row + 1) * n, dtype=torch.float32).view(
+            c.num_layers, 2, c.num_kv_heads, 40, c.head_dim))
+    before = [cache.read(row, 0, 40) for row in (0, 1)]
+    cache.compact(1, 14, [15, 17, 18, 33])
+    after = cache.read(1, 0, 40)
+    assert torch.equal(after[..., 14:18, :], before[1][..., [15, 17, 18, 33], :])
+    assert torch.equal(cache.read(0, 0, 40), before[0]) and torch.equal(after[..., :14, :], before[1][..., :14, :])
     cache.compact(0, 4, [4, 5])  # a chain's path is in place: nothing moves
-    assert all(torch.equal(t[0], old[0]) for t, old in zip(cache.k + cache.v, before))
+    assert torch.equal(cache.read(0, 0, 40), before[0])
 
 
 # -- exactness through the engine -----------------------------------------------------------------------

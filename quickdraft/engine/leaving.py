@@ -80,11 +80,11 @@ class Leaving:
         if row.leaving and (i != last or self.filling is not None):
             self._leave(row, i, whole=True)
         if i != last:
-            self.cache.copy_row(last, i, self.rows[last].length)
+            self.cache.move_row(last, i)
             self.rows[i] = self.rows[last]
         self.rows.pop()
         if self.filling is not None:
-            self.cache.copy_row(last + 1, last, self.filling.length)
+            self.cache.move_row(last + 1, last)
         self._sync_cache_lengths()
         if row.leaving:
             self.ended = row

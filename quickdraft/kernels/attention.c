@@ -58,8 +58,9 @@ INLINE float dot(const float *a, const float *b, int64_t D) {
 INLINE __m256 dot8(const float *qv, const Slots *kb, int64_t D, int64_t j0, int64_t kv_len) {
     const float *key[8];
     __m256 acc[8];
+    const float *group = slot(kb, j0);  /* keys j0..j0+7 lie in one block (a block is a multiple of 8 keys) */
     for (int i = 0; i < 8; i++) {
-        key[i] = slot(kb, j0 + i < kv_len ? j0 + i : kv_len - 1);
+        key[i] = j0 + i < kv_len ? group + i * D : slot(kb, kv_len - 1);
         acc[i] = _mm256_setzero_ps();
     }
     for (int64_t d = 0; d < D; d += 8) {
@@ -97,13 +98,15 @@ INLINE __m256 exp_neg(__m256 x) {
  * 64 or 128 wide (a load and a store of o per key had waited on store forwarding). o is loaded
  * and stored exactly: summing a query's keys in spans, as attend_group does, gives the bits of one
  * pass over them all. */
-INLINE void weighted_span(const float *p, const Slots *vb, float *o, int64_t j0, int64_t j1, const int W) {
+INLINE void weighted_span(const float *p, const Slots *vb, float *o, int64_t D, int64_t j0, int64_t j1, const int W) {
     __m256 acc[16];
     for (int i = 0; i < W; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
+    const int64_t within = vb->shift < 0 ? -1 : ((int64_t)1 << vb->shift) - 1;  /* j & within: j's offset in its block */
+    const float *vj = slot(vb, j0);
     for (int64_t j = j0; j < j1; j++) {
+        if (j > j0) vj = j & within ? vj + D : slot(vb, j);  /* a block's slots are consecutive rows */
         if (p[j] == 0.0f) continue;
         const __m256 pv = _mm256_set1_ps(p[j]);
-        const float *vj = slot(vb, j);
         for (int i = 0; i < W; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * i), acc[i]);
     }
     for (int i = 0; i < W; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
@@ -195,8 +198,8 @@ static void attend_group(const float *qv, const Slots *kb, const Slots *vb, cons
         for (int64_t j0 = start; j0 < last; j0 += KEY_SPAN) {
             const int64_t j1 = j0 + KEY_SPAN < last ? j0 + KEY_SPAN : last;
             for (int i = 0; i < n; i++) {  /* W a constant: o's 8 or 16 vectors stay in registers */
-                if (D == 64) weighted_span(s + i * kv_len, vb, o + i * D, j0, j1, 8);
-                else weighted_span(s + i * kv_len, vb, o + i * D, j0, j1, 16);
+                if (D == 64) weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 8);
+                else weighted_span(s + i * kv_len, vb, o + i * D, D, j0, j1, 16);
             }
         }
     } else {

@@ -1,78 +1,66 @@
-"""KV cache: preallocated K/V buffers and a committed length per batch row.
+"""KV cache: rows of block tables over a pool of K/V blocks (blocks.py), and a committed length
+per row.
 
-The model writes K/V at the slots it is given. Rollback of a chain is moving a row's length back:
-no copy; after a tree pass the kept path is compacted into place (`compact`). This module does not
-know when or why rows are truncated or compacted (the engine decides).
+The model writes K/V at the slots it is given; a forward first gets blocks for the slots it writes
+(`slots`). Rollback of a chain is moving a row's length back: no copy; after a tree pass the kept
+path is compacted into place (`compact`). This module does not know when or why rows are truncated
+or compacted (the engine decides).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from quickdraft.errors import ContextTooLong
 from quickdraft.kernels.pages import Pages
+from quickdraft.kv.blocks import BLOCK, BlockPool, KVShape
 
-# Where a forward's K/V go: positions [T] of a single row, or an index_put_ index for a batch.
-Slots = torch.Tensor | tuple[torch.Tensor, ...]
-ALIGN = 64  # bytes: a cache line, as torch's own allocator aligns
-PAGE, HUGE_PAGE, MADV_NOHUGEPAGE = 4096, 2 << 20, 15  # Linux's (asm-generic/mman-common.h)
+__all__ = ["BLOCK", "BlockPool", "KVCache", "KVShape", "Slots"]
 
 
-class KVShape(Protocol):
-    """What K/V memory needs to know of a model (a model's ModelConfig is one): the model imports
-    this module, not the other way round."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int  # the last layer's output kept beside the K/V (prefix_cache.py's features)
+def width(max_len: int) -> int:
+    """Blocks a row of max_len slots spans."""
+    return -(-max_len // BLOCK)
 
 
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of zeros. On the CPU from calloc, whose large blocks are pages the kernel zeroes when
-    first written: a grown cache costs its rows' copies, not a pass over every slot (zeroing a 1.5B's
-    4,000-token rows, ~470 MB, stalled every running row ~3 decode steps at admission)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    memory = np.zeros(size + ALIGN, np.uint8)  # calloc aligns to 16 bytes: the kernels' rows start on a cache line
-    _no_huge_pages(memory)
-    start = -memory.ctypes.data % ALIGN
-    return torch.from_numpy(memory[start:start + size]).view(dtype).view(shape)
+def _tables(rows: int, max_len: int) -> torch.Tensor:
+    with torch.inference_mode(False):  # a tensor of its own kind: a step (inference mode) may grow it
+        return torch.zeros(rows, width(max_len), dtype=torch.int32)
 
 
-def _no_huge_pages(memory: np.ndarray) -> None:
-    """Ask Linux for 4 KB pages here. A cache row's slots of one layer and head are one stretch of up
-    to a few MB; with transparent huge pages the first token written into each made the kernel zero
-    2 MB (a new row's first prompt chunk: 112 such pages on the 1.5B, 40-190 ms, every other row
-    stalled). In 4 KB pages a row's memory is zeroed as its tokens arrive. A hint: where it is not
-    taken, nothing else changes."""
-    if not sys.platform.startswith("linux") or memory.nbytes < HUGE_PAGE:
-        return
-    start = memory.ctypes.data - memory.ctypes.data % PAGE
-    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(memory.ctypes.data + memory.nbytes - start),
-                    MADV_NOHUGEPAGE)
+@dataclass(frozen=True)
+class Slots:
+    """Where a forward's K/V go: slots [B, T] of the view's rows (a ragged pass: `rows` [T], each
+    token's row, B = 1), their blocks allocated. `index` is the torch path's (block, offset) [B, T]."""
+    slots: torch.Tensor
+    tables: torch.Tensor
 
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    @property
+    def index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.slots.to(torch.int64)
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        return self.tables.to(slots.device, torch.int64)[rows, slots // BLOCK], slots % BLOCK
 
 
 class KVCache:
-    """k[layer], v[layer]: [B, Hkv, max_len, hd]; lengths: committed tokens per row (host ints)."""
+    """Rows of block tables over a BlockPool: row r's slot j lies in block tables[r, j // BLOCK] at
+    offset j % BLOCK (tables: host int32 [R, ceil(max_len / BLOCK)], 0 past a row's blocks); lengths:
+    committed tokens per row (host ints). A row holds its blocks (one reference each) from the
+    forward that first writes into them until `release` or `move_row` gives them back."""
 
-    def __init__(self, config: KVShape, batch_size: int, max_len: int,
+    def __init__(self, config: KVShape | BlockPool, batch_size: int, max_len: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        """Over the pool `config`, or a pool of its own for a model of that shape, with room for
+        batch_size rows of max_len slots (blocks taken only as rows are written)."""
         if max_len <= 0 or batch_size <= 0:
             raise ValueError(f"cache needs batch_size > 0 and max_len > 0, found {batch_size}, {max_len}")
-        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
-        self.k = [zeros(shape, dtype, torch.device(device)) for _ in range(config.num_layers)]
-        self.v = [zeros(shape, dtype, torch.device(device)) for _ in range(config.num_layers)]
+        self.pool = config if isinstance(config, BlockPool) else BlockPool(config, dtype, device)
+        self.pool.reserve(batch_size * width(max_len))
+        self.tables = _tables(batch_size, max_len)
+        self.held = np.zeros(batch_size, np.int64)  # blocks each row holds: its table's first entries
         self.max_len = max_len
         self.lengths = [0] * batch_size
 
@@ -82,89 +70,130 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        return self.pool.dtype
 
-    def slots(self, slots: torch.Tensor) -> Slots:
-        """Index for `write` from slots [B, T], built once per forward."""
-        if slots.shape[0] == 1:
-            return slots[0]  # index_copy_ along the sequence axis: cheaper than index_put_
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None, None]
-        heads = torch.arange(self.k[0].shape[1], device=slots.device)[None, :, None]
-        return rows, heads, slots[:, None, :]
+    def slots(self, slots: torch.Tensor, rows: torch.Tensor | None = None) -> Slots:
+        """Blocks for every slot a forward writes: slots [B, T], of batch row b, or of row rows[t]
+        (a ragged pass, B = 1); a row gets the blocks it lacks up to its largest slot. Raises
+        ContextTooLong past max_len, and ValueError for a write into a block another holder shares
+        (shared blocks are full and lie below every row's length: a write there is a bug that would
+        change another row's tokens)."""
+        s = slots.detach().to("cpu", torch.int64).numpy()
+        if rows is None:
+            owners, lo, hi = np.arange(s.shape[0]), s.min(1), s.max(1) + 1
+        else:
+            r = rows.detach().to("cpu", torch.int64).numpy()
+            owners = np.unique(r)
+            lo = np.array([s[0][r == o].min() for o in owners])
+            hi = np.array([s[0][r == o].max() + 1 for o in owners])
+        if hi.size and int(hi.max()) > self.max_len:
+            raise ContextTooLong(
+                f"position {int(hi.max()) - 1} is past the KV cache's capacity of {self.max_len} tokens")
+        for row, first, end in zip(owners.tolist(), lo.tolist(), hi.tolist()):
+            self._hold(row, end)
+            if self.pool.shared(self.tables[row, first // BLOCK:width(end)].tolist()):
+                raise ValueError(f"a forward would write slots {first}..{end - 1} of row {row}, in a block "
+                                 "another row or the prefix cache shares")
+        return Slots(slots, self.tables)
 
-    def buffers(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's whole K and V buffers [B, Hkv, max_len, hd], for a pass attending over kv_len slots."""
-        self._check(kv_len)
-        return self.k[layer], self.v[layer]
+    def _hold(self, row: int, end: int) -> None:
+        """Row `row` holds blocks for slots 0..end-1."""
+        need = width(end) - int(self.held[row])
+        if need > 0:
+            ids = self.pool.alloc(need)
+            self.tables[row, self.held[row]:self.held[row] + need] = torch.tensor(ids, dtype=torch.int32)
+            self.held[row] += need
 
     def pages(self, kv_len: int) -> Pages:
-        """The rows as the C kernel reads them, for a pass over kv_len slots (`buffers` its pools)."""
-        self._check(kv_len)
-        return Pages.rows(self.batch_size, self.max_len)
-
-    def _check(self, kv_len: int) -> None:
+        """The rows as the C kernel reads them, for a pass over kv_len slots (`pools` gives a
+        layer's K/V)."""
         if kv_len > self.max_len:
             raise ContextTooLong(
                 f"position {kv_len - 1} is past the KV cache's capacity of {self.max_len} tokens")
+        return Pages(self.tables, BLOCK, self.pool.blocks, kv_len)
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V of every block: [NB, Hkv, BLOCK, hd] each (views)."""
+        return self.pool.kv[layer, 0].transpose(0, 1), self.pool.kv[layer, 1].transpose(0, 1)
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, T, hd] at `slots`; return the first kv_len slots to attend over."""
-        k_buf, v_buf = self.buffers(layer, kv_len)
-        if isinstance(slots, torch.Tensor):
-            k_buf.index_copy_(2, slots, k)
-            v_buf.index_copy_(2, slots, v)
-        else:
-            k_buf.index_put_(slots, k)
-            v_buf.index_put_(slots, v)
-        return k_buf[:, :, :kv_len], v_buf[:, :, :kv_len]
+        """Store k, v [B, Hkv, T, hd] at `slots`; return the rows' first kv_len slots [B, Hkv, kv_len,
+        hd] to attend over (the torch path: gathered from the blocks, a copy)."""
+        block, offset = slots.index
+        k_pool, v_pool = self.pools(layer)
+        k_pool[block, :, offset] = k.transpose(1, 2).to(k_pool.dtype)  # [B, T, Hkv, hd] at (block, offset)
+        v_pool[block, :, offset] = v.transpose(1, 2).to(v_pool.dtype)
+        ids = self.tables[:, :width(kv_len)].to(k_pool.device, torch.int64)  # [B, nb]
+        return tuple(pool[ids].transpose(1, 2).flatten(2, 3)[:, :, :kv_len] for pool in (k_pool, v_pool))
+
+    def read(self, row: int, start: int, stop: int) -> torch.Tensor:
+        """Slots start..stop-1 of `row`, every layer: [L, 2, Hkv, stop - start, hd] (a copy)."""
+        ids = self.tables[row, :width(stop)].to(self.pool.kv.device, torch.int64)
+        return self.pool.kv[:, :, :, ids].flatten(3, 4)[..., start:stop, :]
+
+    def write_rows(self, row: int, start: int, kv: torch.Tensor) -> None:
+        """kv [L, 2, Hkv, n, hd] into slots start..start+n-1 of `row` (a copy: the prefix cache's
+        tests' and its foreign-pool path)."""
+        n = kv.shape[3]
+        if start + n > self.max_len:
+            raise ContextTooLong(f"position {start + n - 1} is past the KV cache's capacity of {self.max_len} tokens")
+        self._hold(row, start + n)
+        slots = torch.arange(start, start + n)
+        block = self.tables[row, slots // BLOCK].to(self.pool.kv.device, torch.int64)
+        self.pool.kv[:, :, :, block, (slots % BLOCK).to(block.device)] = kv.to(self.pool.kv)
 
     def rows(self, start: int, stop: int) -> "KVCache":
-        """Rows start..stop-1 as a cache of their own that shares these buffers (writes land here)."""
+        """Rows start..stop-1 as a cache of their own over the same pool and tables (blocks a forward
+        takes for them are theirs here)."""
         if not 0 <= start < stop <= self.batch_size:
             raise ValueError(f"rows {start}..{stop - 1} outside 0..{self.batch_size - 1}")
         view = object.__new__(KVCache)
-        view.k = [t[start:stop] for t in self.k]
-        view.v = [t[start:stop] for t in self.v]
+        view.pool = self.pool
+        view.tables = self.tables[start:stop]
+        view.held = self.held[start:stop]
         view.max_len = self.max_len
         view.lengths = self.lengths[start:stop]
         return view
 
-    def copy_row(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` slots of row src into row dst (the engine keeps rows packed)."""
-        for buffers in (self.k, self.v):
-            for t in buffers:
-                t[dst, :, :length] = t[src, :, :length]
-        self.lengths[dst] = length
+    def move_row(self, src: int, dst: int) -> None:
+        """Row src's blocks and length become row dst's (whose own blocks are given back); src is
+        left empty. No K/V moves (the engine keeps its running rows packed)."""
+        self.release(dst)
+        self.tables[dst], self.held[dst], self.lengths[dst] = self.tables[src], self.held[src], self.lengths[src]
+        self.tables[src], self.held[src], self.lengths[src] = 0, 0, 0
+
+    def release(self, row: int) -> None:
+        """Give back the row's blocks; it is empty."""
+        self.pool.decref(self.tables[row, :self.held[row]].tolist())
+        self.tables[row], self.held[row], self.lengths[row] = 0, 0, 0
 
     def reserve(self, batch_size: int, max_len: int) -> None:
-        """Room for at least batch_size rows of max_len slots: new buffers (an engine grows its cache
-        as requests need it, never shrinks it), each row's committed slots (`lengths`) copied over:
-        what lies past them is rewritten before it is read, and copying only those keeps a growth
-        from stalling the running rows for a copy of every slot the cache ever held."""
+        """Room for at least batch_size rows of max_len slots (an engine grows its cache as requests
+        need it, never shrinks it): larger tables, and the pool grown ahead so that a forward does
+        not grow it. All or nothing: allocating may fail (out of memory)."""
         if batch_size <= self.batch_size and max_len <= self.max_len:
             return
         batch_size, max_len = max(batch_size, self.batch_size), max(max_len, self.max_len)
-        grown = {}
-        with torch.inference_mode(False):  # buffers of their own kind: a step (inference mode) may grow them
-            for name in ("k", "v"):
-                grown[name] = [zeros((batch_size, old.shape[1], max_len, old.shape[3]), old.dtype, old.device)
-                               for old in getattr(self, name)]
-                for new, old in zip(grown[name], getattr(self, name)):
-                    for row, length in enumerate(self.lengths):
-                        new[row, :, :length] = old[row, :, :length]
-        self.k[:], self.v[:] = grown["k"], grown["v"]  # all or nothing: allocating may fail (out of memory)
-        self.max_len = max_len
+        self.pool.reserve(batch_size * width(max_len))
+        tables = _tables(batch_size, max_len)
+        tables[:self.batch_size, :self.tables.shape[1]] = self.tables
+        self.tables, self.max_len = tables, max_len
+        self.held = np.concatenate((self.held, np.zeros(batch_size - len(self.held), np.int64)))
         self.lengths = self.lengths + [0] * (batch_size - len(self.lengths))
 
     def compact(self, row: int, start: int, kept: Sequence[int]) -> None:
         """Move the K/V of slots `kept` (ascending, each >= its destination) of `row` to slots
-        start, start+1, ...: a tree's accepted path into place. A chain's path is in place already."""
+        start, start+1, ...: a tree's accepted path into place. A chain's path is in place already.
+        All of them lie past the row's committed tokens, in blocks of its own."""
         if list(kept) == list(range(start, start + len(kept))):
             return
-        index = torch.tensor(kept, device=self.k[0].device)
-        for t in self.k + self.v:
-            t[row, :, start:start + len(kept)] = t[row, :, index]  # the gather copies before the write
+        table = self.tables[row].to(torch.int64)
+        src, dst = torch.tensor(kept), torch.arange(start, start + len(kept))
+        kv = self.pool.kv
+        device = kv.device
+        kv[:, :, :, table[dst // BLOCK].to(device), (dst % BLOCK).to(device)] = \
+            kv[:, :, :, table[src // BLOCK].to(device), (src % BLOCK).to(device)]  # the gather copies before the write
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Set every row's committed length (rollback of rejected tokens is a smaller number)."""

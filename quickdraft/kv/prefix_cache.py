@@ -39,10 +39,9 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from quickdraft.kv.cache import KVCache, KVShape
+from quickdraft.kv.cache import BLOCK, KVCache, KVShape  # BLOCK: tokens per node (a tail: fewer), a pool block
 from quickdraft.spec.sequences import common_prefix
 
-BLOCK = 16  # tokens per node (a tail: fewer)
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory
 T = TypeVar("T")
 
@@ -165,11 +164,7 @@ class PrefixCache:
     def copy(self, path: Sequence[tuple[_Node, int]], cache: KVCache, row: int) -> None:
         """Copy a matched path's K/V into slots 0.. of `row`."""
         assert path, "nothing to load"
-        kv = torch.cat([node.kv[:, :, :, :n] for node, n in path], dim=3)  # [L, 2, Hkv, n, hd]
-        n = kv.shape[3]
-        for layer, (k, v) in enumerate(zip(cache.k, cache.v)):
-            k[row, :, :n] = kv[layer, 0]
-            v[row, :, :n] = kv[layer, 1]
+        cache.write_rows(row, 0, torch.cat([node.kv[:, :, :, :n] for node, n in path], dim=3))  # [L, 2, Hkv, n, hd]
 
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None,
               max_blocks: int | None = None, scope: str = "") -> bool:
@@ -221,8 +216,7 @@ class PrefixCache:
         for other in [c for c in parent.children.values() if len(c.key) < len(key) and c.key == key[:len(c.key)]]:
             self._drop(other)
         end = start + len(key)
-        kv = torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end]))
-                          for k, v in zip(cache.k, cache.v)])  # [L, 2, Hkv, n, hd], a copy
+        kv = cache.read(row, start, end)  # [L, 2, Hkv, n, hd], a copy
         kept = None if features is None else features[start:end].clone()
         parent.children[key] = node = _Node(kv, kept, parent, parent.scope, key, used=tick)
         self.stats.blocks += 1

@@ -96,7 +96,8 @@ def attention_inputs(rope: RotaryTable, inv_freq: torch.Tensor, positions: torch
             mask = mask & attn_mask
         mask = mask.unsqueeze(1)
     local_rope = None if local is None else local[0](local[1], positions, cache.dtype)
-    return AttentionInputs(cos, sin, mask, cache.slots(slots), cache.pages(kv_len), kv_len, slots.to(torch.int64).contiguous(), positions,
+    written = cache.slots(slots, rows)  # blocks for the slots written first: `pages` names them
+    return AttentionInputs(cos, sin, mask, written, cache.pages(kv_len), kv_len, slots.to(torch.int64).contiguous(), positions,
                            local_rope, None if rows is None else rows.to(torch.int64).contiguous(), attn_mask is not None)
 
 
@@ -180,15 +181,15 @@ class Block(nn.Module):
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
                                            self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
-            return run_layer(x, self.fused, cos, sin, at.positions, at.pages, *cache.buffers(layer, at.kv_len), visible,
-                             at.kv_len, at.rows)
+            return run_layer(x, self.fused, cos, sin, at.positions, at.pages, *cache.pools(layer), visible, at.kv_len,
+                             at.rows)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused if self.pre else None)
         if self.q_norm is not None:
             qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
-            attn = kernels.rope_attention(qkv, cos, sin, at.positions, at.pages, *cache.buffers(layer, at.kv_len),
+            attn = kernels.rope_attention(qkv, cos, sin, at.positions, at.pages, *cache.pools(layer),
                                           visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap, at.rows)
         else:
             if at.rows is not None:

@@ -125,14 +125,11 @@ class RowPool:
             self.cache.lengths[row] = 0
 
     def _grow(self, rows: int, max_len: int) -> None:
-        """A larger cache holding what the old one held (members join rarely: a copy is cheap)."""
-        new = self.model.new_cache(rows, max_len)
-        if self.cache is not None:
-            old = self.cache
-            for a, b in zip(new.k + new.v, old.k + old.v):
-                a[:old.batch_size, :, :old.max_len] = b
-            new.lengths[:old.batch_size] = old.lengths
-        self.cache = new
+        """A larger cache holding what the old one held."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(rows, max_len)
+        else:
+            self.cache.reserve(rows, max_len)
 
     def settle(self, state: DraftRow) -> None:
         """The row holds K/V for exactly its member's first `cached` tokens; the slots after are free."""

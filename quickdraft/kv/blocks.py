@@ -1,0 +1,149 @@
+"""K/V memory in fixed blocks: one pool of blocks of BLOCK tokens' K/V of every layer, handed out
+by id with reference counts. A cache row is a table of block ids (cache.py); what moves between
+rows, or to the prefix cache, is ids, not K/V.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import threading
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+
+BLOCK = 16  # tokens a block: a multiple of 8 (the kernel scores keys 8 at a time) and a power of two
+ALIGN = 64  # bytes: a cache line, as torch's own allocator aligns
+PAGE, HUGE_PAGE, MADV_NOHUGEPAGE = 4096, 2 << 20, 15  # Linux's (asm-generic/mman-common.h)
+
+
+class KVShape(Protocol):
+    """What K/V memory needs to know of a model (a model's ModelConfig is one): the model imports
+    this package, not the other way round."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int  # the last layer's output kept beside the K/V (prefix_cache.py's features)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros. On the CPU from calloc, whose large blocks are pages the kernel zeroes when
+    first written: a grown pool costs the copy of its used blocks, not a pass over every slot (zeroing
+    a 1.5B's 4,000-token rows, ~470 MB, stalled every running row ~3 decode steps at admission)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = np.zeros(size + ALIGN, np.uint8)  # calloc aligns to 16 bytes: the kernels' rows start on a cache line
+    _no_huge_pages(memory)
+    start = -memory.ctypes.data % ALIGN
+    return torch.from_numpy(memory[start:start + size]).view(dtype).view(shape)
+
+
+def _no_huge_pages(memory: np.ndarray) -> None:
+    """Ask Linux for 4 KB pages here. A block's stripe of one layer and head is a few KB; with
+    transparent huge pages the first token written into a fresh stretch made the kernel zero 2 MB (a
+    new row's first prompt chunk: 112 such pages on the 1.5B, 40-190 ms, every other row stalled). In
+    4 KB pages memory is zeroed as tokens arrive. A hint: where it is not taken, nothing else changes."""
+    if not sys.platform.startswith("linux") or memory.nbytes < HUGE_PAGE:
+        return
+    start = memory.ctypes.data - memory.ctypes.data % PAGE
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(memory.ctypes.data + memory.nbytes - start),
+                    MADV_NOHUGEPAGE)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+class BlockPool:
+    """kv [L, 2, Hkv, NB, BLOCK, hd]: layer l's K of block b is kv[l, 0, :, b], its V kv[l, 1, :, b].
+    Heads before blocks: one head's stripes of blocks with consecutive ids (a row's, as they are
+    handed out) are one stretch of memory, read in order as a row's keys were before blocks (with
+    blocks first, each 4 KB stripe lay a few pages past the last: ~20% slower attention at 3,000
+    tokens of context, the prefetchers lost). Block 0 is the null block: never handed out, never written; tables name it past a row's blocks,
+    so whatever the kernels read there stays inside the pool (such keys are masked). refs[b]: the
+    holders of block b (rows, prefix-cache nodes); 0 = free. Thread-safe: one lock inside each call."""
+
+    def __init__(self, config: KVShape, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 blocks: int = 0) -> None:
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.kv = self._zeros(blocks + 1)
+        self.refs = np.zeros(self.blocks, np.int32)
+        self.refs[0] = 1  # the null block, pinned
+        self.free: list[int] = []  # ids given back, the most recent last (reused first: warm pages)
+        self.high = 1  # ids from here on were never handed out
+        self.lock = threading.Lock()
+
+    def _zeros(self, blocks: int) -> torch.Tensor:
+        c = self.config
+        with torch.inference_mode(False):  # a tensor of its own kind: a step (inference mode) may grow it
+            return zeros((c.num_layers, 2, c.num_kv_heads, blocks, BLOCK, c.head_dim), self.dtype, self.device)
+
+    @property
+    def blocks(self) -> int:
+        """Ids 0..blocks-1 exist (the null block included)."""
+        return self.kv.shape[3]
+
+    @property
+    def used(self) -> int:
+        """Blocks some row or prefix-cache node holds."""
+        with self.lock:
+            return int(np.count_nonzero(self.refs)) - 1
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.config
+        return c.num_layers * 2 * c.num_kv_heads * BLOCK * c.head_dim * self.dtype.itemsize
+
+    def reserve(self, blocks: int) -> None:
+        """Room for `blocks` blocks besides the null one, by doubling: the used ones are copied once
+        (all or nothing: allocating may fail, out of memory), never again once the pool is warm."""
+        with self.lock:
+            self._reserve(blocks + 1)
+
+    def _reserve(self, blocks: int) -> None:
+        if blocks <= self.blocks:
+            return
+        grown = self._zeros(max(blocks, 2 * self.blocks))
+        grown[:, :, :, :self.high] = self.kv[:, :, :, :self.high]
+        self.kv = grown
+        self.refs = np.concatenate((self.refs, np.zeros(self.blocks - len(self.refs), np.int32)))
+
+    def alloc(self, n: int) -> list[int]:
+        """n free blocks, each held once by the caller, ascending (a row's stretch, where they were one)."""
+        with self.lock:
+            reused = sorted(self.free[len(self.free) - min(n, len(self.free)):])
+            del self.free[len(self.free) - len(reused):]
+            fresh = n - len(reused)
+            self._reserve(self.high + fresh)
+            ids = reused + list(range(self.high, self.high + fresh))
+            self.high += fresh
+            self.refs[ids] = 1
+            return ids
+
+    def incref(self, ids: Iterable[int]) -> None:
+        with self.lock:
+            for i in ids:
+                if self.refs[i] <= 0 or i == 0:
+                    raise ValueError(f"block {i} is not held: it cannot be shared")
+                self.refs[i] += 1
+
+    def decref(self, ids: Iterable[int]) -> None:
+        """Each id held once less; a block no one holds any more is free."""
+        with self.lock:
+            for i in ids:
+                if self.refs[i] <= 0 or i == 0:
+                    raise ValueError(f"block {i} is not held: it cannot be given back")
+                self.refs[i] -= 1
+                if self.refs[i] == 0:
+                    self.free.append(i)
+
+    def shared(self, ids: Iterable[int]) -> bool:
+        """Whether any of the blocks has another holder (such a block is full and never written)."""
+        return any(self.refs[i] > 1 for i in ids)
+
+    def copy(self, src: int, dst: int, n: int = BLOCK) -> None:
+        """The first n slots of block src into block dst, every layer: one op."""
+        self.kv[:, :, :, dst, :n] = self.kv[:, :, :, src, :n]
