@@ -23,6 +23,7 @@ from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.errors import ModelLoadError, QuickdraftError
+from quickdraft.kv.blocks import BlockPool
 from quickdraft.kv.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
@@ -279,6 +280,8 @@ class LLM:
                 if service is not None and service.busy():
                     raise QuickdraftError("this model's engine is running requests; it can be set up anew "
                                           "(another server's rows or context) only while idle")
+                if service is not None:  # its rows' blocks, in the prefix cache's pool, go back
+                    service.engine.cache.release_all()
                 self._service = EngineService(Engine(self.model, config or ENGINE, cost, prefix=self.prefix))
             return self._service
 
@@ -432,7 +435,8 @@ def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache 
     if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, int) or budget_mb < 0):
         raise QuickdraftError(f"the prefix cache's budget must be a whole number of MiB >= 0, found {budget_mb!r}")
     try:
-        return PrefixCache((budget_mb or default_budget_mb()) << 20, model.config, model.compute_dtype)
+        return PrefixCache((budget_mb or default_budget_mb()) << 20, model.config, model.compute_dtype,
+                           pool=BlockPool(model.config, model.compute_dtype, model.device))
     except ValueError as e:
         raise QuickdraftError(f"{e}; give --prefix-cache-mb at least that, or --no-prefix-cache") from None
 

@@ -186,7 +186,8 @@ def test_tails_under_threads_stay_exact_and_within_the_budget() -> None:
     nodes = prefix._nodes()
     assert prefix.stats.blocks == len(nodes) and prefix.stats.bytes == len(nodes) * prefix.block_bytes
     assert prefix.stats.bytes <= prefix.budget_bytes and prefix.stats.evictions > 0
-    assert all(node.kv.shape[3] == len(node.key) == node.features.shape[0] for node in nodes)
+    assert all(len(node.key) == node.features.shape[0] for node in nodes)
+    assert prefix.pool.used == len({node.block for node in nodes}) == len(nodes)  # a block each, none leaked
     assert all(not node.children for node in nodes if len(node.key) < BLOCK)  # a tail is a leaf
     depths = prefix.fold(lambda above, key: above + len(key), 0)
     assert sorted(depths) == sorted(_depth(node) for node in nodes)

@@ -3,11 +3,15 @@ when released or moved, a block shared with another holder is never written, and
 without losing what its blocks hold."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.kv.blocks import BLOCK, BlockPool
 from quickdraft.kv.cache import KVCache
+from quickdraft.kv.prefix_cache import PrefixCache
+from quickdraft.spec.sampling import SamplingParams
 from tiny_models import BASE, hf_model, ours_from_hf
 
 
@@ -78,3 +82,76 @@ def test_a_cache_over_a_given_pool_draws_its_blocks_there(model) -> None:
     assert pool.used == 2 + 3 and set(a.tables[0, :2].tolist()).isdisjoint(b.tables[1, :3].tolist())
     assert a.pool.block_bytes == model.config.num_layers * 2 * model.config.num_kv_heads * BLOCK * \
         model.config.head_dim * 4
+
+
+# -- rows sharing the prefix cache's blocks -----------------------------------------------------------
+
+def refcounts_agree(engine: Engine) -> bool:
+    """Every block's reference count is the number of its holders: trie nodes and cache rows."""
+    want = np.zeros(engine.cache.pool.blocks, np.int64)
+    want[0] = 1
+    for node in engine.prefix._nodes():
+        want[node.block] += 1
+    for row in range(engine.cache.batch_size):
+        np.add.at(want, engine.cache.tables[row, :engine.cache.held[row]].numpy(), 1)
+    return np.array_equal(want, engine.cache.pool.refs)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def until_decoding(engine: Engine, n: int) -> None:
+    """Steps until n rows decode, none waiting or filling."""
+    for _ in range(200):
+        if len(engine.rows) == n and engine.filling is None and not engine.waiting:
+            return
+        for _, event in engine.step():
+            assert event.error is None, event.error
+    raise AssertionError("the rows never all decoded")
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_sessions_behind_one_system_prompt_hold_it_once(model, cached: bool) -> None:
+    """8 sessions whose prompts start with the same 100 tokens (6 blocks and 4 tokens): the first
+    one's blocks go to the prefix cache, the 7 after it share them (the same ids in every table);
+    without a prefix cache each row holds a copy."""
+    system = prompt(0, 100)
+    prefix = PrefixCache(64 << 20, model.config, model.compute_dtype) if cached else None
+    engine = Engine(model, EngineConfig(max_batch=8), prefix=prefix)
+    engine.add(Request(system + prompt(1, 5), SamplingParams(max_new_tokens=4, ignore_eos=True), id="first"))
+    while engine.has_work():
+        engine.step()
+    for i in range(7):
+        engine.add(Request(system + prompt(10 + i, 5), SamplingParams(max_new_tokens=30, ignore_eos=True), id=str(i)))
+    until_decoding(engine, 7)
+    heads = {tuple(engine.cache.tables[r, :6].tolist()) for r in range(7)}
+    pool = engine.cache.pool
+    if cached:
+        assert len(heads) == 1 and all(engine.rows[r].stats.cached_tokens == 100 for r in range(7))
+        assert pool.used <= prefix.stats.blocks + 7 * 2  # the rows' own blocks: 4 + 5 + up to 30 tokens and pad
+        assert refcounts_agree(engine)
+    else:
+        assert len(heads) == 7 and pool.used >= 7 * 7
+
+
+def test_choices_of_one_prompt_share_its_blocks(model) -> None:
+    """n = 4 answers to one 70-token prompt (4 blocks and 6 tokens), admitted together: the first
+    one's prompt is offered whole when the next is admitted, the other three share its 4 blocks."""
+    prefix = PrefixCache(64 << 20, model.config, model.compute_dtype)
+    engine = Engine(model, EngineConfig(max_batch=4), prefix=prefix)
+    ask = prompt(3, 70)
+    for i in range(4):
+        engine.add(Request(ask, SamplingParams(max_new_tokens=20, temperature=1.0, seed=i), id=str(i)))
+    until_decoding(engine, 4)
+    assert len({tuple(engine.cache.tables[r, :4].tolist()) for r in range(4)}) == 1
+    assert engine.cache.pool.used <= 4 + 1 + 4 * 3  # the prompt's blocks, its tail, each row's own
+    assert refcounts_agree(engine)
+    while engine.has_work():
+        engine.step()
+    assert refcounts_agree(engine)
+    engine.cache.release_all()
+    while prefix._nodes():
+        for node in [n for n in prefix._nodes() if not n.children]:
+            prefix._drop(node)
+    assert engine.cache.pool.used == 0  # every block back once no row and no node holds it

@@ -98,6 +98,7 @@ class Admission:
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
         self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
+        self.cache.release(len(self.rows))  # the last row's blocks there may be the prefix cache's too now
         if self.prefix is not None:
             self._offer_prompts(row.tokens)
             try:

@@ -86,8 +86,8 @@ class Engine(Admission, Leaving):
         # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
         self.pad = MAX_K if config.max_batch > 1 else 0
         self.grows = cache is None  # a cache of its own grows as requests need (_reserve)
-        if cache is None:
-            cache = model.new_cache(1, 1)
+        if cache is None:  # rows in the prefix cache's pool: a hit shares its blocks
+            cache = model.new_cache(1, 1) if prefix is None else KVCache(prefix.pool, 1, 1)
         elif cache.batch_size != config.max_batch:
             raise ValueError(f"cache has {cache.batch_size} rows, expected max_batch={config.max_batch}")
         else:

@@ -58,7 +58,7 @@ class KVCache:
         if max_len <= 0 or batch_size <= 0:
             raise ValueError(f"cache needs batch_size > 0 and max_len > 0, found {batch_size}, {max_len}")
         self.pool = config if isinstance(config, BlockPool) else BlockPool(config, dtype, device)
-        self.pool.reserve(batch_size * width(max_len))
+        self.pool.reserve(self.pool.used + batch_size * width(max_len))
         self.tables = _tables(batch_size, max_len)
         self.held = np.zeros(batch_size, np.int64)  # blocks each row holds: its table's first entries
         self.max_len = max_len
@@ -163,10 +163,27 @@ class KVCache:
         self.tables[dst], self.held[dst], self.lengths[dst] = self.tables[src], self.held[src], self.lengths[src]
         self.tables[src], self.held[src], self.lengths[src] = 0, 0, 0
 
+    def share(self, row: int, ids: Sequence[int], part: tuple[int, int] | None = None) -> None:
+        """Row `row` (its blocks given back first) holds blocks `ids` as its first slots, a
+        reference each, then a copy of the first n slots of block `part` = (id, n) in a block of its
+        own (a prefix's last, partly matched block: rows write past their length, never into a
+        shared block)."""
+        self.release(row)
+        self.pool.incref(ids)
+        self.tables[row, :len(ids)] = torch.tensor(list(ids), dtype=torch.int32)
+        self.held[row] = len(ids)
+        if part is not None:
+            self._hold(row, (len(ids) + 1) * BLOCK)
+            self.pool.copy(part[0], int(self.tables[row, len(ids)]), part[1])
+
     def release(self, row: int) -> None:
         """Give back the row's blocks; it is empty."""
         self.pool.decref(self.tables[row, :self.held[row]].tolist())
         self.tables[row], self.held[row], self.lengths[row] = 0, 0, 0
+
+    def release_all(self) -> None:
+        for row in range(self.batch_size):
+            self.release(row)
 
     def reserve(self, batch_size: int, max_len: int) -> None:
         """Room for at least batch_size rows of max_len slots (an engine grows its cache as requests
@@ -175,7 +192,7 @@ class KVCache:
         if batch_size <= self.batch_size and max_len <= self.max_len:
             return
         batch_size, max_len = max(batch_size, self.batch_size), max(max_len, self.max_len)
-        self.pool.reserve(batch_size * width(max_len))
+        self.pool.reserve(self.pool.used + batch_size * width(max_len) - int(self.held.sum()))
         tables = _tables(batch_size, max_len)
         tables[:self.batch_size, :self.tables.shape[1]] = self.tables
         self.tables, self.max_len = tables, max_len

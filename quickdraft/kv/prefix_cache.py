@@ -15,11 +15,14 @@ to first token tells it what another scope sent. Unused leaves are evicted least
 a scope holding less than another never loses blocks to it, so one client's long prompts evict their
 own prefixes before another's, and the budget is shared evenly among the scopes that fill it.
 
-Rows copy a matched prefix into their own cache row at admission (`fetch`) and copy their tokens'
-K/V out when their prompt is in and when they end (`store`), so a row never reads a block in
-place: nothing is pinned while a request runs, and no reference counts are needed. A block's copy
-costs ~1.5 ms on the 1.5B (1 MB) against ~BLOCK prefill tokens saved (~0.6 s), so the engine
-copies a few blocks a step rather than a long prompt's all at once (docs/architecture.md).
+A node is a block of the K/V pool (kv/blocks.py) its rows draw from: a hit shares the matched
+blocks with the row (`fetch`: ids into its table, a reference each; only a last, partly matched
+block is copied, <= 15 tokens), and a row's full blocks join the trie by reference when its prompt
+is in and when it ends (`store`; a tail is copied into a block of its own). Shared blocks are full
+and below every holder's length, so no one writes them; evicting a node gives back the trie's
+reference, and the block is free once no row holds it either. A cache whose rows lie in another
+pool (a test's, a cache passed in) has its blocks copied in and out instead. Features, where kept,
+are copied (a few blocks a step: docs/architecture.md).
 
 A draft model's Drafter keeps one of its own, of K/V only (proposers/drafter.py).
 
@@ -39,7 +42,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from quickdraft.kv.cache import BLOCK, KVCache, KVShape  # BLOCK: tokens per node (a tail: fewer), a pool block
+from quickdraft.kv.cache import BLOCK, BlockPool, KVCache, KVShape  # BLOCK: tokens per node (a tail: fewer)
 from quickdraft.spec.sequences import common_prefix
 
 DEFAULT_MB = 2048  # budget unless asked otherwise, at most an eighth of the machine's memory
@@ -56,7 +59,7 @@ def default_budget_mb() -> int:
 
 @dataclass(eq=False)
 class _Node:
-    kv: torch.Tensor | None                       # [L, 2, Hkv, n, hd], n = len(key); None at the root
+    block: int | None                             # its pool block (the first len(key) slots); None at the root
     features: torch.Tensor | None                 # [n, D] the last layer's outputs (draft heads read
                                                   # them); None at the root and in a cache of K/V only
     parent: "_Node | None"
@@ -78,10 +81,13 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, config: KVShape, dtype: torch.dtype, features: bool = True) -> None:
+    def __init__(self, budget_bytes: int, config: KVShape, dtype: torch.dtype, features: bool = True,
+                 pool: BlockPool | None = None) -> None:
         """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's; features:
-        whether blocks keep features too (a draft model's cache keeps K/V only: `fetch_kv`)."""
+        whether blocks keep features too (a draft model's cache keeps K/V only: `fetch_kv`); pool:
+        the blocks of the model's rows (None: a pool of its own, on the CPU)."""
         self.features = features
+        self.pool = pool if pool is not None else BlockPool(config, dtype)
         self.block_bytes = self.block_size(config, dtype, features)
         if budget_bytes < self.block_bytes:
             raise ValueError(f"the prefix cache's budget ({budget_bytes:,} bytes) is below one block of "
@@ -162,9 +168,18 @@ class PrefixCache:
         return path
 
     def copy(self, path: Sequence[tuple[_Node, int]], cache: KVCache, row: int) -> None:
-        """Copy a matched path's K/V into slots 0.. of `row`."""
+        """A matched path's K/V as slots 0.. of `row` (whose blocks go back first): its whole
+        blocks shared, a last partial one copied; all copied where the row lies in another pool."""
         assert path, "nothing to load"
-        cache.write_rows(row, 0, torch.cat([node.kv[:, :, :, :n] for node, n in path], dim=3))  # [L, 2, Hkv, n, hd]
+        if cache.pool is self.pool:
+            whole = [node.block for node, n in path if n == BLOCK]
+            part = [(node.block, n) for node, n in path if n < BLOCK]
+            cache.share(row, whole, part[0] if part else None)
+        else:
+            kv = self.pool.kv
+            cache.release(row)
+            cache.write_rows(row, 0, torch.cat([kv[:, :, :, node.block, :n] for node, n in path], dim=3).to(
+                cache.pool.kv.device))  # [L, 2, Hkv, n, hd]
 
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None,
               max_blocks: int | None = None, scope: str = "") -> bool:
@@ -216,9 +231,17 @@ class PrefixCache:
         for other in [c for c in parent.children.values() if len(c.key) < len(key) and c.key == key[:len(c.key)]]:
             self._drop(other)
         end = start + len(key)
-        kv = cache.read(row, start, end)  # [L, 2, Hkv, n, hd], a copy
+        if cache.pool is self.pool and len(key) == BLOCK:
+            block = int(cache.tables[row, start // BLOCK])
+            self.pool.incref([block])
+        else:  # a tail (the row goes on writing its block), or a row in another pool: a copy
+            block = self.pool.alloc(1)[0]
+            if cache.pool is self.pool:
+                self.pool.copy(int(cache.tables[row, start // BLOCK]), block, len(key))
+            else:
+                self.pool.kv[:, :, :, block, :len(key)] = cache.read(row, start, end).to(self.pool.kv.device)
         kept = None if features is None else features[start:end].clone()
-        parent.children[key] = node = _Node(kv, kept, parent, parent.scope, key, used=tick)
+        parent.children[key] = node = _Node(block, kept, parent, parent.scope, key, used=tick)
         self.stats.blocks += 1
         self.stats.bytes += self.block_bytes
         self.stats.scopes[node.scope] = self.stats.scopes.get(node.scope, 0) + 1
@@ -253,7 +276,7 @@ class PrefixCache:
             leaf = heapq.heappop(heaps[victim])[2]
             self._evict(leaf)
             parent = leaf.parent
-            if parent.kv is not None and not parent.children and id(parent) not in keep:
+            if parent.block is not None and not parent.children and id(parent) not in keep:
                 heapq.heappush(heaps[victim], (parent.used, id(parent), parent))  # now a leaf itself
         return fit()
 
@@ -263,7 +286,8 @@ class PrefixCache:
 
     def _drop(self, node: _Node) -> None:
         del node.parent.children[node.key]
-        node.kv = node.features = None
+        self.pool.decref([node.block])
+        node.block = node.features = None
         self.stats.blocks -= 1
         self.stats.bytes -= self.block_bytes
         self.stats.scopes[node.scope] -= 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Sequence
 
-from quickdraft.kv.cache import KVCache
+from quickdraft.kv.cache import BlockPool, KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Committed, Draft, PassCost, ProposerContext, SpecConfigError, Target, register
@@ -115,8 +115,9 @@ def draft_prefix(target: Target, draft: Transformer) -> PrefixCache | None:
     budget = 0 if target.prefix is None else target.prefix.budget_bytes // PREFIX_SHARE
     if budget < PrefixCache.block_size(draft.config, draft.compute_dtype, features=False):
         return None
-    return target.shared((PrefixCache, draft), lambda: PrefixCache(budget, draft.config, draft.compute_dtype,
-                                                                   features=False))
+    return target.shared((PrefixCache, draft), lambda: PrefixCache(
+        budget, draft.config, draft.compute_dtype, features=False,
+        pool=BlockPool(draft.config, draft.compute_dtype, draft.device)))
 
 
 @register("draft", DraftOptions, loads="draft_model", needs_file=True,

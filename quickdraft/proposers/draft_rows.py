@@ -108,7 +108,7 @@ class RowPool:
         self.free_from += [0] * (rows - len(self.free_from))
         self.taken[row], self.owners[row], self.free_from[row] = True, member.tokens, 0
         self.scopes[row] = member.scope
-        self.cache.lengths[row] = 0
+        self.cache.release(row)  # its last member's blocks: some may be the prefix cache's now
         self.members[member] = state = DraftRow(row)
         weakref.finalize(member, self.released.append, row)
         return state
@@ -122,12 +122,13 @@ class RowPool:
                 self.prefix.store(self.owners[row][:self.cache.lengths[row]], self.cache, row,
                                   scope=self.scopes[row])
             self.taken[row], self.owners[row], self.free_from[row] = False, [], 0
-            self.cache.lengths[row] = 0
+            self.cache.release(row)
 
     def _grow(self, rows: int, max_len: int) -> None:
         """A larger cache holding what the old one held."""
-        if self.cache is None:
-            self.cache = self.model.new_cache(rows, max_len)
+        if self.cache is None:  # in the prefix cache's pool: a hit shares its blocks
+            self.cache = self.model.new_cache(rows, max_len) if self.prefix is None else \
+                KVCache(self.prefix.pool, rows, max_len)
         else:
             self.cache.reserve(rows, max_len)
 
