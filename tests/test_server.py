@@ -143,6 +143,7 @@ def test_a_resent_history_reuses_the_cached_prefix(server: Server, dirs) -> None
     metrics = server.metrics()
     assert metrics["quickdraft_prefix_cache_hit_tokens_total"] - before >= 2 * cached
     assert 0 < metrics["quickdraft_prefix_cache_bytes"] <= metrics["quickdraft_prefix_cache_budget_bytes"]
+    assert 0 < metrics["quickdraft_kv_blocks_used"] <= metrics["quickdraft_kv_blocks_reserved"]
 
 
 def test_sse_wire_format_ends_with_done(server: Server) -> None:

@@ -86,8 +86,10 @@ def summarize(rounds: Sequence[dict]) -> dict[str, Any]:
     late = [r["ttft_s"] for r in records if r["turn"] >= LATE_TURN]
     completion = sum(r["completion_tokens"] for r in records)
     loads = [run["load_1min"] for run in rounds if run.get("load_1min") is not None]
+    peaks = [run["kv_peak_mib"] for run in rounds if run.get("kv_peak_mib") is not None]
     return {"rounds": len(rounds), "wall_s": statistics.median(run["wall_s"] for run in rounds),
             "walls_s": [run["wall_s"] for run in rounds], "load_1min_max": max(loads) if loads else None,
+            "kv_peak_mib": max(peaks) if peaks else None,
             "requests": len(records), "completion_tokens": completion,
             "prompt_tokens": sum(r["prompt_tokens"] for r in records),
             "cached_tokens": _sum_or_none([r["cached_tokens"] for r in records]),
@@ -158,13 +160,13 @@ def markdown_report(results: dict[str, Any]) -> str:
             for t in turns]
     out += ["", f"| target | wall per round (s) | output tokens/s, median | TTFT mean (s) | "
                 f"TTFT median, turn >= {LATE_TURN} (s) | turn 1: session 1 (s) | turn 1: sessions 2+, median (s) | "
-                "machine load, 1 min, max |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                "machine load, 1 min, max | K/V held at most (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n, s in summary.items():
         f = s["first_turn"]
         walls = ", ".join(f"{w:.1f}" for w in s["walls_s"])
         out.append(f"| {n} | {walls} | {s['output_tokens_per_s']:.1f} | {_s(s['ttft_mean_s'])} | "
                    f"{_s(s['ttft_late_median_s'])} | {_s(f['session1_ttft_s'])} | {_s(f['others_median_ttft_s'])} | "
-                   f"{_s(s['load_1min_max'], 1)} |")
+                   f"{_s(s['load_1min_max'], 1)} | {_s(s['kv_peak_mib'], 0)} |")
     out.append("")
     for n in others:
         r = results["ratios"][n]

@@ -9,10 +9,12 @@ Knows command lines and process lifetimes; the sessions are multiturn.py's.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from quickdraft.bench.llama_server import launch_command
 from quickdraft.bench.multiturn import SessionPlan, TurnRecord, run_sessions
@@ -222,16 +225,56 @@ def measure(target: Target, s: ServerSettings, plans: Sequence[SessionPlan], max
         warm_up(server.url, len(plans))
         try:
             before = replica_load(target, server)
-            wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
+            with KVPeak(server.url) if target.engine == "quickdraft" else contextlib.nullcontext() as peak:
+                wall, records = run_sessions(server.url, plans, body, lead_session, on_turn)
             replicas = {r: lo.as_dict() for r, lo in load_between(before, replica_load(target, server)).items()}
         except (httpx.HTTPError, RuntimeError, ValueError) as e:  # died, refused or garbled: which, and its log
             raise QuickdraftError(f"{target.name}: {type(e).__name__}: {e}; its log ends:\n"
                                   f"{server.log_tail()}") from None
         load = os.getloadavg()[0]  # the machine's 1-minute load as the run ends: its own threads and others'
         info = server_info(target, server)
-    log(f"{target.name}: {len(records)} turns in {wall:.1f} s")
+    kv_peak_mib = None if peak is None or peak.block_bytes is None else peak.blocks * peak.block_bytes / 2**20
+    log(f"{target.name}: {len(records)} turns in {wall:.1f} s"
+        + ("" if kv_peak_mib is None else f", K/V held at most {kv_peak_mib:,.0f} MiB ({peak.blocks:,} blocks)"))
     return {"command": command, "server": info, "wall_s": wall, "load_1min": load, "replica_load": replicas,
-            "records": [asdict(r) for r in records]}
+            "kv_peak_mib": kv_peak_mib, "records": [asdict(r) for r in records]}
+
+
+class KVPeak:
+    """The most K/V blocks a quickdraft server's rows and prefix cache held at once while the
+    sessions ran: its /metrics' quickdraft_kv_blocks_used, read every `every` seconds (a block
+    several sessions share counts once: what a shared system prompt saves shows here)."""
+
+    def __init__(self, url: str, every: float = 0.25) -> None:
+        self.url, self.every = url, every
+        self.blocks, self.block_bytes = 0, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> KVPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()  # the last state too
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every):
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        except httpx.HTTPError:
+            return  # a scrape missed: the next one counts
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "quickdraft_kv_blocks_used" and not sample.labels:
+                    self.blocks = max(self.blocks, round(sample.value))
+                elif sample.name == "quickdraft_kv_block_bytes" and not sample.labels:
+                    self.block_bytes = round(sample.value)
 
 
 def replica_load(target: Target, server: ServerProcess) -> dict[str, ReplicaLoad]:
@@ -254,5 +297,6 @@ def measure_rounds(targets: Sequence[Target], rounds: int, one: Callable[[Target
             records = [{**rec, "round": r + 1} for rec in run["records"]]
             runs[t.name].update(command=run["command"], server=run["server"])
             runs[t.name]["rounds"].append({"wall_s": run["wall_s"], "load_1min": run.get("load_1min"),
+                                           "kv_peak_mib": run.get("kv_peak_mib"),
                                            "replica_load": run.get("replica_load", {}), "records": records})
     return runs

@@ -122,3 +122,10 @@ class _Derived:
                                     value=m.prefix.budget_bytes)
             yield CounterMetricFamily(f"{PREFIX}_prefix_cache_evicted_blocks", "Blocks of "
                                       f"{BLOCK} tokens (or a sequence's shorter last piece) evicted to stay within the budget", value=stats.evictions)
+            pool = m.prefix.pool  # the running rows' blocks and the prefix cache's, each held once
+            yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_used", f"K/V blocks of {BLOCK} tokens that rows or the "
+                                    "prefix cache hold (a block several hold counts once)", value=pool.used)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_reserved", "K/V blocks the pool has room for",
+                                    value=pool.blocks - 1)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_block_bytes", "Bytes of one K/V block, every layer",
+                                    value=pool.block_bytes)
