@@ -131,6 +131,7 @@ class Engine(Admission, Leaving):
                 return True
         for i, row in enumerate(self.rows):
             if row.request.id == request_id and row not in self.finished:
+                self._release_proposer(row)
                 self._leave(row, i)
                 self._free(i)
                 return True
@@ -306,6 +307,7 @@ class Engine(Admission, Leaving):
         row.stats.total_s = time.perf_counter() - row.start
         row.failed = True
         self.finished.append(row)
+        self._release_proposer(row)
         return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]
 
     def _emit(self, rows: list[Row], steps: Sequence[Committed], step_s: float,
@@ -326,6 +328,7 @@ class Engine(Admission, Leaving):
                                                       origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)
+                self._release_proposer(row)  # asked for no draft again: its group's state for it goes now
                 self._leave(row, self.rows.index(row))
         self.finished += finished  # freed at the next step: until then the cache shows their tokens
         self._sync_cache_lengths()

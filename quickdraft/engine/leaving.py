@@ -11,6 +11,7 @@ import torch
 
 from quickdraft.engine.rows import Row, features_of
 from quickdraft.kv.prefix_cache import BLOCK
+from quickdraft.proposers.base import EACH
 
 OFFER_BLOCKS = 16  # prefix-cache blocks a prompt's K/V are copied in per step (256 tokens: a few ms)
 log = logging.getLogger("quickdraft.engine")
@@ -88,6 +89,16 @@ class Leaving:
         self._sync_cache_lengths()
         if row.leaving:
             self.ended = row
+
+    def _release_proposer(self, row: Row) -> None:
+        """The row's proposer group lets go of what it holds for it (a draft model's cache row) now;
+        a group that fails to costs only that memory, until the proposer is garbage."""
+        proposer = row.request.proposer
+        if proposer is not None:
+            try:
+                (proposer.group or EACH).release([proposer])
+            except Exception:  # noqa: BLE001
+                log.warning("a proposer group failed to let go of an ended request's state", exc_info=True)
 
     def _sync_cache_lengths(self) -> None:
         lengths = [row.length for row in self.rows] + ([self.filling.length] if self.filling else [])

@@ -64,6 +64,9 @@ class Each:
     def propose(self, members: Sequence[Proposer], budgets: Sequence[int]) -> list[Draft | Exception]:
         return [attempt(partial(member.propose, k)) for member, k in zip(members, budgets, strict=True)]
 
+    def release(self, members: Sequence[Proposer]) -> None:
+        """Nothing is held for them beyond the members themselves."""
+
 
 EACH = Each()
 

@@ -1,13 +1,13 @@
 """The drafter's row pool: one KV cache with a row per live draft-model proposer (a member), rows
-handed out on a member's first draft and taken back when the member is garbage, and the drafter's
-own state of each member (DraftRow: its row, what the row holds, its last draft).
+handed out on a member's first draft and taken back when its request ends (the engine's `release`;
+a member used outside an engine: when it is garbage), and the drafter's own state of each member
+(DraftRow: its row, what the row holds, its last draft).
 
 Knows the cache, the members' committed tokens and the draft's prefix cache (a gone member's K/V
 are offered to it before its row is reused); nothing of drafting, costs or the engine.
 """
 from __future__ import annotations
 
-import gc
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +45,7 @@ class DraftRow:
     first draft; the member never sees it (it must not refer to the member: the pool's map of
     them is keyed weakly by the member)."""
     row: int                  # its row of the drafter's cache
+    finalizer: weakref.finalize | None = None  # returns the row when the member is garbage (none released it)
     cached: int = 0           # the member's tokens[:cached] have K/V in the row
     idle: int = 0             # proposals in a row it drafted nothing for
     offered: list[int] = field(default_factory=list)        # its last draft's tokens (a tree's: its likeliest path)
@@ -76,7 +77,6 @@ class RowPool:
         self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
         # per live member its state, dropped when the member is garbage (its row then in `released`)
         self.members: weakref.WeakKeyDictionary[Member, DraftRow] = weakref.WeakKeyDictionary()
-        self.collect_at = 1  # pool size from which a full garbage collection may run again
         self.longest, self.slack = 0, CATCH_UP  # the cache's length: the largest capacity + the widest forward
 
     def of(self, member: Member) -> DraftRow | None:
@@ -85,14 +85,8 @@ class RowPool:
 
     def join(self, member: Member) -> DraftRow:
         """A cache row for a member drafting for the first time (not before: a waiting request
-        holds none), in the state made for it; the row returns to the pool when the member is garbage."""
-        if all(self.taken) and len(self.taken) >= self.collect_at:
-            # a member in a reference cycle is freed only by the collector; a full collection costs
-            # 0.1-1 s in a large process (it was 98% of a test suite's time, run on every join), so
-            # it runs once per doubling of the pool: unreachable members hold at most half of it
-            gc.collect()
-            self.reclaim()
-            self.collect_at = 2 * len(self.taken)
+        holds none), in the state made for it; the row returns to the pool when the member is
+        released, or else when it is garbage."""
         row = self.taken.index(False) if False in self.taken else len(self.taken)
         rows = max(row + 1, len(self.taken))
         # past every member's capacity, room for the throwaway tokens a row runs while others draft:
@@ -110,8 +104,15 @@ class RowPool:
         self.scopes[row] = member.scope
         self.cache.release(row)  # its last member's blocks: some may be the prefix cache's now
         self.members[member] = state = DraftRow(row)
-        weakref.finalize(member, self.released.append, row)
+        state.finalizer = weakref.finalize(member, self.released.append, row)
         return state
+
+    def release(self, member: Member) -> None:
+        """The member's request ended: its row returns to the pool at the next reclaim (its K/V
+        offered to the prefix cache first); a member that never drafted holds none."""
+        state = self.members.pop(member, None)
+        if state is not None and state.finalizer.detach() is not None:
+            self.released.append(state.row)
 
     def reclaim(self) -> None:
         """Free the rows of members gone, first offering the K/V of their committed tokens to the

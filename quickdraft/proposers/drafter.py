@@ -78,6 +78,12 @@ class Drafter:
         with self.lock:
             return [attempt(partial(self.keep, member, step)) for member, step in zip(members, steps, strict=True)]
 
+    def release(self, members: Sequence[Member]) -> None:
+        """The members' requests ended (ProposerGroup.release): their rows return to the pool."""
+        with self.lock:
+            for member in members:
+                self.rows.release(member)
+
     def keep(self, member: Member, step: Committed) -> None:
         """The member committed step.tokens, the first step.drafted of them accepted from its last
         draft: the K/V of those draft nodes that were run move to the slots after the cached tokens

@@ -137,6 +137,10 @@ class ProposerGroup(Protocol):
         rewound): each member is then called alone (a call of one member), so whose failure it
         was shows, and ends only that member's request."""
 
+    def release(self, members: Sequence[Any]) -> None:
+        """The members' requests ended (their rows are freed): what the group holds for them (a
+        draft model's cache row) is let go now, not when the members become garbage."""
+
 
 def attempt(call: Callable[[], T]) -> T | Exception:
     """What call() returns, or the exception it raised: a group's call keeps each member's failure
