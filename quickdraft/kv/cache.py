@@ -114,7 +114,7 @@ class KVCache:
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V of every block: [NB, Hkv, BLOCK, hd] each (views)."""
-        return self.pool.kv[layer, 0].transpose(0, 1), self.pool.kv[layer, 1].transpose(0, 1)
+        return self.pool.layers[layer]
 
     def write(self, layer: int, slots: Slots, k: torch.Tensor, v: torch.Tensor,
               kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
