@@ -133,9 +133,9 @@ class Home:
 
     def __init__(self, model_name: str, device: str) -> None:
         from quickdraft.proposers.head import on_target
+        from support.models import tiny
         from test_head import identity_head
         from test_lookup_draft import noisy
-        from test_spec_exactness import tiny
         self.model = tiny(model_name, init=0.1, device=device)
         self.draft = noisy(model_name, 0.3, device)
         self.head = on_target(identity_head(self.model), self.model).requires_grad_(False).eval()
@@ -170,7 +170,7 @@ def exact_case(method: str, model_name: str, k: int, batched: bool, device: str,
     requests: rows join, finish (one on a stop token) and wait; one row decodes plainly)."""
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.proposers import PROPOSERS, ProposerContext, SpecConfig
-    from test_batch_engine import JOBS, run_batched
+    from support.engine import JOBS, run_batched
     home = Home(model_name, device)
     spec = SpecConfig(method, k=k, options={"draft_vocab": DRAFT_VOCAB})
 
@@ -203,8 +203,8 @@ def exact_case(method: str, model_name: str, k: int, batched: bool, device: str,
 def exactness(report: Report, scale: Scale, device: str, deadline: float) -> None:
     """Greedy speculative == plain for every registered proposer, model and k, alone and batched."""
     from quickdraft.proposers import PROPOSERS
-    from test_batch_engine import JOBS
-    from test_spec_exactness import tiny
+    from support.engine import JOBS
+    from support.models import tiny
     plain: dict[Any, Any] = {"alone": scale.alone}
     for name in scale.models:
         model = tiny(name, init=0.1, device=device)
@@ -241,9 +241,10 @@ def sampling(report: Report, scale: Scale, device: str, deadline: float) -> None
     """The first sampled tokens follow plain sampling's law (chi-square at ALPHA, the law computed
     on CPU from the same weights); the same counts against another temperature must be rejected."""
     from quickdraft.spec.sampling import SamplingParams
+    from support.laws import N_TOKENS, PROMPT16, chi_square_p_value, plain_law
+    from support.models import tiny16
     from test_batch_engine import sampled_in_batches
-    from test_spec_exactness import N_TOKENS, PROMPT16, plain_law, sampled_counts, tiny16
-    from test_verify import chi_square_p_value
+    from test_spec_exactness import sampled_counts
     law, other = (plain_law(tiny16(), PROMPT16, SamplingParams(temperature=t, top_p=p), N_TOKENS)
                   for t, p in ((1.0, 1.0), (0.75, 1.0)))
     law_topp = plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0, top_p=0.9), N_TOKENS)

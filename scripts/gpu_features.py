@@ -20,9 +20,9 @@ def cached_prefixes(device: str, batch: int, chunk: int | None) -> dict[str, Any
     from quickdraft.engine.batch import Engine, EngineConfig
     from quickdraft.proposers.draft_model import DraftModelProposer
     from quickdraft.proposers.drafter import Drafter
-    from test_batch_engine import Job, drive, greedy, ngram
+    from support.engine import Job, drive, greedy, ngram
+    from support.models import tiny
     from test_prefix_cache import CONVERSATION, MODEL, prefix_for
-    from test_spec_exactness import tiny
     model = tiny(MODEL, init=0.1, device=device)
     drafters = {"draft_same": Drafter(model), "draft_random": Drafter(tiny(MODEL, seed=1, device=device))}
 

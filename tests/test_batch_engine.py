@@ -6,9 +6,8 @@ first sampled tokens (chi-square) for rows sampled inside full batches.
 """
 from __future__ import annotations
 
-import functools
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import pytest
@@ -19,144 +18,27 @@ from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
-from quickdraft.model.llama import Transformer
-from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, Proposer
+from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.head import MAX_REST, Rest
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
-from test_spec_exactness import (
-    KV_TOL,
-    N_SAMPLES,
-    N_TOKENS,
-    PROMPT16,
-    SAMPLE_K,
-    SAMPLE_NEW,
-    V16,
-    assert_plain_sampling_law,
-    kv_mismatch,
-    tiny,
-    tiny16,
-    tiny16_draft,
+from support.engine import (
+    JOBS,
+    OUT_OF_VOCAB,
+    Job,
+    ProposerFactory,
+    draft_random,
+    first_tokens_in_batches,
+    greedy,
+    ngram,
+    run_batched,
+    target,
 )
-
-MODEL = "llama-gqa-untied"
-
-
-def target() -> Transformer:
-    return tiny(MODEL, init=0.1)  # varied text with loops in it: n-gram drafts hit and miss
-
-
-def ngram(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-    return NgramProposer(prompt, 4, 1)
-
-
-@functools.lru_cache(maxsize=None)
-def drafter(seed: int) -> Drafter:
-    """One per draft model, as the target's shared state holds it: its requests draft together."""
-    return Drafter(tiny(MODEL, init=0.1) if seed == 0 else tiny(MODEL, seed=seed))
-
-
-def draft_same(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-    return DraftModelProposer(drafter(0), prompt, params, len(prompt) + params.max_new_tokens + 9)
-
-
-def draft_random(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-    return DraftModelProposer(drafter(1), prompt, params, len(prompt) + params.max_new_tokens + 9)
-
-
-ProposerFactory = Callable[[Sequence[int], SamplingParams], Proposer] | None
-
-
-@dataclass
-class Job:
-    prompt: list[int]
-    params: SamplingParams
-    make: ProposerFactory
-    k: int
-    join_at: int = 0  # engine step before which the request is added
-
-    def request(self, rid: str) -> Request:
-        proposer = self.make(self.prompt, self.params) if self.make else None
-        return Request(self.prompt, self.params, frozenset(), proposer, self.k, id=rid)
-
-    def alone(self, model: Transformer) -> list[int]:
-        proposer = self.make(self.prompt, self.params) if self.make else None
-        return [t for ev in generate_tokens(model, self.prompt, self.params, frozenset(), proposer, self.k)
-                for t in ev.token_ids]
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)
-
-
-JOBS = [
-    Job([1, 17, 42, 8, 77, 23], greedy(30), None, 0),
-    Job([5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6], greedy(40), ngram, 8),
-    Job([3, 3, 4, 5, 3, 3, 4], greedy(12), ngram, 4, join_at=2),        # finishes early: rows move
-    Job([9, 2, 9, 2, 9, 2, 9], greedy(35), draft_same, 3, join_at=1),
-    Job([44, 12, 19], greedy(25), draft_random, 2, join_at=3),
-    Job([7, 1, 7, 1, 7, 1, 7, 1, 7, 1], greedy(30), ngram, 1, join_at=5),  # waits for a free row
-    Job([8, 8, 8, 8], greedy(20, stop_token_ids=(29,)), ngram, 4, join_at=6),  # stops on a token
-]
-
-
-def drive(engine: Engine, jobs: Sequence[Job], after: Callable[[Engine, list], None] = lambda engine, events: None,
-          limit: int = 1000) -> tuple[dict[str, list[int]], dict[str, int]]:
-    """Adds each job (request id: its index) before its join_at step and steps the engine until all
-    are done, `after(engine, events)` each step; tokens and cached prompt tokens per request id."""
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
-    cached: dict[str, int] = {}
-    step = 0
-    while step <= max(job.join_at for job in jobs) or engine.has_work():
-        for i, job in enumerate(jobs):
-            if job.join_at == step:
-                engine.add(job.request(str(i)))
-        events = engine.step()
-        for rid, event in events:
-            assert event.error is None, event.error
-            out[rid] += event.token_ids
-            cached[rid] = event.stats.cached_tokens
-        after(engine, events)
-        step += 1
-        assert step < limit
-    return out, cached
-
-
-def run_batched(model: Transformer, jobs: Sequence[Job], config: EngineConfig, check_kv: bool = True,
-                on_step: Callable[[Engine, int], None] | None = None) -> tuple[dict[str, list[int]], dict, list[str]]:
-    """Runs jobs through one engine; returns tokens and last events per request id and a list of
-    cache violations (each running row's length and K/V checked against a fresh forward)."""
-    engine = Engine(model, config)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(jobs))}
-    last: dict[str, object] = {}
-    violations: list[str] = []
-    step = 0
-    while step == 0 or engine.has_work() or any(j.join_at >= step for j in jobs):
-        for i, job in enumerate(jobs):
-            if job.join_at == step:
-                engine.add(job.request(str(i)))
-        if on_step:
-            on_step(engine, step)
-        for rid, event in engine.step():
-            out[rid] += event.token_ids
-            last[rid] = event
-        for index, row in enumerate(engine.rows):
-            rid = row.request.id
-            if last[rid].finish_reason == "error":  # ended: its cache is no one's any more
-                continue
-            seq = jobs[int(rid)].prompt + out[rid]
-            expected = len(seq) - (0 if last[rid].finish_reason == "stop" else 1)
-            if engine.cache.lengths[index] != row.length or row.length != expected:
-                violations.append(f"step {step} row {rid}: cache {engine.cache.lengths[index]}, "
-                                  f"row {row.length}, expected {expected}")
-            if check_kv and (diff := kv_mismatch(model, engine.cache.rows(index, index + 1), seq[:row.length])) > KV_TOL:
-                violations.append(f"step {step} row {rid}: K/V differ by {diff:.3g}")
-        step += 1
-        assert step < 500
-    return out, last, violations
+from support.laws import N_SAMPLES, PROMPT16, SAMPLE_K, SAMPLE_NEW, assert_plain_sampling_law
+from support.models import tiny16, tiny16_draft
 
 
 @pytest.mark.parametrize("policy", ["fixed", "goodput"])
@@ -302,7 +184,6 @@ def test_a_proposer_without_a_group_drafts_alone() -> None:
 
 # -- a request whose pass fails ends alone ----------------------------------------------------------------
 
-OUT_OF_VOCAB = 10**6  # a token id no tiny model has: the target's pass raises on it (index error)
 BAD_SEED = 666
 
 
@@ -434,28 +315,6 @@ def sampled_in_batches(kind: str, device: str = "cpu") -> tuple[torch.Tensor, in
                     if kind == "draft" else NgramProposer(PROMPT16, 4, 1))
         requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
     return first_tokens_in_batches(model, requests)
-
-
-def first_tokens_in_batches(model: Transformer, requests: Sequence[Request], n: int = N_TOKENS
-                            ) -> tuple[torch.Tensor, int, int]:
-    """Runs the requests through one engine, 8 rows at a time: counts [V16]*n of their first n
-    tokens, and the drafted and accepted tokens in all. Prompts are admitted with a fixed prefill
-    allowance, so that rows decode side by side whatever the machine's step times (measured ones
-    would stagger them, and the premises of batched drafting with them)."""
-    engine = Engine(model, EngineConfig(max_batch=8, prefill_chunk=256))
-    for request in requests:
-        engine.add(request)
-    counts = torch.zeros([V16] * n, dtype=torch.long)
-    ids: dict[str, list[int]] = {}
-    drafted = accepted = 0
-    while engine.has_work():
-        for rid, event in engine.step():
-            ids.setdefault(rid, []).extend(event.token_ids)
-            if event.finish_reason:
-                counts[tuple(ids[rid][:n])] += 1
-                drafted += event.stats.drafted_tokens
-                accepted += event.stats.accepted_tokens
-    return counts, drafted, accepted
 
 
 # -- the draft-length policy -------------------------------------------------------------------------------

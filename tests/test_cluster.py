@@ -32,8 +32,8 @@ from quickdraft.server import responses as out
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
 from quickdraft.weights.tokenizers import load_hf_tokenizer
+from support.models import tiny
 from test_prefix_cache import MODEL, prefix_for, random_cache, tokens
-from test_spec_exactness import tiny
 from tiny_tokenizer import save_tokenizer
 
 # -- digests: the router's names for what a prefix cache holds -----------------------------------------

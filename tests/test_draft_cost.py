@@ -15,9 +15,8 @@ from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.spec.goodput import Acceptance
-from test_batch_engine import Job, greedy, run_batched, target
+from support.engine import Job, draft_state, greedy, run_batched, target
 from test_batched_draft import Counted
-from test_spec_exactness import draft_state
 
 
 def test_calibration_starts_at_the_confidence_and_learns_acceptance() -> None:

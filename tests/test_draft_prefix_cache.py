@@ -20,9 +20,9 @@ from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.sampling import SamplingParams
-from test_batch_engine import greedy, target
+from support.engine import draft_state, greedy, target
+from support.models import tiny
 from test_prefix_cache import random_cache, tokens
-from test_spec_exactness import draft_state, tiny
 from tiny_tokenizer import tiny_llm_dir
 
 MB = 1 << 20

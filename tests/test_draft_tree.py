@@ -22,23 +22,20 @@ from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.sampling import SamplingParams
-from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
-from test_batched_draft import Counted, noisy_draft
-from test_spec_exactness import (
-    KV_TOL,
+from support.engine import Job, draft_state, first_tokens_in_batches, greedy, run_batched, target
+from support.laws import (
+    ALPHA,
     N_SAMPLES,
     N_TOKENS,
     PROMPT16,
     SAMPLE_K,
     SAMPLE_NEW,
     assert_plain_sampling_law,
-    draft_state,
-    kv_mismatch,
+    chi_square_p_value,
     plain_law,
-    tiny16,
-    tiny16_draft,
 )
-from test_verify import ALPHA, chi_square_p_value
+from support.models import KV_TOL, kv_mismatch, tiny16, tiny16_draft
+from test_batched_draft import Counted, noisy_draft
 
 
 class Watched(DraftModelProposer):

@@ -14,8 +14,8 @@ from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.inputs import build_inputs, ragged
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, NO_DRAFT, Draft
-from test_batch_engine import OUT_OF_VOCAB, Job, drive, greedy, run_batched, target
-from test_spec_exactness import tiny
+from support.engine import OUT_OF_VOCAB, Job, drive, greedy, run_batched, target
+from support.models import tiny
 
 LONG = [(i * 7 + 3) % 90 + 1 for i in range(45)]
 

@@ -49,8 +49,8 @@ def test_the_exactness_check_fails_an_engine_that_accepts_wrong_drafts(monkeypat
     import gpu_check
     import gpu_speed
 
-    from test_batch_engine import JOBS
-    from test_spec_exactness import tiny
+    from support.engine import JOBS
+    from support.models import tiny
     name = "llama-gqa-untied"
     plain = {"alone": (1,), (name, 1): replace(JOBS[1], make=None, k=0).alone(tiny(name, init=0.1))}
     with gpu_speed.forced_acceptance():

@@ -36,9 +36,9 @@ from quickdraft.structured.grammar import (
     constrain,
     grammar_text,
 )
-from test_batch_engine import first_tokens_in_batches
-from test_spec_exactness import PROMPT16, V16, plain_law, tiny, tiny16, tiny16_draft
-from test_verify import ALPHA, chi_square_p_value
+from support.engine import first_tokens_in_batches
+from support.laws import ALPHA, PROMPT16, chi_square_p_value, plain_law
+from support.models import V16, tiny, tiny16, tiny16_draft
 from tiny_tokenizer import EOS, EOS_ID, VOCAB_SIZE, build_tokenizer
 
 MODEL = "llama-gqa-untied"

@@ -21,10 +21,10 @@ from quickdraft.proposers.base import Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.grammar import Constraint
-from test_batch_engine import first_tokens_in_batches
+from support.engine import first_tokens_in_batches
+from support.laws import ALPHA, chi_square_p_value, plain_law
+from support.models import V16, tiny16
 from test_grammar import LETTERS, letters
-from test_spec_exactness import V16, plain_law, tiny16
-from test_verify import ALPHA, chi_square_p_value
 
 # a-f, then a pair whose second letter's set depends on the first: a-c then d-f, or d-f then a-c
 GRAMMAR = "start: /[a-f]([a-c][d-f]|[d-f][a-c])/"

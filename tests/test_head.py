@@ -25,18 +25,8 @@ from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
-from test_spec_exactness import (
-    KV_TOL,
-    N_SAMPLES,
-    N_TOKENS,
-    PROMPT16,
-    SAMPLE_K,
-    SAMPLE_NEW,
-    V16,
-    assert_plain_sampling_law,
-    tiny,
-    tiny16,
-)
+from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, assert_plain_sampling_law
+from support.models import KV_TOL, V16, tiny, tiny16
 from tiny_tokenizer import tiny_llm_dir
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]

@@ -1,7 +1,7 @@
 """Prompt lookup first, then a draft model (`lookup-draft`), and `auto`'s measured choice.
 
 Oracles: plain greedy decoding through the same engine (token for token); the draft model's cache
-recomputed from scratch after every commit (test_spec_exactness.Checked), which fails if the
+recomputed from scratch after every commit (support.engine.Checked), which fails if the
 hybrid tells it a wrong count of its own drafts; the exact law of the first sampled tokens.
 """
 from __future__ import annotations
@@ -35,23 +35,19 @@ from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.spec.sequences import common_prefix
 from quickdraft.weights.tokenizers import load_hf_tokenizer
-from test_spec_exactness import (
-    K_QUANT_SHAPE,
+from support.engine import Checked, greedy
+from support.laws import (
+    ALPHA,
     N_SAMPLES,
     N_TOKENS,
     PROMPT16,
     SAMPLE_K,
     SAMPLE_NEW,
-    V16,
-    Checked,
     assert_plain_sampling_law,
-    greedy,
+    chi_square_p_value,
     plain_law,
-    tiny,
-    tiny16,
-    tiny16_draft,
 )
-from test_verify import ALPHA, chi_square_p_value
+from support.models import K_QUANT_SHAPE, V16, tiny, tiny16, tiny16_draft
 from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import save_tokenizer
 

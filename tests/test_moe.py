@@ -30,18 +30,19 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.weights.gguf_file import config_from_metadata, open_reader, read_metadata
-from test_model_families import run_engine
-from test_spec_exactness import (
+from support.laws import (
+    ALPHA,
     N_SAMPLES,
     N_TOKENS,
     PROMPT16,
     SAMPLE_K,
     SAMPLE_NEW,
-    V16,
     assert_plain_sampling_law,
+    chi_square_p_value,
     plain_law,
 )
-from test_verify import ALPHA, chi_square_p_value
+from support.models import V16
+from test_model_families import run_engine
 from tiny_models import BASE, MOE_CONFIGS, checkpoint_tensors, hf_model, ours_from_hf, transformers_greedy
 from tiny_tokenizer import assert_plain_and_speculative, both_formats, tiny_model, write_llama_gguf
 

@@ -22,9 +22,9 @@ from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
-from test_batch_engine import Job, draft_random, draft_same, drive, greedy, ngram
-from test_spec_exactness import KV_TOL, N_SAMPLES, SAMPLE_K, kv_mismatch, plain_law, tiny, tiny16
-from test_verify import ALPHA, chi_square_p_value
+from support.engine import Job, draft_random, draft_same, drive, greedy, ngram
+from support.laws import ALPHA, N_SAMPLES, SAMPLE_K, chi_square_p_value, plain_law
+from support.models import KV_TOL, kv_mismatch, tiny, tiny16
 
 MODEL = "llama-gqa-untied"
 MB = 1 << 20

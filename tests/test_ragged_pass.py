@@ -114,7 +114,7 @@ def test_chunks_that_ride_along_change_no_output(ragged, monkeypatch):
     in passes of their own (the padded path, as on CUDA)."""
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.model.llama import Transformer
-    from test_batch_engine import Job, draft_same, greedy, ngram, run_batched, target
+    from support.engine import Job, draft_same, greedy, ngram, run_batched, target
 
     model = target()
     monkeypatch.setattr(Transformer, "ragged", property(lambda self: ragged))

@@ -27,15 +27,9 @@ from quickdraft.proposers.recycle import (
 )
 from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams
-from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
-from test_spec_exactness import (
-    N_SAMPLES,
-    N_TOKENS,
-    PROMPT16,
-    V16,
-    assert_plain_sampling_law,
-    tiny16,
-)
+from support.engine import JOBS, Job, first_tokens_in_batches, run_batched, target
+from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, assert_plain_sampling_law
+from support.models import V16, tiny16
 
 VOCAB = 96  # the tiny target's
 
@@ -102,7 +96,7 @@ def test_batched_greedy_equals_plain_with_rows_joining_and_leaving(k: int, polic
 @pytest.mark.parametrize("lookup", [False, True])
 def test_sampled_recycle_trees_through_the_engine_follow_plain_sampling(lookup: bool) -> None:
     """Chi-square on the joint law of the first tokens: false failure probability ALPHA (see
-    test_spec_exactness.assert_plain_sampling_law); the table is shared by all requests."""
+    support.laws.assert_plain_sampling_law); the table is shared by all requests."""
     make = recycling(Recycled(V16, 4), lookup)
     params = [SamplingParams(temperature=1.0, seed=seed, max_new_tokens=N_TOKENS + 1, ignore_eos=True)
               for seed in range(60_000, 60_000 + N_SAMPLES)]

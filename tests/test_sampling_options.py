@@ -25,9 +25,9 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.logprobs import token_logprobs
 from quickdraft.spec.sampling import SamplingParams, penalize, probabilities
 from quickdraft.spec.verify import node_paths
-from test_batch_engine import Job, draft_random, draft_same, drafter, first_tokens_in_batches, ngram, target
-from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, plain_law, tiny16, tiny16_draft
-from test_verify import ALPHA, chi_square_p_value
+from support.engine import Job, draft_random, draft_same, drafter, first_tokens_in_batches, ngram, target
+from support.laws import ALPHA, N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, chi_square_p_value, plain_law
+from support.models import tiny16, tiny16_draft
 
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 0.4}
 

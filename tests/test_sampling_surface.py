@@ -23,20 +23,19 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.server.openapi import ids_up_to
 from quickdraft.spec.sampling import MAX_LOGIT_BIAS, SamplingParams, probabilities
 from quickdraft.spec.verify import verify
-from test_batch_engine import Job, draft_same, first_tokens_in_batches, ngram, run_batched, target
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
-from test_spec_exactness import (
+from support.engine import Job, draft_same, first_tokens_in_batches, ngram, run_batched, target
+from support.laws import (
+    ALPHA,
     N_SAMPLES,
     PROMPT16,
     SAMPLE_K,
     SAMPLE_NEW,
-    V16,
     assert_plain_sampling_law,
+    chi_square_p_value,
     plain_law,
-    tiny16,
-    tiny16_draft,
 )
-from test_verify import ALPHA, chi_square_p_value
+from support.models import V16, tiny16, tiny16_draft
+from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
 
 BIAS16 = {3: 2.0, 7: -3.0, 11: 1.5, 0: 0.7}
 

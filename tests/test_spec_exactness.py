@@ -8,25 +8,33 @@ for what a cache claims to hold; and for stop conditions, plain decoding with th
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 
 from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer
-from quickdraft.proposers.draft_rows import DraftRow
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
-from quickdraft.spec.sampling import SamplingParams, probabilities
-from test_verify import ALPHA, chi_square_p_value
-from tiny_models import hf_model, ours_from_hf
+from quickdraft.spec.sampling import SamplingParams
+from support.engine import Checked, draft_state
+from support.laws import (
+    ALPHA,
+    N_SAMPLES,
+    N_TOKENS,
+    PROMPT16,
+    SAMPLE_K,
+    SAMPLE_NEW,
+    assert_plain_sampling_law,
+    chi_square_p_value,
+    plain_law,
+)
+from support.models import KV_TOL, V16, kv_mismatch, tiny, tiny16, tiny16_draft
 
 MAX_NEW = 40
 KS = [1, 2, 4, 8]
@@ -34,24 +42,8 @@ KS = [1, 2, 4, 8]
 # superblocks), with int16 activations or int8 ones
 MODELS = ["llama-gqa-untied", "qwen2-qkv-bias", "llama-gqa-untied@Q4_1", "qwen2-qkv-bias@Q8_0",
           "llama-gqa-untied@Q4_K", "qwen2-qkv-bias@Q6_K", "llama-gqa-untied@Q4_K+int8", "qwen2-qkv-bias@Q6_K+int8"]
-K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512)
 PROMPT = [1, 17, 42, 8, 77, 23, 5, 61, 30, 12]          # varied: little for n-grams to find
 PROMPT_REPEAT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]  # repeated phrases
-
-
-@functools.lru_cache(maxsize=None)
-def tiny(name: str, seed: int = 0, init: float = 0.2, device: str = "cpu", **overrides) -> Transformer:
-    """Tiny random model, float32 or (name@Q4_1...) with GGUF-block matrices. init 0.2 spreads the
-    logits so greedy output varies; at transformers' 0.02 tiny models fall into loops (useful for
-    n-gram acceptance). `device`: float models only (scripts/gpu_check.py runs them on CUDA)."""
-    name, _, qtype = name.partition("@")
-    qtype, _, activations = qtype.partition("+")
-    if qtype.endswith("_K"):
-        overrides = {**K_QUANT_SHAPE, **overrides}
-    hf = hf_model(name, seed=seed, initializer_range=init, **overrides)
-    model = ours_from_hf(hf, qtype=GGMLQuantizationType[qtype] if qtype else None,
-                         activation_bits=8 if activations == "int8" else 16)
-    return model if device == "cpu" else model.to(device)
 
 
 def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
@@ -59,66 +51,6 @@ def greedy(n: int = MAX_NEW, **kw) -> SamplingParams:
 
 
 # -- running the engine with checks after every event ------------------------------------------------------
-
-def kv_mismatch(model: Transformer, cache, tokens: Sequence[int]) -> float:
-    """Largest |K/V difference| between a cache's first len(tokens) slots (row 0) and a fresh
-    forward over `tokens` (0.0 when tokens is empty)."""
-    n = len(tokens)
-    if n == 0:
-        return 0.0
-    fresh = model.new_cache(1, n)
-    with torch.inference_mode():
-        model(torch.tensor([list(tokens)]), torch.arange(n)[None], fresh)
-    return float((cache.read(0, 0, n) - fresh.read(0, 0, n)).abs().max())
-
-
-KV_TOL = 1e-4
-
-
-def draft_state(m: DraftModelProposer) -> DraftRow:
-    """The drafter's state of m (draft_rows.py); before m's first draft a blank one (nothing cached)."""
-    return m.group.rows.of(m) or DraftRow(row=-1)
-
-
-class Checked:
-    """Wraps a proposer: records every proposal, and for a DraftModelProposer checks its own cache
-    after each commit (violations are collected, so a test first reports what the user sees)."""
-    group = EACH
-
-    def __init__(self, inner: Proposer, prompt: Sequence[int]) -> None:
-        self.inner = inner
-        self.seq = list(prompt)
-        self.proposals: list[list[int]] = []
-        self.violations: list[str] = []
-
-    def propose(self, k: int) -> Draft:
-        draft = self.inner.propose(k)
-        if len(draft.tokens) > k:
-            self.violations.append(f"proposed {len(draft.tokens)} tokens for k={k}")
-        self.proposals.append(list(draft.tokens))
-        return draft
-
-    def commit(self, step: Committed) -> None:
-        self.inner.commit(step)
-        self.seq += step.tokens
-        inner = self.inner
-        if not isinstance(inner, DraftModelProposer):
-            return
-        where = f"after committing {len(self.seq)} tokens"
-        if inner.tokens != self.seq:
-            self.violations.append(f"{where}: proposer.tokens is not the committed sequence")
-        cached = draft_state(inner).cached
-        if inner.cache.lengths[0] != cached:
-            self.violations.append(f"{where}: cache length {inner.cache.lengths[0]} != cached {cached}")
-        # The newest token is the target's: the draft has not run it yet.
-        if inner.cache.lengths[0] > len(self.seq) - 1:
-            self.violations.append(f"{where}: draft cache holds {inner.cache.lengths[0]} tokens, "
-                                   f"more than the {len(self.seq) - 1} committed before the newest")
-        diff = kv_mismatch(inner.model, inner.cache, self.seq[:cached])
-        if diff > KV_TOL:
-            self.violations.append(f"{where}: the draft cache's first {cached} slots differ from "
-                                   f"a fresh forward over those tokens by {diff:.3g}")
-
 
 @dataclass
 class Run:
@@ -394,45 +326,6 @@ def test_plain_statistics_have_no_drafts() -> None:
 
 # -- sampling end to end: the law of the first tokens is plain sampling's ----------------------------------
 
-V16 = 16
-PROMPT16 = [3, 7, 11, 3, 7, 11, 3, 7]
-N_SAMPLES = 800
-N_TOKENS = 3          # the law of the first 3 tokens is tested ...
-SAMPLE_NEW = 4        # ... of 4-token generations: the step after prefill drafts min(k, 2) tokens
-SAMPLE_K = 3
-
-
-def tiny16(device: str = "cpu") -> Transformer:
-    # init 0.35: peaky enough that ~20 joint cells carry most of the mass, flat enough to vary.
-    return tiny("llama-gqa-untied", init=0.35, device=device, vocab_size=V16)
-
-
-@functools.lru_cache(maxsize=None)
-def tiny16_draft(device: str = "cpu") -> Transformer:
-    """A different model, correlated with the target: its weights plus 10% Gaussian noise, so about
-    half the drafts are accepted (with a working draft cache) and recovery and bonus both run."""
-    hf = hf_model("llama-gqa-untied", initializer_range=0.35, vocab_size=V16)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.add_(torch.randn(param.shape, generator=g) * 0.1 * param.std())
-    model = ours_from_hf(hf)
-    return model if device == "cpu" else model.to(device)
-
-
-@torch.inference_mode()
-def plain_law(model: Transformer, prompt: Sequence[int], params: SamplingParams, n: int) -> torch.Tensor:
-    """[V]*n: P(first n tokens) under plain sampling, from one batched forward per depth."""
-    V = model.config.vocab_size
-    law = torch.ones((), dtype=torch.float64)
-    for depth in range(n):
-        ids = torch.tensor([list(prompt) + list(p) for p in itertools.product(range(V), repeat=depth)])
-        B, L = ids.shape
-        logits = model(ids, torch.arange(L).expand(B, L), model.new_cache(B, L), last_n=1).logits[:, -1]
-        law = law[..., None] * probabilities(logits, params).double().view(*([V] * depth), V)
-    return law
-
-
 def sampled_counts(proposer_kind: str | None, params: SamplingParams, seed0: int,
                    device: str = "cpu") -> tuple[torch.Tensor, int, int]:
     """Counts [V]*N_TOKENS of the first tokens over N_SAMPLES seeds; total drafted and accepted."""
@@ -471,16 +364,6 @@ SAMPLING_CASES = {
 def sampled(case: str) -> tuple[torch.Tensor, int, int]:
     kind, params, seed0 = SAMPLING_CASES[case]
     return sampled_counts(kind, params, seed0)
-
-
-def assert_plain_sampling_law(model: Transformer, counts: torch.Tensor, drafted: int, accepted: int,
-                              params: SamplingParams = SamplingParams(temperature=1.0)) -> None:
-    """Counts of the first N_TOKENS tokens after PROMPT16 follow plain sampling's exact law; the
-    premise that drafts were made and both accepted and rejected (recovery ran) is checked too."""
-    assert 0 < accepted < drafted, (accepted, drafted)
-    law = plain_law(model, PROMPT16, params, N_TOKENS)
-    assert (counts[law == 0] == 0).all(), "a sequence plain sampling cannot produce was emitted"
-    assert chi_square_p_value(counts, law) > ALPHA
 
 
 @pytest.mark.parametrize("case", SAMPLING_CASES)

@@ -15,18 +15,13 @@ from quickdraft.proposers.base import ProposerContext, SpecConfig
 from quickdraft.proposers.scoped import PerScope
 from quickdraft.proposers.suffix import Corpus, SuffixProposer, make_suffix
 from quickdraft.spec.sampling import SamplingParams
-from test_batch_engine import JOBS, Job, first_tokens_in_batches, run_batched, target
+from support.engine import JOBS, Job, first_tokens_in_batches, run_batched, target
+from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, assert_plain_sampling_law
+from support.models import tiny16
 from test_recycle import (
     Home,
     assert_alone_greedy_equals_plain,
     assert_batched_greedy_equals_plain,
-)
-from test_spec_exactness import (
-    N_SAMPLES,
-    N_TOKENS,
-    PROMPT16,
-    assert_plain_sampling_law,
-    tiny16,
 )
 
 
@@ -49,7 +44,7 @@ def test_batched_greedy_equals_plain_with_rows_joining_and_leaving(k: int, polic
 
 def test_sampled_suffix_trees_through_the_engine_follow_plain_sampling() -> None:
     """Chi-square on the joint law of the first tokens: false failure probability ALPHA (see
-    test_spec_exactness.assert_plain_sampling_law); the corpus is shared by all requests."""
+    support.laws.assert_plain_sampling_law); the corpus is shared by all requests."""
     corpus = Corpus(4096, 64, 4, 1)
     params = [SamplingParams(temperature=1.0, seed=seed, max_new_tokens=N_TOKENS + 1, ignore_eos=True)
               for seed in range(70_000, 70_000 + N_SAMPLES)]

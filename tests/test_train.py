@@ -26,7 +26,7 @@ from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train.features import FEATURES, Example, training_examples
 from quickdraft.train.responses import RESPONSES, generate_responses
 from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, step_rate, train_head, training_dtype
-from test_spec_exactness import tiny
+from support.models import tiny
 from tiny_tokenizer import tiny_llm_dir
 
 CONFIG = TrainConfig(steps=80, batch_size=8, max_len=48, lr=3e-3, warmup=5, checkpoint_every=40, dtype="float32")

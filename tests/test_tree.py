@@ -22,9 +22,28 @@ from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams, probabilities
 from quickdraft.spec.verify import sibling_ranks, verify
-from test_batch_engine import Job, first_tokens_in_batches, greedy, run_batched, target
-from test_spec_exactness import N_SAMPLES, N_TOKENS, PROMPT16, V16, assert_plain_sampling_law, plain_law, tiny16
-from test_verify import ALPHA, C0, JOINT, N_K1, PM, QM, T1, P, Q, chi_square_p_value, clear_logits, counts_of, log
+from support.engine import Job, first_tokens_in_batches, greedy, run_batched, target
+from support.laws import (
+    ALPHA,
+    C0,
+    JOINT,
+    N_K1,
+    N_SAMPLES,
+    N_TOKENS,
+    PM,
+    PROMPT16,
+    QM,
+    T1,
+    P,
+    Q,
+    assert_plain_sampling_law,
+    chi_square_p_value,
+    clear_logits,
+    counts_of,
+    log,
+    plain_law,
+)
+from support.models import V16, tiny16
 
 GREEDY = SamplingParams()
 SHAPES = ["chain", "star", "deep", "bushy"]

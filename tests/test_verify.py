@@ -17,38 +17,10 @@ import torch
 from quickdraft.proposers.base import Draft
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.spec.verify import verify
+from support.laws import ALPHA, C0, JOINT, N_K1, PM, QM, T1, P, Q, V, chi_square_p_value, clear_logits, counts_of, log
 
 GREEDY = SamplingParams()
-T1 = SamplingParams(temperature=1.0)
-
-# A correct verifier fails one chi-square check with probability ALPHA (one run in a million);
-# the draws are seeded, so a given run either passes or fails deterministically.
-ALPHA = 1e-6
 Z_ALPHA = 4.892  # two-sided normal quantile for ALPHA: P(|Z| > 4.892) = 1e-6
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 10.0) -> float:
-    """Pearson goodness-of-fit p-value of `counts` against `probs` (same shape, any dims).
-
-    Cells with probability 0 are left out (callers assert separately that none was drawn); cells
-    expecting fewer than `min_expected` draws are pooled into one, so the chi-square approximation
-    holds. The survival function is the regularised upper incomplete gamma Q(df/2, x/2).
-    """
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    n = counts.sum()
-    support = probs > 0
-    big = support & (n * probs >= min_expected)
-    small = support & ~big
-    obs = [counts[big]]
-    exp = [n * probs[big]]
-    if small.any():
-        obs.append(counts[small].sum()[None])
-        exp.append(n * probs[small].sum()[None])
-    obs, exp = torch.cat(obs), torch.cat(exp)
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = obs.numel() - 1
-    assert df >= 1, "a goodness-of-fit test needs at least two cells"
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
 
 
 def test_chi_square_helper_matches_textbook_values() -> None:
@@ -80,17 +52,6 @@ def verify_chains(draft: torch.Tensor, draft_lens: Sequence[int], q: torch.Tenso
 
 
 # -- greedy, table-driven --------------------------------------------------------------------------------
-
-V = 10
-
-
-def clear_logits(argmaxes: Sequence[int], seed: int = 0) -> torch.Tensor:
-    """[len, V] logits: small random values everywhere, 5.0 at each position's argmax."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.rand(len(argmaxes), V, generator=g)
-    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes, dtype=torch.long)] = 5.0
-    return logits
-
 
 def run_greedy(rows: list[tuple[list[int], list[int]]], k: int) -> Chains:
     """rows: (draft, target argmax per position 0..len(draft)); padded to k with values that would
@@ -178,16 +139,7 @@ def test_deterministic_q_none_equals_explicit_one_hot(params: SamplingParams) ->
 
 Verifier = Callable[..., Chains]
 
-# Vocabulary of 6: q is far from p; token 4 has p > 0 = q (never drafted, reached only by recovery),
-# token 5 has q > 0 = p (drafted often, must always be rejected).
-P = torch.tensor([0.30, 0.25, 0.20, 0.15, 0.10, 0.00])
-Q = torch.tensor([0.05, 0.10, 0.20, 0.25, 0.00, 0.40])
 P_BONUS = torch.tensor([0.10, 0.10, 0.40, 0.10, 0.10, 0.20])
-N_K1 = 40_000  # ~110 us per row on one CPU thread; see the power notes in each test
-
-
-def log(p: torch.Tensor) -> torch.Tensor:
-    return p.log()  # log 0 = -inf: softmax gives exactly 0 there
 
 
 def always_accept(draft, draft_lens, q, target_logits, params, generators) -> Chains:
@@ -222,10 +174,6 @@ def k1_draws(verifier: Verifier, n: int, p: torch.Tensor, q: torch.Tensor, param
     logits = torch.stack([first, log(P_BONUS)])[None].expand(n, -1, -1)          # [n, 2, V]
     q_full = q[None, None].expand(n, 1, -1)                                      # [n, 1, V]
     return verifier(x, [1] * n, q_full, logits, [params] * n, [g] * n)
-
-
-def counts_of(tokens: list[int], V_: int) -> torch.Tensor:
-    return torch.bincount(torch.tensor(tokens), minlength=V_)
 
 
 def test_k1_first_token_follows_p() -> None:
@@ -294,19 +242,6 @@ def test_bonus_position_is_processed_too() -> None:
 
 # -- k = 2: the joint law of the first two emitted tokens ---------------------------------------------------
 
-# A Markov "language model" over 5 tokens: p(next | last) = PM[last], q(next | last) = QM[last].
-# Zeros on both sides: tokens p can emit but q never drafts, and drafts p forbids.
-PM = torch.tensor([[0.40, 0.30, 0.20, 0.10, 0.00],
-                   [0.10, 0.00, 0.50, 0.20, 0.20],
-                   [0.25, 0.25, 0.25, 0.25, 0.00],
-                   [0.00, 0.60, 0.10, 0.10, 0.20],
-                   [0.30, 0.10, 0.10, 0.10, 0.40]])
-QM = torch.tensor([[0.10, 0.00, 0.30, 0.30, 0.30],
-                   [0.40, 0.30, 0.10, 0.20, 0.00],
-                   [0.00, 0.50, 0.10, 0.20, 0.20],
-                   [0.30, 0.30, 0.00, 0.20, 0.20],
-                   [0.20, 0.20, 0.20, 0.20, 0.20]])
-C0 = 0  # the context's last token
 N_K2 = 20_000
 
 
@@ -338,9 +273,6 @@ def first_two_tokens(verifier: Verifier, n: int, seed: int) -> torch.Tensor:
     assert len(pairs) == n
     pairs_t = torch.tensor(pairs)
     return torch.bincount(pairs_t[:, 0] * 5 + pairs_t[:, 1], minlength=25).view(5, 5)
-
-
-JOINT = PM[C0][:, None] * PM  # law of (t1, t2) under plain sampling from p
 
 
 def test_k2_joint_of_first_two_tokens_follows_p() -> None:
