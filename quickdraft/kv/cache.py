@@ -122,10 +122,16 @@ class KVCache:
         hd] to attend over (the torch path: gathered from the blocks, a copy)."""
         block, offset = slots.index
         k_pool, v_pool = self.pools(layer)
-        k_pool[block, :, offset] = k.transpose(1, 2).to(k_pool.dtype)  # [B, T, Hkv, hd] at (block, offset)
-        v_pool[block, :, offset] = v.transpose(1, 2).to(v_pool.dtype)
+        with torch.no_grad():  # the pool keeps values; gradients (a draft head's training) flow below
+            k_pool[block, :, offset] = k.transpose(1, 2).to(k_pool.dtype)  # [B, T, Hkv, hd] at (block, offset)
+            v_pool[block, :, offset] = v.transpose(1, 2).to(v_pool.dtype)
         ids = self.tables[:, :width(kv_len)].to(k_pool.device, torch.int64)  # [B, nb]
-        return tuple(pool[ids].transpose(1, 2).flatten(2, 3)[:, :, :kv_len] for pool in (k_pool, v_pool))
+        keys, values = (pool[ids].transpose(1, 2).flatten(2, 3)[:, :, :kv_len] for pool in (k_pool, v_pool))
+        if k.requires_grad or v.requires_grad:  # this pass's own K/V, with their gradients, at their slots
+            at = (torch.arange(k.shape[0], device=k.device)[:, None], slots.slots.to(k.device, torch.int64))
+            keys, values = (kept.transpose(1, 2).index_put(at, new.transpose(1, 2).to(kept.dtype)).transpose(1, 2)
+                            for kept, new in ((keys, k), (values, v)))
+        return keys, values
 
     def read(self, row: int, start: int, stop: int) -> torch.Tensor:
         """Slots start..stop-1 of `row`, every layer: [L, 2, Hkv, stop - start, hd] (a copy)."""
