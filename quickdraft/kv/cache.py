@@ -8,6 +8,7 @@ or compacted (the engine decides).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -38,7 +39,7 @@ class Slots:
     slots: torch.Tensor
     tables: torch.Tensor
 
-    @property
+    @functools.cached_property  # once per forward, not once per layer
     def index(self) -> tuple[torch.Tensor, torch.Tensor]:
         slots = self.slots.to(torch.int64)
         rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
