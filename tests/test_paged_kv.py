@@ -118,7 +118,9 @@ def test_sessions_behind_one_system_prompt_hold_it_once(model, cached: bool) -> 
     without a prefix cache each row holds a copy."""
     system = prompt(0, 100)
     prefix = PrefixCache(64 << 20, model.config, model.compute_dtype) if cached else None
-    engine = Engine(model, EngineConfig(max_batch=8), prefix=prefix)
+    # A fixed prefill allowance: a measured one (the default) may admit so slowly on a busy machine
+    # that the first rows end their 30 tokens before the last is admitted.
+    engine = Engine(model, EngineConfig(max_batch=8, prefill_chunk=1024), prefix=prefix)
     engine.add(Request(system + prompt(1, 5), SamplingParams(max_new_tokens=4, ignore_eos=True), id="first"))
     while engine.has_work():
         engine.step()
@@ -139,7 +141,7 @@ def test_choices_of_one_prompt_share_its_blocks(model) -> None:
     """n = 4 answers to one 70-token prompt (4 blocks and 6 tokens), admitted together: the first
     one's prompt is offered whole when the next is admitted, the other three share its 4 blocks."""
     prefix = PrefixCache(64 << 20, model.config, model.compute_dtype)
-    engine = Engine(model, EngineConfig(max_batch=4), prefix=prefix)
+    engine = Engine(model, EngineConfig(max_batch=4, prefill_chunk=1024), prefix=prefix)
     ask = prompt(3, 70)
     for i in range(4):
         engine.add(Request(ask, SamplingParams(max_new_tokens=20, temperature=1.0, seed=i), id=str(i)))

@@ -175,7 +175,7 @@ def test_slow_bodies_hold_no_place_in_the_queue(llm) -> None:  # noqa: F811
 
 def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> None:  # noqa: F811
     """64 bodies of 1 MiB at once (half completions, half chats), each a prompt of ~1M tokens: all 400
-    context_length_exceeded within 2 s, /health under 0.5 s throughout, and the process's memory
+    context_length_exceeded within 8 s, /health under 0.5 s throughout, and the process's memory
     back within 200 MB of where it started. They were tokenized whole first, 40 at a time."""
     s = Server(llm, max_batch=2)
     try:
@@ -217,7 +217,9 @@ def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> No
         steady.check()
         assert all(status == 400 and error["code"] == "context_length_exceeded" for status, _, error in answers)
         assert "at least" in answers[0][2]["message"] and answers[1][2]["param"] == "messages"
-        assert elapsed < 2, f"64 refusals took {elapsed:.2f} s"
+        # Bounded loosely (a busy CI machine took 2.7 s): tokenizing the 64 bodies whole, the failure
+        # this guards against, costs about a second each (SmolLM2's tokenizer, Intel Xeon).
+        assert elapsed < 8, f"64 refusals took {elapsed:.2f} s"
         assert max(health) < 0.5, f"/health took up to {max(health):.2f} s"
         rss_after = vm_rss_mb()
         assert rss_after - rss_before < 200, f"RSS {rss_before:.0f} -> {rss_after:.0f} MB"
