@@ -14,8 +14,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the model nor the kernels (spec/draft_contract.py, spec/sequences.py) imports without them.
 _PUBLIC = {"LLM": "api", "Chunk": "api", "Completion": "api", "load": "api", "ContextTooLong": "errors",
            "InvalidSamplingParams": "errors", "ModelLoadError": "errors", "QuickdraftError": "errors",
-           "UnsupportedArchitecture": "errors", "SamplingParams": "spec.sampling", "SpecConfig": "proposers",
-           "SpecConfigError": "proposers"}
+           "RequestError": "errors", "UnsupportedArchitecture": "errors", "SamplingParams": "spec.sampling",
+           "SpecConfig": "proposers", "SpecConfigError": "proposers"}
 
 
 def __getattr__(name: str):
@@ -28,5 +28,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "Chunk", "Completion", "ContextTooLong", "InvalidSamplingParams", "ModelLoadError",
-           "QuickdraftError", "SamplingParams", "SpecConfig", "SpecConfigError", "UnsupportedArchitecture", "load"]
+           "QuickdraftError", "RequestError", "SamplingParams", "SpecConfig", "SpecConfigError",
+           "UnsupportedArchitecture", "load"]
 __version__ = "0.1.0"

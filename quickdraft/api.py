@@ -22,7 +22,7 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
-from quickdraft.errors import ModelLoadError, QuickdraftError
+from quickdraft.errors import ModelLoadError, QuickdraftError, RequestError
 from quickdraft.kv.blocks import BlockPool
 from quickdraft.kv.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.model.llama import Transformer
@@ -31,18 +31,17 @@ from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfi
 from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
+from quickdraft.requests.prompt import bounded, check_length, given, text_of
+from quickdraft.requests.shape import constraint_of, shape_of
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.structured.conversation import call_id, conversation
-from quickdraft.structured.grammar import Constraint, Vocabulary, constrain, grammar_text
+from quickdraft.structured.conversation import call_id
+from quickdraft.structured.grammar import Constraint, Vocabulary
 from quickdraft.structured.tool_reply import read
 from quickdraft.structured.tools import (
     Syntax,
     Tools,
-    ToolsError,
-    compile_tools,
     kept_markers,
-    request_tools,
     template_syntax,
 )
 from quickdraft.weights import LoadedModel, load_model
@@ -303,11 +302,12 @@ class LLM:
                 self._vocabulary = Vocabulary(self.tokenizer, self.model.config.vocab_size)
             return self._vocabulary
 
-    def constraint(self, response_format: Mapping[str, Any]) -> Constraint:
+    def constraint(self, response_format: Mapping[str, Any]) -> Constraint | None:
         """A new request's grammar for OpenAI's response_format ({"type": "json_object"}, or
         {"type": "json_schema", "json_schema": {"schema": {...}, "strict": true}}); an invalid or
-        uncompilable schema is a GrammarError (grammar.py)."""
-        return constrain(self.grammar_vocabulary(), grammar_text(response_format))
+        uncompilable schema is a GrammarError naming it (requests/shape.py)."""
+        return constraint_of(shape_of(None, None, None, response_format, chat=False), self.grammar_vocabulary(),
+                             self.tool_syntax())
 
     def tool_syntax(self) -> Syntax:
         """How this model's chat template takes tools (tools.syntax_of renders a probe), found once."""
@@ -328,17 +328,20 @@ class LLM:
         return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self, cache_scope))
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-                   tools: Tools | None = None) -> list[int]:
-        """The prompt's tokens; chat messages as the server writes them (conversation.conversation: the tools
-        where the reply may call them, earlier calls and tool results in the template's syntax)."""
+                   tools: Tools | None = None, context: int | None = None) -> list[int]:
+        """The prompt's tokens; chat messages as the server writes them (requests/prompt.py `text_of`:
+        the tools where the reply may call them, earlier calls and tool results in the template's
+        syntax). `context`: a prompt past it is refused (ContextTooLong) from a prefix, as the server
+        does (`bounded`); None: the whole text is tokenized."""
         if (prompt is None) == (messages is None):
-            raise QuickdraftError("give exactly one of a prompt or chat messages")
-        if messages is not None:
-            if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
-                raise QuickdraftError(f"chat messages are objects with a role and content, found {odd!r}")
-            turns, listed = conversation(messages, tools, self.tool_syntax())
-            return self.tokenizer.encode(self.tokenizer.chat_text(turns, tools=listed), add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            raise RequestError("give exactly one of a prompt or chat messages", "prompt" if messages is None else None)
+        text = prompt if messages is None else text_of(self.tokenizer, self.tool_syntax(), messages, tools)
+        if context is None:
+            return self.tokenizer.encode(text, messages is None)
+        param = "prompt" if messages is None else "messages"
+        check_length(self.tokenizer, self.tokenizer.min_tokens(text), context,
+                     self.model.config.context_note(context), param)
+        return bounded(self.tokenizer, text, messages is None, context, param)
 
     def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
                params: SamplingParams | None = None, spec: SpecConfig | None = None,
@@ -358,17 +361,13 @@ class LLM:
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
                   tool_choice: str | Mapping[str, Any] | None, parallel_tool_calls: bool | None
                   ) -> tuple[list[int], Constraint | None, Tools | None]:
-        """(prompt ids, constraint, tools) of a request, checked: a ToolsError or GrammarError names
-        the field at fault."""
-        chosen = request_tools(tools, tool_choice, parallel_tool_calls)
-        formatted = response_format is not None and response_format.get("type") != "text"
-        if chosen is not None and messages is None:
-            raise ToolsError("tools: tools are offered in a chat; give messages, not a prompt", "tools")
-        ids = self.prompt_ids(prompt, messages, chosen)
-        if chosen is not None:
-            return ids, compile_tools(self.grammar_vocabulary(), chosen, self.tool_syntax(),
-                                      response_format if formatted else None), chosen
-        return ids, self.constraint(response_format) if formatted else None, None
+        """(prompt ids, constraint, tools) of a request, through the steps the server takes
+        (requests/): a RequestError names the field at fault."""
+        shape = shape_of(tools, tool_choice, parallel_tool_calls, response_format, chat=messages is not None)
+        # the grammar vocabulary (~1 s on first use) only where there is a grammar
+        constraint = None if shape.free else constraint_of(shape, self.grammar_vocabulary(), self.tool_syntax())
+        return self.prompt_ids(prompt, messages, shape.tools, self.engine_service().engine.max_seq_len), \
+            constraint, shape.tools
 
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
                 tools: Tools | None) -> Iterator[Chunk]:
@@ -416,10 +415,7 @@ class LLM:
         computes it. Nothing is generated. A prefix found in the prefix cache is not run again: its
         cached last-layer outputs only go through the head (bitwise a prefill's where the kernels
         are batch invariant, as on CPU)."""
-        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in ids):
-            raise QuickdraftError(f"a prompt's token ids must be in 0..{vocab - 1}")
+        ids = self.prompt_ids(prompt) if isinstance(prompt, str) else given(prompt, self.model.config.vocab_size)
         params = SamplingParams(max_new_tokens=0, logprobs=top_logprobs)  # checks top_logprobs
         with closing(self.engine_service().stream(*self.request(ids, params, self.spec, None, top_logprobs))) as events:
             for event in events:  # one: the prompt's pass ends the request

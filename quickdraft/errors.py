@@ -16,8 +16,21 @@ class UnsupportedArchitecture(ModelLoadError):
     """The checkpoint is readable but describes a model family quickdraft does not run."""
 
 
-class ContextTooLong(QuickdraftError):
+class RequestError(QuickdraftError):
+    """A request that cannot be served as asked (requests/): `param` names the field at fault as
+    OpenAI's API does, `code` says what kind of refusal it is; the server answers it with a 400
+    carrying both, the Python API raises it as it is."""
+    code: str | None = None
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code or type(self).code
+
+
+class ContextTooLong(RequestError):
     """A prompt (plus the tokens asked for) does not fit the model's context or the cache."""
+    code = "context_length_exceeded"
 
 
 class InvalidSamplingParams(QuickdraftError, ValueError):

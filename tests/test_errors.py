@@ -24,6 +24,7 @@ from quickdraft import (
     InvalidSamplingParams,
     ModelLoadError,
     QuickdraftError,
+    RequestError,
     SamplingParams,
     UnsupportedArchitecture,
 )
@@ -396,8 +397,9 @@ def test_prompt_and_messages_exclusive(short_context: quickdraft.LLM) -> None:
 
 
 def test_malformed_chat_messages(short_context: quickdraft.LLM) -> None:
-    with pytest.raises(ValueError, match="'role' and 'content'"):
+    with pytest.raises(RequestError, match="'role' and 'content'") as e:
         short_context.generate(messages=[{"role": "user"}])
+    assert e.value.param == "messages"
 
 
 def test_chat_without_template(broken: Path) -> None:

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer
 import quickdraft
 from quickdraft.errors import ContextTooLong
 from quickdraft.proposers import SpecConfig
-from quickdraft.server.prompts import PREFIX_CHARS, PREFIX_SLACK, bounded
+from quickdraft.requests.prompt import PREFIX_CHARS, PREFIX_SLACK, bounded
 from quickdraft.server.requests import GRAMMAR_TIMEOUT_S
 from quickdraft.structured.grammar import GrammarError
 from quickdraft.structured.tools import ToolsError

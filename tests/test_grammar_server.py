@@ -94,14 +94,14 @@ def test_a_bad_response_format_is_a_400_naming_it(server: Server, fmt: dict, say
 def test_a_schema_slow_to_compile_is_a_400_and_stalls_no_one(server: Server, llm, monkeypatch) -> None:  # noqa: F811
     """Compiling runs on the server's grammar threads under a time limit: a request whose schema
     takes too long gets a 400, and a plain request sent meanwhile is answered before it."""
-    real = llm.constraint
+    real = requests_module.constraint_of
 
-    def slow(fmt):
+    def slow(*args):
         time.sleep(3.0)
-        return real(fmt)
+        return real(*args)
 
     monkeypatch.setattr(requests_module, "GRAMMAR_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(llm, "constraint", slow)
+    monkeypatch.setattr(requests_module, "constraint_of", slow)
     answered: dict[str, float] = {}
 
     def plain() -> None:

@@ -32,9 +32,8 @@ from quickdraft.cluster.digests import prompt_digests
 from quickdraft.server import responses as out
 from quickdraft.server.guards import body_too_large
 from quickdraft.server.prompts import Prompts
-from quickdraft.server.requests import chat_prompt
+from quickdraft.server.requests import chat_prompt, shape
 from quickdraft.server.schemas import ChatCompletionRequest
-from quickdraft.server.tool_calls import tools_of
 
 log = logging.getLogger("quickdraft.cluster")
 
@@ -170,7 +169,7 @@ class Ingress:
             body = json.loads(call.body) if call.method == "POST" else None
             if call.path == "/v1/chat/completions" and isinstance(body, dict):
                 chat = ChatCompletionRequest.model_validate(body)  # rendered as the app does, tools included
-                text = await chat_prompt(self.prompts, chat, tools_of(chat))
+                text = await chat_prompt(self.prompts, chat, shape(chat).tools)
                 return prompt_digests(await self.prompts.encode(text, add_special_tokens=False))
             if call.path == "/v1/completions" and isinstance(body, dict):
                 prompt = body.get("prompt")

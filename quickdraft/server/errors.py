@@ -1,5 +1,5 @@
 """Every refusal as an OpenAI error body with the right status: request validation, the app's own
-checks (BadRequest), quickdraft's errors and Starlette's HTTP errors (404, 405, 413).
+checks (BadRequest) and the request pipeline's (RequestError), quickdraft's other errors and Starlette's HTTP errors (404, 405, 413).
 
 Knows nothing about the engine.
 """
@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import QuickdraftError, RequestError
 from quickdraft.server import responses as out
 from quickdraft.server.guards import QueueFull, body_too_large
 
@@ -23,10 +23,16 @@ FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
-class BadRequest(Exception):
+class BadRequest(RequestError):
+    """A refusal with its HTTP status; the request pipeline's own (RequestError) are 400s."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(message, param, code)
+        self.status, self.message = status, message
+
+    @classmethod
+    def of(cls, e: RequestError) -> BadRequest:
+        return e if isinstance(e, BadRequest) else cls(400, str(e), e.param, e.code)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -63,8 +69,9 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
         message, param = validation_error(errors)
         return out.error_response(400, message, param=param)
 
-    @app.exception_handler(BadRequest)
-    async def bad(_: HTTPRequest, exc: BadRequest) -> JSONResponse:
+    @app.exception_handler(RequestError)  # BadRequest's too
+    async def bad(_: HTTPRequest, exc: RequestError) -> JSONResponse:
+        exc = BadRequest.of(exc)
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return out.error_response(exc.status, exc.message, kind, exc.param, exc.code)
 

@@ -5,9 +5,9 @@ before any tokenizer work; the rest is rendered and tokenized on threads of thei
 TOKENIZE_THREADS at once for long texts and as many for short ones, so that long ones (a 1 MiB
 prompt takes ~1 s of a core and ~100 MB) wait for each other and never hold up a short one; and
 after a long text the allocator gives the freed memory back to the system. A prompt the length
-bound lets through is tokenized in growing prefixes, stopping once one is past the context, so a
-request's tokenizer work is bounded by the context, not by the body (330 KB of text passes
-SmolLM2's bound, 81 bytes a token, at a 4,096 context). Also how the model's
+bound lets through is tokenized in growing prefixes (requests/prompt.py `bounded`), stopping once
+one is past the context, so a request's tokenizer work is bounded by the context, not by the body
+(330 KB of text passes SmolLM2's bound, 81 bytes a token, at a 4,096 context). Also how the model's
 chat template takes tools (`syntax`), which every front rendering a chat needs; and an echoed
 prompt's tokens back to their text (`pieces`).
 Knows the tokenizer, not the engine.
@@ -20,20 +20,16 @@ import ctypes.util
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
-from quickdraft.errors import ContextTooLong
 from quickdraft.model.tokenizer import Message, StreamDetokenizer, Tokenizer
-from quickdraft.structured.tools import template_syntax
+from quickdraft.requests.prompt import bounded, text_of
+from quickdraft.structured.tools import Tools, template_syntax
 
 TOKENIZE_THREADS = 2     # tokenizations at once, of long and of short texts each; more wait their turn
 LONG_CHARS = 1 << 14     # a long text (~16 ms to tokenize and up)
 TRIM_AFTER_CHARS = 1 << 16  # after a text this long, free heap pages go back to the system
 TRIM_DELAY_S = 0.5       # ... this long after it, once for all the texts in between (malloc_trim walks the heap)
-PREFIX_CHARS = 8         # a prompt's first prefix: this many characters per token of the context (~2x English's)
-PREFIX_SLACK = 64        # a prefix refuses once it alone makes the context, this many tokens and the bytes of
-                         # the longest token more: its cut end tokenizes otherwise than the whole text only in the
-                         # token or word it cuts (a 256-byte token cut: up to 255 one-byte tokens)
 
 T = TypeVar("T")
 
@@ -55,27 +51,6 @@ def _pieces(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
     return pieces
 
 
-def bounded(tokenizer: Tokenizer, text: str, add_special_tokens: bool, context: int) -> list[int]:
-    """The text's token ids, tokenizing prefixes of PREFIX_CHARS * (context + slack) characters,
-    then twice as many each time, up to the whole text; refused (ContextTooLong) as soon as a prefix
-    alone makes context + slack tokens (slack: PREFIX_SLACK and the bytes of the longest token,
-    256 where the tokenizer has no such bound). The work is under 3x the whole text's (a
-    text that fits in sparse tokens, such as long runs of one character; one pass for most that fit)
-    and under 4x that of the characters that make the context (a text that does not fit), whatever
-    the text's length."""
-    slack = PREFIX_SLACK + (tokenizer.bytes_per_token or 256)
-    chars = PREFIX_CHARS * (context + slack)
-    while True:
-        ids = tokenizer.encode(text[:chars], add_special_tokens)
-        if chars >= len(text):
-            return ids
-        if len(ids) >= context + slack:
-            raise ContextTooLong(f"the prompt has at least {len(ids) - slack} tokens (its first {chars:,} "
-                                 f"characters alone make {len(ids)}; tokenized no further) but the context holds "
-                                 f"{context}; expected at most {context - 1} so at least one token can be generated")
-        chars *= 2
-
-
 class Prompts:
     def __init__(self, tokenizer: Tokenizer, threads: int = TOKENIZE_THREADS) -> None:
         self.tokenizer = tokenizer
@@ -92,9 +67,10 @@ class Prompts:
         bound = self.tokenizer.min_tokens(text, normalize=False)
         return bound if bound is not None else await self._run(len(text), self.tokenizer.min_tokens, text)
 
-    async def chat_text(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text (rendering is fast next to tokenizing: a short task at any size)."""
-        return await self._run(0, self.tokenizer.chat_text, messages, True, tools)
+    async def chat_text(self, messages: Sequence[Message], tools: Tools | None) -> str:
+        """A chat's prompt text (prompt.text_of; rendering is fast next to tokenizing: a short task at
+        any size)."""
+        return await self._run(0, text_of, self.tokenizer, self.syntax, messages, tools)
 
     async def encode(self, text: str, add_special_tokens: bool = True, context: int | None = None) -> list[int]:
         """The text's token ids; with `context`, a text of more tokens than it holds may be refused

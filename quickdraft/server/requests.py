@@ -1,8 +1,10 @@
-"""A generation request on its way to the engine: every check a request can fail (the model named,
-its choices, its speculation, its response format or tools, its prompt and token budgets against
-the context, its logit bias) as a 400 naming the field, before anything reaches the batch; then its
-engine requests, one per choice. Plain functions of the shared state (state.Served) and the body,
-which both routes use; `chat_prompt` is also how the cluster's front names a chat's prefixes.
+"""A generation request on its way to the engine, the server's way through the one request pipeline
+(requests/): every check a request can fail (the model named, its choices, its speculation, its
+response format or tools, its prompt and token budgets against the context, its logit bias) as a
+400 naming the field, before anything reaches the batch; then its engine requests, one per choice.
+Plain functions of the shared state (state.Served) and the body, which every route uses; a
+RequestError from the pipeline's steps is answered by server/errors.py with its param and code;
+`chat_prompt` is also how the cluster's front names a chat's prefixes.
 Knows the engine's request and the model's limits, not the engine's loop or HTTP answers.
 """
 from __future__ import annotations
@@ -15,19 +17,19 @@ from fastapi import Request as HTTPRequest
 
 from quickdraft.engine.batch import Request, check_context
 from quickdraft.engine.service import MakeProposer
-from quickdraft.errors import ContextTooLong, QuickdraftError
+from quickdraft.errors import ContextTooLong, QuickdraftError, RequestError
 from quickdraft.proposers import PROPOSERS, SpecConfig, SpecConfigError
-from quickdraft.server import tool_calls
+from quickdraft.requests.prompt import check_length, given
+from quickdraft.requests.shape import FORMAT_CODE, Shape, constraint_of, shape_of
 from quickdraft.server.choices import logprobs_asked, prompt_logprobs_asked, seeds
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.guards import ADMIT, TENANT
 from quickdraft.server.prompts import Prompts
-from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, _Common
+from quickdraft.server.schemas import SPEC_FIELDS, ChatCompletionRequest, NamedToolChoice, _Common
 from quickdraft.server.state import Served
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.structured.conversation import conversation
-from quickdraft.structured.grammar import Constraint, GrammarError
-from quickdraft.structured.tools import Tools
+from quickdraft.structured.grammar import Constraint
+from quickdraft.structured.tools import Tools, ToolsError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context
 CONTEXT = "context_length_exceeded"
@@ -89,38 +91,38 @@ def methods(served: Served) -> list[str]:
             if unusable(served, replace(default, method=method, k=max(default.k, 1))) is None]
 
 
-async def constraints(served: Served, body: _Common, tools: Tools | None = None) -> list[Constraint | None]:
-    """The request's response_format, or its tools' grammar, compiled (off the event loop, within
-    GRAMMAR_TIMEOUT_S), or a 400 naming it: one per choice (each follows its own text); Nones
-    without one."""
+def shape(body: _Common) -> Shape:
+    """The request's tools (a chat's) and response format, checked (requests/shape.py)."""
     fmt = body.response_format.constrains() if body.response_format is not None else None
-    if fmt is None and tools is None:
-        return [None] * body.n
+    if not isinstance(body, ChatCompletionRequest):
+        return shape_of(None, None, None, fmt, chat=False)
+    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    return shape_of([tool.model_dump(exclude_none=True) for tool in body.tools or ()], choice,
+                    body.parallel_tool_calls, fmt, chat=True)
+
+
+async def constraints(served: Served, shape: Shape, n: int) -> list[Constraint | None]:
+    """The reply's grammar (requests/shape.py `constraint_of`), compiled off the event loop within
+    GRAMMAR_TIMEOUT_S: one per choice (each follows its own text); Nones without one."""
+    if shape.free:
+        return [None] * n
     llm = served.llm
-    if tools is None:
-        make, param, code = (lambda: llm.constraint(fmt)), "response_format", "invalid_response_format"
-    else:
-        make, param, code = (lambda: tool_calls.compile_tools(llm.grammar_vocabulary(), tools, served.prompts.syntax,
-                                                              fmt)), "tools", tool_calls.CODE
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(served.grammars, llm.grammar_vocabulary)  # once per model (~1 s), not the schema's
     try:
-        return [await asyncio.wait_for(loop.run_in_executor(served.grammars, make), GRAMMAR_TIMEOUT_S)
-                for _ in range(body.n)]
-    except GrammarError as e:
-        raise BadRequest(400, str(e), param, code) from None
+        return [await asyncio.wait_for(loop.run_in_executor(
+            served.grammars, constraint_of, shape, llm.grammar_vocabulary(), served.prompts.syntax), GRAMMAR_TIMEOUT_S)
+            for _ in range(n)]
     except TimeoutError:
-        raise BadRequest(400, f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
-                         param, code) from None
+        param, code = ("tools", ToolsError.code) if shape.tools is not None else ("response_format", FORMAT_CODE)
+        raise RequestError(f"the schema did not compile within {GRAMMAR_TIMEOUT_S:g} s; give a simpler one",
+                           param, code) from None
 
 
 async def chat_prompt(prompts: Prompts, body: ChatCompletionRequest, tools: Tools | None) -> str:
     """A chat's prompt text: its messages and tools as the model's chat template takes them. The one
     rendering of a chat, so the cluster's front names the prefixes of the prompt a replica runs."""
-    try:
-        return await prompts.chat_text(*conversation(body.chat(), tools, prompts.syntax))
-    except QuickdraftError as e:
-        raise BadRequest(400, str(e), "messages") from None
+    return await prompts.chat_text(body.chat(), tools)
 
 
 async def tokenized(served: Served, text: str, budget: Budget, param: str, http: HTTPRequest,
@@ -134,10 +136,10 @@ async def tokenized(served: Served, text: str, budget: Budget, param: str, http:
         check_request_tokens(served, budget, n)
         http.scope[ADMIT](n)
         return await prompts.encode(text, add_special_tokens, served.context)
-    except ContextTooLong as e:  # from a prefix (prompts.bounded)
-        raise BadRequest(400, str(e), param, CONTEXT) from None
-    except QuickdraftError as e:
-        raise BadRequest(400, str(e), param) from None
+    except BadRequest:
+        raise
+    except QuickdraftError as e:  # ContextTooLong from a prefix (requests/prompt.py `bounded`)
+        raise BadRequest(400, str(e), param, e.code if isinstance(e, RequestError) else None) from None
     finally:
         prompts.done_with(text)
 
@@ -146,11 +148,9 @@ def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest,
     """A prompt given as token ids: it fits, each is in the vocabulary; then n places in the queue."""
     fits(served, len(ids), budget, "prompt")
     check_request_tokens(served, budget, n)
-    vocab = served.llm.model.config.vocab_size
-    if not all(0 <= t < vocab for t in ids):
-        raise BadRequest(400, f"prompt token ids must be in 0..{vocab - 1}", "prompt")
+    ids = given(ids, served.llm.model.config.vocab_size)
     http.scope[ADMIT](n)
-    return list(ids)
+    return ids
 
 
 def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = False) -> None:
@@ -159,15 +159,13 @@ def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = Fa
     is why (ModelConfig.context_note), as the Python API's does."""
     limit = served.context
     note = served.llm.model.config.context_note(limit)
-    if at_least and n >= limit:
-        raise BadRequest(400, f"the prompt has at least {n} tokens (from its length: no token stands for more than "
-                              f"{served.prompts.bytes_per_token} bytes) but the context holds {limit}{note}; "
-                              f"expected at most {limit - 1} so at least one token can be generated", param, CONTEXT)
-    if not at_least:
-        try:
+    try:
+        if at_least:
+            check_length(served.prompts.tokenizer, n, limit, note, param)
+        else:
             check_context(n, limit, note)
-        except ContextTooLong as e:
-            raise BadRequest(400, str(e), param, CONTEXT) from None
+    except ContextTooLong as e:
+        raise BadRequest(400, str(e), param, CONTEXT) from None
     has = f"at least {n}" if at_least else f"{n}"
     for field, wanted in budget.items():
         if wanted is not None and n + wanted > limit:

@@ -1,5 +1,4 @@
-"""A chat request's tools on their way in and its reply's calls on their way out: the request's tool
-fields checked (a 400 naming the field) into a tools.Tools and compiled into the reply's grammar; each
+"""A chat reply's calls on their way out (the request's tools come in through requests/shape.py): each
 choice's text read (tool_reply.Reader) into OpenAI's assistant message, or its stream deltas (a
 call's id, type and name, then its arguments piece by piece, as the openai client accumulates them).
 Knows OpenAI's shapes, not the engine's loop.
@@ -8,34 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from quickdraft.server.errors import BadRequest
-from quickdraft.server.schemas import ChatCompletionRequest, NamedToolChoice
 from quickdraft.structured.conversation import call_id
-from quickdraft.structured.grammar import Constraint, Vocabulary
 from quickdraft.structured.tool_reply import Reader, Reply, calls_of
-from quickdraft.structured.tools import Syntax, Tools, ToolsError, request_tools
-from quickdraft.structured.tools import compile_tools as compile_tools_of
-
-CODE = "invalid_tools"  # a request the published schema allows but its tools cannot serve (unknown names, schemas)
-
-
-def tools_of(body: ChatCompletionRequest) -> Tools | None:
-    """The request's tools (tools.request_tools), None where it has none; a 400 names the field."""
-    choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-    try:
-        return request_tools([tool.model_dump(exclude_none=True) for tool in body.tools or ()], choice,
-                             body.parallel_tool_calls)
-    except ToolsError as e:
-        raise BadRequest(400, str(e), e.param, CODE) from None
-
-
-def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax,
-                  response_format: dict[str, Any] | None) -> Constraint | None:
-    """tools.compile_tools, a ToolsError a 400. For the grammar threads: compiling takes time."""
-    try:
-        return compile_tools_of(vocabulary, tools, syntax, response_format)
-    except ToolsError as e:
-        raise BadRequest(400, str(e), e.param, CODE) from None
+from quickdraft.structured.tools import Syntax, Tools
 
 
 class ToolReply:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import RequestError
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, Draft
 
@@ -39,8 +39,9 @@ PROBE_FREE = 24      # a state allowing more of PROBE_BYTES is free text
 PROBE_BYTES = b'"{[-0123456789tfn,:]} ' + bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
 
 
-class GrammarError(QuickdraftError, ValueError):
+class GrammarError(RequestError, ValueError):
     """A grammar or JSON schema that is invalid, or that llguidance cannot compile."""
+    code = "invalid_response_format"
 
 
 def _llguidance() -> Any:

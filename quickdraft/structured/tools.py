@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from quickdraft.errors import QuickdraftError
+from quickdraft.errors import RequestError
 from quickdraft.structured.grammar import (
     JSON_OPTIONS,
     Constraint,
@@ -40,12 +40,9 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
-class ToolsError(QuickdraftError, ValueError):
+class ToolsError(RequestError, ValueError):
     """A request's tools, or tool_choice, that cannot be served; `param` names the field (OpenAI's)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+    code = "invalid_tools"  # a request the published schema allows but its tools cannot serve
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
-from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.requests import (
     Made,
@@ -17,6 +16,7 @@ from quickdraft.server.requests import (
     check_model,
     constraints,
     prepare,
+    shape,
     spec_of,
     tokenized,
 )
@@ -41,14 +41,14 @@ async def prepared(body: ChatCompletionRequest, http: HTTPRequest) -> tuple[Made
     s = served(http)
     check_model(s, body)
     spec = spec_of(s, body)
-    tools = tool_calls.tools_of(body)  # checked: a 400 naming the field
-    constrained = await constraints(s, body, tools)
+    shaped = shape(body)  # checked: a 400 naming the field
+    constrained = await constraints(s, shaped, body.n)
     # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
     budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
-    text = await chat_prompt(s.prompts, body, tools)
+    text = await chat_prompt(s.prompts, body, shaped.tools)
     ids = await tokenized(s, text, budget, "messages", http, add_special_tokens=False, n=body.n)
     made, params = prepare(s, body, spec, constrained, ids, budget, cache_scope(http, body))
-    return made, params, tools
+    return made, params, shaped.tools
 
 
 def install(app: FastAPI, config: ServerConfig) -> None:

@@ -18,6 +18,7 @@ from quickdraft.server.requests import (
     constraints,
     given_ids,
     prepare,
+    shape,
     spec_of,
     tokenized,
 )
@@ -35,9 +36,10 @@ async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
     spec = spec_of(s, body)
     budget = {"max_tokens": COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens}
     places = len(prompts) * body.n  # taken at the first prompt's admission, for all
+    shaped = shape(body)
     made, echoes = [], []
     for prompt in prompts:  # prompt i's choices are i * n ... i * n + n - 1, as OpenAI counts them
-        constrained = await constraints(s, body)
+        constrained = await constraints(s, shaped, body.n)
         if isinstance(prompt, str):
             ids = await tokenized(s, prompt, budget, "prompt", http, add_special_tokens=True, n=places)
         else:

@@ -15,13 +15,13 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from quickdraft.errors import RequestError
 from quickdraft.server import messages_answer as answer_of
-from quickdraft.server import tool_calls
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.guards import ANTHROPIC
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
-from quickdraft.server.requests import chat_prompt, check_model, tokenized
+from quickdraft.server.requests import chat_prompt, check_model, shape, tokenized
 from quickdraft.server.routes import errors
 from quickdraft.server.routes.chat import prepared
 from quickdraft.server.state import served
@@ -54,7 +54,7 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str,
     chat = chat_request(body)
     with _named():
         check_model(s, chat)
-        tools = tool_calls.tools_of(chat)
+        tools = shape(chat).tools
         text = await chat_prompt(s.prompts, chat, tools)
         ids = await tokenized(s, text, {}, "messages", http, add_special_tokens=False, n=1)
     return {"input_tokens": len(ids)}
@@ -65,7 +65,8 @@ def _named() -> Iterator[None]:
     """The chat's 400s name their field as the Messages request does."""
     try:
         yield
-    except BadRequest as e:
+    except RequestError as e:
+        e = BadRequest.of(e)
         param = messages_param(e.param)
         message = f"{param}{e.message[len(e.param):]}" if e.param and e.message.startswith(f"{e.param}:") else e.message
         raise BadRequest(e.status, message, param, e.code) from None

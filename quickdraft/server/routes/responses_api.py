@@ -15,6 +15,7 @@ from fastapi import FastAPI, Path
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from quickdraft.errors import RequestError
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import BadRequest
 from quickdraft.server.guards import TENANT
@@ -49,8 +50,8 @@ async def create(body: ResponsesRequest, http: HTTPRequest) -> Response:
     arrived = time.perf_counter()
     try:
         made, params, tools = await prepared(chat_request(body, items), http)
-    except BadRequest as e:
-        raise renamed(e) from None
+    except RequestError as e:
+        raise renamed(BadRequest.of(e)) from None
     answer = submit(served(http), "chat", made, params, arrived, tools, pieces=False)
     response_id, created_at = new_id("resp"), int(time.time())
     kept = store if body.store else None

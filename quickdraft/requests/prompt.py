@@ -1,0 +1,82 @@
+"""A request's prompt on its way to token ids: a chat rendered as the model's template takes it, a
+text tokenized so that one past the context is refused from a prefix (its tokenizer work bounded
+by the context, not by the text), token ids checked against the vocabulary. Plain functions of the
+tokenizer; the server runs them on its tokenizer threads (server/prompts.py), the Python API in
+the caller's thread. Knows the tokenizer and the chat layer, not the engine or HTTP.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Mapping, Sequence
+
+from quickdraft.errors import ContextTooLong, QuickdraftError, RequestError
+from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.structured.conversation import conversation
+from quickdraft.structured.tools import Syntax, Tools
+
+PREFIX_CHARS = 8         # a prompt's first prefix: this many characters per token of the context (~2x English's)
+PREFIX_SLACK = 64        # a prefix refuses once it alone makes the context, this many tokens and the bytes of
+                         # the longest token more: its cut end tokenizes otherwise than the whole text only in the
+                         # token or word it cuts (a 256-byte token cut: up to 255 one-byte tokens)
+
+
+def text_of(tokenizer: Tokenizer, syntax: Syntax, messages: Sequence[Mapping[str, Any]], tools: Tools | None) -> str:
+    """A chat's prompt text: its messages (conversation.template_message normalizes roles and text
+    parts) and the tools the reply may call, as the model's chat template writes them; a message
+    the template cannot take is a RequestError naming `messages`."""
+    if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
+        raise RequestError(f"messages: expected a list of chat messages, found {type(messages).__name__}", "messages")
+    if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
+        raise RequestError(f"chat messages are objects with a role and content, found {odd!r}", "messages")
+    try:
+        turns, listed = conversation(messages, tools, syntax)
+        return tokenizer.chat_text(turns, True, listed)
+    except RequestError:
+        raise
+    except (QuickdraftError, ValueError) as e:
+        raise RequestError(str(e), "messages") from None
+
+
+def check_length(tokenizer: Tokenizer, at_least: int, context: int, note: str = "", param: str = "prompt") -> None:
+    """Refuse a text whose length alone says it has at least `at_least` tokens (Tokenizer.min_tokens)
+    where they cannot fit the context, before any tokenizer work. `note`: why the context ends
+    there, where the model says (ModelConfig.context_note)."""
+    if at_least >= context:
+        raise ContextTooLong(f"the prompt has at least {at_least} tokens (from its length: no token stands for more "
+                             f"than {tokenizer.bytes_per_token} bytes) but the context holds {context}{note}; "
+                             f"expected at most {context - 1} so at least one token can be generated", param)
+
+
+def bounded(tokenizer: Tokenizer, text: str, add_special_tokens: bool, context: int, param: str = "prompt"
+            ) -> list[int]:
+    """The text's token ids, tokenizing prefixes of PREFIX_CHARS * (context + slack) characters,
+    then twice as many each time, up to the whole text; refused (ContextTooLong) as soon as a prefix
+    alone makes context + slack tokens (slack: PREFIX_SLACK and the bytes of the longest token,
+    256 where the tokenizer has no such bound). The work is under 3x the whole text's (a
+    text that fits in sparse tokens, such as long runs of one character; one pass for most that fit)
+    and under 4x that of the characters that make the context (a text that does not fit), whatever
+    the text's length. `param`: the field the text came from (prompt, messages)."""
+    slack = PREFIX_SLACK + (tokenizer.bytes_per_token or 256)
+    chars = PREFIX_CHARS * (context + slack)
+    while True:
+        ids = tokenizer.encode(text[:chars], add_special_tokens)
+        if chars >= len(text):
+            return ids
+        if len(ids) >= context + slack:
+            raise ContextTooLong(f"the prompt has at least {len(ids) - slack} tokens (its first {chars:,} "
+                                 f"characters alone make {len(ids)}; tokenized no further) but the context holds "
+                                 f"{context}; expected at most {context - 1} so at least one token can be generated",
+                                 param)
+        chars *= 2
+
+
+def given(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as token ids, each one checked to be in the vocabulary."""
+    try:
+        ids = [operator.index(t) for t in ids]  # integers of any kind (numpy's too), never floats
+    except TypeError:
+        ids = []
+    else:
+        if all(0 <= t < vocab_size for t in ids):
+            return ids
+    raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", "prompt")
