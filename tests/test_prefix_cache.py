@@ -494,46 +494,26 @@ def test_no_pass_is_wider_than_the_kernel_keeps_batch_invariant(monkeypatch: pyt
     assert [out[str(i)] for i in range(len(jobs))] == [job.alone(model) for job in jobs]
 
 
-def test_a_store_in_parts_keeps_what_one_store_keeps() -> None:
-    """store(max_blocks=n) copies at most n new blocks and says whether all are in; called again it
-    goes on from the blocks held, until the same trie as one whole store holds."""
+def test_a_prompt_is_in_the_cache_from_the_step_it_starts_decoding() -> None:
+    """A prompt's K/V go into the prefix cache whole as it starts decoding (its full blocks by
+    reference: no step pays for copying them), the row's new tokens when it ends; the tokens are
+    those of a run without a prefix cache."""
     model = tiny(MODEL)
-    cache = random_cache(model, 1, 64, seed=2)
-    D = model.config.hidden_size
-    seq, features = tokens(7, 59), torch.randn(59, D)
-    whole, parts = prefix_for(model), prefix_for(model)
-    assert whole.store(seq, cache, 0, features)
-    done = [parts.store(seq, cache, 0, features, max_blocks=2) for _ in range(3)]
-    assert done == [False, True, True] and parts.stats.blocks == whole.stats.blocks == 4  # 3 blocks and a tail
-    into = model.new_cache(1, 64)
-    assert torch.equal(parts.fetch(seq + [1], 59, into, 0), features)
-    assert torch.equal(into.read(0, 0, 59), cache.read(0, 0, 59))
-
-
-def test_a_long_prompt_is_left_to_the_cache_a_few_blocks_a_step(monkeypatch) -> None:
-    """From the step after a prompt ends, each step copies OFFER_BLOCKS of its blocks into the prefix
-    cache (the step that ends it none: it pays for the last chunk and the first token), so no step
-    pays for the whole prompt; the tokens are the same."""
-    OFFER_BLOCKS = 4
-    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", OFFER_BLOCKS)
-    model = tiny(MODEL)
-    prompt = tokens(8, (OFFER_BLOCKS + 3) * BLOCK + 5)
+    prompt = tokens(8, 7 * BLOCK + 5)
     engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
-    engine.add(Request(prompt, greedy(6), id="long"))
+    engine.add(Request(prompt, greedy(20), id="long"))
     held, out = [], []
     while engine.has_work():
         out += [t for _, e in engine.step() for t in e.token_ids]
         held.append(engine.prefix.stats.blocks)
-    assert held[:3] == [0, OFFER_BLOCKS, OFFER_BLOCKS + 4]  # none as it ends, then 3 blocks and the prompt's tail
+    assert held[0] == 8 and held[-1] == 8 + 1  # 7 blocks and the prompt's tail; at the end 8 blocks and a tail
     cold = Engine(model, EngineConfig(max_batch=2))
-    assert out == run_to_end(cold, Request(prompt, greedy(6), id="cold"))
+    assert out == run_to_end(cold, Request(prompt, greedy(20), id="cold"))
 
 
-def test_a_prompt_admitted_behind_one_still_being_offered_finds_all_of_it(monkeypatch) -> None:
+def test_a_prompt_admitted_behind_one_being_prefilled_finds_all_of_it() -> None:
     """Choices of one request (or sessions behind one system prompt) arrive together: the second is
-    admitted while the first's prompt is still going into the cache a few blocks a step, and finds
-    it whole (its offer is finished first), not only the blocks in so far."""
-    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", 2)
+    admitted while the first's prompt is being prefilled in chunks, and finds it whole once it is in."""
     model = tiny(MODEL)
     prompt = tokens(9, 7 * BLOCK + 3)
     engine = Engine(model, EngineConfig(max_batch=2, prefill_chunk=8), prefix=prefix_for(model))
@@ -547,27 +527,20 @@ def test_a_prompt_admitted_behind_one_still_being_offered_finds_all_of_it(monkey
     assert cached == {"first": 0, "second": len(prompt) - 1} and out["first"] == out["second"]
 
 
-def test_a_row_that_ends_leaves_its_kv_a_few_blocks_a_step(monkeypatch) -> None:
+def test_a_row_that_ends_leaves_its_kv_as_it_ends() -> None:
     """A request that ends at its first token after a long prompt (a classifier's, the stall
-    benchmark's) leaves its K/V to the cache over the next steps, OFFER_BLOCKS each, not all in the
-    step it ends (4,000 tokens of the 1.5B stalled every other row ~5 steps); the engine keeps
-    stepping until they are in, and a prompt admitted meanwhile finds all of them."""
-    monkeypatch.setattr("quickdraft.engine.leaving.OFFER_BLOCKS", 2)
+    benchmark's) leaves its K/V to the cache in the step it ends; a prompt admitted next finds all
+    of them, and once no row holds them only the cache's blocks are used."""
     model = tiny(MODEL)
     prompt = tokens(10, 9 * BLOCK + 5)  # 9 blocks and a tail
     engine = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
     engine.add(Request(prompt, greedy(1), id="short"))
-    held = []
-    while engine.has_work() or engine.leaving():
-        engine.step()
-        held.append(engine.prefix.stats.blocks)
-    assert held == [0, 2, 4, 6, 8, 10]  # none in the step its prompt (and the request) ends, 2 a step after
-    again = Engine(model, EngineConfig(max_batch=2), prefix=prefix_for(model))
-    again.add(Request(prompt, greedy(1), id="short"))
-    first = again.step()
-    assert [row.leaving for row in again.finished] == [True] and again.prefix.stats.blocks == 0
-    out = run_to_end(again, Request(prompt, greedy(5), id="same"))
-    assert again.prefix.stats.hit_tokens == len(prompt) - 1
+    first = engine.step()
+    assert not engine.has_work() and engine.prefix.stats.blocks == 10
+    out = run_to_end(engine, Request(prompt, greedy(5), id="same"))
+    assert engine.prefix.stats.hit_tokens == len(prompt) - 1
     cold = Engine(model, EngineConfig(max_batch=2))
     assert out == run_to_end(cold, Request(prompt, greedy(5), id="cold"))
     assert [t for _, e in first for t in e.token_ids] == out[:1]
+    engine.step()  # the ended row is freed
+    assert engine.cache.pool.used == engine.prefix.stats.blocks

@@ -94,13 +94,11 @@ class Admission:
     def _admit(self, request: Request) -> Row:
         """A row for `request` in cache row n, holding the K/V of the longest prefix of its prompt
         that the prefix cache has (its last token is always fed: its logits give the first token)."""
-        self._offer_ended(whole=True)  # its K/V lie where this row goes
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
         self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
         self.cache.release(len(self.rows))  # the last row's blocks there may be the prefix cache's too now
         if self.prefix is not None:
-            self._offer_prompts(row.tokens)
             try:
                 features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows),
                                              request.cache_scope)
@@ -166,7 +164,7 @@ class Admission:
         self.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if self.prefix is not None else []
-        self._offer_prompt(row)  # from now: sessions that share this prompt need not wait for its end
+        self._offer(row, len(self.rows) - 1, features)  # sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
         events = self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
@@ -191,17 +189,15 @@ class Admission:
 
     def _scored_only(self, row: Row, seconds: float) -> Events:
         """A prompt only prefilled (max_new_tokens 0) ends with its last pass, no token sampled, its
-        scores in its one event; its K/V go to the prefix cache as an ended row's, a few blocks a step
-        (engine/leaving.py): it lies where that row lies, past the running ones."""
+        scores in its one event; its K/V go to the prefix cache as an ended row's, and its cache row
+        (past the running ones) gives its blocks back."""
         self.filling = None
         stats = row.stats
         stats.target_passes += 1
         stats.verify_s += seconds
         stats.total_s = time.perf_counter() - row.start
         self._leave(row, len(self.rows))
-        if row.leaving:
-            assert self.ended is None, "an admission leaves the ended row's K/V whole first"
-            self.ended = row
+        self.cache.release(len(self.rows))
         return [(row.request.id, TokenEvent([], "length", stats.snapshot(), prompt_logprobs=row.scored))]
 
     def _fill_failed(self, row: Row, error: Exception) -> Events:

@@ -107,10 +107,6 @@ class Engine(Admission, Leaving):
         # and asked for the next draft at the start of the next step, after the step's tokens
         # went out (a draft model's forwards, or its prompt's prefill, delay no emitted token)
         self.to_propose: list[tuple[Row, Committed]] = []
-        self.offering: list[Row] = []  # decoding rows whose prompts are still being left to the prefix cache
-        # an ended row whose K/V are still being left to the prefix cache, OFFER_BLOCKS a step: they
-        # lie in the cache row past the running ones (it was the last) until a prompt is admitted there
-        self.ended: Row | None = None
 
     # -- requests joining and leaving ---------------------------------------------------------------
 
@@ -176,8 +172,6 @@ class Engine(Admission, Leaving):
         for row in self.finished:
             self._free(self.rows.index(row))
         self.finished = []
-        self._offer_prompts()
-        self._offer_ended()
         left = None  # prompt tokens this step may still prefill (None: _fill decides)
         if self.rows:
             admitted, ride = self._rider()

@@ -42,6 +42,6 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
                 if event.error is not None:
                     raise event.error
                 yield event
-    finally:  # the engine goes with this call: its K/V still on their way to the prefix cache go in now
-        while engine.leaving():
-            engine.step()
+    finally:  # the engine goes with this call: its rows' blocks (in the prefix cache's pool) go back
+        if cache is None:
+            engine.cache.release_all()

@@ -53,7 +53,6 @@ class Row:
     scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's log-probabilities so far
                                 # (Request.prompt_logprobs), until its first event carries them
     failed: bool = False        # its pass or proposer raised: its K/V are not offered to the prefix cache
-    leaving: bool = False       # it ended with K/V not yet all offered to the prefix cache (Engine.ended)
 
     @property
     def pinned(self) -> bool:
@@ -85,10 +84,8 @@ def cut_at_stop(new: list[int], stop_ids: frozenset[int], remaining: int) -> tup
 
 
 def features_of(row: Row) -> torch.Tensor:
-    """The row's features [length, D], in one piece from now on (an ended row's, offered in parts)."""
-    if row.features[0].shape[0] < row.length:
-        row.features = [torch.cat(row.features)]
-    return row.features[0][:row.length]
+    """The row's features [length, D] (its prompt's, then each step's)."""
+    return torch.cat(row.features)[:row.length]
 
 
 def generated_tokens(row: Row) -> list[int] | None:

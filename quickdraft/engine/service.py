@@ -82,9 +82,9 @@ class EngineService:
 
     def wait(self, timeout: float) -> None:
         """Until something is submitted or cancelled, or `timeout` seconds (returns at once while the
-        engine has work, or K/V to leave to the prefix cache: an idle server's steps take them in)."""
+        engine has work)."""
         with self._ready:
-            if not self.busy() and not self.engine.leaving():
+            if not self.busy():
                 self._ready.wait(timeout)
 
     def wake(self) -> None:
@@ -98,7 +98,7 @@ class EngineService:
             return False
         try:
             self._drain()
-            if step and (self.engine.has_work() or self.engine.leaving()):
+            if step and self.engine.has_work():
                 self._step()
         finally:
             self._drive.release()
