@@ -17,9 +17,8 @@ from typing import Any, Callable, Hashable, Iterator, Literal, Mapping, Sequence
 
 import torch
 
-from quickdraft.engine import GenerationStats
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin
+from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.errors import ModelLoadError, QuickdraftError, RequestError

@@ -277,7 +277,7 @@ def api(report: Report, device: str, tmp: Path) -> None:
     LLM.generate with speculation, and a draft head loaded for a bfloat16 target."""
     import quickdraft
     from quickdraft import SamplingParams, SpecConfig
-    from quickdraft.engine import generate_tokens
+    from quickdraft.engine.loop import generate_tokens
     from quickdraft.model.build import build_transformer
     from quickdraft.model.rope import inverse_frequencies
     from quickdraft.proposers.head import load_head, save_head

@@ -27,8 +27,9 @@ from unittest import mock
 import torch
 
 from quickdraft.bench.hf_reference import hf_greedy
-from quickdraft.engine import batch, generate_tokens
+from quickdraft.engine import batch
 from quickdraft.engine.cost import measure_forward_cost
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import quickdraft.spec.verify as verify_module
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft

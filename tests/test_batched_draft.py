@@ -16,12 +16,12 @@ import torch
 from gguf import GGMLQuantizationType
 
 import quickdraft
-import quickdraft.engine.batch as engine_batch
 import quickdraft.engine.rows as engine_rows
+import quickdraft.engine.scheduler as engine_scheduler
 import quickdraft.proposers.draft_chain as draft_chain
 import quickdraft.proposers.draft_cost as draft_cost
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.proposers.base import Committed, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
@@ -166,7 +166,7 @@ def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.Mo
     monkeypatch.setattr(engine_rows.Row, "pinned", property(lambda self: False))
     monkeypatch.setattr(draft_cost, "worth", lambda rows, *args, **kw: rows)
     cut = []
-    choose = engine_batch.choose_draft_lengths
+    choose = engine_scheduler.choose_draft_lengths
 
     def steep(rows, cost, *args, **kw):
         for n in range(1, 80):
@@ -174,7 +174,7 @@ def test_sampling_law_when_the_policy_cuts_sampled_drafts(monkeypatch: pytest.Mo
         lengths = choose(rows, cost, *args, **kw)
         cut.extend(r.available - n for r, n in zip(rows, lengths))
         return lengths
-    monkeypatch.setattr(engine_batch, "choose_draft_lengths", steep)
+    monkeypatch.setattr(engine_scheduler, "choose_draft_lengths", steep)
     counts, drafted, accepted = first_tokens(Counted(tiny16_draft()), 50_000)
     assert sum(c > 0 for c in cut) > N_SAMPLES // 4 and drafted > 0
     assert_plain_sampling_law(tiny16(), counts, drafted, accepted)

@@ -13,7 +13,7 @@ import torch
 
 import quickdraft
 from quickdraft import kernels
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 from quickdraft.proposers.base import PassCost, SpecConfig
 from quickdraft.proposers.draft_cost import ForwardTimes

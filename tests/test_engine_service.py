@@ -15,8 +15,8 @@ import pytest
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import EngineConfig
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import SpecConfig
 from quickdraft.server import BackgroundServer, ServerConfig

@@ -22,9 +22,9 @@ import torch
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.events import TokenEvent
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.kv.cache import KVCache
 from quickdraft.proposers import SpecConfig
 from quickdraft.server import BackgroundServer, ServerConfig

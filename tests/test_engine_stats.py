@@ -1,5 +1,5 @@
 """Statistics definitions that hold by construction for plain decoding."""
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.spec.sampling import SamplingParams
 from tiny_models import hf_model, ours_from_hf
 

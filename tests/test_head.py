@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import quickdraft
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.model.rope import inverse_frequencies
 from quickdraft.proposers import EACH, Committed, Draft, SpecConfig, SpecConfigError

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError

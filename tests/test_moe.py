@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 import quickdraft
 from quickdraft import SamplingParams
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.build import build_transformer

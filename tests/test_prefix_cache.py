@@ -12,7 +12,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from quickdraft.engine import admission
+from quickdraft.engine import scheduler
+from quickdraft.engine.admission import Admission
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME, STALL, next_admitted, step_allowance
@@ -292,8 +293,8 @@ def test_sessions_behind_a_shared_prefix_are_admitted_by_what_they_have_left(mon
     jobs = {"long": Job(tokens(52, 90), greedy(6), None, 0), "short": Job(tokens(53, 30), greedy(6), None, 0),
             "shared": Job(system + tokens(54, 8), greedy(6), None, 0)}
     admitted: list[str] = []
-    admit = Engine._admit
-    monkeypatch.setattr(Engine, "_admit", lambda self, request: admitted.append(request.id) or admit(self, request))
+    admit = Admission._admit
+    monkeypatch.setattr(Admission, "_admit", lambda self, request: admitted.append(request.id) or admit(self, request))
     engine.add(Job(tokens(55, 6), greedy(60), None, 0).request("stream"))
     engine.step()
     for name, job in jobs.items():
@@ -316,7 +317,7 @@ def test_a_long_prompt_does_not_stall_a_running_stream(monkeypatch: pytest.Monke
         allowed.append(step_allowance(*args))
         return allowed[-1]
 
-    monkeypatch.setattr(admission, "step_allowance", recorded)
+    monkeypatch.setattr(scheduler, "step_allowance", recorded)
     model = tiny(MODEL, init=0.1)
     engine = Engine(model, EngineConfig(max_batch=2))
     stream, long = Job([1, 17, 42, 8], greedy(40), None, 0), Job(tokens(11, 200), greedy(5), None, 0)
@@ -398,7 +399,7 @@ def test_a_notebook_chat_reuses_its_earlier_turns(tmp_path) -> None:
 def test_a_consumer_that_stops_early_leaves_its_tokens_to_the_cache() -> None:
     """A caller that stops iterating (a stop string found, a client gone) closes generate_tokens:
     the tokens committed so far are kept, not only the prompt's."""
-    from quickdraft.engine import generate_tokens
+    from quickdraft.engine.loop import generate_tokens
 
     model = tiny(MODEL, init=0.1)
     prefix, prompt = prefix_for(model), tokens(12, 20)

@@ -15,7 +15,8 @@ from typing import Sequence
 import pytest
 import torch
 
-from quickdraft.engine import GenerationStats, TokenEvent, generate_tokens
+from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer

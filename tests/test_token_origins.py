@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import quickdraft
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.events import TokenOrigin, token_origins
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.proposers import EACH, NO_DRAFT, Committed, Draft, SpecConfig
 from quickdraft.spec.sampling import SamplingParams
 from tiny_tokenizer import tiny_llm_dir

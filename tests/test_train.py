@@ -15,8 +15,8 @@ import torch
 
 from quickdraft import kernels
 from quickdraft.cli import main
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.proposers.base import EACH
 from quickdraft.proposers.head import DraftHead, head_config, load_head
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft

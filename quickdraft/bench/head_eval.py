@@ -82,7 +82,7 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
 
 def score_head(target: Transformer, head: DraftHead, prompts: list[list[int]], eos: frozenset[int],
                k: int, new_tokens: int, steps: int | None = None) -> HeadScore:
-    from quickdraft.engine import generate_tokens
+    from quickdraft.engine.loop import generate_tokens
     agree = counted = 0
     params = SamplingParams(max_new_tokens=new_tokens)
     for prompt in prompts:

@@ -12,7 +12,7 @@ import torch
 
 from quickdraft.api import load, parse_dtype
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.spec.sampling import SamplingParams
 

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.weights import LoadedModel, load_model
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from quickdraft.bench.questions import load_humaneval
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.errors import QuickdraftError
 from quickdraft.model.llama import Transformer
 from quickdraft.spec.sampling import SamplingParams

@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from quickdraft.api import DTYPES, LLM, load
-from quickdraft.engine import GenerationStats
+from quickdraft.engine.events import GenerationStats
 from quickdraft.errors import QuickdraftError
 from quickdraft.kv.prefix_cache import DEFAULT_MB
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD, PROPOSERS, SpecConfig

@@ -1,5 +1,3 @@
-"""The engine: the only place that knows the order of a decoding step."""
-from quickdraft.engine.events import GenerationStats, TokenEvent
-from quickdraft.engine.loop import generate_tokens
-
-__all__ = ["GenerationStats", "TokenEvent", "generate_tokens"]
+"""The engine: the only place that knows the order of a decoding step (batch.py); its scheduler
+(scheduler.py) decides from numbers alone and imports without the model or the kernels, so this
+package's own module exports nothing: import its modules."""

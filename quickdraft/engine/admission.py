@@ -1,140 +1,128 @@
-"""The engine's admission and prefill: which waiting request takes the free row, its cached prefix
-copied in, its prompt fed in chunks (riding along with the decode pass where the model feeds
-ragged passes) and scored where it asks, its first token. A mixin of Engine (engine/batch.py),
-whose state it reads and writes; how many tokens a step may prefill and who goes next:
-engine/prefill.py.
+"""The engine's admission and prefill: the waiting request the scheduler picks takes the free row,
+its cached prefix shared in, its prompt fed in chunks (riding along with the decode pass where the
+model feeds ragged passes) and scored where it asks, its first token sampled and emitted as the
+engine emits every step's (`emit`). Who goes next and how many tokens a step may prefill are the
+scheduler's (engine/scheduler.py); where rows live, the placement's (engine/placement.py).
 """
 from __future__ import annotations
 
-import logging
 import time
+from typing import Callable, Sequence
 
 import torch
 
 from quickdraft.engine.events import GenerationStats, TokenEvent, TokenOrigin
-from quickdraft.engine.prefill import next_admitted, step_allowance
+from quickdraft.engine.placement import Placement
 from quickdraft.engine.rows import Events, Request, Row, grammar_masks, step_logprobs
+from quickdraft.engine.scheduler import Scheduler
+from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import TopTokens
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed
-from quickdraft.spec.logprobs import token_logprobs
+from quickdraft.spec.logprobs import TokenLogprob, token_logprobs
 from quickdraft.spec.verify import verify
 
-log = logging.getLogger("quickdraft.engine")
+# The engine's last phases over rows that committed a step (Engine._emit): (rows, steps, seconds,
+# each one's token origins, each one's logprobs) -> events
+Emit = Callable[[list[Row], Sequence[Committed], float, Sequence[list[TokenOrigin]], Sequence[list[TokenLogprob]]],
+                Events]
 SCORE_ROWS = 64  # prompt positions the LM head scores at a time where any count is batch invariant: bounds
                  # the [rows, V] logits held (a 4,000-token prompt's at once: 800 MB of SmolLM2's)
 
 
 class Admission:
+    def __init__(self, model: Transformer, placement: Placement, scheduler: Scheduler, emit: Emit) -> None:
+        self.model, self.placement, self.scheduler, self.emit = model, placement, scheduler, emit
+        self.invariant_rows = model.invariant_rows
+
     def _start_row(self, request: Request) -> Row:
         params = request.params
-        budget = min(params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
+        budget = min(params.max_new_tokens, self.placement.max_seq_len - len(request.prompt_ids))
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else request.eos_token_ids)
         return Row(request, budget, stop_ids, params.make_generator(self.model.device),
                     GenerationStats(prompt_tokens=len(request.prompt_ids)), time.perf_counter())
 
-    def _rider(self) -> tuple[Events, tuple[Row, int] | None]:
+    def rider(self) -> tuple[Events, tuple[Row, int] | None]:
         """The prompt whose next tokens ride along with this step's decode pass (ragged passes
         only), admitted now if none is being prefilled, and at most how many tokens: as many as
         stall the decoding rows little (engine/prefill.py). Events: admissions that failed."""
         if not self.model.ragged:
             return [], None
         events: Events = []
-        while self.filling is None and self.waiting and len(self.rows) < self.config.max_batch:
+        place = self.placement
+        while place.filling is None and self.scheduler.admits(len(place.rows)):
             events += self._take_waiting()
-        if self.filling is None:
+        if place.filling is None:
             return events, None
-        return events, (self.filling, step_allowance(len(self.rows), self.cost, self.last_prefill,
-                                                     self.config.prefill_chunk, self._untimed(len(self.rows))))
+        return events, (place.filling, self.scheduler.ride_allowance(len(place.rows)))
 
     def _take_waiting(self) -> Events:
         """Admit the next waiting request into the filling row; its error event if that fails."""
         request = self._next_waiting()
         try:
-            self.filling = self._admit(request)
+            self.placement.filling = self._admit(request)
         except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
             return [(request.id, TokenEvent([], "error", GenerationStats(prompt_tokens=len(request.prompt_ids)), e))]
         return []
 
-    def _fill(self, allowance: int | None = None) -> Events:
+    def fill(self, allowance: int | None = None) -> Events:
         """Admit waiting requests into free rows and prefill their prompts, one row at a time: while
         rows decode, only as many prompt tokens a step as stall them little (engine/prefill.py), in
         the decode pass where they can ride along (`allowance`: what that left), else in passes of
         their own; while none decodes, whole prompts. A prompt's passes draft nothing, exactly like
         plain decoding."""
         events: Events = []
+        place = self.placement
         # allowance: prompt tokens this step may still feed (None: as yet unlimited)
         while allowance != 0:
-            if self.filling is None:
-                if not self.waiting or len(self.rows) >= self.config.max_batch:
+            if place.filling is None:
+                if not self.scheduler.admits(len(place.rows)):
                     break
                 events += self._take_waiting()
                 continue
-            if allowance is None and (self.rows or self.config.prefill_chunk):
-                allowance = step_allowance(len(self.rows), self.cost, self.last_prefill, self.config.prefill_chunk)
-            row = self.filling
+            if allowance is None:
+                allowance = self.scheduler.fill_allowance(len(place.rows))
+            row = place.filling
             size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.invariant_rows or 1 << 62)
-            events += self._prefill_chunk(row, size)
+            events += self.prefill_chunk(row, size)
             allowance = None if allowance is None else allowance - size
         return events
 
     def _next_waiting(self) -> Request:
-        """Take the waiting request to admit now (engine/prefill.py: shortest remaining prefill first,
-        none passed over forever)."""
-        limit = [len(r.prompt_ids) - 1 for r in self.waiting]  # the last prompt token is always fed
-        left = [len(r.prompt_ids) - (self.prefix.hit(r.prompt_ids, n, r.cache_scope) if self.prefix is not None else 0)
-                for r, n in zip(self.waiting, limit)]
-        i = next_admitted(left, [self._passed.get(r.id, 0) for r in self.waiting])
-        for earlier in self.waiting[:i]:
-            self._passed[earlier.id] = self._passed.get(earlier.id, 0) + 1
-        request = self.waiting.pop(i)
-        self._passed.pop(request.id, None)
-        return request
+        """Take the waiting request to admit now (engine/scheduler.py: shortest remaining prefill
+        first, none passed over forever); a prompt's last token is always fed, never cached."""
+        prefix = self.placement.prefix
+        return self.scheduler.next_admitted(lambda r: 0 if prefix is None else
+                                            prefix.hit(r.prompt_ids, len(r.prompt_ids) - 1, r.cache_scope))
 
     def _admit(self, request: Request) -> Row:
         """A row for `request` in cache row n, holding the K/V of the longest prefix of its prompt
         that the prefix cache has (its last token is always fed: its logits give the first token)."""
         row = self._start_row(request)
         row.tokens = list(request.prompt_ids)
-        self._reserve(len(self.rows) + 1, len(row.tokens) + row.budget + self.pad)
-        self.cache.release(len(self.rows))  # the last row's blocks there may be the prefix cache's too now
-        if self.prefix is not None:
-            try:
-                features = self.prefix.fetch(row.tokens, len(row.tokens) - 1, self.cache, len(self.rows),
-                                             request.cache_scope)
-            except Exception:  # noqa: BLE001 - out of memory, say: a miss, the prompt is prefilled whole
-                log.warning("the prefix cache failed to give a prompt's K/V; prefilling it whole", exc_info=True)
-                features = None
-            if features is not None:
-                row.features = [features]
-                row.length = row.stats.cached_tokens = features.shape[0]
-                self._score(row, 0, features)  # their last-layer outputs, cached too: only the head runs
+        place = self.placement
+        place.reserve(len(place.rows) + 1, len(row.tokens) + row.budget + place.pad)
+        features = place.fetch(row)
+        if features is not None:
+            row.features = [features]
+            row.length = row.stats.cached_tokens = features.shape[0]
+            self._score(row, 0, features)  # their last-layer outputs, cached too: only the head runs
         return row
 
-    def _reserve(self, rows: int, length: int) -> None:
-        """A cache of our own holds `rows` rows of `length` slots: grown by doubling (each growth
-        copies what it holds), never past max_batch rows of max_seq_len (+ pad) slots."""
-        have = self.cache
-        if not self.grows or (rows <= have.batch_size and length <= have.max_len):
-            return
-        rows = max(rows, 2 * have.batch_size) if rows > have.batch_size else rows
-        length = max(length, 2 * have.max_len) if length > have.max_len else length
-        have.reserve(min(rows, self.config.max_batch), min(length, self.max_seq_len + self.pad))
-
-    def _prefill_chunk(self, row: Row, size: int) -> Events:
+    def prefill_chunk(self, row: Row, size: int) -> Events:
         """Feed the next `size` tokens of the filling row's prompt; after the last, it decodes from
         the next step on (it joins the running rows, whose cache row it already sits in)."""
-        index, end, device = len(self.rows), row.length + size, self.model.device
+        index, end, device = len(self.placement.rows), row.length + size, self.model.device
         t0 = time.perf_counter()
         try:
             out = self.model(torch.tensor([row.tokens[row.length:end]], device=device),
-                             torch.arange(row.length, end, device=device)[None], self.cache.rows(index, index + 1),
-                             last_n=0)
+                             torch.arange(row.length, end, device=device)[None],
+                             self.placement.cache.rows(index, index + 1), last_n=0)
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fill_failed(row, e)
-        return self._prefilled(row, size, out.hidden[0], time.perf_counter() - t0)
+        return self.prefilled(row, size, out.hidden[0], time.perf_counter() - t0)
 
-    def _prefilled(self, row: Row, size: int, hidden: torch.Tensor, seconds: float) -> Events:
+    def prefilled(self, row: Row, size: int, hidden: torch.Tensor, seconds: float) -> Events:
         """The filling row's next `size` prompt tokens went through the model (their K/V are in its
         cache row; hidden [size, D]), in a pass of their own or riding along, adding `seconds` to
         the step. After the prompt's last token, the row decodes from the next step on (it joins
@@ -147,7 +135,7 @@ class Admission:
         except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
             return self._fill_failed(row, e)
         seconds += time.perf_counter() - t0  # the head over a scored chunk: its cost too (the next chunk's size)
-        self.last_prefill = (size, seconds)
+        self.scheduler.prefilled(size, seconds)
         row.length = end
         row.features.append(hidden)
         if end < n:
@@ -160,15 +148,16 @@ class Admission:
             verdict = verify([NO_DRAFT], logits, [row.request.params], [row.generator], [grammar_masks(row, 0)])
         except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
             return self._fill_failed(row, e)
-        self.filling = None
-        self.rows.append(row)
+        place = self.placement
+        place.filling = None
+        place.rows.append(row)
         features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
-        row.features = [features] if self.prefix is not None else []
-        self._offer(row, len(self.rows) - 1, features)  # sessions that share this prompt need not wait for its end
+        row.features = [features] if place.prefix is not None else []
+        place.offer(row, len(place.rows) - 1, features)  # sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
         step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
-        events = self._emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
-                            [step_logprobs(row, logits[0], [], verdict.tokens[0])])
+        events = self.emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
+                           [step_logprobs(row, logits[0], [], verdict.tokens[0])])
         events[0][1].prompt_logprobs = row.scored  # the prompt's scores go in its first event
         return events
 
@@ -191,17 +180,18 @@ class Admission:
         """A prompt only prefilled (max_new_tokens 0) ends with its last pass, no token sampled, its
         scores in its one event; its K/V go to the prefix cache as an ended row's, and its cache row
         (past the running ones) gives its blocks back."""
-        self.filling = None
+        place = self.placement
+        place.filling = None
         stats = row.stats
         stats.target_passes += 1
         stats.verify_s += seconds
         stats.total_s = time.perf_counter() - row.start
-        self._leave(row, len(self.rows))
-        self.cache.release(len(self.rows))
+        place.leave(row, len(place.rows))
+        place.cache.release(len(place.rows))
         return [(row.request.id, TokenEvent([], "length", stats.snapshot(), prompt_logprobs=row.scored))]
 
     def _fill_failed(self, row: Row, error: Exception) -> Events:
         """The filling row's prompt pass raised: only its request ends."""
-        self.filling = None
+        self.placement.filling = None
         row.stats.total_s = time.perf_counter() - row.start
         return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]

@@ -6,15 +6,18 @@ their drafts -> rows that ended freed -> choose draft lengths -> build inputs ->
 between steps (continuous batching); each row has its own draft tree, sampling settings and seeded
 generator. Plain decoding is the same step with empty drafts, batch 1 the same step with one row.
 
-Admission and prefill (engine/admission.py) and rows leaving (engine/leaving.py) are mixins of
-Engine, in modules of their own; the rows and requests they share: engine/rows.py.
+What a step does is decided by the scheduler (engine/scheduler.py: admissions, prefill allowances,
+draft lengths, passes split to stay batch invariant), from numbers the engine reports back; the
+engine runs the passes. Its parts, each an object it holds: where rows live in the cache and how
+their K/V leave (engine/placement.py), admission and prefill (engine/admission.py); the rows and
+requests they share: engine/rows.py.
 
 Not thread-safe: one thread owns an Engine (the server's engine thread, or generate_tokens).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Sequence
 
@@ -23,9 +26,8 @@ import torch
 from quickdraft.engine.admission import Admission
 from quickdraft.engine.events import FinishReason, TokenEvent, TokenOrigin, token_origins
 from quickdraft.engine.inputs import StepInputs, build_inputs, ragged
-from quickdraft.engine.leaving import Leaving
-from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
-from quickdraft.engine.prefill import RETIME
+from quickdraft.engine.placement import Placement
+from quickdraft.engine.policy import RowDraft, StepCost
 from quickdraft.engine.rows import (
     Events,
     Request,
@@ -34,45 +36,25 @@ from quickdraft.engine.rows import (
     cut_at_stop,
     generated_tokens,
     grammar_masks,
+    release_proposer,
     step_logprobs,
 )
+from quickdraft.engine.scheduler import EngineConfig, Scheduler
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Outcome, TopTokens, together
-from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, Draft, PassCost, ProposerGroup, attempt
+from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, ProposerGroup, attempt
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.verify import verify
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_context", "cut_at_stop"]
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    max_batch: int = 1              # rows decoded together
-    max_seq_len: int | None = None  # prompt + new tokens per row; None = the model's context
-    policy: PolicyName = "goodput"  # how draft lengths are chosen per step (engine/policy.py)
-    max_step_tokens: int | None = 64  # goodput policy: tokens fed per step at most (the CPU
-                                      # kernel's batch-invariant range, kernels.MAX_ROWS)
-    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most; None: as many as
-                                      # stall running rows little (engine/prefill.py), whole
-                                      # prompts while no row decodes
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, found {self.max_batch!r}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, found {self.max_seq_len!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, found {self.policy!r}")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
-                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be an integer >= 1 or None, found {self.prefill_chunk!r}")
-
-
-class Engine(Admission, Leaving):
-    """Its phases of admission and prefill are in engine/admission.py, of leaving K/V to the prefix
-    cache and freeing rows in engine/leaving.py; this module orders them into a step."""
+class Engine:
+    """Orders the phases into a step: the scheduler decides (engine/scheduler.py), the placement
+    keeps the rows in the cache (engine/placement.py), admission prefills prompts
+    (engine/admission.py), this class runs the decode pass, verifies, commits and emits."""
     def __init__(self, model: Transformer, config: EngineConfig = EngineConfig(),
                  cost: StepCost | None = None, cache: KVCache | None = None,
                  prefix: PrefixCache | None = None) -> None:
@@ -83,9 +65,10 @@ class Engine(Admission, Leaving):
         self.max_seq_len = min(config.max_seq_len or model.config.max_position_embeddings,
                                model.config.max_position_embeddings)
         self.cost = cost or StepCost()
+        self.scheduler = Scheduler(config, self.cost, model.invariant_rows, model.ragged)
         # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
         self.pad = MAX_K if config.max_batch > 1 else 0
-        self.grows = cache is None  # a cache of its own grows as requests need (_reserve)
+        grows = cache is None  # a cache of its own grows as requests need (Placement.reserve)
         if cache is None:  # rows in the prefix cache's pool: a hit shares its blocks
             cache = model.new_cache(1, 1) if prefix is None else KVCache(prefix.pool, 1, 1)
         elif cache.batch_size != config.max_batch:
@@ -95,18 +78,23 @@ class Engine(Admission, Leaving):
         self.cache = cache
         self.prefix = prefix
         self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
-        self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
-        self.steps = 0                     # steps taken
-        self.timed: dict[int, int] = {}    # rows -> the last step they decoded in a pass of their own
-        self.rows: list[Row] = []          # row i lives in cache row i: running rows are rows[0:n]
-        self.filling: Row | None = None    # the row whose prompt is being prefilled: cache row n
-        self.waiting: list[Request] = []
-        self._passed: dict[str, int] = {}  # request id -> admissions it waited through (prefill.next_admitted)
+        self.placement = Placement(cache, prefix, grows, self.pad, config.max_batch, self.max_seq_len)
+        self.admission = Admission(model, self.placement, self.scheduler, self._emit)
         self.finished: list[Row] = []       # rows that ended in the last step, freed at the next
         # rows that go on after the last step, with what it committed: their proposers are told
         # and asked for the next draft at the start of the next step, after the step's tokens
         # went out (a draft model's forwards, or its prompt's prefill, delay no emitted token)
         self.to_propose: list[tuple[Row, Committed]] = []
+
+    @property
+    def rows(self) -> list[Row]:
+        """The decoding rows; row i lives in cache row i (placement.py)."""
+        return self.placement.rows
+
+    @property
+    def filling(self) -> Row | None:
+        """The row whose prompt is being prefilled, in cache row n."""
+        return self.placement.filling
 
     # -- requests joining and leaving ---------------------------------------------------------------
 
@@ -116,23 +104,21 @@ class Engine(Admission, Leaving):
         check_context(len(request.prompt_ids), self.max_seq_len, self.model.config.context_note(self.max_seq_len))
         if isinstance(request.k, bool) or not isinstance(request.k, int) or not 0 <= request.k <= MAX_K:
             raise ValueError(f"k must be an integer in 0..{MAX_K}, found {request.k!r}")
-        self.waiting.append(request)
+        self.scheduler.add(request)
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (its row is freed now); False if it is not here."""
-        for i, request in enumerate(self.waiting):
-            if request.id == request_id:
-                del self.waiting[i]
-                self._passed.pop(request_id, None)
-                return True
+        if self.scheduler.cancel(request_id):
+            return True
         for i, row in enumerate(self.rows):
             if row.request.id == request_id and row not in self.finished:
-                self._release_proposer(row)
-                self._leave(row, i)
-                self._free(i)
+                release_proposer(row)
+                self.placement.leave(row, i)
+                self.placement.free(i)
                 return True
         if self.filling is not None and self.filling.request.id == request_id:
-            self.filling = None
+            self.placement.filling = None
+            self.cache.release(len(self.rows))
             return True
         return False
 
@@ -140,6 +126,11 @@ class Engine(Admission, Leaving):
     def num_running(self) -> int:
         """Requests holding a row: decoding, or having their prompt prefilled."""
         return len(self.rows) - len(self.finished) + (self.filling is not None)
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests not yet admitted, in arrival order."""
+        return self.scheduler.waiting
 
     @property
     def num_waiting(self) -> int:
@@ -156,11 +147,11 @@ class Engine(Admission, Leaving):
         decode every running row once (one target pass), then admit and prefill waiting requests
         into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
         proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
-        self.steps += 1
+        self.scheduler.begin_step()
         events: Events = []
         # what verifying costs the pass these drafts go to: its rows are every running row that
         # has not ended (rows admitted one by one in the last step each saw fewer)
-        cost = self._pass_cost([r for r in self.rows if all(r is not f for f in self.finished)])
+        cost = self.scheduler.pass_cost([r.request.k for r in self.rows if all(r is not f for f in self.finished)])
         going = [(row, replace(step, cost=None if row.pinned else cost))
                  for row, step in self.to_propose if any(r is row for r in self.rows)]  # not cancelled
         self.to_propose = []
@@ -170,11 +161,11 @@ class Engine(Admission, Leaving):
             if error is not None:  # a failing proposer ends its own request, freed below, before the pass
                 events += self._fail(row, error)
         for row in self.finished:
-            self._free(self.rows.index(row))
+            self.placement.free(self.rows.index(row))
         self.finished = []
         left = None  # prompt tokens this step may still prefill (None: _fill decides)
         if self.rows:
-            admitted, ride = self._rider()
+            admitted, ride = self.admission.rider()
             events += admitted
             if ride is not None:
                 row, most = ride
@@ -186,7 +177,7 @@ class Engine(Admission, Leaving):
                     left = 0                                  # or waited while the rows were timed alone
             else:
                 events += self._decode(0, len(self.rows))
-        return events + self._fill(left)
+        return events + self.admission.fill(left)
 
     def _decode(self, lo: int, hi: int, ride: tuple[Row, int] | None = None) -> Events:
         """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe. `ride`: the
@@ -201,19 +192,16 @@ class Engine(Admission, Leaving):
         row's tokens nor a seeded one's (its draft sizes are pinned, its generator rewound)."""
         rows = self.rows[lo:hi]
         t0 = time.perf_counter()
-        drafts = self._choose_drafts(rows)
-        sizes = [1 + len(d.tokens) for d in drafts]
-        # a ragged pass feeds each row's tokens, a padded one every row padded to the widest
-        fed = sum(sizes) if self.model.ragged else len(rows) * max(sizes)
-        if self.invariant_rows is not None and len(rows) > 1 and fed > self.invariant_rows:
+        plan = self.scheduler.plan_decode([RowDraft.of(r.draft, r.pinned) for r in rows],
+                                          None if ride is None else (len(ride[0].tokens) - ride[0].length, ride[1]))
+        if plan is None:
             # wider, the pass would give each row other bits than it has alone (and leave them to the
             # prefix cache): halves, each with drafts of its own (the prompt's chunk waits: _fill)
             mid = (lo + hi) // 2
             return self._decode(lo, mid) + self._decode(mid, hi)
-        if ride is not None:
-            row, most = ride
-            size = min(most, len(row.tokens) - row.length, (self.invariant_rows or 1 << 62) - fed)
-            ride = (row, size) if size > 0 else None
+        drafts = [r.draft.prefix(n) for r, n in zip(rows, plan.lengths)]
+        sizes = [1 + n for n in plan.lengths]
+        ride = (ride[0], plan.ride) if ride is not None and plan.ride > 0 else None
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
@@ -226,17 +214,13 @@ class Engine(Admission, Leaving):
                 if state is not None:
                     row.generator.set_state(state)
             if ride is not None:  # the chunk may be what failed: the rows again without it, it in a pass of its own
-                return self._decode(lo, hi) + self._prefill_chunk(*ride)
+                return self._decode(lo, hi) + self.admission.prefill_chunk(*ride)
             if len(rows) == 1:
                 return self._fail(rows[0], e)
             return self._decode(lo, (lo + hi) // 2) + self._decode((lo + hi) // 2, hi)
         step_s = time.perf_counter() - t0
         if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
-            if self._untimed(len(rows)) >= RETIME:
-                self.cost.retime(sum(sizes), step_s)  # long untimed beside chunks: what it was is stale
-            else:
-                self.cost.observe(sum(sizes), step_s)
-            self.timed[len(rows)] = self.steps
+            self.scheduler.decoded(len(rows), sum(sizes), step_s)
         steps, origins, logprobs = [], [], []
         top = TopTokens(logits, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
@@ -254,9 +238,7 @@ class Engine(Admission, Leaving):
         events = self._emit(rows, steps, step_s, origins, logprobs)
         if ride is None:
             return events
-        # the chunk's share of the pass: what it added to the decode rows' usual step
-        extra = max(step_s - self.cost.estimate(sum(sizes)), 0.0)
-        return events + self._prefilled(ride[0], ride[1], chunk, extra)
+        return events + self.admission.prefilled(ride[0], ride[1], chunk, self.scheduler.ride_share(sum(sizes), step_s))
 
     def _pass(self, lo: int, hi: int, inputs: StepInputs, sizes: list[int], ride: tuple[Row, int] | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -278,30 +260,12 @@ class Engine(Admission, Leaving):
             return logits.view(len(sizes), sizes[0], -1), hidden[:flat.decoded].view(len(sizes), sizes[0], -1), chunk
         return logits[flat.index], hidden[flat.index], chunk
 
-    def _choose_drafts(self, rows: list[Row]) -> list[Draft]:
-        """The part of each row's offered draft to verify (engine/policy.py)."""
-        sizes = choose_draft_lengths([RowDraft.of(r.draft, r.pinned)
-                                      for r in rows], self.cost, self.config.policy, self.config.max_step_tokens)
-        return [r.draft.prefix(n) for r, n in zip(rows, sizes)]
-
-    def _pass_cost(self, rows: Sequence[Row]) -> PassCost | None:
-        """What verification will cost these rows' next step, for proposers that pay to draft
-        (None under the fixed policy: every draft is verified whole, so its length must not
-        depend on timing). The marginal cost is t(N)'s slope up to the drafts the rows may offer."""
-        if self.config.policy == "fixed":
-            return None
-        n = len(rows)
-        extra = max(1, min(sum(r.request.k for r in rows), (self.config.max_step_tokens or MAX_K * n) - n))
-        base = self.cost.estimate(n)
-        return PassCost(base, max(self.cost.estimate(n + extra) - base, 0.0) / extra, n)
-
-
     def _fail(self, row: Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""
         row.stats.total_s = time.perf_counter() - row.start
         row.failed = True
         self.finished.append(row)
-        self._release_proposer(row)
+        release_proposer(row)
         return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]
 
     def _emit(self, rows: list[Row], steps: Sequence[Committed], step_s: float,
@@ -322,10 +286,10 @@ class Engine(Admission, Leaving):
                                                       origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)
-                self._release_proposer(row)  # asked for no draft again: its group's state for it goes now
-                self._leave(row, self.rows.index(row))
+                release_proposer(row)  # asked for no draft again: its group's state for it goes now
+                self.placement.leave(row, self.rows.index(row))
         self.finished += finished  # freed at the next step: until then the cache shows their tokens
-        self._sync_cache_lengths()
+        self.placement.sync_lengths()
         return events
 
     @staticmethod
@@ -357,11 +321,6 @@ class Engine(Admission, Leaving):
         finally:
             row.stats.propose_s += time.perf_counter() - t0
         return None
-
-    def _untimed(self, rows: int) -> int:
-        """Steps since `rows` rows last decoded in a pass of their own, counted from the step they
-        were first asked about (until then the cost curve's estimate stands for them)."""
-        return self.steps - self.timed.setdefault(rows, self.steps)
 
     @staticmethod
     def _propose(going: Sequence[tuple[Row, Committed]]) -> list[Exception | None]:

@@ -1,9 +1,10 @@
-"""A request and the row it decodes in: what the engine's phases (engine/batch.py, admission.py,
-leaving.py) read and write of each, and the small per-row functions they share. Knows nothing of
+"""A request and the row it decodes in: what the engine's parts (engine/batch.py, admission.py,
+placement.py) read and write of each, and the small per-row functions they share. Knows nothing of
 steps or of the order of phases.
 """
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass, field
 
@@ -11,12 +12,14 @@ import torch
 
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
+from quickdraft.proposers.base import EACH
 from quickdraft.spec.draft_contract import NO_DRAFT, Draft, Proposer
 from quickdraft.spec.logprobs import TokenLogprob, token_logprobs
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.grammar import Constraint
 
 Events = list[tuple[str, TokenEvent]]
+log = logging.getLogger("quickdraft.engine")
 
 
 @dataclass
@@ -104,3 +107,14 @@ def grammar_masks(row: Row, n: int) -> torch.Tensor | None:
     """The grammar's allowed tokens [1+n, V] at the row's root and its draft's first n nodes (None: no grammar)."""
     constraint = row.request.constraint
     return None if constraint is None else constraint.masks(n, row.generator.device)
+
+
+def release_proposer(row: Row) -> None:
+    """The row's proposer group lets go of what it holds for it (a draft model's cache row) now;
+    a group that fails to costs only that memory, until the proposer is garbage."""
+    proposer = row.request.proposer
+    if proposer is not None:
+        try:
+            (proposer.group or EACH).release([proposer])
+        except Exception:  # noqa: BLE001
+            log.warning("a proposer group failed to let go of an ended request's state", exc_info=True)

@@ -22,7 +22,7 @@ is in and when it ends (`store`; a tail is copied into a block of its own). Shar
 and below every holder's length, so no one writes them; evicting a node gives back the trie's
 reference, and the block is free once no row holds it either. A cache whose rows lie in another
 pool (a test's, a cache passed in) has its blocks copied in and out instead. Features, where kept,
-are copied ([16, D] a block: a 4,000-token row's whole store took 8 ms of SmolLM2's, engine/leaving.py).
+are copied ([16, D] a block: a 4,000-token row's whole store took 8 ms of SmolLM2's, engine/placement.py).
 
 A draft model's Drafter keeps one of its own, of K/V only (proposers/drafter.py).
 

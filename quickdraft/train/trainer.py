@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from quickdraft.engine import generate_tokens
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.kernels.build import cpu_flags
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, on_target, save_head

@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from quickdraft.engine import generate_tokens
 from quickdraft.engine.batch import Engine, EngineConfig, Request
+from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft, Proposer
 from quickdraft.proposers.draft_model import DraftModelProposer

@@ -1,0 +1,162 @@
+"""The engine's decisions, from numbers alone: which waiting request is admitted next, how many
+prompt tokens a step may prefill (riding in the decode pass, or in passes of their own), how many
+draft tokens each row verifies and whether the rows fit one batch-invariant pass, what verifying
+costs the proposers that pay to draft; and the timing they are made from (t(N) of decode passes,
+the last prefill pass). The engine (engine/batch.py) asks, then runs the passes and reports their
+times back. No model, no tensors: tests/test_scheduler.py drives it with numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.prefill import RETIME, next_admitted, step_allowance
+from quickdraft.spec.draft_contract import MAX_K, PassCost
+
+if TYPE_CHECKING:
+    from quickdraft.engine.rows import Request
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 1              # rows decoded together
+    max_seq_len: int | None = None  # prompt + new tokens per row; None = the model's context
+    policy: PolicyName = "goodput"  # how draft lengths are chosen per step (engine/policy.py)
+    max_step_tokens: int | None = 64  # goodput policy: tokens fed per step at most (the CPU
+                                      # kernel's batch-invariant range, kernels.MAX_ROWS)
+    prefill_chunk: int | None = None  # prompt tokens prefilled per step at most; None: as many as
+                                      # stall running rows little (engine/prefill.py), whole
+                                      # prompts while no row decodes
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, found {self.max_batch!r}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, found {self.max_seq_len!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, found {self.policy!r}")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool)
+                                               or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be an integer >= 1 or None, found {self.prefill_chunk!r}")
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode pass over a set of rows: each row's draft tokens to verify, and the filling
+    prompt's tokens that ride along (0: none). None from `plan_decode`: the rows do not fit one
+    batch-invariant pass and go in halves, each planned anew."""
+    lengths: tuple[int, ...]
+    ride: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cost: StepCost, invariant_rows: int | None, ragged: bool) -> None:
+        """invariant_rows: the tokens one pass may feed with each row's bits its own (None: any);
+        ragged: passes feed each row's own tokens (else every row padded to the widest)."""
+        self.config, self.cost = config, cost
+        self.invariant_rows, self.ragged = invariant_rows, ragged
+        self.waiting: list[Request] = []
+        self.passed: dict[str, int] = {}  # request id -> admissions it waited through (prefill.next_admitted)
+        self.steps = 0                    # steps begun
+        self.timed: dict[int, int] = {}   # rows -> the last step they decoded in a pass of their own
+        self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
+
+    # -- the queue ------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting request; False if none has that id."""
+        for i, request in enumerate(self.waiting):
+            if request.id == request_id:
+                del self.waiting[i]
+                self.passed.pop(request_id, None)
+                return True
+        return False
+
+    def admits(self, holding: int) -> bool:
+        """Whether a waiting request may take a row now that `holding` rows are held."""
+        return bool(self.waiting) and holding < self.config.max_batch
+
+    def next_admitted(self, cached: Callable[[Request], int]) -> Request:
+        """Take the waiting request to admit now: the fewest prompt tokens left to prefill once its
+        cached prefix (`cached`: its tokens the prefix cache holds) is in, none passed over forever
+        (engine/prefill.py)."""
+        left = [len(r.prompt_ids) - cached(r) for r in self.waiting]
+        i = next_admitted(left, [self.passed.get(r.id, 0) for r in self.waiting])
+        for earlier in self.waiting[:i]:
+            self.passed[earlier.id] = self.passed.get(earlier.id, 0) + 1
+        request = self.waiting.pop(i)
+        self.passed.pop(request.id, None)
+        return request
+
+    # -- a step ---------------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        self.steps += 1
+
+    def ride_allowance(self, decoding: int) -> int:
+        """Prompt tokens that may ride in the pass of `decoding` rows: as many as stall them little,
+        none in a step that times them alone (every RETIME steps)."""
+        allowance = step_allowance(decoding, self.cost, self.last_prefill, self.config.prefill_chunk,
+                                   self.untimed(decoding))
+        assert allowance is not None, "rows decode, so an allowance is set"
+        return allowance
+
+    def fill_allowance(self, decoding: int) -> int | None:
+        """Prompt tokens the passes of their own after the decode pass may feed; None: no limit (no
+        row decodes, and no chunk size is asked for)."""
+        return step_allowance(decoding, self.cost, self.last_prefill, self.config.prefill_chunk)
+
+    def plan_decode(self, offered: Sequence[RowDraft], ride: tuple[int, int] | None = None) -> DecodePlan | None:
+        """The pass of rows offering `offered` drafts: the lengths to verify (engine/policy.py) and,
+        for ride = (the filling prompt's tokens left, at most this many now), the tokens that ride.
+        None where the pass would feed more than the batch-invariant rows: halves go instead."""
+        lengths = choose_draft_lengths(offered, self.cost, self.config.policy, self.config.max_step_tokens)
+        sizes = [1 + n for n in lengths]
+        fed = sum(sizes) if self.ragged else len(sizes) * max(sizes)
+        room = self.invariant_rows if self.invariant_rows is not None else 1 << 62
+        if len(sizes) > 1 and fed > room:
+            return None
+        riding = 0 if ride is None else max(min(ride[0], ride[1], room - fed), 0)
+        return DecodePlan(tuple(lengths), riding)
+
+    def pass_cost(self, ks: Sequence[int]) -> PassCost | None:
+        """What verification will cost the next step of rows whose requests draft up to ks tokens,
+        for proposers that pay to draft (None under the fixed policy: every draft is verified
+        whole, so its length must not depend on timing). The marginal cost is t(N)'s slope up to
+        the drafts the rows may offer."""
+        if self.config.policy == "fixed":
+            return None
+        n = len(ks)
+        extra = max(1, min(sum(ks), (self.config.max_step_tokens or MAX_K * n) - n))
+        base = self.cost.estimate(n)
+        return PassCost(base, max(self.cost.estimate(n + extra) - base, 0.0) / extra, n)
+
+    # -- what passes took -----------------------------------------------------------------------------
+
+    def decoded(self, rows: int, tokens: int, seconds: float) -> None:
+        """A decode pass of `rows` rows feeding `tokens` tokens, no prompt riding, took `seconds`:
+        t(tokens) learns it (replaced outright after long untimed: what it was is stale)."""
+        if self.untimed(rows) >= RETIME:
+            self.cost.retime(tokens, seconds)
+        else:
+            self.cost.observe(tokens, seconds)
+        self.timed[rows] = self.steps
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A prefill pass (or a chunk's share of a decode pass) of `tokens` took `seconds`: the next
+        chunk is sized from it (engine/prefill.py)."""
+        self.last_prefill = (tokens, seconds)
+
+    def ride_share(self, tokens: int, seconds: float) -> float:
+        """A riding chunk's share of a decode pass feeding `tokens` tokens that took `seconds`:
+        what it added to the rows' usual step."""
+        return max(seconds - self.cost.estimate(tokens), 0.0)
+
+    def untimed(self, rows: int) -> int:
+        """Steps since `rows` rows last decoded in a pass of their own, counted from the step they
+        were first asked about (until then the cost curve's estimate stands for them)."""
+        return self.steps - self.timed.setdefault(rows, self.steps)

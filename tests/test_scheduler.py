@@ -1,0 +1,116 @@
+"""The scheduler (engine/scheduler.py) without a model: requests are ids and prompt lengths, passes
+are numbers of tokens and seconds. Admission order, the prefill allowance, draft lengths and the
+split into batch-invariant passes, what verification costs, and how timing feeds back.
+
+Oracles: the rules in engine/prefill.py and engine/policy.py written out for small cases, and the
+engine's own use of them (tests/test_batch_engine.py, tests/test_prefix_cache.py run it end to end).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from quickdraft.engine.policy import RowDraft, StepCost
+from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME
+from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Scheduler
+
+
+def request(name: str, n: int) -> SimpleNamespace:
+    """What the scheduler reads of a request: its id and its prompt."""
+    return SimpleNamespace(id=name, prompt_ids=list(range(n)))
+
+
+def scheduler(invariant_rows: int | None = 64, ragged: bool = True, **config) -> Scheduler:
+    cost = StepCost()
+    cost.observe(1, 0.010)
+    return Scheduler(EngineConfig(**config), cost, invariant_rows, ragged)
+
+
+def test_it_imports_without_the_model_or_the_kernels() -> None:
+    code = ("import sys, quickdraft.engine.scheduler; "
+            "print(sorted(m for m in sys.modules if m.startswith(('quickdraft.model', 'quickdraft.kernels', "
+            "'quickdraft.kv'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_shortest_remaining_prefill_goes_first_and_none_is_passed_over_forever() -> None:
+    s = scheduler(max_batch=8)
+    for name, n in [("long", 900), ("cached", 1000), ("short", 50)]:
+        s.add(request(name, n))
+    cached = {"long": 0, "cached": 980, "short": 0}  # tokens of each prompt the prefix cache holds
+    order = [s.next_admitted(lambda r: cached[r.id]).id for _ in range(3)]
+    assert order == ["cached", "short", "long"] and s.passed == {}
+    # a long prompt behind a stream of short ones goes first once passed over PASSED_OVER times
+    s.add(request("long", 900))
+    taken = []
+    for i in range(PASSED_OVER + 1):
+        s.add(request(f"s{i}", 10))
+        taken.append(s.next_admitted(lambda r: 0).id)
+    assert taken == [f"s{i}" for i in range(PASSED_OVER)] + ["long"]
+
+
+def test_a_cancelled_request_leaves_the_queue_and_its_count() -> None:
+    s = scheduler(max_batch=1)
+    s.add(request("a", 30))
+    s.add(request("b", 10))
+    assert s.next_admitted(lambda r: 0).id == "b" and s.passed == {"a": 1}
+    assert s.cancel("a") and not s.cancel("a") and s.passed == {} and s.waiting == []
+    s.add(request("c", 5))
+    assert s.admits(0) and not s.admits(1)  # max_batch rows held: no admission
+
+
+def test_the_allowance_is_the_chunk_asked_for_or_what_stalls_the_rows_little() -> None:
+    assert scheduler(prefill_chunk=48).ride_allowance(3) == 48
+    s = scheduler()
+    assert s.fill_allowance(0) is None  # no row decodes: whole prompts
+    assert s.ride_allowance(1) == MIN_CHUNK  # no prefill measured yet
+    s.prefilled(100, 0.010)  # 100 tokens cost one decode step: a chunk may grow to twice the last
+    assert s.ride_allowance(1) == s.fill_allowance(1) == 75  # STALL of a step's worth, 0.75 x 100
+
+
+def test_rows_untimed_for_retime_steps_get_a_step_of_their_own() -> None:
+    s = scheduler()
+    s.prefilled(100, 0.010)
+    s.begin_step()
+    assert s.ride_allowance(2) > 0  # first asked: their clock starts
+    for _ in range(RETIME):
+        s.begin_step()
+    assert s.ride_allowance(2) == 0 and s.fill_allowance(2) > 0  # this step times them alone
+    s.decoded(2, 2, 0.030)  # and the time replaces the estimate outright
+    assert s.cost.estimate(2) == pytest.approx(0.030) and s.ride_allowance(2) > 0
+    s.decoded(2, 2, 0.060)  # timed again soon: smoothed, not replaced
+    assert 0.030 < s.cost.estimate(2) < 0.060
+
+
+def test_a_pass_past_the_invariant_rows_splits_and_a_chunk_rides_in_the_room_left() -> None:
+    s = scheduler(invariant_rows=16, policy="fixed")
+    six = RowDraft(5, None, True)
+    assert s.plan_decode([six, six]) == DecodePlan((5, 5), 0)
+    assert s.plan_decode([six, six, six]) is None  # 18 tokens: halves instead
+    assert s.plan_decode([RowDraft(20, None, True)]) == DecodePlan((20,), 0)  # one row is never split
+    assert s.plan_decode([six], ride=(100, 40)) == DecodePlan((5,), 10)  # 16 - 6 tokens of room
+    assert s.plan_decode([six], ride=(4, 40)) == DecodePlan((5,), 4)  # the prompt's last 4
+    padded = scheduler(invariant_rows=16, ragged=False, policy="fixed")
+    assert padded.plan_decode([six, RowDraft(0, None, True), RowDraft(0, None, True)]) is None  # 3 x 6 fed
+
+
+def test_the_goodput_policy_drafts_where_verifying_is_cheap() -> None:
+    s = scheduler(invariant_rows=None)
+    for n, t in [(1, 0.010), (2, 0.0105), (4, 0.011), (8, 0.012)]:
+        s.cost.observe(n, t)
+    sure, unsure = RowDraft(4, [0.9] * 4, False), RowDraft(4, [0.01] * 4, False)
+    assert s.plan_decode([sure]).lengths == (4,)
+    assert s.plan_decode([unsure]).lengths == (0,)
+    cost = s.pass_cost([4])
+    assert cost.seconds == pytest.approx(0.010) and cost.per_token > 0
+    assert scheduler(policy="fixed").pass_cost([4]) is None  # drafts then never depend on timing
+
+
+def test_a_riding_chunk_is_charged_what_it_added_to_the_step() -> None:
+    s = scheduler()
+    assert s.ride_share(1, 0.025) == pytest.approx(0.015)
+    assert s.ride_share(1, 0.005) == 0.0  # a pass timed faster than the estimate: nothing, never less
