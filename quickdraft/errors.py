@@ -28,6 +28,10 @@ class RequestError(QuickdraftError):
         self.code = code or type(self).code
 
 
+class NoChatTemplate(ModelLoadError, RequestError):
+    """Chat messages sent to a model whose tokenizer has no chat template (`param`: messages)."""
+
+
 class ContextTooLong(RequestError):
     """A prompt (plus the tokens asked for) does not fit the model's context or the cache."""
     code = "context_length_exceeded"

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from jinja2 import TemplateError
 
-from quickdraft.errors import ModelLoadError, QuickdraftError
+from quickdraft.errors import NoChatTemplate, QuickdraftError
 
 Message = dict[str, str]
 
@@ -76,7 +76,7 @@ class Tokenizer:
         """The conversation as the chat template writes it (apply_chat_template's text); tools: OpenAI's
         tools, for a template that shows them (tools.py decides)."""
         if not self.has_chat_template:
-            raise ModelLoadError("this model's tokenizer has no chat template; pass a plain prompt instead")
+            raise NoChatTemplate("this model's tokenizer has no chat template; pass a plain prompt instead", "messages")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"chat messages need string 'role' and 'content', found {m!r}")
