@@ -56,7 +56,7 @@ class Prompts:
         self.tokenizer = tokenizer
         self.pools = {long: ThreadPoolExecutor(threads, thread_name_prefix=f"quickdraft-tokenize-{name}")
                       for long, name in ((False, "short"), (True, "long"))}
-        self.bytes_per_token = tokenizer.bytes_per_token  # computed once, here, not on a request
+        _ = tokenizer.bytes_per_token  # the length bound (requests/prompt.py) computed now, not on a request
         # how this model's template takes tools (tools.py), found once by rendering a probe
         self.syntax = template_syntax(tokenizer)
         self._trim, self._timer, self._lock = _malloc_trim(), None, threading.Lock()
