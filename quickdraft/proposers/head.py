@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from gguf import GGMLQuantizationType
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from quickdraft.kernels import linear
+from quickdraft.kernels import QuantizedWeight, linear
 from quickdraft.kv.cache import KVCache
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Block, Transformer, attention_inputs
@@ -41,12 +42,14 @@ from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams, probabilities
+from quickdraft.weights.quantize import as_blocks
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
 PROBE_ROWS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89)  # embedding rows that identify a target
 PROBE_TOLERANCE = 0.02       # relative: a bfloat16 or re-quantized copy of the target still matches
 HEAD_SEED_SALT = 0x4EAD_5EED  # the head's RNG must not replay the verifier's draws
+HEAD_BLOCKS = GGMLQuantizationType.Q8_0  # the head's matrices over a target run as GGUF blocks
 PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"  # one folder per model
 MAX_REST = 16     # steps the head rests at most after the engine declines its drafts
 STOP_REACH = 0.2  # drafting stops once the estimated chance that all drafts so far are accepted
@@ -75,6 +78,17 @@ class DraftHead(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.rope = RotaryTable()
         self.register_buffer("vocab", torch.arange(config.vocab_size) if vocab is None else vocab.long())
+        self._output: tuple[Transformer, torch.Tensor | QuantizedWeight] | None = None
+
+    def output_rows(self, target: Transformer) -> torch.Tensor | QuantizedWeight:
+        """The target's LM-head rows of the draft vocabulary [Vd, D], held as the target holds its
+        head (GGUF blocks stay blocks: dequantized float32 rows are ~6x the bytes a draft token
+        reads); made once per head and target, not per request (dequantizing took ~35 ms)."""
+        if self._output is None or self._output[0] is not target:
+            weight = target.lm_head.weight
+            rows = weight.take(self.vocab) if isinstance(weight, QuantizedWeight) else weight[self.vocab].contiguous()
+            self._output = (target, rows)
+        return self._output[1]
 
     def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype, batch_size: int = 1) -> KVCache:
         return KVCache(self.config, batch_size, capacity, device, dtype)
@@ -152,7 +166,22 @@ def load_head(path: str | Path, target: Transformer) -> DraftHead:
         head.load_state_dict(tensors)
     except RuntimeError as e:
         raise SpecConfigError(f"the draft head in {path} does not fit this target: {e}") from None
-    return on_target(head, target).requires_grad_(False).eval()
+    return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target)
+
+
+def as_target_runs(head: DraftHead, target: Transformer) -> DraftHead:
+    """Over a target whose matrices run as GGUF blocks (CPU, the C kernels), the head's matrices
+    become Q8_0 blocks too: a draft step is weight-bound like a decode step, and float32 matrices
+    made SmolLM2's head forward cost ~18% of a target step (2.3 ms of 12.5, Intel Xeon, 2 threads),
+    four times its blocks' bytes. Exactness does not depend on it: the target verifies every draft
+    (and a sampled draft carries the q it was drawn from)."""
+    if not target.quantized:
+        return head
+    for owner in (head.fc, head.block.wqkv, head.block.wo, head.block.w_gate_up, head.block.w_down):
+        blocks = as_blocks(owner.weight, HEAD_BLOCKS)
+        del owner.weight  # a plain attribute now, as the target's own blocks (model/build.py)
+        owner.weight = blocks
+    return head
 
 
 def on_target(head: DraftHead, target: Transformer) -> DraftHead:
@@ -211,7 +240,7 @@ class HeadProposer:
         self.rest = Rest()
         self.pending: list[int] = []       # the last proposal
         self.vocab = head.vocab.to(target.device)
-        self.lm_weight = target.lm_head.weight[self.vocab].contiguous()  # [Vd, D] the draft vocabulary's rows
+        self.lm_weight = head.output_rows(target)  # [Vd, D] the draft vocabulary's rows
 
     def commit(self, step: Committed) -> None:
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted

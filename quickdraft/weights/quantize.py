@@ -35,6 +35,11 @@ def quantize_tensors(tensors: dict[str, torch.Tensor | QuantizedWeight], scheme:
         if w.ndim != 2 or w.shape[1] % GROUP:
             raise ModelLoadError(f"cannot quantize {name} of shape {tuple(w.shape)}: rows must be whole "
                                  f"groups of {GROUP} values")
-        blocks = quantize(w.float().contiguous().numpy(), qtype)
-        out[name] = QuantizedWeight([Part(qtype, blocks)], w.shape[1])
+        out[name] = as_blocks(w, qtype)
     return out
+
+
+def as_blocks(weight: torch.Tensor, qtype: GGMLQuantizationType) -> QuantizedWeight:
+    """A float matrix [N, K] (K whole groups of 32) as GGUF blocks of `qtype`, by gguf's quantizer."""
+    blocks = quantize(weight.detach().float().contiguous().cpu().numpy(), qtype)
+    return QuantizedWeight([Part(qtype, blocks)], weight.shape[1])
