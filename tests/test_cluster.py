@@ -166,13 +166,14 @@ def ask(ingress: Ingress, method: str, path: str, payload: Any = None, content: 
     return asyncio.run(go())
 
 
+CONTEXT = 4096  # the replicas' context, as the front learns it at start-up
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "a question long enough to fill two blocks of ids"}]}
 
 
 def test_the_front_relays_the_replicas_answer_and_routes_by_the_prompts_digests(tmp_path: Path) -> None:
     prompts = tiny_prompts(tmp_path)
     replicas = FakeReplicas([[start(), body(b'{"answer": ', more=True), body(b"1}")]])
-    ingress = Ingress(replicas, prompts, max_body_bytes=1 << 20)
+    ingress = Ingress(replicas, prompts, 1 << 20, CONTEXT)
     response = ask(ingress, "POST", "/v1/chat/completions", CHAT)
     assert response.status_code == 200 and response.json() == {"answer": 1}
     assert response.headers[REPLICA_HEADER] == "r1"
@@ -181,22 +182,22 @@ def test_the_front_relays_the_replicas_answer_and_routes_by_the_prompts_digests(
     ids = prompts.tokenizer.encode(prompts.tokenizer.chat_text(CHAT["messages"]), add_special_tokens=False)
     assert len(ids) >= 2 * BLOCK and digests == prompt_digests(ids)  # tokenized as the replica's app does
     completion = FakeReplicas([[start(), body(b"{}")]] * 2)
-    ask(Ingress(completion, prompts, 1 << 20), "POST", "/v1/completions", {"model": "m", "prompt": list(range(40))})
+    ask(Ingress(completion, prompts, 1 << 20, CONTEXT), "POST", "/v1/completions", {"model": "m", "prompt": list(range(40))})
     assert completion.calls[0][1] == prompt_digests(list(range(40)))
     refused = FakeReplicas([[start(400), body(b"{}")]])  # not a valid request: routed by load, the replica says why
-    ask(Ingress(refused, prompts, 1 << 20), "POST", "/v1/chat/completions", {"model": "m", "messages": "no"})
+    ask(Ingress(refused, prompts, 1 << 20, CONTEXT), "POST", "/v1/chat/completions", {"model": "m", "messages": "no"})
     assert refused.calls[0][1] == []
 
 
 def test_a_request_whose_replica_is_lost_before_answering_goes_to_another(tmp_path: Path) -> None:
     replicas = FakeReplicas([[ReplicaLost("killed")], [start(replica="r2"), body(b"{}")]])
-    ingress = Ingress(replicas, tiny_prompts(tmp_path), 1 << 20)
+    ingress = Ingress(replicas, tiny_prompts(tmp_path), 1 << 20, CONTEXT)
     response = ask(ingress, "POST", "/v1/chat/completions", CHAT)
     assert response.status_code == 200 and response.headers[REPLICA_HEADER] == "r2"
     assert len(replicas.calls) == 2 and replicas.calls[0] == replicas.calls[1]  # the same request, again
     # lost after its head (a non-streamed answer's head and body come together): still nothing was sent
     late = FakeReplicas([[start(), ReplicaLost("killed")], [start(replica="r2"), body(b"{}")]])
-    assert ask(Ingress(late, tiny_prompts(tmp_path), 1 << 20), "POST", "/v1/chat/completions", CHAT).status_code == 200
+    assert ask(Ingress(late, tiny_prompts(tmp_path), 1 << 20, CONTEXT), "POST", "/v1/chat/completions", CHAT).status_code == 200
     metrics = ask(ingress, "GET", "/metrics").text
     assert 'quickdraft_cluster_lost_requests_total{outcome="retried"} 1.0' in metrics
     assert 'quickdraft_cluster_routed_requests_total{replica="r2"} 1.0' in metrics
@@ -205,7 +206,7 @@ def test_a_request_whose_replica_is_lost_before_answering_goes_to_another(tmp_pa
 def test_a_stream_whose_replica_is_lost_ends_with_an_error_event_and_done(tmp_path: Path) -> None:
     first = b'data: {"choices": [{"text": "Hel"}]}\n\n'
     replicas = FakeReplicas([[start(sse=True), body(first, more=True), ReplicaLost("killed")]])
-    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 1 << 20), "POST", "/v1/completions",
+    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 1 << 20, CONTEXT), "POST", "/v1/completions",
                    {"model": "m", "prompt": "hi", "stream": True})
     assert response.status_code == 200 and len(replicas.calls) == 1  # begun: not sent again
     events = response.text.split("\n\n")
@@ -216,14 +217,14 @@ def test_a_stream_whose_replica_is_lost_ends_with_an_error_event_and_done(tmp_pa
 
 def test_a_request_no_replica_could_take_is_a_503_with_retry_after(tmp_path: Path) -> None:
     replicas = FakeReplicas([[ReplicaLost("killed")]] * (RETRIES + 1))
-    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 1 << 20), "POST", "/v1/chat/completions", CHAT)
+    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 1 << 20, CONTEXT), "POST", "/v1/chat/completions", CHAT)
     assert response.status_code == 503 and int(response.headers["retry-after"]) > 0
     assert response.json()["error"]["code"] == "replica_unavailable"
 
 
 def test_a_body_over_the_limit_is_a_413_from_the_front(tmp_path: Path) -> None:
     replicas = FakeReplicas([])
-    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 100), "POST", "/v1/completions", content=b"x" * 101)
+    response = ask(Ingress(replicas, tiny_prompts(tmp_path), 100, CONTEXT), "POST", "/v1/completions", content=b"x" * 101)
     assert response.status_code == 413 and "100 bytes" in response.json()["error"]["message"]
     assert replicas.calls == []
 
@@ -232,7 +233,7 @@ def test_health_counts_the_replicas_that_answer(tmp_path: Path) -> None:
     report = {"replica": "r1", "metrics": b"", "runtime": {"kernel": "avx2"}}
     for reports, code, status in (([report, {**report, "replica": "r2"}], 200, "ok"), ([report], 200, "degraded"),
                                   ([], 503, "unavailable")):
-        response = ask(Ingress(FakeReplicas([], reports), tiny_prompts(tmp_path), 1 << 20), "GET", "/health")
+        response = ask(Ingress(FakeReplicas([], reports), tiny_prompts(tmp_path), 1 << 20, CONTEXT), "GET", "/health")
         assert response.status_code == code and response.json()["status"] == status
         assert response.json()["replicas"] == {"healthy": len(reports), "wanted": 2}
 
@@ -263,7 +264,7 @@ def test_each_replicas_load_is_read_back_from_the_merged_metrics(tmp_path: Path)
     for request in "bc":
         replicas["r2"].finish(request, "length")
     replicas["r2"].prompt_tokens.inc(50)
-    ingress = Ingress(FakeReplicas([], []), tiny_prompts(tmp_path), 1 << 20)
+    ingress = Ingress(FakeReplicas([], []), tiny_prompts(tmp_path), 1 << 20, CONTEXT)
     ingress.routed.labels(replica="r1").inc()
     ingress.routed.labels(replica="r2").inc(3)
 

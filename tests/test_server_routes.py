@@ -10,6 +10,7 @@ API's own ContextTooLong message, the engine worker's cancels, the usage of the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,12 +22,13 @@ import pytest
 from fastapi import FastAPI
 
 import quickdraft
-from quickdraft.api import TextAssembler
+from quickdraft.cluster.asgi import call_app
 from quickdraft.cluster.digests import prompt_digests
 from quickdraft.cluster.ingress import Ingress
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
+from quickdraft.requests.text import TextAssembler
 from quickdraft.server import responses as out
 from quickdraft.server.app import GENERATION_PATHS
 from quickdraft.server.choices import Choice
@@ -39,7 +41,7 @@ from quickdraft.server.routes import chat, completions, health, models
 from quickdraft.server.state import Served
 from quickdraft.server.streaming import Answer, stream, whole
 from quickdraft.spec.sampling import SamplingParams
-from test_cluster import FakeReplicas, ask, body, start
+from test_cluster import CONTEXT, FakeReplicas, ask, body, start
 from tiny_tokenizer import tiny_llm_dir
 
 NAME = "tiny"
@@ -179,11 +181,35 @@ def test_a_tools_bearing_chats_routing_digests_are_those_of_the_prompt_the_route
     assert call(app, "/v1/chat/completions", payload).status_code == 200
     [request] = app.state.served.worker.submitted
     replicas = FakeReplicas([[start(), body(b"{}")]])
-    ask(Ingress(replicas, Prompts(llm.tokenizer), 1 << 20), "POST", "/v1/chat/completions", payload)
-    digests = replicas.calls[0][1]
+    ask(Ingress(replicas, Prompts(llm.tokenizer), 1 << 20, CONTEXT), "POST", "/v1/chat/completions", payload)
+    forwarded, digests = replicas.calls[0]
     assert digests and digests == prompt_digests(request.prompt_ids)
     without_tools = llm.tokenizer.encode(llm.tokenizer.chat_text(USER), add_special_tokens=False)
     assert prompt_digests(without_tools) != digests  # the premise: tools change the prompt's blocks
+    # the ids go with the call, and the replica's app submits them without rendering or tokenizing again
+    assert list(forwarded.prompt_ids) == request.prompt_ids
+    replica = bare_app(llm, chat)
+    served = replica.state.served
+    refuse = AssertionError("the replica rendered or tokenized a prompt the front had tokenized")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("encode", "chat_text"):
+            patch.setattr(served.prompts, name, lambda *a, **k: (_ for _ in ()).throw(refuse))
+        messages = asyncio.run(collect(call_app(replica, forwarded)))
+    assert messages[0]["status"] == 200 and served.worker.submitted[0].prompt_ids == request.prompt_ids
+    # forwarded ids are checked as given ones: the scope's ids past the vocabulary are a 400, not a crash
+    bad = dataclasses.replace(forwarded, prompt_ids=(llm.model.config.vocab_size,))
+    assert asyncio.run(collect(call_app(bare_app(llm, chat), bad)))[0]["status"] == 400
+    # a completion's one text prompt is forwarded too; ids the client gave are its own, not forwarded
+    text, given = FakeReplicas([[start(), body(b"{}")]] * 2), {"model": NAME, "prompt": [1, 2, 3]}
+    ingress = Ingress(text, Prompts(llm.tokenizer), 1 << 20, CONTEXT)
+    ask(ingress, "POST", "/v1/completions", {"model": NAME, "prompt": "once upon a time"})
+    ask(ingress, "POST", "/v1/completions", given)
+    assert list(text.calls[0][0].prompt_ids) == llm.tokenizer.encode("once upon a time", add_special_tokens=True)
+    assert text.calls[1][0].prompt_ids is None
+
+
+async def collect(messages: Any) -> list[dict[str, Any]]:
+    return [m async for m in messages]
 
 
 # -- the streaming module over events made by hand --------------------------------------------------------------

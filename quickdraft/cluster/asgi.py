@@ -2,7 +2,8 @@
 
 The ingress reads a request whole (`HttpCall`), a replica runs it through the unchanged server app
 (every route, auth, limit and metric of `quickdraft serve`) and hands back the ASGI messages the
-app sends, as it sends them (`call_app`), so a stream streams. Closing that iterator early is the
+app sends, as it sends them (`call_app`), so a stream streams. The prompt's ids the front made ride
+in the call's scope (server/requests.py `PROMPT_IDS`), not in a header: no client can set them. Closing that iterator early is the
 client leaving: the app hears `http.disconnect` and cancels its request, as it would under uvicorn.
 Knows ASGI; nothing of Ray or of the engine.
 """
@@ -16,13 +17,15 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Scope
 
 from quickdraft.server import responses as out
+from quickdraft.server.requests import PROMPT_IDS
 
 _running: set[asyncio.Task] = set()  # apps still answering a client that left (the loop keeps tasks weakly)
 
 
 @dataclass(frozen=True)
 class HttpCall:
-    """What a replica needs of a request: its line, headers, whole body and peer."""
+    """What a replica needs of a request: its line, headers, whole body and peer; and the prompt's
+    ids where the front rendered and tokenized them (a chat, a completion's one text prompt)."""
     method: str
     path: str
     query: bytes
@@ -30,6 +33,7 @@ class HttpCall:
     body: bytes
     client: tuple[str, int | None] | None = None
     server: tuple[str, int | None] | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, scope: Scope, body: bytes) -> HttpCall:
@@ -38,10 +42,13 @@ class HttpCall:
 
     def scope(self) -> dict[str, Any]:
         # spec 2.3: Starlette then listens for the disconnect while it streams (2.4 would wait for a failed send)
-        return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                "method": self.method, "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
-                "root_path": "", "query_string": self.query, "headers": [list(h) for h in self.headers],
-                "client": self.client, "server": self.server, "state": {}}
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": self.method, "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
+                 "root_path": "", "query_string": self.query, "headers": [list(h) for h in self.headers],
+                 "client": self.client, "server": self.server, "state": {}}
+        if self.prompt_ids is not None:
+            scope[PROMPT_IDS] = self.prompt_ids
+        return scope
 
 
 def _pair(address: Any) -> tuple[str, int | None] | None:

@@ -2,9 +2,10 @@
 relays the replica's answer; /health and /metrics speak for all replicas.
 
 A generation request's prompt is tokenized here as the replicas' app does (chat template, then
-ids) only to name its block-aligned prefixes (digests.py): the router (router.py) sends it where
-they are cached. Everything else, validation, auth, limits and the answer itself, is the
-replica's, which runs the unchanged server app (asgi.py), so the API is the same as one process's.
+ids, within the replicas' context) to name its block-aligned prefixes (digests.py): the router
+(router.py) sends it where they are cached, and the ids go with the call, so the replica renders
+and tokenizes nothing again. Everything else, validation, auth, limits and the answer itself, is
+the replica's, which runs the unchanged server app (asgi.py), so the API is the same as one process's.
 
 A replica lost mid-request (its process killed, its node gone): if the client has been sent
 nothing yet, the request goes to another replica (up to RETRIES times), which, greedy or seeded,
@@ -18,6 +19,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -58,8 +60,9 @@ class Replicas(Protocol):
 
 
 class Ingress:
-    def __init__(self, replicas: Replicas, prompts: Prompts, max_body_bytes: int) -> None:
-        self.replicas, self.prompts, self.limit = replicas, prompts, max_body_bytes
+    def __init__(self, replicas: Replicas, prompts: Prompts, max_body_bytes: int, context: int) -> None:
+        """context: the replicas' (a prompt is tokenized no further than that here, as there)."""
+        self.replicas, self.prompts, self.limit, self.context = replicas, prompts, max_body_bytes, context
         self.registry = CollectorRegistry()
         self.routed = Counter(f"{PREFIX}_routed_requests", "Requests sent to each replica (retries included)",
                               ["replica"], registry=self.registry)
@@ -114,7 +117,10 @@ class Ingress:
             await out.error_response(413, body_too_large(self.limit))(scope, receive, send)
             return
         call = HttpCall.of(scope, body)
-        relay = asyncio.create_task(self._relay(call, await self._digests(call), send))
+        ids, forward = await self._prompt_ids(call)
+        if forward:
+            call = replace(call, prompt_ids=tuple(ids))
+        relay = asyncio.create_task(self._relay(call, prompt_digests(ids), send))
         gone = asyncio.create_task(_disconnected(receive))
         await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         for task in (relay, gone):
@@ -162,24 +168,25 @@ class Ingress:
                 code="replica_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})):
             await send(message)
 
-    async def _digests(self, call: HttpCall) -> list[int]:
-        """The prompt's block digests, tokenized as the replica's app will; none for a request it will
-        refuse (the replica says why) or that is no generation."""
+    async def _prompt_ids(self, call: HttpCall) -> tuple[list[int], bool]:
+        """The prompt's ids as the replica's app would make them, and whether the front made them (a
+        chat's, a completion's one text prompt: forwarded, the replica need not) or the client gave
+        them; none for a request the replica will refuse (it says why) or that is no generation."""
         try:
             body = json.loads(call.body) if call.method == "POST" else None
             if call.path == "/v1/chat/completions" and isinstance(body, dict):
                 chat = ChatCompletionRequest.model_validate(body)  # rendered as the app does, tools included
                 text = await chat_prompt(self.prompts, chat, shape(chat).tools)
-                return prompt_digests(await self.prompts.encode(text, add_special_tokens=False))
+                return await self.prompts.encode(text, add_special_tokens=False, context=self.context), True
             if call.path == "/v1/completions" and isinstance(body, dict):
                 prompt = body.get("prompt")
                 if isinstance(prompt, str):
-                    return prompt_digests(await self.prompts.encode(prompt, add_special_tokens=True))
+                    return await self.prompts.encode(prompt, add_special_tokens=True, context=self.context), True
                 if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                    return prompt_digests(prompt)
+                    return prompt, False
         except Exception:  # noqa: BLE001 - a request the replica will refuse: routed by load alone
-            return []
-        return []
+            return [], False
+        return [], False
 
 
 def merge_labelled(texts: list[tuple[str, str]]) -> bytes:

@@ -210,8 +210,10 @@ def running(setup: ReplicaSetup, plan: ClusterPlan, model: str, sock: socket.soc
     with ray_cluster(plan) as threads:
         try:
             setup = replace(setup, threads=threads)
-            replicas = RayReplicas(deploy(setup, plan), plan.replicas, cached=setup.model.get("prefix_cache_mb") != 0)
-            ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes)
+            handle = deploy(setup, plan)
+            context = handle.report.remote().result()["runtime"]["context"]  # every replica's: one model, one config
+            replicas = RayReplicas(handle, plan.replicas, cached=setup.model.get("prefix_cache_mb") != 0)
+            ingress = Ingress(replicas, Prompts(tokenizer), setup.server.max_body_bytes, context)
             hosts = answered_hosts(setup.bind, setup.server.allowed_hosts)
             front = HttpFront(ingress if hosts is None else HostCheck(ingress, hosts), setup.server.connections,
                               ingress.count_error, replicas.close, setup.bind, sock, shutdown_timeout_s, log_level)

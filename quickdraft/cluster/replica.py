@@ -77,6 +77,7 @@ class EngineReplica:
                                   engine_thread=False, bind=setup.bind)
             self.prefix = llm.prefix
             self.runtime = {"weights": llm.model.weight_format, "threads": setup.threads,
+                            "context": self.app.state.served.context,
                             "kernel": kernels.kernel_info().isa or "none (torch path)",
                             "node": ray.util.get_node_ip_address(),
                             "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}

@@ -4,7 +4,8 @@ response format or tools, its prompt and token budgets against the context, its 
 400 naming the field, before anything reaches the batch; then its engine requests, one per choice.
 Plain functions of the shared state (state.Served) and the body, which every route uses; a
 RequestError from the pipeline's steps is answered by server/errors.py with its param and code;
-`chat_prompt` is also how the cluster's front names a chat's prefixes.
+`chat_prompt` is also how the cluster's front names a chat's prefixes; the ids it made ride to the
+replica in the call's scope (`PROMPT_IDS`), so the replica renders and tokenizes nothing again.
 Knows the engine's request and the model's limits, not the engine's loop or HTTP answers.
 """
 from __future__ import annotations
@@ -35,6 +36,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 CONTEXT = "context_length_exceeded"
 REQUEST_TOKENS = "request_tokens_exceeded"  # n x max_tokens past --max-request-tokens
 GRAMMAR_TIMEOUT_S = 10.0  # a response_format's schema compiled for longer is a 400 (other requests go on meanwhile)
+
+# scope key: a prompt's ids as a cluster's front rendered and tokenized them (cluster/asgi.py puts them
+# in the scope of the call it hands a replica's app; no HTTP request can set a scope key)
+PROMPT_IDS = "quickdraft.prompt_ids"
 
 Budget = dict[str, int | None]  # the body's fields that bound the new tokens, by name: the first one given decides
 Made = list[tuple[Request, MakeProposer]]  # per choice, its engine request and the call that builds its proposer
@@ -144,13 +149,22 @@ async def tokenized(served: Served, text: str, budget: Budget, param: str, http:
         prompts.done_with(text)
 
 
-def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest, n: int) -> list[int]:
+def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest, n: int,
+              param: str = "prompt") -> list[int]:
     """A prompt given as token ids: it fits, each is in the vocabulary; then n places in the queue."""
-    fits(served, len(ids), budget, "prompt")
+    fits(served, len(ids), budget, param)
     check_request_tokens(served, budget, n)
     ids = given(ids, served.llm.model.config.vocab_size)
     http.scope[ADMIT](n)
     return ids
+
+
+def forwarded_ids(served: Served, budget: Budget, http: HTTPRequest, n: int, param: str) -> list[int] | None:
+    """The prompt's ids where a cluster's front made them (PROMPT_IDS, taken once: a route's one
+    text prompt), checked as given ids; None where it did not (one process, or a request the front
+    could not tokenize within the context: the replica's own refusal then says why)."""
+    ids = http.scope.pop(PROMPT_IDS, None)
+    return None if ids is None else given_ids(served, list(ids), budget, http, n, param)
 
 
 def fits(served: Served, n: int, budget: Budget, param: str, at_least: bool = False) -> None:

@@ -15,6 +15,7 @@ from quickdraft.server.requests import (
     chat_prompt,
     check_model,
     constraints,
+    forwarded_ids,
     prepare,
     shape,
     spec_of,
@@ -45,8 +46,10 @@ async def prepared(body: ChatCompletionRequest, http: HTTPRequest) -> tuple[Made
     constrained = await constraints(s, shaped, body.n)
     # max_completion_tokens wins (OpenAI's newer name); both are checked against the context
     budget = {"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens}
-    text = await chat_prompt(s.prompts, body, shaped.tools)
-    ids = await tokenized(s, text, budget, "messages", http, add_special_tokens=False, n=body.n)
+    ids = forwarded_ids(s, budget, http, body.n, "messages")
+    if ids is None:
+        text = await chat_prompt(s.prompts, body, shaped.tools)
+        ids = await tokenized(s, text, budget, "messages", http, add_special_tokens=False, n=body.n)
     made, params = prepare(s, body, spec, constrained, ids, budget, cache_scope(http, body))
     return made, params, shaped.tools
 

@@ -16,6 +16,7 @@ from quickdraft.server.requests import (
     cache_scope,
     check_model,
     constraints,
+    forwarded_ids,
     given_ids,
     prepare,
     shape,
@@ -41,7 +42,8 @@ async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
     for prompt in prompts:  # prompt i's choices are i * n ... i * n + n - 1, as OpenAI counts them
         constrained = await constraints(s, shaped, body.n)
         if isinstance(prompt, str):
-            ids = await tokenized(s, prompt, budget, "prompt", http, add_special_tokens=True, n=places)
+            ids = forwarded_ids(s, budget, http, places, "prompt") or \
+                await tokenized(s, prompt, budget, "prompt", http, add_special_tokens=True, n=places)
         else:
             ids = given_ids(s, prompt, budget, http, places)
         choices, params = prepare(s, body, spec, constrained, ids, budget, cache_scope(http, body))
