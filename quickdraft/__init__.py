@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The public names load on first use (PEP 562), not with the package: a module that needs neither
 # the model nor the kernels (spec/draft_contract.py, spec/sequences.py) imports without them.
-_PUBLIC = {"LLM": "api", "Chunk": "api", "Completion": "api", "load": "api", "ContextTooLong": "errors",
+_PUBLIC = {"LLM": "api", "Chunk": "requests.text", "Completion": "api", "load": "api", "ContextTooLong": "errors",
            "InvalidSamplingParams": "errors", "ModelLoadError": "errors", "QuickdraftError": "errors",
            "RequestError": "errors", "UnsupportedArchitecture": "errors", "SamplingParams": "spec.sampling",
            "SpecConfig": "proposers", "SpecConfigError": "proposers"}

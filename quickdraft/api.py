@@ -1,9 +1,9 @@
 """The Python API: `quickdraft.load(...)` and an `LLM` that generates (text, token ids and stats,
 whole or streamed), scores prompts, and serves as the server's and the CLI's door to the model.
 
-Layered iterators: the model's one engine (EngineService) yields token events, the detokenizer
-turns them into text deltas, stop strings are applied to that text (TextAssembler, which the
-server's answers use too). A chat is rendered as the server renders it (conversation.conversation).
+Layered iterators: the model's one engine (EngineService) yields token events, which the request
+pipeline's other end (requests/text.py `TextAssembler`, the server's answers' too) turns into text
+deltas cut at stop strings. A chat is rendered as the server renders it (requests/prompt.py).
 """
 from __future__ import annotations
 
@@ -18,20 +18,21 @@ from typing import Any, Callable, Hashable, Iterator, Literal, Mapping, Sequence
 import torch
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin
+from quickdraft.engine.events import FinishReason, GenerationStats
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.errors import ModelLoadError, QuickdraftError, RequestError
 from quickdraft.kv.blocks import BlockPool
 from quickdraft.kv.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.model.llama import Transformer
-from quickdraft.model.tokenizer import Message, StopStringFilter, StreamDetokenizer, Tokenizer
+from quickdraft.model.tokenizer import Message, Tokenizer
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
 from quickdraft.requests.prompt import bounded, check_length, given, text_of
 from quickdraft.requests.shape import constraint_of, shape_of
+from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.conversation import call_id
@@ -52,18 +53,6 @@ T = TypeVar("T")
 # with use: rows and room that no request asked for cost nothing).
 ENGINE = EngineConfig(max_batch=8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Chunk:
-    """One streamed piece: new text (never half a UTF-8 character) and the ids behind it."""
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None = None
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
-    pieces: list[str] | None = None  # [len(token_ids)] the text each released (TextAssembler(pieces=True))
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
 
 
 @dataclass(frozen=True)
@@ -124,49 +113,6 @@ def parse_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise QuickdraftError(f"device {device!r} is not supported; expected 'cpu' or 'cuda'")
     return dev
-
-
-class TextAssembler:
-    """Token events of one request -> text chunks: UTF-8-safe deltas, cut at the first stop string
-    (the chunk that finds it says finish_reason "stop"; the consumer then stops the request).
-
-    The ids end with the token that completes the stop string, and the stats count them: a step
-    commits several tokens, and those after the stop string's are neither text nor usage.
-
-    pieces: also say which text each token released (they join to the chunk's text; the text the
-    detokenizer still held at the end goes to the chunk's last token, or to none if it has none).
-    keep: special tokens whose text is kept (a tool syntax's markers: Tokenizer.markers_of)."""
-
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, pieces: bool = False,
-                 keep: frozenset[int] = frozenset()) -> None:
-        self.detok = StreamDetokenizer(tokenizer, keep)
-        self.stops = StopStringFilter(params.stop)
-        # with stop strings, token by token: where one ends is a token; so too for each token's text
-        self.by_token = bool(params.stop) or pieces
-        self.pieces = pieces
-
-    def feed(self, event: TokenEvent) -> Chunk:
-        ids = list(event.token_ids)
-        parts, kept, stopped = [], 0, False
-        for group in ([t] for t in ids) if self.by_token else [ids]:
-            text, stopped = self.stops.feed(self.detok.push(group))
-            parts.append(text)
-            kept += len(group)
-            if stopped:
-                break
-        if not stopped and event.finish_reason is not None:
-            tail, stopped = self.stops.feed(self.detok.flush())
-            parts.append(tail + ("" if stopped else self.stops.flush()))
-        stats = event.stats
-        if kept < len(ids):
-            stats = replace(stats, new_tokens=stats.new_tokens - (len(ids) - kept))
-        pieces = None
-        if self.pieces:
-            pieces = parts[:kept]
-            if kept and len(parts) > kept:
-                pieces[-1] += parts[kept]
-        return Chunk("".join(parts), ids[:kept], "stop" if stopped else event.finish_reason, stats,
-                     event.origins[:kept], pieces, event.logprobs[:kept])
 
 
 class LLM:

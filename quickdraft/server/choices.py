@@ -9,9 +9,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from quickdraft.api import Chunk
 from quickdraft.engine.batch import Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.requests.text import Chunk
 from quickdraft.server import responses as out
 from quickdraft.server.schemas import ChatCompletionRequest, CompletionRequest
 from quickdraft.spec.logprobs import TokenLogprob

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 
-from quickdraft.api import Chunk
 from quickdraft.engine.events import GenerationStats
+from quickdraft.requests.text import Chunk
 from quickdraft.spec.logprobs import TokenLogprob
 
 Kind = Literal["completion", "chat"]

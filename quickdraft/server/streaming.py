@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from quickdraft.api import Chunk, TextAssembler
 from quickdraft.engine.events import TokenEvent
+from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.server import responses as out
 from quickdraft.server import tool_calls
 from quickdraft.server.choices import Choice, Echo
