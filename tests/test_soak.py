@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import pytest
 
-from quickdraft.bench.soak import MAX_RSS_GROWTH, Soak, SoakReport, memory_sample, own_rss, prefix_caches
+from quickdraft.bench.soak import Soak
+from quickdraft.bench.soak_memory import MAX_RSS_GROWTH, memory_sample, own_rss, prefix_caches
+from quickdraft.bench.soak_report import SoakReport
 from quickdraft.cli import main
 from quickdraft.server.connections import ConnectionLimits
 from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)

@@ -15,182 +15,27 @@ prefix caches' bytes grows less than 5% after a warm-up (the caches fill as the 
 their budget: memory they are meant to hold, bounded apart).
 
 Knows the server only over HTTP (its /metrics: the prefix caches' bytes); `rss()` reads the memory
-of the process that serves.
+of the process that serves. What it sends is soak_traffic.py's, how memory is judged soak_memory.py's,
+the verdict soak_report.py's.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-MAX_RSS_GROWTH = 0.05
-WEIGHTS = {"valid": 0.35, "conversation": 0.1, "malformed": 0.15, "cancelled": 0.1, "oversized": 0.05,
-           "slow_body": 0.08, "stalled": 0.07, "huge_prompt": 0.05, "flood": 0.05}
+from quickdraft.bench.soak_memory import memory_sample
+from quickdraft.bench.soak_report import SoakReport
+from quickdraft.bench.soak_traffic import SYSTEMS, TURNS, WEIGHTS, malformed_requests, valid_requests
+
 SLACK_S = 2.0  # past a timeout, for the server's answer to arrive on a busy machine
 FLOOD = 24     # idle connections opened at once by a "flood"
-TURNS = ["Name three rivers.", "Which of them is the longest?", "Say it again in French."]
-SYSTEMS = ["You are a terse geography tutor.", "You answer in one short sentence. " * 12]  # the fixed conversations'
-
-
-def own_rss() -> int:
-    """This process's resident memory in bytes (Linux: /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def valid_requests(model: str) -> list[dict[str, Any]]:
-    """(route, body): well-formed requests whose answer does not depend on what runs beside them."""
-    chat = [{"role": "user", "content": "Count to five, then say why."}]
-    prompts = ["The quick brown fox", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
-    out = []
-    for i, prompt in enumerate(prompts):
-        out.append({"route": "completions", "body": {"model": model, "prompt": prompt, "max_tokens": 24 + 8 * i,
-                                                     "temperature": 0, "stream": i % 2 == 1}})
-    out.append({"route": "chat/completions", "body": {"model": model, "messages": chat, "max_tokens": 32,
-                                                      "temperature": 0, "stream": True}})
-    out.append({"route": "chat/completions", "body": {"model": model, "messages": chat, "max_tokens": 32,
-                                                      "temperature": 0.8, "seed": 7}})
-    out.append({"route": "completions", "body": {"model": model, "prompt": prompts[1], "max_tokens": 40,
-                                                 "temperature": 0, "speculative": {"method": "none"}}})
-    return out
-
-
-def malformed_requests(model: str) -> list[tuple[str, str, bytes, int]]:
-    """(method, route, raw body, the status it must get)."""
-    def body(fields: dict[str, Any]) -> bytes:
-        return json.dumps({"model": model, "prompt": "hi", **fields}).encode()
-    return [
-        ("POST", "completions", b'{"model": "x", "prompt": ', 400),
-        ("POST", "completions", b"[1, 2]", 400),
-        ("POST", "completions", body({"max_tokens": "ten"}), 400),
-        ("POST", "completions", body({"temperature": 7}), 400),
-        ("POST", "completions", body({"n": 17}), 400),
-        ("POST", "completions", body({"min_p": 1.5}), 400),
-        ("POST", "completions", body({"stop": ["x" * 1025]}), 400),
-        ("POST", "completions", body({"prompt": [1, 10**9]}), 400),
-        ("POST", "completions", body({"max_tokens": 10**7}), 400),
-        ("POST", "completions", body({"speculative": {"method": "magic"}}), 400),
-        ("POST", "completions", json.dumps({"model": model, "prompt": "a\ud800"}).encode(), 400),
-        ("POST", "completions", body({"model": "gpt-9"}), 404),
-        ("POST", "chat/completions", json.dumps({"model": model, "messages": []}).encode(), 400),
-        ("POST", "chat/completions", json.dumps({"model": model, "tools": [{"type": "function"}],
-                                                 "messages": [{"role": "user", "content": "hi"}]}).encode(), 400),
-        ("POST", "completions", b'{"model": "x", "prompt": "\xff"}', 400),
-        ("DELETE", "completions", b"", 405),
-    ]
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    at_s: float      # seconds into the load
-    rss_mb: float    # the serving process's resident memory, MiB
-    cache_mb: float  # of it, what the prefix caches hold (/metrics), MiB
-    over_budget: bool = False  # a prefix cache held more than its budget
-
-    @property
-    def rest_mb(self) -> float:
-        """The memory that must stay flat: RSS less the prefix caches' bytes."""
-        return self.rss_mb - self.cache_mb
-
-
-def prefix_caches(metrics: str) -> tuple[int, bool]:
-    """(bytes the prefix caches hold, whether one holds more than its budget) from /metrics' text:
-    every series of quickdraft_prefix_cache_bytes (each cache's, by its labels), against the budget
-    of the same labels; (0, False) with none."""
-    held: dict[str, float] = {}
-    budget: dict[str, float] = {}
-    for line in metrics.splitlines():
-        for name, into in (("quickdraft_prefix_cache_bytes", held), ("quickdraft_prefix_cache_budget_bytes", budget)):
-            if line.startswith((f"{name} ", f"{name}{{")):
-                series, value = line.rsplit(maxsplit=1)
-                into[series[len(name):]] = float(value)
-    return int(sum(held.values())), any(b > budget[labels] for labels, b in held.items() if labels in budget)
-
-
-def memory_sample(at_s: float, rss: Callable[[], int], metrics: Callable[[], str]) -> MemorySample:
-    """RSS and the prefix caches' bytes now: `rss` the serving process's bytes, `metrics` its /metrics."""
-    cache, over = prefix_caches(metrics())
-    return MemorySample(round(at_s, 1), rss() / 2**20, cache / 2**20, over)
-
-
-def growth(samples: list[MemorySample], warmup_s: float, of: Callable[[MemorySample], float]) -> float:
-    """The last sample's `of` over that of the first sample past the warm-up (the first sample's if
-    none is), minus 1."""
-    base = next((s for s in samples[:-1] if s.at_s >= warmup_s), samples[0])
-    return of(samples[-1]) / of(base) - 1
-
-
-@dataclass
-class SoakReport:
-    duration_s: float
-    concurrency: int
-    sent: Counter = field(default_factory=Counter)            # by kind
-    statuses: Counter = field(default_factory=Counter)        # by status, every answer seen
-    failures: list[str] = field(default_factory=list)         # what went wrong, the first 50
-    failure_count: int = 0
-    memory: list[MemorySample] = field(default_factory=list)  # RSS and the prefix caches' bytes, as the run goes
-    warmup_s: float = 0.0
-    left_running: float = 0.0
-
-    @property
-    def rss_growth(self) -> float:
-        """RSS at the end over RSS past the warm-up, minus 1: the prefix caches' filling included."""
-        return growth(self.memory, self.warmup_s, lambda s: s.rss_mb)
-
-    @property
-    def rest_growth(self) -> float:
-        """The same for RSS less the prefix caches' bytes: what must stay flat."""
-        return growth(self.memory, self.warmup_s, lambda s: s.rest_mb)
-
-    @property
-    def prefix_over_budget(self) -> int:
-        """Samples of /metrics where a prefix cache held more than its budget."""
-        return sum(s.over_budget for s in self.memory)
-
-    @property
-    def server_errors(self) -> int:
-        return sum(n for status, n in self.statuses.items() if status >= 500)
-
-    @property
-    def memory_flat(self) -> bool:
-        return self.rest_growth < MAX_RSS_GROWTH and self.prefix_over_budget == 0
-
-    @property
-    def passed(self) -> bool:
-        return (self.failure_count == 0 and self.server_errors == 0 and self.memory_flat
-                and self.left_running == 0)
-
-    def as_dict(self) -> dict[str, Any]:
-        m = self.memory
-        return {"duration_s": self.duration_s, "concurrency": self.concurrency, "sent": dict(self.sent),
-                "statuses": {str(k): v for k, v in sorted(self.statuses.items())}, "server_errors": self.server_errors,
-                "failures": self.failure_count, "first_failures": self.failures[:10], "warmup_s": self.warmup_s,
-                "rss_mb": [(s.at_s, s.rss_mb) for s in m], "prefix_cache_mb": [(s.at_s, s.cache_mb) for s in m],
-                "rss_less_cache_mb": [(s.at_s, s.rest_mb) for s in m], "rss_growth": self.rss_growth,
-                "rss_less_cache_growth": self.rest_growth, "left_running": self.left_running,
-                "prefix_over_budget": self.prefix_over_budget, "passed": self.passed}
-
-    def summary(self) -> str:
-        sent = ", ".join(f"{n} {kind}" for kind, n in sorted(self.sent.items()))
-        statuses = ", ".join(f"{status}: {n}" for status, n in sorted(self.statuses.items()))
-        first, last = self.memory[0], self.memory[-1]
-        return (f"{sum(self.sent.values())} requests in {self.duration_s:.0f} s at concurrency {self.concurrency} "
-                f"({sent})\nstatuses: {statuses}\n5xx: {self.server_errors}, failures: {self.failure_count}, rows "
-                f"left running: {self.left_running:g}\nRSS {first.rss_mb:.0f} -> {last.rss_mb:.0f} MiB "
-                f"({100 * self.rss_growth:+.2f}% after warm-up), of it the prefix cache {first.cache_mb:.0f} -> "
-                f"{last.cache_mb:.0f} MiB; RSS less the cache {first.rest_mb:.0f} -> {last.rest_mb:.0f} MiB "
-                f"({100 * self.rest_growth:+.2f}% after warm-up, at most {100 * MAX_RSS_GROWTH:g}%), prefix cache over "
-                f"its budget in {self.prefix_over_budget} samples\n" + ("PASS" if self.passed else "FAIL"))
-
 
 class Soak:
     def __init__(self, url: str, model: str, rss: Callable[[], int], max_body_bytes: int, seed: int = 0,

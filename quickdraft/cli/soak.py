@@ -13,7 +13,8 @@ from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 
 
 def cmd_bench_soak(args: argparse.Namespace) -> int:
-    from quickdraft.bench.soak import Soak, own_rss
+    from quickdraft.bench.soak import Soak
+    from quickdraft.bench.soak_memory import own_rss
     from quickdraft.engine.batch import EngineConfig
     from quickdraft.proposers import SpecConfig
     from quickdraft.server import BackgroundServer, ServerConfig
