@@ -14,6 +14,7 @@ from quickdraft.cli.bench import (
     add_bench_head,
     add_bench_plain,
     add_bench_quality,
+    add_bench_random_gguf,
     add_bench_serve,
     add_bench_specbench,
 )
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve(bsub)
     add_bench_quality(bsub)
     add_bench_head(bsub)
+    add_bench_random_gguf(bsub)
     add_bench_soak(bsub)
     add_bench_stall(bsub)
     add_bench_multiturn(bsub)

@@ -1,0 +1,64 @@
+"""`quickdraft bench random-gguf`: a random-weight Q4_K_M GGUF of an MoE shape that quickdraft loads
+as the model it describes (experts, types by llama.cpp's Q4_K_M rule, the Qwen tokenizer), with
+finite, varied output, and speculation on it exact.
+
+Oracles: the shape written (read back with gguf's reader), plain greedy decoding of the same file.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import quickdraft
+from quickdraft.bench.random_gguf import MoeShape, more_bits, write_random_moe
+from quickdraft.cli import main
+from quickdraft.spec.sampling import SamplingParams
+
+SMALL = MoeShape(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2,
+                 expert_size=256, dense_size=512, context=2048)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_moe(SMALL, tmp_path_factory.mktemp("moe") / "small.gguf")
+
+
+def test_the_file_holds_the_shape_with_q4_k_m_types(small: Path) -> None:
+    reader = GGUFReader(small)
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"].shape.tolist() == [SMALL.hidden, SMALL.expert_size, SMALL.experts]
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert tensors["output.weight"].tensor_type.name == "Q6_K"
+    for i in range(SMALL.layers):
+        expected = "Q6_K" if more_bits(i, SMALL.layers) else "Q4_K"
+        assert tensors[f"blk.{i}.ffn_down_exps.weight"].tensor_type.name == expected
+        assert tensors[f"blk.{i}.attn_v.weight"].tensor_type.name == expected
+    assert [more_bits(i, 48) for i in range(8)] == [True] * 6 + [False, False]  # llama.cpp's rule at 48 layers
+    assert int(reader.fields["qwen3moe.expert_count"].contents()) == SMALL.experts
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == SMALL.vocab
+
+
+def test_quickdraft_runs_it_as_the_mixture_it_describes_and_speculation_stays_exact(small: Path) -> None:
+    llm = quickdraft.load(str(small))
+    config = llm.model.config
+    assert (config.num_layers, config.num_experts, config.experts_per_token) == (3, 8, 2)
+    assert "Q4_K" in llm.model.weight_format and "Q6_K" in llm.model.weight_format
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = llm.generate("def fibonacci(n):", params=params, spec=quickdraft.SpecConfig("none"))
+    assert len(Counter(plain.token_ids)) > 4  # varied: centred weights, not one token over and over
+    for method in ("ngram", "suffix"):
+        assert llm.generate("def fibonacci(n):", params=params, spec=quickdraft.SpecConfig(method)).token_ids == \
+            plain.token_ids, method
+    scored = llm.score("def fibonacci(n): return n")
+    assert all(np.isfinite(t.logprob) for t in scored.logprobs)
+
+
+def test_the_command_refuses_an_existing_file_and_too_many_layers(small: Path, capsys) -> None:
+    assert main(["bench", "random-gguf", "--out", str(small)]) == 1
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert main(["bench", "random-gguf", "--layers", "49", "--out", str(small.parent / "x.gguf")]) == 1
+    assert "--layers must be in 1..48" in capsys.readouterr().err
