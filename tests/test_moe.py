@@ -23,6 +23,7 @@ from quickdraft import SamplingParams
 from quickdraft.engine.loop import generate_tokens
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
 from quickdraft.kernels import QuantizedWeight
+from quickdraft.kernels.experts import run_experts
 from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
@@ -187,6 +188,25 @@ def test_q8_experts_run_as_stored_close_to_their_dequantized_model(q8):
     tokens = torch.tensor([stored.tokenizer.encode(PROMPT)])
     ours, ref = logits(stored.model, tokens), logits(dense.model, tokens)
     assert (ours - ref).abs().max() <= 5e-3 * ref.abs().max()
+
+
+def test_the_c_experts_are_the_torch_loops_experts_bit_for_bit(q8, monkeypatch):
+    """experts.c runs the same matmuls in the same order as the torch loop over GGUF experts: the
+    same logits to the bit over a 30-row pass, the same layer output for a decode's one row; other
+    weights give other sums (a negative control)."""
+    llm = quickdraft.load(q8)
+    moe = llm.model.blocks[0].moe
+    tokens = random_tokens(1, 30, vocab=llm.model.config.vocab_size)
+    x = torch.randn(1, llm.model.config.hidden_size)
+    norm = (torch.rand(x.shape[-1]) + 0.5, 1e-6)
+    kernel, kernel_one = logits(llm.model, tokens), moe(x, norm)
+    assert moe.fused is not None  # the C call ran (and packed the experts)
+    with monkeypatch.context() as patch:
+        patch.setattr("quickdraft.model.experts.experts_usable", lambda x: False)
+        assert torch.equal(kernel, logits(llm.model, tokens)) and torch.equal(kernel_one, moe(x, norm))
+    weights, chosen = moe.route(x @ moe.router.weight.T)
+    assert not torch.equal(run_experts(x, norm, chosen, weights.flip(-1), moe.fused, moe.gate),
+                           run_experts(x, norm, chosen, weights, moe.fused, moe.gate))
 
 
 def test_q8_experts_are_batch_invariant_at_any_row_count_and_speculation_is_exact(q8):

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).parent
-SOURCES = ("fused_matmul.c", "quant_matmul.c", "repack.c", "attention.c", "pool.c", "layer.c", "argmax.c")
+SOURCES = ("fused_matmul.c", "quant_matmul.c", "repack.c", "attention.c", "pool.c", "layer.c", "argmax.c", "experts.c")
 HEADERS = ("kernels.h", "repack.h")
 FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -72,6 +72,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 6 + [f32, f32, p, i32]
     lib.qd_layer.restype = i32
     lib.qd_layer.argtypes = [p] * 8 + [i64] * 3 + [i32]
+    lib.qd_experts.restype = i32
+    lib.qd_experts.argtypes = [p, p, f32] + [i64] * 4 + [p, p, i64, p, p, i32, i32, p, i32]
     lib.qd_repack.restype = i32
     lib.qd_repack.argtypes = [i32, p, i64, i64, p, i32]
     lib.qd_packed_row_bytes.restype = i64

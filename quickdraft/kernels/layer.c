@@ -4,7 +4,9 @@
  * q|k|v, RoPE + cache + attention, o + residual, RMSNorm + gate|up, SwiGLU + down + residual; with
  * the family's variations: GELU for SiLU, QK-norm (per head or over a whole projection) before
  * RoPE, post-norms (OLMo 2: no pre-norm, the sublayer's output normalized before the residual add).
- * Every step is per row, so a row's result does not depend on the others in the pass. */
+ * A layer whose MLP is a mixture of experts runs its attention half here (gate_up with no parts)
+ * and its experts in experts.c. Every step is per row, so a row's result does not depend on the
+ * others in the pass. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -71,9 +73,11 @@ int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, con
     const int64_t M = B * T, att = L->n_q * L->head_dim, D = L->wo.N;
     const int pre = L->attn_norm != 0, post = L->attn_post_norm != 0;
     float *qkv = malloc(sizeof(float) * (size_t)(M * L->qkv.N)), *q = malloc(sizeof(float) * (size_t)(M * att));
-    float *a = malloc(sizeof(float) * (size_t)(M * att)), *h = malloc(sizeof(float) * (size_t)(M * L->gate_up.N));
+    const int mlp = L->gate_up.nparts > 0;  /* none: the attention half alone (a mixture of experts follows) */
+    float *a = malloc(sizeof(float) * (size_t)(M * att));
+    float *h = mlp ? malloc(sizeof(float) * (size_t)(M * L->gate_up.N)) : 0;
     float *y = post ? malloc(sizeof(float) * (size_t)(M * D)) : 0;  /* a sublayer's output before its post-norm */
-    int status = qkv && q && a && h && (y || !post) ? 0 : -1;
+    int status = qkv && q && a && (h || !mlp) && (y || !post) ? 0 : -1;
     if (status == 0)
         status = linear(&L->qkv, x, 0, qkv, pre ? PRO_RMSNORM : PRO_NONE, L->attn_norm, L->eps, M, threads);
     if (status == 0) {
@@ -84,9 +88,9 @@ int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, con
                       : linear(&L->wo, a, x, x, PRO_NONE, 0, 0.0f, M, threads);  /* residual in place */
         if (status == 0 && post) add_normed(x, y, L->attn_post_norm, L->eps, M, D);
     }
-    if (status == 0)
+    if (status == 0 && mlp)
         status = linear(&L->gate_up, x, 0, h, pre ? PRO_RMSNORM : PRO_NONE, L->mlp_norm, L->eps, M, threads);
-    if (status == 0) {
+    if (status == 0 && mlp) {
         status = post ? linear(&L->down, h, 0, y, (int)L->glu, 0, 0.0f, M, threads)
                       : linear(&L->down, h, x, x, (int)L->glu, 0, 0.0f, M, threads);
         if (status == 0 && post) add_normed(x, y, L->mlp_post_norm, L->eps, M, D);

@@ -42,7 +42,8 @@ class FusedLayer:
     def of(linears: list[tuple[QuantizedWeight, torch.Tensor | None]], norms: dict[str, torch.Tensor | None],
            eps: float, n_q: int, n_kv: int, head_dim: int, gate: str = "silu",
            scale: float | None = None, softcap: float | None = None) -> "FusedLayer":
-        """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order; `norms`:
+        """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order (q|k|v and o
+        alone: the attention half, for a layer whose MLP is a mixture of experts); `norms`:
         the gains of NORMS a family has (None for the others). A QK-norm gain spans a head or the
         whole projection, as long as it is. `gate`: the MLP gate's activation (kernels.GATES); `scale`:
         the attention scores' (None: head_dim ** -0.5); `softcap`: theirs (None: none)."""
@@ -57,7 +58,7 @@ class FusedLayer:
             return _Linear(n, ctypes.addressof(types), ctypes.addressof(rows), ctypes.addressof(data), act8, w.shape[0],
                            w.shape[1], None if b is None else b.data_ptr())
 
-        qkv, wo, gate_up, down = (linear(w, b) for w, b in linears)
+        qkv, wo, gate_up, down = (*(linear(w, b) for w, b in linears), *(_Linear() for _ in range(4 - len(linears))))
         qk_len = [0 if gains[n] is None else gains[n].shape[0] for n in ("q_norm", "k_norm")]
         layer = _Layer(qkv, wo, gate_up, down, *(None if g is None else g.data_ptr() for g in gains.values()), eps,
                        head_dim ** -0.5 if scale is None else scale, n_q, n_kv, head_dim, *qk_len, GATES[gate],

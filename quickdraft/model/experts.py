@@ -6,9 +6,9 @@ weights renormalized where the family says), so the same experts win. A token's 
 the router and the experts run through kernels.linear, fed at most kernels.MAX_ROWS rows a call
 where float weights run the C kernel (each row the same bits at any row count; GGUF blocks are at
 any count), and a token's experts are summed in ascending expert index whichever other tokens share
-the pass. This is the torch loop over experts (one matmul pair per expert a pass chose); a C kernel
-running every expert of a pass in one call would take the same weights. Knows nothing of attention,
-caches or files.
+the pass. Over GGUF blocks on the CPU one C call a layer runs it all (kernels/experts.c, the same
+matmuls in the same order); elsewhere the torch loop below, one matmul pair per expert a pass chose.
+Knows nothing of attention, caches or files.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from quickdraft.kernels import MAX_ROWS, QuantizedWeight, linear, usable
+from quickdraft.kernels.experts import ExpertTable, experts_usable, run_experts
 from quickdraft.model.config import ModelConfig
 
 
@@ -36,6 +37,9 @@ class Experts(nn.Module):
         self.top_k, self.norm_topk = config.experts_per_token, config.norm_topk
         self.weights_float32 = config.expert_weights_float32
         self.gate = config.activation
+        # the experts packed for experts.c on first use ("fused", as a Block's layer.c packing: set to
+        # None where the weights change, weights/activations.py)
+        self.fused: ExpertTable | None = None
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [N, E] -> each token's experts' weights (float32) and indices, [N, k] each."""
@@ -50,6 +54,8 @@ class Experts(nn.Module):
         and each expert's first matmul (None: none). -> [..., D] the experts' weighted sum."""
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, chosen = self.route(_rows_linear(flat, self.router.weight, norm=norm))
+        if experts_usable(flat) and self._packed() is not None:
+            return run_experts(flat, norm, chosen, weights, self.fused, self.gate).view_as(x)
         out = torch.zeros_like(flat)
         # one host sync a layer: which experts the pass chose, in ascending order (each token's sum order)
         for e in torch.unique(chosen).tolist():
@@ -63,6 +69,14 @@ class Experts(nn.Module):
             # decode step on Qwen3-30B-A3B's shape); index_put_ does the same adds, rows being distinct
             out.index_put_((rows,), y, accumulate=True)
         return out.view_as(x)
+
+
+    def _packed(self) -> ExpertTable | None:
+        """The experts as experts.c reads them, packed once; None where they are not all GGUF blocks
+        the kernel runs (float weights take the torch loop)."""
+        if self.fused is None and isinstance(self.experts[0].w_down.weight, QuantizedWeight):
+            self.fused = ExpertTable.of([(e.w_gate_up.weight, e.w_down.weight) for e in self.experts])
+        return self.fused
 
 
 def _rows_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, **kwargs) -> torch.Tensor:

@@ -176,13 +176,15 @@ class Block(nn.Module):
         cos, sin = at.local if self.local_rope and at.local is not None else (at.cos, at.sin)
         linears = (self.wqkv, self.wo) + ((self.w_gate_up, self.w_down) if self.moe is None else ())
         eps = (self.attn_norm if self.pre else self.attn_post_norm).eps
-        # GGUF blocks on CPU: one C call (layer.c has no experts)
-        if self.moe is None and fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):
+        # GGUF blocks on CPU: one C call (with experts, layer.c the attention half and experts.c the rest:
+        # the families with experts have pre-norms only)
+        if (self.moe is None or not self.post) and fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
                                            self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
-            return run_layer(x, self.fused, cos, sin, at.positions, at.pages, *cache.pools(layer), visible, at.kv_len,
-                             at.rows)
+            x = run_layer(x, self.fused, cos, sin, at.positions, at.pages, *cache.pools(layer), visible, at.kv_len,
+                          at.rows)
+            return x if self.moe is None else x + self.moe(x, self.mlp_norm.fused)
         B, T, _ = x.shape
         hd, n_q = self.head_dim, self.n_heads
         qkv = linear(x, self.wqkv.weight, self.wqkv.bias, norm=self.attn_norm.fused if self.pre else None)

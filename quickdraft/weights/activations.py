@@ -109,7 +109,7 @@ def set_activation_bits(model: torch.nn.Module, bits: int) -> None:
         for name, value in list(vars(module).items()):
             if isinstance(value, QuantizedWeight):
                 setattr(module, name, swapped.setdefault(id(value), value.with_activations(bits)))
-        if "fused" in vars(module):  # a block's layer.c packing, which holds the bits it was made with
+        if "fused" in vars(module):  # a block's layer.c packing or a layer's experts' (experts.c): made with the bits
             module.fused = None
 
 
