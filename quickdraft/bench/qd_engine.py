@@ -24,8 +24,9 @@ class QuickdraftEngine:
         self.device = self.model.device
 
     @classmethod
-    def load(cls, name_or_path: str, device: str, dtype: torch.dtype, max_len: int) -> "QuickdraftEngine":
-        return cls(load_model(name_or_path, device=device, dtype=dtype), max_len)
+    def load(cls, name_or_path: str, device: str, dtype: torch.dtype, max_len: int,
+             activations: str | None = None) -> "QuickdraftEngine":
+        return cls(load_model(name_or_path, device=device, dtype=dtype, activations=activations), max_len)
 
     def stream_greedy(self, prompt: Sequence[int], n: int) -> Iterator[int]:
         params = SamplingParams(max_new_tokens=n, ignore_eos=True)

@@ -51,7 +51,7 @@ def _read_through(path: Path) -> None:
 
 def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n_prompts: int,
                             max_new_tokens: int, repeats: int, prefill_tokens: Sequence[int] = (512,), context: int = 256,
-                            max_q: int = 17, command: str = "") -> Comparison:
+                            max_q: int = 17, command: str = "", activations: str | None = None) -> Comparison:
     if not 1 <= n_prompts <= len(PROMPTS):
         raise QuickdraftError(f"--prompts must be 1..{len(PROMPTS)}, found {n_prompts}")
     lc = import_llama_cpp()  # before any slow load
@@ -65,7 +65,7 @@ def run_llamacpp_comparison(model: str, device: str, dtype: str, threads: int, n
     n_ctx = max(*prefill_tokens, context + max_q, PROMPT_ROOM + max_new_tokens)
     log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     engines, load_s = load_engines(
-        [("quickdraft", lambda: QuickdraftEngine.load(str(source.path), device, torch_dtype, n_ctx)),
+        [("quickdraft", lambda: QuickdraftEngine.load(str(source.path), device, torch_dtype, n_ctx, activations)),
          ("llama.cpp", lambda: LlamaCppEngine(source.path, threads, n_ctx, n_batch=max(512, *prefill_tokens)))],
         log=log)
     ours, theirs = engines

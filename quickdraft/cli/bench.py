@@ -51,9 +51,10 @@ def _bench_plain_llamacpp(args: argparse.Namespace) -> int:
     command = shlex.join(["quickdraft", "bench", "plain", "--compare-llamacpp", "-m", args.model, "--dtypes",
                           dtypes[0], "--threads", str(threads), "--prompts", str(args.prompts), "-n",
                           str(args.max_new_tokens), "--repeats", str(repeats), "--prefill-tokens",
-                          ",".join(map(str, prefill)), "--context", str(args.context), "--max-q", str(args.max_q)])
+                          ",".join(map(str, prefill)), "--context", str(args.context), "--max-q", str(args.max_q),
+                          *(["--activations", args.activations] if args.activations else [])])
     result = run_llamacpp_comparison(args.model, args.device, dtypes[0], threads, args.prompts, args.max_new_tokens,
-                                     repeats, prefill, args.context, args.max_q, command)
+                                     repeats, prefill, args.context, args.max_q, command, args.activations)
     if args.json:
         print(json.dumps(comparison_json(result), indent=1))
     else:
@@ -83,6 +84,9 @@ def add_bench_plain(bsub) -> None:
                      help="prompt lengths of the prefill measurement, comma-separated (default 512)")
     cmp.add_argument("--context", type=int, default=256, help="cached tokens before each t(q) pass (default 256)")
     cmp.add_argument("--max-q", type=int, default=17, help="t(q) for q = 1..max-q (default 17)")
+    cmp.add_argument("--activations", choices=list(ACTIVATIONS),
+                     help="quickdraft's activations for GGUF blocks (default: its own choice at load; llama.cpp "
+                          "rounds K-quants' to int8)")
     cmp.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     plain.set_defaults(func=cmd_bench_plain)
 
