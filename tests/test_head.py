@@ -203,7 +203,7 @@ class Fixed:
     group = EACH
 
     def __init__(self, draft: Draft) -> None:
-        self.draft, self.asked, self.committed = draft, 0, []
+        self.draft, self.asked, self.committed, self.verified = draft, 0, [], []
 
     def propose(self, k: int) -> Draft:
         self.asked += 1
@@ -211,6 +211,7 @@ class Fixed:
 
     def commit(self, step: Committed) -> None:
         self.committed.append(list(step.tokens))
+        self.verified.append(step.verified)
 
 
 @pytest.mark.parametrize("lookup, head, chosen, head_asked", [
@@ -229,6 +230,8 @@ def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
     assert heads.asked == head_asked
     hybrid.commit(Committed([7, 8], 1, 1, torch.zeros(2, 4)))
     assert ngram.committed == heads.committed == [[7, 8]]  # both follow every step
+    # only the chosen part's draft was verified: a head whose draft was not taken hears 0 (and rests)
+    assert (ngram.verified, heads.verified) == (([1], [0]) if chosen == "lookup" else ([0], [1]))
 
 
 @pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid", "tree"],

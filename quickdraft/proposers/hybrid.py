@@ -63,12 +63,14 @@ class HybridProposer:
         if self.source in self.offered:
             self.agreement.judge(self.offered[self.source], step.tokens)
         for source, part in ((LOOKUP, self.ngram), (self.source, self.drafter)):
-            # `drafted` counts a part's own drafts among the step's tokens, the last one (the target's)
-            # aside: for the part not chosen, those it offered that the step committed all the same
-            # (a draft model keeps their K/V)
-            drafted = step.drafted if source == self.chosen else \
-                common_prefix(self.offered.get(source, []), step.tokens[:-1])
-            part.commit(step if drafted == step.drafted else replace(step, drafted=drafted))
+            # for the part not chosen: `drafted`, those of its own draft's tokens the step committed all
+            # the same (a draft model keeps their K/V); `verified` 0, as none of its draft was (a head
+            # that ran for a draft not taken rests as for one the engine declined: head.Rest)
+            if source == self.chosen:
+                part.commit(step)
+            else:
+                part.commit(replace(step, drafted=common_prefix(self.offered.get(source, []), step.tokens[:-1]),
+                                    verified=0))
         self.offered, self.chosen = {}, None
 
     def propose(self, k: int) -> Draft:
