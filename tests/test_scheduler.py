@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from quickdraft.engine.policy import RowDraft, StepCost
+from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME
 from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Scheduler
 
@@ -114,3 +114,21 @@ def test_a_riding_chunk_is_charged_what_it_added_to_the_step() -> None:
     s = scheduler()
     assert s.ride_share(1, 0.025) == pytest.approx(0.015)
     assert s.ride_share(1, 0.005) == 0.0  # a pass timed faster than the estimate: nothing, never less
+
+
+# t(q) in ms for q = 1..17 of Qwen3-30B-A3B's shape (docs/notes/moe.md: 16 layers, Q4_K_M, Intel Xeon)
+MOE_CURVE = [62.0, 73.4, 83.4, 98.6, 100.0, 109.2, 117.6, 146.1, 169.5, 186.4, 196.4, 200.0, 206.2, 220.4,
+             234.9, 274.1, 304.3]
+
+
+def test_drafts_shrink_where_a_mixture_of_experts_makes_verification_dearer() -> None:
+    """A pass of q tokens reads up to q x top-k experts, so t(q)/t(1) rises faster than a dense
+    model's: priced from that measured curve, the policy verifies shorter drafts at the same
+    acceptance (and the same where drafts are short anyway)."""
+    def verified(curve: list[float], accept: float) -> int:
+        cost = StepCost()
+        cost.seed({q: t for q, t in enumerate(curve, 1)})
+        return choose_draft_lengths([RowDraft(16, [accept] * 16, False)], cost)[0]
+    dense = [1 + 0.9 * (q - 1) / 8 for q in range(1, 18)]  # t(9)/t(1) = 1.9, as the dense models on this CPU
+    assert verified(MOE_CURVE, 0.5) == verified(dense, 0.5) > 0
+    assert verified(MOE_CURVE, 0.9) < verified(dense, 0.9)
