@@ -207,6 +207,9 @@ def test_the_c_experts_are_the_torch_loops_experts_bit_for_bit(q8, monkeypatch):
     weights, chosen = moe.route(x @ moe.router.weight.T)
     assert not torch.equal(run_experts(x, norm, chosen, weights.flip(-1), moe.fused, moe.gate),
                            run_experts(x, norm, chosen, weights, moe.fused, moe.gate))
+    assert run_experts(x[:0], norm, chosen[:0], weights[:0], moe.fused, moe.gate).shape == (0, x.shape[-1])
+    with pytest.raises(ValueError, match="expert index outside"):
+        run_experts(x, norm, chosen + moe.fused.experts, weights, moe.fused, moe.gate)
 
 
 def test_q8_experts_are_batch_invariant_at_any_row_count_and_speculation_is_exact(q8):

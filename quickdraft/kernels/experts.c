@@ -43,6 +43,10 @@ static void add_weighted(float *o, const float *v, float w, int64_t K) {
 int qd_experts(const float *x, const float *g, float eps, int64_t M, int64_t K, int64_t F, int64_t k,
                const int64_t *chosen, const float *weights, int64_t E, const QDExpertMatrix *gate_up,
                const QDExpertMatrix *down, int act8, int glu, float *out, int threads) {
+    if (M == 0 || k == 0) {  /* nothing to run (malloc(0) may be NULL: not a lack of memory) */
+        memset(out, 0, sizeof(float) * (size_t)(M * K));
+        return 0;
+    }
     for (int64_t i = 0; i < M * k; i++)
         if (chosen[i] < 0 || chosen[i] >= E) return -2;
     /* a counting sort of the (row, slot) pairs by expert, rows ascending within each expert */
