@@ -19,7 +19,7 @@ import torch
 from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Tokenizer
-from quickdraft.proposers.head import WEIGHTS, DraftHead, head_config, load_head, on_target
+from quickdraft.proposers.head import WEIGHTS, DraftHead, as_target_runs, head_config, load_head, on_target
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train.data import HELD_OUT_FROM, first_turn_prompts, iter_sharegpt, sharegpt_path
 from quickdraft.train.features import prefill
@@ -47,14 +47,15 @@ def held_out_prompts(tokenizer: Tokenizer, n: int, max_prompt_len: int = 256) ->
 
 def head_from(path: Path, target: Transformer) -> tuple[DraftHead, int | None]:
     """The head in `path` (head.safetensors, checked against the target) or, without one, the head
-    of the training checkpoint there; and its training steps where recorded."""
+    of the training checkpoint there, either as it runs (load_head: Q8_0 blocks over a GGUF target);
+    and its training steps where recorded."""
     if (path / WEIGHTS).is_file() or not (path / CHECKPOINT).is_file():
         head = load_head(path, target)
         return head, None
     state = torch.load(path / CHECKPOINT, map_location=target.device, weights_only=False)
     head = DraftHead(head_config(target.config), state["head"]["vocab"])
     head.load_state_dict(state["head"])
-    return on_target(head, target).requires_grad_(False).eval(), state["step"]
+    return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target), state["step"]
 
 
 @torch.inference_mode()
@@ -72,8 +73,7 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
     positions = torch.arange(n - 1, device=target.device)[None]
     predicted = head(features[None, :-1], embeds, positions, head.new_cache(n - 1, target.device,
                                                                             target.compute_dtype))[0]
-    lm_weight = target.lm_head.weight[head.vocab].to(target.compute_dtype)      # [Vd, D]
-    logits = linear(predicted, lm_weight, norm=target.norm.fused)                # [n-1, Vd]
+    logits = linear(predicted, head.output_rows(target), norm=target.norm.fused)  # [n-1, Vd], as drafting reads them
     drafted = head.vocab[logits.argmax(-1)]                                      # [n-1] token ids
     counted = range(len(prompt) - 1, n - 1)                                      # pairs predicting answer tokens
     agree = sum(int(drafted[t]) == tokens[t + 2] for t in counted)
