@@ -208,6 +208,9 @@ def test_the_c_experts_are_the_torch_loops_experts_bit_for_bit(q8, monkeypatch):
     assert not torch.equal(run_experts(x, norm, chosen, weights.flip(-1), moe.fused, moe.gate),
                            run_experts(x, norm, chosen, weights, moe.fused, moe.gate))
     assert run_experts(x[:0], norm, chosen[:0], weights[:0], moe.fused, moe.gate).shape == (0, x.shape[-1])
+    many = chosen[:, :1].expand(1, 3 * chosen.shape[1]).contiguous()  # one expert 3k times (no router does)
+    twice = run_experts(x, norm, many, torch.full(many.shape, 1.0 / many.shape[1]), moe.fused, moe.gate)
+    assert torch.allclose(twice, run_experts(x, norm, chosen[:, :1], torch.ones(1, 1), moe.fused, moe.gate), atol=1e-6)
     with pytest.raises(ValueError, match="expert index outside"):
         run_experts(x, norm, chosen + moe.fused.experts, weights, moe.fused, moe.gate)
 

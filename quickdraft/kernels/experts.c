@@ -31,7 +31,11 @@ static int expert_matmul(const QDExpertMatrix *w, int64_t e, const float *x, flo
 
 /* o += v * w, the product rounded before the sum as torch's y * w then index_put_ (model/experts.py):
  * a contracted fused multiply-add would round once, and the two paths would differ in the last bit. */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#else
 __attribute__((optimize("fp-contract=off")))
+#endif
 static void add_weighted(float *o, const float *v, float w, int64_t K) {
     for (int64_t d = 0; d < K; d++) o[d] += v[d] * w;
 }
@@ -51,11 +55,15 @@ int qd_experts(const float *x, const float *g, float eps, int64_t M, int64_t K, 
         if (chosen[i] < 0 || chosen[i] >= E) return -2;
     /* a counting sort of the (row, slot) pairs by expert, rows ascending within each expert */
     int64_t *start = calloc((size_t)E + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)(M * k));
-    float *xe = malloc(sizeof(float) * (size_t)(M * K)), *h = malloc(sizeof(float) * (size_t)(M * 2 * F));
-    float *y = malloc(sizeof(float) * (size_t)(M * K));
+    int64_t most = 0;  /* an expert's rows: M from a router (distinct experts a row), up to M k from a caller */
+    if (start && order) {
+        for (int64_t i = 0; i < M * k; i++) start[chosen[i] + 1]++;
+        for (int64_t e = 1; e <= E; e++) most = start[e] > most ? start[e] : most;
+    }
+    float *xe = malloc(sizeof(float) * (size_t)(most * K)), *h = malloc(sizeof(float) * (size_t)(most * 2 * F));
+    float *y = malloc(sizeof(float) * (size_t)(most * K));
     int status = (!start || !order || !xe || !h || !y) ? -1 : 0;
     if (status == 0) {
-        for (int64_t i = 0; i < M * k; i++) start[chosen[i] + 1]++;
         for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
         for (int64_t i = 0; i < M * k; i++) order[start[chosen[i]]++] = i;
         for (int64_t e = E; e > 0; e--) start[e] = start[e - 1];  /* back to each expert's first */

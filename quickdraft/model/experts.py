@@ -54,8 +54,9 @@ class Experts(nn.Module):
         and each expert's first matmul (None: none). -> [..., D] the experts' weighted sum."""
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, chosen = self.route(_rows_linear(flat, self.router.weight, norm=norm))
-        if experts_usable(flat) and self._packed() is not None:
-            return run_experts(flat, norm, chosen, weights, self.fused, self.gate).view_as(x)
+        table = self._packed() if experts_usable(flat) else None
+        if table is not None:  # (the table itself: another thread may reset `fused` meanwhile)
+            return run_experts(flat, norm, chosen, weights, table, self.gate).view_as(x)
         out = torch.zeros_like(flat)
         # one host sync a layer: which experts the pass chose, in ascending order (each token's sum order)
         for e in torch.unique(chosen).tolist():

@@ -42,6 +42,7 @@ from quickdraft.proposers.growing_tree import GrowingTree
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams, probabilities
+from quickdraft.weights.quantize import GROUP as QUANT_GROUP
 from quickdraft.weights.quantize import as_blocks
 
 HEAD_FORMAT = "quickdraft-head-v1"
@@ -78,16 +79,20 @@ class DraftHead(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
         self.rope = RotaryTable()
         self.register_buffer("vocab", torch.arange(config.vocab_size) if vocab is None else vocab.long())
-        self._output: tuple[Transformer, torch.Tensor | QuantizedWeight] | None = None
+        self._output: tuple[object, torch.Tensor | QuantizedWeight] | None = None  # (the target's head, its rows)
 
     def output_rows(self, target: Transformer) -> torch.Tensor | QuantizedWeight:
         """The target's LM-head rows of the draft vocabulary [Vd, D], held as the target holds its
         head (GGUF blocks stay blocks: dequantized float32 rows are ~6x the bytes a draft token
-        reads); made once per head and target, not per request (dequantizing took ~35 ms)."""
-        if self._output is None or self._output[0] is not target:
-            weight = target.lm_head.weight
-            rows = weight.take(self.vocab) if isinstance(weight, QuantizedWeight) else weight[self.vocab].contiguous()
-            self._output = (target, rows)
+        reads); made once per head and target weight, not per request (dequantizing took ~35 ms);
+        the target's own head where the draft vocabulary is the whole one."""
+        weight = target.lm_head.weight
+        if self._output is None or self._output[0] is not weight:
+            whole = len(self.vocab) == weight.shape[0] and \
+                bool((self.vocab == torch.arange(len(self.vocab), device=self.vocab.device)).all())
+            rows = weight if whole else \
+                weight.take(self.vocab) if isinstance(weight, QuantizedWeight) else weight[self.vocab].contiguous()
+            self._output = (weight, rows)
         return self._output[1]
 
     def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype, batch_size: int = 1) -> KVCache:
@@ -175,9 +180,10 @@ def as_target_runs(head: DraftHead, target: Transformer) -> DraftHead:
     made SmolLM2's head forward cost ~18% of a target step (2.3 ms of 12.5, Intel Xeon, 2 threads),
     four times its blocks' bytes. Exactness does not depend on it: the target verifies every draft
     (and a sampled draft carries the q it was drawn from)."""
-    if not target.quantized:
-        return head
-    for owner in (head.fc, head.block.wqkv, head.block.wo, head.block.w_gate_up, head.block.w_down):
+    matrices = (head.fc, head.block.wqkv, head.block.wo, head.block.w_gate_up, head.block.w_down)
+    if not target.quantized or any(m.weight.shape[1] % QUANT_GROUP for m in matrices):
+        return head  # (rows that are not whole Q8_0 blocks stay float: a head for an odd-sized target)
+    for owner in matrices:
         blocks = as_blocks(owner.weight, HEAD_BLOCKS)
         del owner.weight  # a plain attribute now, as the target's own blocks (model/build.py)
         owner.weight = blocks

@@ -70,8 +70,8 @@ def bounded(tokenizer: Tokenizer, text: str, add_special_tokens: bool, context: 
         chars *= 2
 
 
-def given(ids: Sequence[int], vocab_size: int) -> list[int]:
-    """A prompt given as token ids, each one checked to be in the vocabulary."""
+def given(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:
+    """A prompt given as token ids, each one checked to be in the vocabulary; a refusal names `param`."""
     try:
         ids = [operator.index(t) for t in ids]  # integers of any kind (numpy's too), never floats
     except TypeError:
@@ -79,4 +79,4 @@ def given(ids: Sequence[int], vocab_size: int) -> list[int]:
     else:
         if all(0 <= t < vocab_size for t in ids):
             return ids
-    raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", "prompt")
+    raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", param)

@@ -154,7 +154,7 @@ def given_ids(served: Served, ids: list[int], budget: Budget, http: HTTPRequest,
     """A prompt given as token ids: it fits, each is in the vocabulary; then n places in the queue."""
     fits(served, len(ids), budget, param)
     check_request_tokens(served, budget, n)
-    ids = given(ids, served.llm.model.config.vocab_size)
+    ids = given(ids, served.llm.model.config.vocab_size, param)
     http.scope[ADMIT](n)
     return ids
 
