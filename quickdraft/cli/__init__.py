@@ -14,13 +14,13 @@ from quickdraft.cli.bench import (
     add_bench_head,
     add_bench_plain,
     add_bench_quality,
-    add_bench_random_gguf,
     add_bench_serve,
     add_bench_specbench,
 )
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.multiturn import add_bench_multiturn
+from quickdraft.cli.random_gguf import add_bench_random_gguf
 from quickdraft.cli.serve import add_serve
 from quickdraft.cli.soak import add_bench_soak
 from quickdraft.cli.stall import add_bench_stall
