@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from quickdraft.model.families import FAMILIES, gguf_family
-from quickdraft.weights.names import gguf_name_for_hf
+from quickdraft.weights.names import gguf_name_for_hf, unstack_experts
 from tiny_models import checkpoint_tensors
 
 
@@ -74,7 +74,7 @@ def write_rope_scaling(writer: gguf.GGUFWriter, cfg, arch: str) -> dict[str, np.
         for key, add in (("attention_factor", writer.add_rope_scaling_yarn_attn_factor),
                          ("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
                          ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
-            if rope.get(key) is not None:
+            if rope.get(key) is not None and arch != "gpt-oss":  # (gpt_oss.py writes the factor and context only)
                 add(rope[key])
     tensors = {}
     if kind == "llama3":
@@ -106,8 +106,9 @@ def _stacked_experts(sd: dict) -> dict[str, np.ndarray]:
 
 def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: str | None = None,
                metadata: Callable[[gguf.GGUFWriter], None] | None = None,
-               window: int | None = None) -> dict[str, np.ndarray]:
-    """Write `hf` as llama.cpp would; matrices (but routers) quantized to `qtype` when given, 1-D kept F32.
+               window: int | None = None, expert_qtype: GGMLQuantizationType | None = None) -> dict[str, np.ndarray]:
+    """Write `hf` as llama.cpp would; matrices (but routers) quantized to `qtype` when given, 1-D kept F32;
+    the experts' matrices to `expert_qtype` (default: qtype; gpt-oss's files: MXFP4).
     `arch` overrides general.architecture (to write unsupported ones); `metadata` adds more keys
     (a tokenizer); `window` writes `attention.sliding_window` (llama.cpp's Phi-3 converter does; for
     Mistral, which it writes as "llama" without it, the file is then the windowed model). Returns what was stored per GGUF name (quantized bytes where quantized)."""
@@ -117,6 +118,7 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     names = gguf_family(arch, family.moe) if (arch, family.moe) in {(f.gguf_arch, f.moe) for f in FAMILIES.values()} \
         else family
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    window = window or (cfg.sliding_window if arch == "gpt-oss" else None)  # gpt_oss.py writes it always
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -142,8 +144,9 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
     if window:
         writer.add_sliding_window(window)
         types = getattr(cfg, "layer_types", None)
-        if types and "full_attention" in types and not arch.startswith("gemma"):  # as the converter writes OLMo 3's
-            # (Gemma's writes none: llama.cpp takes every 2nd (Gemma 2) or 6th (Gemma 3) layer as full)
+        if types and "full_attention" in types and not arch.startswith(("gemma", "gpt-oss")):  # as the converter
+            # writes OLMo 3's (Gemma's and gpt-oss's write none: llama.cpp takes every 2nd (Gemma 2, gpt-oss) or
+            # 6th (Gemma 3) layer as full)
             writer.add_sliding_window_pattern([t == "sliding_attention" for t in types])
     if metadata is not None:
         metadata(writer)
@@ -155,7 +158,7 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
         GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
 
     stored: dict[str, np.ndarray] = {}
-    sd = checkpoint_tensors(hf)
+    sd = unstack_experts(checkpoint_tensors(hf), family)  # (gpt-oss: gate and up apart, as gpt_oss.py writes them)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)  # tied checkpoints have no output.weight
     for name, w in _stacked_experts(sd).items():
@@ -166,9 +169,11 @@ def write_gguf(hf, path: Path, qtype: GGMLQuantizationType | None = None, arch: 
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if qtype is not None and w.ndim >= 2 and not gguf_name.endswith("ffn_gate_inp.weight"):  # routers stay F32
-            data = quantize(w, qtype)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        to = expert_qtype if expert_qtype and "{e}" in name else qtype
+        if to is not None and w.ndim >= 2 and not gguf_name.endswith(("ffn_gate_inp.weight", ".bias")):
+            # (routers and biases stay F32)
+            data = quantize(w, to)
+            writer.add_tensor(gguf_name, data, raw_dtype=to)
         else:
             data = np.ascontiguousarray(w, dtype=np.float32)
             writer.add_tensor(gguf_name, data)

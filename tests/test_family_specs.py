@@ -45,7 +45,7 @@ CHANGED = dict(attention_bias=True, mlp_bias=True, head_dim=32, hidden_act="relu
                architectures=["LlamaForTokenClassification"], hidden_activation="gelu", query_pre_attn_scalar=64,
                final_logit_softcapping=20.0, attn_logit_softcapping=40.0, use_bidirectional_attention=True,
                num_experts=16, num_local_experts=16, num_experts_per_tok=1, moe_intermediate_size=48,
-               norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[0])
+               norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[0], swiglu_alpha=1.5, swiglu_limit=6.0)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -106,7 +106,7 @@ def test_every_family_row_names_each_part_once_and_both_ways():
     architectures are those llama.cpp's converter writes for them."""
     from quickdraft.weights.names import gguf_name_for_hf, hf_name_for_gguf
     assert {f.gguf_arch for f in FAMILIES.values()} == {None, "llama", "qwen2", "qwen3", "olmo2", "phi3", "gemma2",
-                                                        "gemma3", "qwen3moe"}
+                                                        "gemma3", "qwen3moe", "gpt-oss"}
     for family in FAMILIES.values():
         for role, (hf, gguf) in family.names.items():
             hf0, gguf0 = hf.replace("{i}", "3"), gguf.replace("{i}", "3")

@@ -1,6 +1,8 @@
 """Mixtures of experts (issue 48): Qwen3-MoE (8 experts, top-2, QK-norm, top-k weights renormalized
-or not) and Mixtral (4 experts, top-2; GGUF architecture "llama" with stacked expert tensors), each a
-row of model/families.py, the experts run by model/experts.py.
+or not), Mixtral (4 experts, top-2; GGUF architecture "llama" with stacked expert tensors) and
+gpt-oss (4 biased experts with its clamped SwiGLU, top-2 of the logits softmaxed, attention sinks,
+alternating sliding and full layers, unrounded YaRN), each a row of model/families.py, the experts
+run by model/experts.py.
 
 Oracles: transformers' own router on the same logits (weights bitwise, same experts), its logits
 and its 16 greedy tokens on the same tiny random weights, from safetensors and from a float GGUF
@@ -44,7 +46,15 @@ from support.laws import (
 )
 from support.models import V16
 from test_model_families import run_engine
-from tiny_models import BASE, MOE_CONFIGS, checkpoint_tensors, hf_model, ours_from_hf, transformers_greedy
+from tiny_models import (
+    BASE,
+    MOE_CONFIGS,
+    checkpoint_tensors,
+    hf_model,
+    mxfp4_experts,
+    ours_from_hf,
+    transformers_greedy,
+)
 from tiny_tokenizer import assert_plain_and_speculative, both_formats, tiny_model, write_llama_gguf
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
@@ -70,13 +80,14 @@ def test_routing_is_transformers_own(name):
     float32 over every expert, top-k, renormalized where the config says (Mixtral always)."""
     hf = hf_model(name)
     ours = ours_from_hf(hf)
-    router, experts = hf.model.layers[0].mlp.gate, ours.blocks[0].moe
+    mlp = hf.model.layers[0].mlp
+    router, experts = getattr(mlp, "router", None) or mlp.gate, ours.blocks[0].moe
     h = torch.randn(50, BASE["hidden_size"], generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         router_logits, their_weights, their_experts = router(h)
     weights, chosen = experts.route(router_logits)
     assert torch.equal(chosen, their_experts) and torch.equal(weights.to(their_weights.dtype), their_weights)
-    normalized = MOE_CONFIGS[name]["model_type"] == "mixtral" or MOE_CONFIGS[name]["norm_topk_prob"]
+    normalized = MOE_CONFIGS[name]["model_type"] in ("mixtral", "gpt_oss") or MOE_CONFIGS[name]["norm_topk_prob"]
     assert torch.allclose(weights.sum(-1), torch.ones(50)) == normalized
 
 
@@ -89,8 +100,8 @@ def test_logits_equal_transformers(name):
     assert ours.config.num_experts == MOE_CONFIGS[name].get("num_experts", MOE_CONFIGS[name].get("num_local_experts"))
     tokens = random_tokens(2, 40)
     chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, args, out: chosen.append(out[2]))
-             for layer in hf.model.layers]
+    hooks = [(getattr(layer.mlp, "router", None) or layer.mlp.gate).register_forward_hook(
+        lambda m, args, out: chosen.append(out[2])) for layer in hf.model.layers]
     with torch.no_grad():
         ref = hf(tokens).logits
     for hook in hooks:
@@ -113,9 +124,28 @@ def test_renormalizing_the_top_k_weights_shows_in_the_logits():
     assert (normalized - unnormalized).abs().max() > 100 * 1e-4  # far past the tolerance
 
 
+@pytest.mark.parametrize("change", ["no sinks", "silu experts", "softmax before the top k"])
+def test_gpt_oss_sinks_clamped_experts_and_routing_each_show_in_the_logits(change):
+    """The negative controls of gpt-oss's parity: each of its own pieces, replaced by the other
+    families' (no sinks, plain SwiGLU, Qwen's routing order), moves the logits far past the tolerance."""
+    hf = hf_model("gptoss", initializer_range=0.2)
+    tokens = random_tokens(2, 40)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    ours = ours_from_hf(hf)
+    for block in ours.blocks:
+        if change == "no sinks":
+            block.sinks, block.fused = None, None
+        elif change == "silu experts":
+            block.moe.gate, block.moe.fused = "silu", None
+        else:
+            block.moe.topk_first = False
+    assert (logits(ours, tokens) - ref).abs().max() > 1000 * 1e-4
+
+
 # -- greedy tokens from both formats, plain and speculative -------------------------------------------
 
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "gptoss"])
 def files(request, tmp_path_factory) -> tuple[str, Path, Path]:
     """A family's tiny model as a safetensors directory and as a float32 GGUF."""
     name = request.param
@@ -161,7 +191,7 @@ def test_the_engines_batch_gives_each_request_transformers_tokens(files, expecte
 
 # -- batch invariance; expert blocks kept as stored ---------------------------------------------------
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral", "gptoss"])
 def test_a_row_alone_is_bitwise_the_same_row_in_a_batch_of_3(name):
     """3 x 20 rows (float weights: the C kernel's up to 64 rows a pass); the rows route to different
     experts, so each expert's matmul sees another set of rows in the batch than alone."""
@@ -172,10 +202,27 @@ def test_a_row_alone_is_bitwise_the_same_row_in_a_batch_of_3(name):
         assert torch.equal(logits(ours, tokens[i:i + 1])[0], batch[i]), i
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "gptoss", "gptoss-mxfp4"])
 def q8(request, tmp_path_factory) -> Path:
-    return write_llama_gguf(tiny_model(request.param), tmp_path_factory.mktemp("q8") / "model.gguf",
-                            qtype=GGMLQuantizationType.Q8_0)
+    """Q8_0 matrices (gpt-oss-mxfp4: its experts in MXFP4, as gpt-oss's files hold them)."""
+    name, _, experts = request.param.partition("-")
+    return write_llama_gguf(tiny_model(name), tmp_path_factory.mktemp("q8") / "model.gguf",
+                            qtype=GGMLQuantizationType.Q8_0,
+                            expert_qtype=GGMLQuantizationType.MXFP4 if experts else None)
+
+
+def test_mxfp4_experts_run_as_stored_and_give_transformers_tokens(tmp_path):
+    """gpt-oss whose experts hold MXFP4 values (transformers runs the same numbers as floats), written
+    as its GGUFs are (MXFP4 experts): the experts stay MXFP4 blocks, and the greedy tokens are
+    transformers', plain and speculative."""
+    hf = mxfp4_experts(tiny_model("gptoss"))
+    path = write_llama_gguf(hf, tmp_path / "model.gguf", expert_qtype=GGMLQuantizationType.MXFP4)
+    llm = quickdraft.load(path)
+    weight = llm.model.blocks[1].moe.experts[3].w_down.weight
+    assert isinstance(weight, QuantizedWeight) and weight.parts[0].qtype == GGMLQuantizationType.MXFP4
+    assert "MXFP4" in llm.model.weight_format
+    expected = transformers_greedy(hf, llm.tokenizer.encode(PROMPT), N)
+    assert_plain_and_speculative(llm, path, PROMPT, N, expected)
 
 
 def test_q8_experts_run_as_stored_close_to_their_dequantized_model(q8):
@@ -278,7 +325,7 @@ def config_of(name: str, **changes) -> dict:
     (config_of("qwen3moe", mlp_only_layers=[0]), r"mlp_only_layers \[0\]"),
     (config_of("qwen3moe", num_local_experts=0), r"num_experts 0"),
     ({**BASE, "model_type": "qwen2_moe"}, r"'qwen2_moe' \(a mixture of experts with a shared expert\)"),
-    ({**BASE, "model_type": "gpt_oss"}, r"'gpt_oss' \(a mixture of experts with biased, clamped"),
+    (config_of("gptoss", swiglu_limit=8.0), r"swiglu_limit 8.0 is not supported; expected 7.0"),
 ])
 def test_what_the_experts_do_not_implement_is_refused_by_name(config, message):
     with pytest.raises(UnsupportedArchitecture, match=message):
@@ -315,7 +362,7 @@ def qwen_moe_meta(tmp_path_factory) -> tuple[dict, set[str]]:
     ({"qwen3moe.expert_count": 0}, UnsupportedArchitecture, r"'qwen3moe' without experts"),
     ({"general.architecture": "qwen3"}, UnsupportedArchitecture, r"'qwen3' with experts \(a mixture of experts\)"),
     ({"general.architecture": "qwen2moe"}, UnsupportedArchitecture, r"'qwen2moe' \(a mixture of experts with a shared"),
-    ({"general.architecture": "gpt-oss"}, UnsupportedArchitecture, r"'gpt-oss' \(a mixture of experts with biased"),
+    ({"general.architecture": "deepseek2"}, UnsupportedArchitecture, r"'deepseek2' \(shared experts, grouped"),
     ({"qwen3moe.expert_used_count": 9}, ModelLoadError, r"8 experts need 1 to 8 experts per token"),
 ])
 def test_gguf_expert_settings_that_change_the_math_are_refused_by_name(qwen_moe_meta, changes, error, message):

@@ -95,7 +95,14 @@ def test_each_row_is_bitwise_the_same_for_any_row_count(qtype, bits):
 
 
 GATES = {"swiglu": (True, F.silu), "geglu_tanh": ("gelu_tanh", lambda g: F.gelu(g, approximate="tanh")),
-         "geglu_erf": ("gelu", F.gelu)}
+         "geglu_erf": ("gelu", F.gelu), "swiglu_oai": ("swiglu_oai", None)}
+
+
+def oai_reference(x: torch.Tensor) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate of [gate | up] (taken apart, not interleaved)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
 
 
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", *GATES])
@@ -103,7 +110,7 @@ def test_fused_prologue_bias_and_residual(prologue):
     w = weight(Q.Q4_K, N=40)
     N, K = w.shape
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 2 * K if prologue in GATES else K, generator=g)
+    x = torch.randn(7, 2 * K if prologue in GATES else K, generator=g) * (6 if prologue == "swiglu_oai" else 1)
     bias, residual = torch.randn(N, generator=g), torch.randn(7, N, generator=g)
     norm = (torch.rand(K, generator=g) + 0.5, 1e-5) if prologue == "rmsnorm" else None
     gate, act = GATES.get(prologue, (False, None))
@@ -112,6 +119,9 @@ def test_fused_prologue_bias_and_residual(prologue):
     h = x
     if norm is not None:
         h = norm[0] * F.rms_norm(x, (K,), eps=norm[1])
+    elif prologue == "swiglu_oai":  # (x spread so that the clamps bite)
+        assert (x.abs() > 7).float().mean() > 0.2
+        h = oai_reference(x)
     elif act is not None:
         h = act(x[:, :K]) * x[:, K:]
     ref = residual + h @ w.dequantize().T + bias
@@ -309,6 +319,34 @@ def test_soft_capped_scores_equal_transformers_eager_attention_and_stay_batch_in
     t = T - 1
     alone = attend(qkv[:, t:], cos[:, :, t:], sin[:, :, t:], positions[:, t:], k_pass, v_pass, None,
                                    kv_len, 4, 2, scale=scale, softcap=cap)  # the last token, decoded after the others
+    assert torch.equal(alone[:, 0], out[:, t])
+
+
+@pytest.mark.parametrize("D, ctx", ATTENTION_SHAPES)
+def test_sinks_equal_transformers_eager_attention_and_stay_batch_invariant(D, ctx):
+    """gpt-oss's sinks: a logit per query head joins each softmax as one more column, dropped after it
+    (transformers' eager attention); a query's output alone equals its output among the others."""
+    qkv, cos, sin, positions, k_cache, v_cache = attention_case(D=D, ctx=ctx)
+    _, ref_k, ref_v = torch_reference(qkv, cos, sin, positions, k_cache, v_cache)
+    B, T, _ = qkv.shape
+    kv_len = int(positions.max()) + 1
+    mask = (torch.arange(kv_len) <= positions[..., None]).contiguous()
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 30.0])  # the last one takes nearly all the mass
+    k_pass, v_pass = k_cache.clone(), v_cache.clone()
+    out = attend(qkv, cos, sin, positions, k_pass, v_pass, mask, kv_len, 4, 2, sinks=sinks)
+    from quickdraft.model.rope import apply_rope
+    q = apply_rope(qkv.view(B, T, 8, D).transpose(1, 2)[:, :4], cos, sin)
+    scores = q @ ref_k[:, :, :kv_len].repeat_interleave(2, dim=1).transpose(2, 3) * D ** -0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    combined = torch.cat((scores, sinks.view(1, 4, 1, 1).expand(B, 4, T, 1)), -1)
+    probs = (combined - combined.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
+    ref = (probs @ ref_v[:, :, :kv_len].repeat_interleave(2, dim=1)).transpose(1, 2).reshape(B, T, 4 * D)
+    assert torch.allclose(out, ref, atol=1e-5)
+    without = attend(qkv, cos, sin, positions, k_cache.clone(), v_cache.clone(), mask, kv_len, 4, 2)
+    assert not torch.allclose(without, ref, atol=1e-3)  # the premise: the sinks change the result
+    t = T - 1
+    alone = attend(qkv[:, t:], cos[:, :, t:], sin[:, :, t:], positions[:, t:], k_pass, v_pass, None, kv_len, 4, 2,
+                   sinks=sinks)  # the last token, decoded after the others
     assert torch.equal(alone[:, 0], out[:, t])
 
 

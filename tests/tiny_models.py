@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -18,6 +18,7 @@ from quickdraft.model.build import build_transformer
 from quickdraft.model.config import ModelConfig
 from quickdraft.model.llama import Transformer
 from quickdraft.weights.activations import with_activation_bits
+from quickdraft.weights.names import unstack_experts
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -77,6 +78,12 @@ MOE_CONFIGS = {
     "qwen3moe-unnormalized": dict(model_type="qwen3_moe", head_dim=16, num_experts=8, num_experts_per_tok=2,
                                   moe_intermediate_size=32, norm_topk_prob=False, attention_bias=True),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    # gpt-oss: layer 0 sliding (window 6), layer 1 full; YaRN over an original context of 16 (unrounded
+    # ramp); sinks, the router's and experts' biases random (below)
+    "gptoss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                   sliding_window=6, rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                                          truncate=False, original_max_position_embeddings=16,
+                                                          rope_theta=10000.0)),
 }
 # the families other than Llama and Qwen2, built through transformers' Auto classes
 NEW_FAMILIES = [name for name, cfg in CONFIGS.items()
@@ -95,9 +102,9 @@ def hf_model(name: str, seed: int = 0, **overrides) -> torch.nn.Module:
                     proj.bias.normal_(0, 0.5)
     elif model_type != "llama":
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg))
-        with torch.no_grad():  # attention_bias: random, as for Llama's
+        with torch.no_grad():  # attention_bias (gpt-oss: every bias, and its sinks): random, as for Llama's
             for n, p in model.named_parameters():
-                if n.endswith(".bias"):
+                if n.endswith((".bias", "_bias", "sinks")):
                     p.normal_(0, 0.5)
     else:
         model = LlamaForCausalLM(LlamaConfig(**cfg))
@@ -132,6 +139,18 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return dict(load_file(f"{tmp}/model.safetensors"))
+
+
+def mxfp4_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """gpt-oss's expert matrices replaced by their MXFP4 values (gguf's quantization, blocks of 32
+    along each matrix's input), in place: transformers then runs the numbers an MXFP4 file stores."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for w in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):  # x @ W: [E, in, out]
+                rows = w.transpose(1, 2).float().numpy()
+                values = dequantize(quantize(rows, GGMLQuantizationType.MXFP4), GGMLQuantizationType.MXFP4)
+                w.copy_(torch.from_numpy(values.reshape(rows.shape)).transpose(1, 2))
+    return model
 
 
 def save_hf_dir(model: torch.nn.Module, path: Path) -> Path:
@@ -185,7 +204,7 @@ def ours_from_hf(model: torch.nn.Module, dtype: torch.dtype = torch.float32,
     """Our model of the same weights; with `qtype`, its matrices held as those GGUF blocks,
     multiplying activations rounded to `activation_bits`."""
     config = ModelConfig.from_hf(model.config.to_dict())
-    tensors = checkpoint_tensors(model)
+    tensors = unstack_experts(checkpoint_tensors(model), config.family)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the embeddings again, as save_hf_dir leaves it out
     if qtype is not None:

@@ -104,13 +104,13 @@ def tiny_llm_dir(path: Path, name: str = "llama-gqa-untied", seed: int = 0, **ov
 
 
 def write_llama_gguf(model: torch.nn.Module, path: Path, arch: str | None = None, tokenizer: bool = True,
-                     qtype=None, window: int | None = None) -> Path:
+                     qtype=None, window: int | None = None, expert_qtype=None) -> Path:
     """A GGUF (float32, or `qtype` blocks) of a tiny HF model with (by default) the tiny tokenizer in
     its metadata; `arch`: the family's (Mistral: "llama") unless given."""
     from gguf_writer import write_gguf
 
     vocab_size = model.config.vocab_size
-    write_gguf(model, path, arch=arch, qtype=qtype, window=window,
+    write_gguf(model, path, arch=arch, qtype=qtype, window=window, expert_qtype=expert_qtype,
                metadata=(lambda w: _add_tokenizer(w, vocab_size)) if tokenizer else None)
     return path
 

@@ -57,8 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
            norm: tuple[torch.Tensor, float] | None = None, swiglu: bool | str = False,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + h @ weight.T + bias, where h = x, norm_weight * RMSNorm(x) (norm = (weight, eps)),
-    or act(gate) * up for x = [..., gate | up] (swiglu: True or "silu", "gelu_tanh" or "gelu": the
-    gate's activation). x: [..., K or 2K] -> [..., N] in x's dtype."""
+    or act(gate) * up for x = [..., gate | up] (swiglu: True or "silu", or another of GATES: the
+    gate's activation, `gated`). x: [..., K or 2K] -> [..., N] in x's dtype."""
     assert not (norm is not None and swiglu)
     swiglu = "silu" if swiglu is True else swiglu
     assert not swiglu or swiglu in GATES, swiglu
@@ -71,6 +71,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     return _linear_torch(x, weight, bias, norm, swiglu, residual)
 
 
+def gated(x: torch.Tensor, gate: str) -> torch.Tensor:
+    """act(gate) * up of x = [..., gate | up] for a gate of GATES, as transformers computes it (gpt-oss's
+    "swiglu_oai": (clamp(up, -7, 7) + 1) * g sigmoid(1.702 g), g = min(gate, 7))."""
+    g, up = x.chunk(2, dim=-1)
+    if gate == "swiglu_oai":
+        g, up = g.clamp(max=7.0), up.clamp(-7.0, 7.0)
+        return (up + 1) * (g * torch.sigmoid(g * 1.702))
+    act = F.silu(g) if gate == "silu" else F.gelu(g, approximate="tanh" if gate == "gelu_tanh" else "none")
+    return act * up
+
+
 def _linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   norm: tuple[torch.Tensor, float] | None, swiglu: bool | str,
                   residual: torch.Tensor | None) -> torch.Tensor:
@@ -78,9 +89,7 @@ def _linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if norm is not None:
         h = norm[0] * F.rms_norm(h, (h.shape[-1],), eps=norm[1])
     if swiglu:
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) if swiglu in (True, "silu") else F.gelu(gate, approximate="tanh" if swiglu == "gelu_tanh" else "none")
-        h = act * up
+        h = gated(h, swiglu)
     # Compute in the activations' dtype: on CPU that upcasts bfloat16/float16 weights to float32,
     # a cheap copy next to torch's bfloat16 GEMM there (6x slower on a 700-token prefill), and it
     # rounds like the kernel does. On CUDA the dtypes already agree.
@@ -194,7 +203,7 @@ def rope_attention_usable(qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
 def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    pages: Pages, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, kv_len: int,
                    n_q: int, n_kv: int, scale: float | None = None, softcap: float | None = None,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+                   rows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The attention half of a layer in one C call (attention.c): rotary embedding of q and k, k and v
     written to the cache at `positions`, each query attending alone over the keys it may see, so its
     output does not depend on the batch it is in.
@@ -203,7 +212,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     is `Pages.rows(B, max_len)` over them); visible [B, T, kv_len] (True = may attend) or None
     (causal: each token sees its row's keys at slots 0..its position); scale: the scores' (None:
     D ** -0.5); softcap: scores become softcap * tanh(score / softcap) (None: not capped); rows
-    [B * T] int64: each token's cache row (a ragged pass, B = 1), None: its batch row
+    [B * T] int64: each token's cache row (a ragged pass, B = 1), None: its batch row; sinks [n_q]: a
+    logit per query head that joins its softmax's denominator only (gpt-oss), None: none
     -> [B, T, n_q * D]."""
     B, T, _ = qkv.shape
     D = k.shape[-1]
@@ -212,8 +222,10 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty(B, T, n_q * D, dtype=torch.float32)
     scratch = torch.empty(B * T * n_q * D, dtype=torch.float32)
+    sinks = None if sinks is None else _f32(sinks)
     active_library().qd_rope_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), None if rows is None else rows.data_ptr(),
         address, None if visible is None else visible.data_ptr(), out.data_ptr(), B, T, n_q, n_kv, D, kv_len,
-        D ** -0.5 if scale is None else scale, softcap or 0.0, scratch.data_ptr(), torch.get_num_threads())
+        D ** -0.5 if scale is None else scale, softcap or 0.0, None if sinks is None else sinks.data_ptr(),
+        scratch.data_ptr(), torch.get_num_threads())
     return out

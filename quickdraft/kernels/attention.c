@@ -167,7 +167,7 @@ INLINE float soft_cap(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x
  * rest of a prefill chunk) are not scored: their p is 0 either way, and a key's score does not
  * depend on its block, so the bits are the same. s: n * kv_len floats of scratch. */
 static void attend_group(const float *qv, const Slots *kb, const Slots *vb, const uint8_t *vis, float *o, float *s,
-                         int n, int64_t D, int64_t kv_len, float scale, float softcap) {
+                         int n, int64_t D, int64_t kv_len, float scale, float softcap, const float *sink) {
     int64_t first = 0, last = kv_len;
     if (vis) {
         while (first < kv_len && !vis[first]) first++;
@@ -192,7 +192,13 @@ static void attend_group(const float *qv, const Slots *kb, const Slots *vb, cons
         }
     }
     float sum[n];
-    for (int i = 0; i < n; i++) sum[i] = softmax_in_place(s + i * kv_len, vis, kv_len, m[i]);
+    for (int i = 0; i < n; i++) {
+        /* a sink (gpt-oss: a learned logit per query head) joins the softmax's denominator only: the
+         * max over the scores and it, its exponent added after the keys' (a fixed place in the sum) */
+        if (sink) m[i] = sink[i] > m[i] ? sink[i] : m[i];
+        sum[i] = softmax_in_place(s + i * kv_len, vis, kv_len, m[i]);
+        if (sink) sum[i] += expf(sink[i] - m[i]);
+    }
     for (int i = 0; i < n * D; i++) o[i] = 0.0f;
     if (D == 64 || D == 128) {
         for (int64_t j0 = start; j0 < last; j0 += KEY_SPAN) {
@@ -223,6 +229,7 @@ typedef struct {
     int64_t T, Hq, Hkv, D, kv_len;
     int64_t parts;  /* each GQA group's query heads split into this many tasks (parallelism for decode) */
     float scale, softcap;
+    const float *sinks;  /* [Hq] each query head's sink logit, or NULL */
 } AttentionJob;
 
 static void attention_task(void *ctx, int64_t task) {
@@ -238,7 +245,8 @@ static void attention_task(void *ctx, int64_t task) {
     if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
     const Slots keys = row_slots(j->pages, j->pages->k, b, g, j->D), values = row_slots(j->pages, j->pages->v, b, g, j->D);
     attend_group(j->q + (bt * j->Hq + h0) * j->D, &keys, &values, j->visible ? j->visible + bt * j->kv_len : 0,
-                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, kv_len, j->scale, j->softcap);
+                 j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, kv_len, j->scale, j->softcap,
+                 j->sinks ? j->sinks + h0 : 0);
     free(scores);
 }
 
@@ -250,11 +258,11 @@ static void attention_task(void *ctx, int64_t task) {
  * parts only where there would be fewer than two tasks a thread (a decode step of few kv heads). */
 static void attention(const float *q, const QDPages *pages, const int64_t *rows, const int64_t *slots,
                       const uint8_t *visible, float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D,
-                      int64_t kv_len, float scale, float softcap, int threads) {
+                      int64_t kv_len, float scale, float softcap, const float *sinks, int threads) {
     const int64_t groups = B * T * Hkv, group = Hq / Hkv;
     int64_t parts = 1;
     while (groups * parts < 2 * (int64_t)threads && parts < group) parts++;
-    AttentionJob job = {q, pages, rows, slots, visible, out, T, Hq, Hkv, D, kv_len, parts, scale, softcap};
+    AttentionJob job = {q, pages, rows, slots, visible, out, T, Hq, Hkv, D, kv_len, parts, scale, softcap, sinks};
     qd_parallel(attention_task, &job, groups * parts, threads);
 }
 
@@ -263,11 +271,12 @@ static void attention(const float *q, const QDPages *pages, const int64_t *rows,
  * cache at their positions, then every query attends as qd_attention does. qkv: [B, T, (Hq + 2Hkv)
  * * D]; positions: [B, T]; rows: [B * T] each token's cache row, or NULL (its batch row); pages: the
  * layer's cache (QDPages); scratch: B * T * Hq * D floats (the rotated queries); softcap: scores capped at
- * softcap tanh(score / softcap) before the softmax (0: none). */
+ * softcap tanh(score / softcap) before the softmax (0: none); sinks: [Hq] a logit per query head that
+ * joins each softmax's denominator and nothing else (gpt-oss), or NULL. */
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
                        const int64_t *rows, const QDPages *pages, const uint8_t *visible, float *out, int64_t B,
                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, float scale, float softcap,
-                       float *scratch, int threads) {
+                       const float *sinks, float *scratch, int threads) {
     const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
     float *q = scratch;
     for (int64_t bt = 0; bt < B * T; bt++) {
@@ -289,5 +298,5 @@ void qd_rope_attention(const float *qkv, const float *cos, const float *sin, con
             for (int64_t d = 0; d < D; d++) dst[d] = x[d];
         }
     }
-    attention(q, pages, rows, positions, visible, out, B, T, Hq, Hkv, D, kv_len, scale, softcap, threads);
+    attention(q, pages, rows, positions, visible, out, B, T, Hq, Hkv, D, kv_len, scale, softcap, sinks, threads);
 }

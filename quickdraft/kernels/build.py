@@ -69,7 +69,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qd_quant_matmul.restype = i32
     lib.qd_quant_matmul.argtypes = [p, i32, p, p, p, i32, p, p, p, i32, p, f32, p] + [i64] * 3 + [i32]
     lib.qd_rope_attention.restype = None
-    lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 6 + [f32, f32, p, i32]
+    lib.qd_rope_attention.argtypes = [p] * 8 + [i64] * 6 + [f32, f32, p, p, i32]
     lib.qd_layer.restype = i32
     lib.qd_layer.argtypes = [p] * 8 + [i64] * 3 + [i32]
     lib.qd_experts.restype = i32

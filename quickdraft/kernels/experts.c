@@ -15,18 +15,19 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
                     float *scratch, int64_t M, int64_t N, int64_t K, int threads);
 
 /* One matrix of each expert: expert e's parts are first[e] .. first[e + 1] - 1 of types, rows, data
- * (a fused gate|up may be stored in two types). */
+ * (a fused gate|up may be stored in two types); bias[e] its bias (gpt-oss), or bias NULL: none. */
 typedef struct {
     const int *first, *types;
     const int64_t *rows;
     const void *const *data;
+    const float *const *bias;
 } QDExpertMatrix;
 
 static int expert_matmul(const QDExpertMatrix *w, int64_t e, const float *x, float *y, int prologue,
                          const float *g, float eps, int act8, int64_t M, int64_t N, int64_t K, int threads) {
     const int at = w->first[e], nparts = w->first[e + 1] - at;
-    return qd_quant_matmul(x, nparts, w->types + at, w->rows + at, w->data + at, act8, 0, 0, y, prologue, g, eps, 0,
-                           M, N, K, threads);
+    return qd_quant_matmul(x, nparts, w->types + at, w->rows + at, w->data + at, act8, w->bias ? w->bias[e] : 0, 0, y,
+                           prologue, g, eps, 0, M, N, K, threads);
 }
 
 /* o += v * w, the product rounded before the sum as torch's y * w then index_put_ (model/experts.py):

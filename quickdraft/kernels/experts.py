@@ -17,11 +17,12 @@ from quickdraft.kernels.quantized import QuantizedWeight
 
 class _Matrix(ctypes.Structure):
     _fields_ = [("first", ctypes.c_void_p), ("types", ctypes.c_void_p), ("rows", ctypes.c_void_p),
-                ("data", ctypes.c_void_p)]
+                ("data", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
 
 
-def _matrix(weights: list[QuantizedWeight], keep: list) -> _Matrix:
-    """One matrix of every expert, its parts flattened (expert e's: first[e] .. first[e + 1] - 1)."""
+def _matrix(weights: list[QuantizedWeight], biases: list[torch.Tensor | None], keep: list) -> _Matrix:
+    """One matrix of every expert, its parts flattened (expert e's: first[e] .. first[e + 1] - 1), and
+    their biases (every expert's, or none)."""
     parts = [p for w in weights for p in w.parts]
     first = [0]
     for w in weights:
@@ -31,13 +32,18 @@ def _matrix(weights: list[QuantizedWeight], keep: list) -> _Matrix:
               (ctypes.c_void_p * len(parts))(*(p.packed.ctypes.data for p in parts)))
     keep.extend(arrays)
     keep.extend(parts)  # the blocks the pointers point into
-    return _Matrix(*(ctypes.addressof(a) for a in arrays))
+    bias = None
+    if biases[0] is not None:
+        floats = [b.float().contiguous() for b in biases]
+        bias = (ctypes.c_void_p * len(floats))(*(b.data_ptr() for b in floats))
+        keep.extend((*floats, bias))
+    return _Matrix(*(ctypes.addressof(a) for a in arrays), None if bias is None else ctypes.addressof(bias))
 
 
 @dataclass
 class ExpertTable:
-    """Every expert's gate|up [2F, K] and down [K, F] as experts.c reads them; holds what its
-    pointers point into."""
+    """Every expert's gate|up [2F, K] and down [K, F] (and their biases, where the family has them)
+    as experts.c reads them; holds what its pointers point into."""
     gate_up: _Matrix
     down: _Matrix
     experts: int
@@ -47,15 +53,18 @@ class ExpertTable:
     keep: list
 
     @staticmethod
-    def of(experts: list[tuple[QuantizedWeight | torch.Tensor, QuantizedWeight | torch.Tensor]]) -> "ExpertTable | None":
-        """(gate|up, down) of each expert, in expert order; None unless every matrix is GGUF blocks the
-        kernel repacked, all with activations of one precision."""
+    def of(experts: list[tuple[QuantizedWeight | torch.Tensor, QuantizedWeight | torch.Tensor]],
+           biases: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None) -> "ExpertTable | None":
+        """(gate|up, down) of each expert, in expert order, and their biases (None: none); None unless
+        every matrix is GGUF blocks the kernel repacked, all with activations of one precision."""
+        biases = biases or [(None, None)] * len(experts)
         matrices = [w for pair in experts for w in pair]
         if not all(isinstance(w, QuantizedWeight) and all(p.packed is not None for p in w.parts) for w in matrices) \
                 or len({w.activation_bits for w in matrices}) != 1:
             return None
         keep: list = []
-        gate_up, down = _matrix([g for g, _ in experts], keep), _matrix([d for _, d in experts], keep)
+        gate_up = _matrix([g for g, _ in experts], [b for b, _ in biases], keep)
+        down = _matrix([d for _, d in experts], [b for _, b in biases], keep)
         hidden, size = experts[0][1].shape
         return ExpertTable(gate_up, down, len(experts), hidden, size, experts[0][0].c_parts[4], keep)
 

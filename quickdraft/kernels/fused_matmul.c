@@ -177,10 +177,33 @@ void qd_geglu_rows(const float *x, float *h, int64_t M, int64_t K, int exact) {
     }
 }
 
+/* gpt-oss's experts: g = min(gate, 7), u = clamp(up, -7, 7), h = (u + 1) g sigmoid(1.702 g), as
+ * transformers' GptOssExperts (alpha and limit are every gpt-oss checkpoint's; others are refused). */
+static void swiglu_oai_rows(const float *x, float *h, int64_t M, int64_t K) {
+    const float alpha = 1.702f, limit = 7.0f;
+    const __m256 one = _mm256_set1_ps(1.0f), lim = _mm256_set1_ps(limit), a = _mm256_set1_ps(-alpha);
+    for (int64_t m = 0; m < M; m++) {
+        const float *gate = x + m * 2 * K, *up = gate + K;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate + k), lim);
+            const __m256 u = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(up + k), lim), _mm256_set1_ps(-limit));
+            const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_mul_ps(a, g))));
+            _mm256_storeu_ps(h + m * K + k, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+        }
+        for (; k < K; k++) {
+            const float g = gate[k] < limit ? gate[k] : limit;
+            const float u = up[k] < -limit ? -limit : up[k] > limit ? limit : up[k];
+            h[m * K + k] = (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+        }
+    }
+}
+
 const float *qd_prologue(const float *x, int prologue, const float *g, float eps, float *scratch,
                          int64_t M, int64_t K) {
     if (prologue == PRO_RMSNORM) { qd_rmsnorm_rows(x, g, eps, scratch, M, K); return scratch; }
     if (prologue == PRO_SWIGLU) { qd_swiglu_rows(x, scratch, M, K); return scratch; }
+    if (prologue == PRO_SWIGLU_OAI) { swiglu_oai_rows(x, scratch, M, K); return scratch; }
     if (QD_GATED(prologue)) { qd_geglu_rows(x, scratch, M, K, prologue == PRO_GEGLU_ERF); return scratch; }
     return x;
 }

@@ -4,8 +4,9 @@
 #define QD_KERNELS_H
 #include <stdint.h>
 
-/* The gated ones read x = [gate | up] and give act(gate) * up: SiLU, GELU (tanh form), GELU (erf). */
-enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2, PRO_GEGLU_TANH = 3, PRO_GEGLU_ERF = 4 };
+/* The gated ones read x = [gate | up] and give act(gate) * up: SiLU, GELU (tanh form), GELU (erf);
+ * or gpt-oss's clamped SwiGLU, (clamp(up, -7, 7) + 1) * g sigmoid(1.702 g) with g = min(gate, 7). */
+enum { PRO_NONE = 0, PRO_RMSNORM = 1, PRO_SWIGLU = 2, PRO_GEGLU_TANH = 3, PRO_GEGLU_ERF = 4, PRO_SWIGLU_OAI = 5 };
 #define QD_GATED(prologue) ((prologue) >= PRO_SWIGLU)
 
 /* h[m] = x[m] / sqrt(mean(x[m]^2) + eps) * g */

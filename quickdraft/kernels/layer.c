@@ -32,6 +32,7 @@ typedef struct {
     int64_t q_norm_len, k_norm_len;               /* values one QK-norm spans: head_dim or a projection */
     int64_t glu;                                  /* the down matmul's gated prologue (PRO_SWIGLU ...) */
     float softcap;                                /* attention scores' soft-cap (Gemma 2), 0: none */
+    const float *sinks;                           /* [n_q] attention sinks (gpt-oss), or NULL */
 } QDLayer;
 
 int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t *rows, const void *const *data,
@@ -40,7 +41,7 @@ int qd_quant_matmul(const float *x, int nparts, const int *types, const int64_t 
 void qd_rope_attention(const float *qkv, const float *cos, const float *sin, const int64_t *positions,
                        const int64_t *rows, const QDPages *pages, const uint8_t *visible, float *out, int64_t B,
                        int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t kv_len, float scale, float softcap,
-                       float *scratch, int threads);
+                       const float *sinks, float *scratch, int threads);
 
 static int linear(const QDLinear *w, const float *x, const float *r, float *y, int prologue, const float *g,
                   float eps, int64_t M, int threads) {
@@ -83,7 +84,7 @@ int qd_layer(float *x, const QDLayer *L, const float *cos, const float *sin, con
     if (status == 0) {
         if (L->q_norm) qk_norm(L, qkv, M);
         qd_rope_attention(qkv, cos, sin, positions, rows, pages, visible, a, B, T, L->n_q, L->n_kv, L->head_dim, kv_len,
-                          L->scale, L->softcap, q, threads);
+                          L->scale, L->softcap, L->sinks, q, threads);
         status = post ? linear(&L->wo, a, 0, y, PRO_NONE, 0, 0.0f, M, threads)
                       : linear(&L->wo, a, x, x, PRO_NONE, 0, 0.0f, M, threads);  /* residual in place */
         if (status == 0 && post) add_normed(x, y, L->attn_post_norm, L->eps, M, D);

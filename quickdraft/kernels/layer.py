@@ -13,7 +13,7 @@ from quickdraft.kernels.build import active_library
 from quickdraft.kernels.pages import Pages
 from quickdraft.kernels.quantized import QuantizedWeight
 
-GATES = {"silu": 2, "gelu_tanh": 3, "gelu": 4}  # kernels.h's gated prologues
+GATES = {"silu": 2, "gelu_tanh": 3, "gelu": 4, "swiglu_oai": 5}  # kernels.h's gated prologues
 
 
 class _Linear(ctypes.Structure):
@@ -29,7 +29,7 @@ class _Layer(ctypes.Structure):
                 *((name, ctypes.c_void_p) for name in NORMS), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float), ("n_q", ctypes.c_int64), ("n_kv", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("q_norm_len", ctypes.c_int64), ("k_norm_len", ctypes.c_int64),
-                ("glu", ctypes.c_int64), ("softcap", ctypes.c_float)]
+                ("glu", ctypes.c_int64), ("softcap", ctypes.c_float), ("sinks", ctypes.c_void_p)]
 
 
 @dataclass
@@ -41,14 +41,19 @@ class FusedLayer:
     @staticmethod
     def of(linears: list[tuple[QuantizedWeight, torch.Tensor | None]], norms: dict[str, torch.Tensor | None],
            eps: float, n_q: int, n_kv: int, head_dim: int, gate: str = "silu",
-           scale: float | None = None, softcap: float | None = None) -> "FusedLayer":
+           scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> "FusedLayer":
         """`linears`: (weight, bias or None) of q|k|v, o, gate|up and down, in that order (q|k|v and o
         alone: the attention half, for a layer whose MLP is a mixture of experts); `norms`:
         the gains of NORMS a family has (None for the others). A QK-norm gain spans a head or the
         whole projection, as long as it is. `gate`: the MLP gate's activation (kernels.GATES); `scale`:
-        the attention scores' (None: head_dim ** -0.5); `softcap`: theirs (None: none)."""
+        the attention scores' (None: head_dim ** -0.5); `softcap`: theirs (None: none); `sinks`: [n_q]
+        attention sinks (None: none)."""
         gains = {name: None if norms.get(name) is None else norms[name].float().contiguous() for name in NORMS}
         keep = [g for g in gains.values() if g is not None]
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
+            keep.append(sinks)
 
         def linear(w: QuantizedWeight, b: torch.Tensor | None) -> _Linear:
             n, types, rows, data, act8 = w.c_parts
@@ -62,7 +67,7 @@ class FusedLayer:
         qk_len = [0 if gains[n] is None else gains[n].shape[0] for n in ("q_norm", "k_norm")]
         layer = _Layer(qkv, wo, gate_up, down, *(None if g is None else g.data_ptr() for g in gains.values()), eps,
                        head_dim ** -0.5 if scale is None else scale, n_q, n_kv, head_dim, *qk_len, GATES[gate],
-                       softcap or 0.0)
+                       softcap or 0.0, None if sinks is None else sinks.data_ptr())
         return FusedLayer(layer, tuple(keep))
 
 

@@ -1,5 +1,5 @@
 /* y[m, n] = r[m, n] + b[n] + sum_k h[m, k] * W[n, k] with W in GGUF block formats (Q4_0, Q4_1,
- * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked at load without loss (repack.h), for few rows m:
+ * Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), repacked at load without loss (repack.h), for few rows m:
  * decode and verification, and prefill in chunks.
  *
  * Integer dot products, with the activations in one of two precisions, a property of the weight
@@ -22,6 +22,9 @@
  * sequence whatever M is: results are bitwise independent of the batch shape, and the same in both
  * builds.
  *
+ * MXFP4's 4-bit codes become signed bytes by a table (twice their E2M1 values: 0, 1, 2, 3, 4, 6, 8,
+ * 12 and their negatives, as ggml's kvalues_mxfp4) and then multiply as Q8_0's; its E8M0 scale
+ * byte e is the float 2^(e - 128) (ggml's e8m0_to_fp32_half), exact.
  * Per unit: value = d_u * q + m_u. The offset m_u (Q4_0/Q5_0: -8 d, -16 d; Q4_1, Q5_1, Q4_K, Q5_K:
  * the file's min) meets the row's sum over the unit; Q6_K's -32 is taken from q before widening
  * (int16), or meets the row's sums over half units (int8).
@@ -60,10 +63,11 @@
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
-#define SIGNED(type) ((type) == Q8_0 || (type) == Q6_K)
-#define HAS_OFFSET(type) ((type) != Q8_0 && (type) != Q6_K)
+#define SIGNED(type) ((type) == Q8_0 || (type) == Q6_K || (type) == MXFP4)
+#define SIGNED_BYTES(type) ((type) == Q8_0 || (type) == MXFP4)  /* signed byte vectors at either precision */
+#define HAS_OFFSET(type) ((type) != Q8_0 && (type) != Q6_K && (type) != MXFP4)
 /* where a group's nibbles (Q8_0: its bytes) start; Q5's fifth bits are the 32 bytes before */
-#define BODY(type) ((type) == Q4_0 || (type) == Q4_K || (type) == Q8_0 ? 16 : (type) == Q4_1 ? 32 \
+#define BODY(type) ((type) == MXFP4 ? 8 : (type) == Q4_0 || (type) == Q4_K || (type) == Q8_0 ? 16 : (type) == Q4_1 ? 32 \
                     : (type) == Q5_0 || (type) == Q5_K ? 48 : (type) == Q5_1 ? 64 : 82)
 
 INLINE float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
@@ -111,6 +115,13 @@ INLINE void prepare(const uint8_t *g, const int type, Prep *p) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)(g + 2));
         p->d[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
         p->d[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+    } else if (type == MXFP4) {
+        /* 2^(e - 128) in float bits: (e - 1) << 23, and for e = 0, 1 the denormals 2^-128, 2^-127 */
+        const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)g));
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        p->d[0] = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
     } else {
         p->d[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
         if (type == Q4_1 || type == Q5_1) p->m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
@@ -125,6 +136,9 @@ INLINE __m256i byte_vector(const Prep *p, int i, const int type, const int cente
     if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(p->g + BODY(type) + 32 * i));
     const __m256i packed = _mm256_loadu_si256((const __m256i *)(p->g + BODY(type) + 32 * (i / 2)));
     __m256i u = _mm256_and_si256(i & 1 ? _mm256_srli_epi16(packed, 4) : packed, _mm256_set1_epi8(0x0F));
+    if (type == MXFP4)
+        return _mm256_shuffle_epi8(_mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                                    0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), u);
     if (type == Q5_0 || type == Q5_1 || type == Q5_K) {
         uint32_t bits;
         memcpy(&bits, p->g + BODY(type) - 32 + 4 * i, 4);
@@ -306,7 +320,7 @@ INLINE void unit_sums16(const Prep *p, const QRows *q, int64_t xb, int i0, int i
     }
 }
 
-/* int8 activations: as unit_sums16. Q8_0's signed bytes multiply as |w| times x with w's sign. */
+/* int8 activations: as unit_sums16. Signed bytes (Q8_0, MXFP4) multiply as |w| times x with w's sign. */
 INLINE void unit_sums8(const Prep *p, const QRows *q, int64_t xb, int i0, int i1, const int type, const int mb,
                        __m256i sum[MB_MAX]) {
     const int64_t Kp = q->nxb * GROUP;
@@ -315,7 +329,7 @@ INLINE void unit_sums8(const Prep *p, const QRows *q, int64_t xb, int i0, int i1
     const int run = i1 - i0;  /* int32 sums throughout */
 #else
     /* byte vectors whose u8 x s8 pair sums add up in int16 without overflow: each pair is at most
-     * 2 * 127 * max|q| (Q4: 15, Q5: 31, Q6_K: 63, Q8_0: 128); then one vpmaddwd widens them */
+     * 2 * 127 * max|q| (Q4: 15, MXFP4: 12, Q5: 31, Q6_K: 63, Q8_0: 128); then one vpmaddwd widens them */
     const int run = type == Q8_0 ? 1 : type == Q6_K ? 2 : type == Q5_0 || type == Q5_1 || type == Q5_K ? 4 : 8;
 #endif
     for (int r = i0; r < i1; r += run) {
@@ -323,10 +337,10 @@ INLINE void unit_sums8(const Prep *p, const QRows *q, int64_t xb, int i0, int i1
 #pragma GCC unroll 8
         for (int i = r; i < r + run; i++) {
             const __m256i u = byte_vector(p, i, type, 0);
-            const __m256i a = type == Q8_0 ? _mm256_abs_epi8(u) : u;
+            const __m256i a = SIGNED_BYTES(type) ? _mm256_abs_epi8(u) : u;
             for (int j = 0; j < mb; j++) {
                 __m256i x = _mm256_load_si256((const __m256i *)((const int8_t *)q->x + j * Kp + xb * GROUP + 32 * i));
-                if (type == Q8_0) x = _mm256_sign_epi8(x, u);
+                if (SIGNED_BYTES(type)) x = _mm256_sign_epi8(x, u);
 #ifdef QD_VNNI
                 sum[j] = _mm256_dpbusd_epi32(sum[j], a, x);
 #else
@@ -464,6 +478,7 @@ typedef struct {
         case Q8_0: task_dot(j, n0, n1, Q8_0, act8, j->y); break;       \
         case Q4_K: task_dot(j, n0, n1, Q4_K, act8, j->y); break;       \
         case Q5_K: task_dot(j, n0, n1, Q5_K, act8, j->y); break;       \
+        case MXFP4: task_dot(j, n0, n1, MXFP4, act8, j->y); break;     \
         default: task_dot(j, n0, n1, Q6_K, act8, j->y); break;         \
     }
 

@@ -19,6 +19,7 @@ static int block_bytes(int type) {
         case Q4_K: return 144;
         case Q5_K: return 176;
         case Q6_K: return 210;
+        case MXFP4: return 17;
         default: return 0;
     }
 }
@@ -67,6 +68,13 @@ static void natural(int type, const uint8_t *b, int nb, uint8_t q[GROUP], uint8_
                 memcpy(q + 32 * u, blk + 2, 32);
                 continue;
             }
+            if (type == MXFP4) {  /* [e][16 bytes: code j low, code j + 16 high] */
+                for (int j = 0; j < 16; j++) {
+                    q[32 * u + j] = blk[1 + j] & 15;
+                    q[32 * u + 16 + j] = blk[1 + j] >> 4;
+                }
+                continue;
+            }
             const int off = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
             uint32_t qh = 0;
             if (type == Q5_0 || type == Q5_1) memcpy(&qh, blk + (type == Q5_0 ? 2 : 4), 4);
@@ -105,6 +113,10 @@ static void repack_group(int type, const uint8_t *b, int nb, uint8_t *out) {
             memcpy(out, b, 16);
             out += 16;
         }
+    } else if (type == MXFP4) {
+        memset(out, 0, 8);
+        for (int u = 0; u < nb; u++) out[u] = b[u * block_bytes(type)];
+        out += 8;
     } else {
         memset(out, 0, 16);
         for (int u = 0; u < nb; u++) memcpy(out + 2 * u, b + u * block_bytes(type), 2);

@@ -35,8 +35,10 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
     on_cpu = torch.device(device).type == "cpu"
     norm_dtype = torch.float32 if on_cpu else dtype  # = compute_dtype
     stored = {k: v for k, v in fused.items() if isinstance(v, QuantizedWeight) and on_cpu}
+    # norms' gains and sinks in the activations' dtype (transformers keeps gpt-oss's sinks as stored,
+    # adding them to float32 scores)
     model.load_state_dict({k: _norm_gain(_dense(v), config.norm_offset).to(device=device, dtype=norm_dtype)
-                           if "norm" in k else _dense(v).to(device=device, dtype=dtype)
+                           if "norm" in k or k.endswith("sinks") else _dense(v).to(device=device, dtype=dtype)
                            for k, v in fused.items() if k not in stored}, assign=True, strict=False)
     for name, weight in stored.items():
         owner = model.get_submodule(name.rsplit(".", 1)[0])
@@ -125,10 +127,17 @@ def _fuse_layer(config: ModelConfig, take: _Taker, n: dict[str, str], ours: str
            f"{ours}wo.weight": take(n["o"])}
     if config.num_experts:
         out[f"{ours}moe.router.weight"] = take(n["router"])
+        biases = ("expert_gate.bias", "expert_up.bias", "expert_down.bias") if config.expert_biases else ()
+        if config.expert_biases:
+            out[f"{ours}moe.router.bias"] = _dense(take(n["router.bias"]))
         for e in range(config.num_experts):
-            name = {role: n[role].replace("{e}", str(e)) for role in ("expert_gate", "expert_up", "expert_down")}
-            out[f"{ours}moe.experts.{e}.w_gate_up.weight"] = _cat([take(name["expert_gate"]), take(name["expert_up"])])
-            out[f"{ours}moe.experts.{e}.w_down.weight"] = take(name["expert_down"])
+            name = {role: n[role].replace("{e}", str(e)) for role in ("expert_gate", "expert_up", "expert_down") + biases}
+            mine = f"{ours}moe.experts.{e}."
+            out[f"{mine}w_gate_up.weight"] = _cat([take(name["expert_gate"]), take(name["expert_up"])])
+            out[f"{mine}w_down.weight"] = take(name["expert_down"])
+            if biases:
+                out[f"{mine}w_gate_up.bias"] = torch.cat([_dense(take(name[r])) for r in biases[:2]])
+                out[f"{mine}w_down.bias"] = _dense(take(name["expert_down.bias"]))
     else:
         out[f"{ours}w_gate_up.weight"] = take(n["gate_up"]) if "gate_up" in n else _cat([take(n["gate"]),
                                                                                         take(n["up"])])
@@ -136,6 +145,8 @@ def _fuse_layer(config: ModelConfig, take: _Taker, n: dict[str, str], ours: str
     for role in ("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm", "q_norm", "k_norm"):
         if role in n:
             out[f"{ours}{role}.weight"] = take(n[role])
+    if config.attn_sinks:
+        out[f"{ours}sinks"] = _dense(take(n["sinks"]))
     if config.qkv_bias:
         out[f"{ours}wqkv.bias"] = torch.cat([_dense(take(n[f"{p}.bias"])) for p in "qkv"])
     if config.o_bias:

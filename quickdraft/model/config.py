@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quickdraft.errors import ModelLoadError, UnsupportedArchitecture
-from quickdraft.model.families import HIDDEN_ACTS, Family, family
+from quickdraft.model.families import GATES, HIDDEN_ACTS, Family, family
 
 ROPE_KINDS = ("linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -66,7 +66,7 @@ class ModelConfig:
     qkv_bias: bool = False   # q, k and v projections
     o_bias: bool = False     # the attention output projection
     mlp_bias: bool = False   # gate, up and down projections
-    activation: str = "silu"  # the MLP gate's: "silu", "gelu_tanh" or "gelu" (erf)
+    activation: str = "silu"  # the MLP gate's: "silu", "gelu_tanh" or "gelu" (erf), or gpt-oss's "swiglu_oai"
     norm: str = "pre"        # "pre": RMSNorm before each sublayer; "post": on its output (OLMo 2); "sandwich": both
     norm_offset: float = 0.0  # added to every norm's stored weight at load (Gemma's safetensors hold gain - 1)
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(hidden_size))
@@ -86,6 +86,9 @@ class ModelConfig:
     expert_size: int = 0
     norm_topk: bool = False
     expert_weights_float32: bool = False
+    topk_first: bool = False      # the top k of the router's logits, then their softmax (gpt-oss)
+    expert_biases: bool = False   # the router and every expert matrix have biases (gpt-oss)
+    attn_sinks: bool = False      # a learned logit per query head joins each softmax's denominator (gpt-oss)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -93,10 +96,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         family(self.model_type)
         if self.norm not in ("pre", "post", "sandwich") or self.qk_norm not in (None, "head", "proj") \
-                or self.activation not in set(HIDDEN_ACTS.values()):
+                or self.activation not in GATES:
             raise ModelLoadError(f"model config: norm {self.norm!r} / qk_norm {self.qk_norm!r} / activation "
                                  f"{self.activation!r}: expected 'pre', 'post' or 'sandwich' / None, 'head' or 'proj' / one "
-                                 f"of {', '.join(sorted(set(HIDDEN_ACTS.values())))}")
+                                 f"of {', '.join(GATES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -173,7 +176,7 @@ class ModelConfig:
                 qkv_bias=_flag(cfg, spec.qkv_bias),
                 o_bias=_flag(cfg, spec.o_bias),
                 mlp_bias=_flag(cfg, spec.mlp_bias),
-                activation=HIDDEN_ACTS[cfg.get(spec.activation_key, "silu")],
+                activation=spec.gate or HIDDEN_ACTS[cfg.get(spec.activation_key, "silu")],
                 norm=spec.norm,
                 norm_offset=spec.hf_norm_offset,
                 embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
@@ -181,6 +184,7 @@ class ModelConfig:
                 attn_softcap=_cap(cfg.get("attn_logit_softcapping")) if spec.softcaps else None,
                 logit_softcap=_cap(cfg.get("final_logit_softcapping")) if spec.softcaps else None,
                 qk_norm=spec.qk_norm,
+                attn_sinks=spec.sinks,
                 layer_windows=_layer_windows(cfg, spec),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 bos_token_id=cfg.get("bos_token_id"),
@@ -206,9 +210,14 @@ def _experts(cfg: dict[str, Any], spec: Family) -> dict[str, Any]:
     if not isinstance(count, int) or count <= 0:
         raise UnsupportedArchitecture(f"num_experts {count!r} is not supported; expected a mixture of experts "
                                       f"(a positive count)")
+    for key, value in (("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)):
+        if spec.gate == "swiglu_oai" and cfg.get(key, value) != value:
+            raise UnsupportedArchitecture(f"{key} {cfg[key]!r} is not supported; expected {value} (every gpt-oss "
+                                          f"checkpoint's, which the kernels' clamped SwiGLU computes)")
     return dict(num_experts=count, experts_per_token=int(cfg["num_experts_per_tok"]),
                 expert_size=int(cfg[spec.expert_size_key]), norm_topk=_flag(cfg, spec.norm_topk),
-                expert_weights_float32=spec.expert_weights_float32)
+                expert_weights_float32=spec.expert_weights_float32, topk_first=spec.topk_first,
+                expert_biases=spec.expert_biases)
 
 
 def _cap(value: Any) -> float | None:

@@ -68,6 +68,25 @@ _QWEN_EXPERTS: TensorNames = (
     ("expert_up", "model.layers.{i}.mlp.experts.{e}.up_proj.weight", "blk.{i}.ffn_up_exps.weight"),
     ("expert_down", "model.layers.{i}.mlp.experts.{e}.down_proj.weight", "blk.{i}.ffn_down_exps.weight"),
 )
+# gpt-oss: a biased router and biased experts (a GGUF holds gate and up apart, as here; its
+# checkpoints hold every expert in one tensor: `stacked_experts`), a sink logit per query head, and
+# the MLP's pre-norm under another GGUF name
+_GPT_OSS_TENSORS: TensorNames = (
+    ("router", "model.layers.{i}.mlp.router.weight", "blk.{i}.ffn_gate_inp.weight"),
+    ("router.bias", "model.layers.{i}.mlp.router.bias", "blk.{i}.ffn_gate_inp.bias"),
+    ("expert_gate", "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "blk.{i}.ffn_gate_exps.weight"),
+    ("expert_up", "model.layers.{i}.mlp.experts.{e}.up_proj.weight", "blk.{i}.ffn_up_exps.weight"),
+    ("expert_down", "model.layers.{i}.mlp.experts.{e}.down_proj.weight", "blk.{i}.ffn_down_exps.weight"),
+    ("expert_gate.bias", "model.layers.{i}.mlp.experts.{e}.gate_proj.bias", "blk.{i}.ffn_gate_exps.bias"),
+    ("expert_up.bias", "model.layers.{i}.mlp.experts.{e}.up_proj.bias", "blk.{i}.ffn_up_exps.bias"),
+    ("expert_down.bias", "model.layers.{i}.mlp.experts.{e}.down_proj.bias", "blk.{i}.ffn_down_exps.bias"),
+    ("sinks", "model.layers.{i}.self_attn.sinks", "blk.{i}.attn_sinks.weight"),
+    ("mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", "blk.{i}.post_attention_norm.weight"),
+)
+# transformers' GptOssExperts: x @ W, gate|up [E, hidden, 2F] with gate and up interleaved, its
+# bias [E, 2F] likewise, down [E, F, hidden], its bias [E, hidden]
+_GPT_OSS_STACKED = ("model.layers.{i}.mlp.experts.gate_up_proj", "model.layers.{i}.mlp.experts.gate_up_proj_bias",
+                    "model.layers.{i}.mlp.experts.down_proj", "model.layers.{i}.mlp.experts.down_proj_bias")
 _MIXTRAL_EXPERTS: TensorNames = (
     ("router", "model.layers.{i}.block_sparse_moe.gate.weight", "blk.{i}.ffn_gate_inp.weight"),
     ("expert_gate", "model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", "blk.{i}.ffn_gate_exps.weight"),
@@ -80,6 +99,11 @@ _MIXTRAL_EXPERTS: TensorNames = (
 # (kernels.GATES): x * sigmoid(x), GELU's tanh form, GELU's erf form
 HIDDEN_ACTS: Mapping[str, str] = MappingProxyType({
     "silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"})
+
+
+# every gate activation a family's gated MLP may have (kernels.GATES): hidden_act's, and gpt-oss's
+# clamped SwiGLU (Family.gate)
+GATES: tuple[str, ...] = ("silu", "gelu_tanh", "gelu", "swiglu_oai")
 
 
 def _without(names: TensorNames, *roles: str) -> TensorNames:
@@ -129,6 +153,23 @@ class Family:
     sparse_step_keys: bool = False  # decoder_sparse_step / mlp_only_layers choose dense layers (read, and
                                     # only every layer sparse supported)
     gguf_expert_size_key: str | None = None  # GGUF's key of an expert's width (None: feed_forward_length)
+    topk_first: bool = False        # the top k of the router's logits, then a softmax over those k (gpt-oss)
+    gate: str | None = None         # the experts' gate activation where the family fixes it (gpt-oss's
+                                    # clamped SwiGLU, kernels.GATES), whatever hidden_act says
+    # a checkpoint's expert tensors stacked as transformers' GptOssExperts holds them: (gate|up, its
+    # bias, down, its bias) names, unstacked at load into the per-expert names above (weights/names.py)
+    stacked_experts: tuple[str, str, str, str] | None = None
+    gguf_yarn_truncate: bool = True  # YaRN's correction range rounded (transformers' default); gpt-oss's
+                                     # config says false, which its GGUF does not record
+
+    @property
+    def sinks(self) -> bool:
+        """Attention sinks: a learned logit per query head in each softmax's denominator (gpt-oss)."""
+        return "sinks" in self.names
+
+    @property
+    def expert_biases(self) -> bool:
+        return "router.bias" in self.names
 
     def __post_init__(self) -> None:
         roles = {role for role, _, _ in self.tensors}
@@ -187,6 +228,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
            defaults=(("rms_norm_eps", 1e-6), ("use_sliding_window", False), ("sliding_window", 4096),
                      ("num_local_experts", 128), ("num_experts_per_tok", 8), ("moe_intermediate_size", 768),
                      ("norm_topk_prob", False))),
+    # gpt-oss: biased attention with sinks, every other layer sliding (128), YaRN; 32 or 128 biased
+    # experts with a clamped SwiGLU, top-4 of the router's logits softmaxed
+    Family("gpt_oss", "gpt-oss", _without(_LLAMA_TENSORS, *_DENSE_MLP, "mlp_norm") + _GPT_OSS_TENSORS,
+           qkv_bias="attention_bias", o_bias="attention_bias", window="pattern", moe=True, norm_topk=False,
+           expert_weights_float32=True, gguf_expert_size_key="expert_feed_forward_length", topk_first=True,
+           gate="swiglu_oai", stacked_experts=_GPT_OSS_STACKED, gguf_yarn_truncate=False,
+           defaults=(("rms_norm_eps", 1e-5), ("head_dim", 64), ("sliding_window", 128),
+                     ("sliding_window_pattern", 2), ("num_local_experts", 128), ("num_experts_per_tok", 4),
+                     ("intermediate_size", 2880), ("attention_bias", True), ("swiglu_alpha", 1.702),
+                     ("swiglu_limit", 7.0), ("max_position_embeddings", 131072),
+                     ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                          "truncate": False, "original_max_position_embeddings": 4096,
+                                          "rope_theta": 150000.0}))),
     # Mistral's attention over 8 experts, top-2; llama.cpp writes it as "llama" with expert tensors
     Family("mixtral", "llama", _without(_LLAMA_TENSORS, *_DENSE_MLP) + _MIXTRAL_EXPERTS, window="all", moe=True,
            expert_weights_float32=True, gguf_permuted_qk=True,
@@ -202,11 +256,9 @@ GGUF_FAMILIES: Mapping[tuple[str, bool], Family] = MappingProxyType(
 # architecture, and the math that is missing
 NOT_YET: Mapping[str, str] = MappingProxyType({
     "qwen2_moe": "a mixture of experts with a shared expert",
-    "gpt_oss": "a mixture of experts with biased, clamped SwiGLU experts, and attention sinks",
     "deepseek_v2": "shared experts, grouped expert routing and multi-head latent attention",
     "deepseek_v3": "shared experts, grouped sigmoid expert routing and multi-head latent attention",
     "qwen2moe": "a mixture of experts with a shared expert",
-    "gpt-oss": "a mixture of experts with biased, clamped SwiGLU experts, and attention sinks",
     "deepseek2": "shared experts, grouped expert routing and multi-head latent attention",
 })
 

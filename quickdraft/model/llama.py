@@ -160,6 +160,8 @@ class Block(nn.Module):
             self.k_norm = RMSNorm(c.head_dim if per_head else c.num_kv_heads * c.head_dim, c.rms_norm_eps)
         self.wqkv = nn.Linear(c.hidden_size, qkv_out, bias=c.qkv_bias)
         self.wo = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        # gpt-oss: a logit per query head that joins each softmax's denominator ("sinks")
+        self.sinks = nn.Parameter(torch.zeros(c.num_heads), requires_grad=False) if c.attn_sinks else None
         self.moe = Experts(c) if c.num_experts else None
         if self.moe is None:
             self.w_gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
@@ -181,7 +183,8 @@ class Block(nn.Module):
         if (self.moe is None or not self.post) and fused_layer_usable(x, cache.dtype, *(m.weight for m in linears)):
             if self.fused is None:
                 self.fused = FusedLayer.of([(m.weight, m.bias) for m in linears], self._norm_weights(), eps,
-                                           self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap)
+                                           self.n_heads, self.n_kv, self.head_dim, self.gate, self.scale, self.softcap,
+                                           self.sinks)
             x = run_layer(x, self.fused, cos, sin, at.positions, at.pages, *cache.pools(layer), visible, at.kv_len,
                           at.rows)
             return x if self.moe is None else x + self.moe(x, self.mlp_norm.fused)
@@ -192,7 +195,8 @@ class Block(nn.Module):
             qkv = self._qk_norm(qkv)
         if kernels.rope_attention_usable(qkv, cache.dtype):  # CPU: one call, each query alone
             attn = kernels.rope_attention(qkv, cos, sin, at.positions, at.pages, *cache.pools(layer),
-                                          visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap, at.rows)
+                                          visible, at.kv_len, n_q, self.n_kv, self.scale, self.softcap, at.rows,
+                                          self.sinks)
         else:
             if at.rows is not None:
                 raise ValueError("a ragged pass needs the C attention kernel (Transformer.ragged)")
@@ -201,7 +205,7 @@ class Block(nn.Module):
             q, k = qk.split((n_q, self.n_kv), dim=1)
             v = qkv[:, :, n_q + self.n_kv:].transpose(1, 2)
             keys, values = cache.write(layer, at.slots, k, v, at.kv_len)
-            attn = _attention(q, keys, values, mask, self.scale, self.softcap)
+            attn = _attention(q, keys, values, mask, self.scale, self.softcap, self.sinks)
             attn = attn.transpose(1, 2).reshape(B, T, n_q * hd)
         # biases (None where the family has none) are added before the residual and before SwiGLU
         norm = self.mlp_norm.fused if self.pre else None
@@ -234,18 +238,25 @@ class Block(nn.Module):
 
 
 def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
-               softcap: float | None) -> torch.Tensor:
+               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, T, hd] over keys, values [B, Hkv, kv_len, hd]: torch's SDPA, or with soft-capped
-    scores (which SDPA cannot take) written out as transformers' eager attention."""
+    scores or sinks [Hq] (which SDPA cannot take) written out as transformers' eager attention."""
     gqa = keys.shape[1] != q.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale)
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = softcap * torch.tanh(q @ keys.transpose(2, 3) * scale / softcap)
+    scores = q @ keys.transpose(2, 3) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ values
+    if sinks is None:
+        return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ values
+    # the sink joins the softmax as one more column, dropped after it
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+    return probs.to(q.dtype) @ values
 
 
 class Transformer(nn.Module):

@@ -131,7 +131,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
         qkv_bias=has("q.bias") or has("qkv.bias"),
         o_bias=has("o.bias"),
         mlp_bias=has("gate.bias") or has("down.bias"),
-        activation=HIDDEN_ACTS[dict(spec.defaults).get(spec.activation_key, "silu")],
+        activation=spec.gate or HIDDEN_ACTS[dict(spec.defaults).get(spec.activation_key, "silu")],
         norm=spec.norm,  # Gemma's converter stores its norms' gains (1 + w): no offset
         embed_scale=hidden ** 0.5 if spec.embed_scale else 1.0,
         attn_scale=_attn_scale(meta, arch, spec, hidden, heads),
@@ -139,6 +139,7 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
         logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0) or None if spec.softcaps else None,
         rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if spec.rope_per_layer_type else None,
         qk_norm=spec.qk_norm,
+        attn_sinks=spec.sinks,
         layer_windows=_layer_windows(meta, arch, int(get("block_count")), spec),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -149,14 +150,16 @@ def config_from_metadata(meta: dict[str, Any], names: set[str],
 
 def _experts(get: Any, spec: Family) -> dict[str, Any]:
     """A mixture of experts as llama.cpp runs these families: softmax routing, the top-k weights
-    renormalized (every qwen3moe and llama file), an expert's width its own key or else
-    feed_forward_length (a qwen3moe file without it: feed_forward_length / experts used, as llama.cpp)."""
+    renormalized (every qwen3moe and llama file; gpt-oss: the softmax of the top k logits), an
+    expert's width its own key or else feed_forward_length (a qwen3moe file without it:
+    feed_forward_length / experts used, as llama.cpp)."""
     count, used = int(get("expert_count")), int(get("expert_used_count"))
     size = get("feed_forward_length")
     if spec.gguf_expert_size_key:
         size = get(spec.gguf_expert_size_key, int(size) // max(used, 1))
-    return dict(num_experts=count, experts_per_token=used, expert_size=int(size), norm_topk=True,
-                expert_weights_float32=spec.expert_weights_float32)
+    return dict(num_experts=count, experts_per_token=used, expert_size=int(size), norm_topk=not spec.topk_first,
+                expert_weights_float32=spec.expert_weights_float32, topk_first=spec.topk_first,
+                expert_biases=spec.expert_biases)
 
 
 def _end_token_ids(tokens: list[str], spec: Family) -> tuple[int, ...]:
@@ -263,13 +266,13 @@ def read_gguf(path: Path, progress: bool = False, quantized: bool = True) -> GGU
 
 
 def _per_expert(t: Any, hf: str, quantized: bool) -> dict[str, torch.Tensor | QuantizedWeight]:
-    """A stacked expert tensor ([E, rows, cols]) as E matrices under their Hugging Face names ("{e}"
-    filled): views of the file's blocks where the kernel runs their type, else of one float32
-    dequantization."""
-    if len(t.shape) != 3:
+    """A stacked expert tensor ([E, rows, cols], biases [E, rows]) as E matrices (vectors) under their
+    Hugging Face names ("{e}" filled): views of the file's blocks where the kernel runs their type,
+    else of one float32 dequantization."""
+    if len(t.shape) != (2 if hf.endswith(".bias") else 3):
         raise ModelLoadError(f"GGUF tensor {t.name!r} has {len(t.shape)} dimensions; expected 3 (experts, rows, "
-                             f"columns)")
-    if quantized and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
+                             f"columns), or 2 for biases")
+    if quantized and len(t.shape) == 3 and GGMLQuantizationType(t.tensor_type) in KERNEL_TYPES:
         blocks = np.asarray(t.data)  # [E, rows, row_bytes]
         try:
             return {hf.replace("{e}", str(e)): QuantizedWeight([Part(GGMLQuantizationType(t.tensor_type), blocks[e])],

@@ -50,7 +50,7 @@ def rope_scaling(meta: Mapping[str, Any], arch: str, spec: Family, context: int,
         raise UnsupportedArchitecture(f"GGUF tensor 'rope_freqs.weight' with rope scaling "
                                       f"{'yarn' if kind == 'yarn' else 'longrope'!r} is not supported")
     if kind == "yarn":
-        return _yarn(key, arch, factor, context, tensors), context
+        return _yarn(key, arch, factor, context, tensors, spec.gguf_yarn_truncate), context
     if longrope or kind == "longrope":
         return _longrope(key, arch, factor, context, tensors, longrope)
     if kind in (None, "linear") and factor is not None:
@@ -92,11 +92,13 @@ def _refuse_other_kinds_keys(key, arch: str, kind: str | None) -> None:
                                           f"scaling {kind or 'none'!r}")
 
 
-def _yarn(key, arch: str, factor: float | None, context: int, tensors: Mapping[str, np.ndarray]) -> RopeScaling:
+def _yarn(key, arch: str, factor: float | None, context: int, tensors: Mapping[str, np.ndarray],
+          truncate: bool) -> RopeScaling:
     """YaRN as the converter writes it: the factor and original context always, the attention
     factor and betas where the config had them (else transformers' defaults); llama.cpp's
     yarn_log_multiplier is transformers' mscale_all_dim (with mscale 1); rope.scaling.attn_factor
-    multiplies the cos/sin scale, as in llama.cpp."""
+    multiplies the cos/sin scale, as in llama.cpp. `truncate`: the family's (the file does not say;
+    gpt-oss's checkpoints do not round the correction range, which llama.cpp rounds)."""
     if factor is None:
         raise ModelLoadError(f"GGUF rope scaling type 'yarn' needs '{arch}.rope.scaling.factor' greater than 1")
     if any(name in tensors for name in _LONGROPE):
@@ -110,7 +112,8 @@ def _yarn(key, arch: str, factor: float | None, context: int, tensors: Mapping[s
                            key("rope.scaling.original_context_length") or context),
                        beta_fast=float(key("rope.scaling.yarn_beta_fast") or 32.0),
                        beta_slow=float(key("rope.scaling.yarn_beta_slow") or 1.0),
-                       attention_factor=float(attention) * float(key("rope.scaling.attn_factor") or 1.0))
+                       attention_factor=float(attention) * float(key("rope.scaling.attn_factor") or 1.0),
+                       truncate=truncate)
 
 
 def _longrope(key, arch: str, factor: float | None, context: int, tensors: Mapping[str, np.ndarray],

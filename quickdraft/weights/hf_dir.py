@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.config import ModelConfig
-from quickdraft.weights.names import ignored
+from quickdraft.weights.names import ignored, unstack_experts
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -34,8 +34,10 @@ def read_config(path: Path) -> ModelConfig:
 
 
 def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json and the tensors, a tied LM head settled as transformers settles it."""
-    return settle_tied_head(read_config(path), read_tensors(path))
+    """config.json and the tensors (stacked experts as each expert's), a tied LM head settled as
+    transformers settles it."""
+    config = read_config(path)
+    return settle_tied_head(config, unstack_experts(read_tensors(path), config.family))
 
 
 def settle_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]

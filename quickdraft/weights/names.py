@@ -6,12 +6,16 @@ The model is built from Hugging Face names and refuses a tensor it does not take
 renames through the family's names and keeps a name outside them as it is, so that refusal names it.
 An expert's matrices are one tensor per expert ("{e}") in a checkpoint and one stacked tensor of
 every expert's in a GGUF: a GGUF name renames to its HF name with "{e}" left in, for the loader to
-fill per expert.
+fill per expert. gpt-oss's checkpoints stack them too (transformers' layout): `unstack_experts`
+gives them the per-expert names.
 """
 from __future__ import annotations
 
 import re
 
+import torch
+
+from quickdraft.errors import ModelLoadError
 from quickdraft.model.families import Family
 
 # Hugging Face tensors that are dropped at load, and why. (GGUF's `rope_freqs.weight` is no such
@@ -56,3 +60,31 @@ def _rename(name: str, family: Family, source: int) -> str | None:
                 out = out.replace(f"{{{index}}}", value)
             return out
     return None
+
+
+def unstack_experts(tensors: dict[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+    """A checkpoint's stacked expert tensors (Family.stacked_experts: x @ W, gate and up interleaved
+    in gate|up's columns and its bias) as each expert's gate, up and down matrices ([out, in], as a
+    Linear holds them) and biases under the family's per-expert names; the other tensors as they are."""
+    if family.stacked_experts is None:
+        return tensors
+    names = family.names
+    stacked = [_pattern(name) for name in family.stacked_experts]
+    out = {}
+    for name, t in tensors.items():
+        which = next((k for k, pattern in enumerate(stacked) if pattern.match(name)), None)
+        if which is None:
+            out[name] = t
+            continue
+        layer = stacked[which].match(name)["i"]
+        if t.dim() != 3 - which % 2:
+            raise ModelLoadError(f"{name} has shape {tuple(t.shape)}; expected {3 - which % 2} dimensions "
+                                 f"(experts first)")
+        pieces = {0: {"expert_gate": t[..., ::2], "expert_up": t[..., 1::2]},
+                  1: {"expert_gate.bias": t[:, ::2], "expert_up.bias": t[:, 1::2]},
+                  2: {"expert_down": t}, 3: {"expert_down.bias": t}}[which]
+        for role, w in pieces.items():
+            w = w.transpose(1, 2) if w.dim() == 3 else w  # [E, in, out] -> [E, out, in]
+            template = names[role][0].replace("{i}", layer)
+            out |= {template.replace("{e}", str(e)): w[e].contiguous() for e in range(w.shape[0])}
+    return out
