@@ -1,6 +1,6 @@
-"""`quickdraft bench random-gguf`: a random-weight Q4_K_M GGUF of an MoE shape that quickdraft loads
-as the model it describes (experts, types by llama.cpp's Q4_K_M rule, the Qwen tokenizer), with
-finite, varied output, and speculation on it exact.
+"""`quickdraft bench random-gguf`: a random-weight GGUF of an MoE shape that quickdraft loads as the
+model it describes (Qwen3-MoE: types by llama.cpp's Q4_K_M rule; gpt-oss: MXFP4 experts, Q8_0,
+biases, sinks, a padded vocabulary), with finite, varied output, and speculation on it exact.
 
 Oracles: the shape written (read back with gguf's reader), plain greedy decoding of the same file.
 """
@@ -20,6 +20,8 @@ from quickdraft.spec.sampling import SamplingParams
 
 SMALL = MoeShape(layers=3, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, experts_used=2,
                  expert_size=256, dense_size=512, context=2048)
+SMALL_OSS = MoeShape(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, experts_used=2, expert_size=256,
+                     dense_size=256, vocab=152000, context=8192, rope_theta=150000.0, eps=1e-5, arch="gpt-oss")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +42,24 @@ def test_the_file_holds_the_shape_with_q4_k_m_types(small: Path) -> None:
     assert [more_bits(i, 48) for i in range(8)] == [True] * 6 + [False, False]  # llama.cpp's rule at 48 layers
     assert int(reader.fields["qwen3moe.expert_count"].contents()) == SMALL.experts
     assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == SMALL.vocab
+
+
+def test_a_gpt_oss_shape_has_mxfp4_experts_q8_matrices_and_runs_as_gpt_oss(tmp_path: Path) -> None:
+    path = write_random_moe(SMALL_OSS, tmp_path / "oss.gguf")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert tensors["blk.1.ffn_down_exps.weight"].tensor_type.name == "MXFP4"
+    assert tensors["blk.1.attn_q.weight"].tensor_type.name == "Q8_0"
+    assert tensors["blk.0.attn_sinks.weight"].shape.tolist() == [SMALL_OSS.heads]
+    llm = quickdraft.load(str(path))
+    config = llm.model.config
+    assert (config.model_type, config.vocab_size, config.num_experts, config.layer_windows) == \
+        ("gpt_oss", 152000, 4, (128, None))
+    assert "MXFP4" in llm.model.weight_format and "Q8_0" in llm.model.weight_format
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = llm.generate("def fibonacci(n):", params=params, spec=quickdraft.SpecConfig("none"))
+    assert len(Counter(plain.token_ids)) > 4
+    assert llm.generate("def fibonacci(n):", params=params, spec=quickdraft.SpecConfig("ngram")).token_ids == \
+        plain.token_ids
 
 
 def test_quickdraft_runs_it_as_the_mixture_it_describes_and_speculation_stays_exact(small: Path) -> None:
