@@ -30,8 +30,9 @@ PROMPT_ROOM = 128  # tokens kept for a built-in chat prompt (with any template's
 def compare_config(tokenizer: Tokenizer, n_prompts: int, max_new_tokens: int, prefill_tokens: Sequence[int],
                    context: int, max_q: int, repeats: int) -> CompareConfig:
     """Chat prompts for decoding (the text alone for a model without a chat template); for prefill
-    and t(q), the first tokens of the prompts' text run together (any text: a pass costs the same
-    whatever the tokens)."""
+    and t(q), the first tokens of the prompts' text run together (any text: a dense model's pass costs
+    the same whatever the tokens; a mixture's depends on how many experts they route to, the same
+    text for both engines)."""
     prompts = tuple(tuple(prompt_ids(tokenizer, p)) for p in PROMPTS[:n_prompts])
     text, ids = "", []
     while len(ids) < max(*prefill_tokens, context + max_q):
