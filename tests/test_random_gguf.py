@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGUFReader
 
 import quickdraft
@@ -55,6 +56,19 @@ def test_a_gpt_oss_shape_has_mxfp4_experts_q8_matrices_and_runs_as_gpt_oss(tmp_p
     assert (config.model_type, config.vocab_size, config.num_experts, config.layer_windows) == \
         ("gpt_oss", 152000, 4, (128, None))
     assert "MXFP4" in llm.model.weight_format and "Q8_0" in llm.model.weight_format
+    # its YaRN is gpt-oss's checkpoints' (the correction range unrounded, which the file does not
+    # record), bitwise transformers'; rounded (llama.cpp's) it would differ at these dimensions
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from quickdraft.model.rope import inverse_frequencies
+    rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096,
+                rope_theta=150000.0)
+    frequencies = {truncate: ROPE_INIT_FUNCTIONS["yarn"](AutoConfig.for_model(
+        "gpt_oss", hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=8192,
+        rope_parameters={**rope, "truncate": truncate}), "cpu")[0] for truncate in (False, True)}
+    assert torch.equal(inverse_frequencies(config), frequencies[False].float())
+    assert not torch.equal(frequencies[False], frequencies[True])
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     plain = llm.generate("def fibonacci(n):", params=params, spec=quickdraft.SpecConfig("none"))
     assert len(Counter(plain.token_ids)) > 4

@@ -222,6 +222,8 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     positions = positions.to(torch.int64).contiguous()
     out = torch.empty(B, T, n_q * D, dtype=torch.float32)
     scratch = torch.empty(B * T * n_q * D, dtype=torch.float32)
+    if sinks is not None and sinks.numel() != n_q:  # the kernel reads one per query head
+        raise ValueError(f"{sinks.numel()} attention sinks for {n_q} query heads")
     sinks = None if sinks is None else _f32(sinks)
     active_library().qd_rope_attention(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), None if rows is None else rows.data_ptr(),

@@ -52,6 +52,8 @@ class FusedLayer:
         gains = {name: None if norms.get(name) is None else norms[name].float().contiguous() for name in NORMS}
         keep = [g for g in gains.values() if g is not None]
         if sinks is not None:
+            if sinks.numel() != n_q:  # layer.c reads one per query head
+                raise ValueError(f"{sinks.numel()} attention sinks for {n_q} query heads")
             sinks = sinks.float().contiguous()
             keep.append(sinks)
 

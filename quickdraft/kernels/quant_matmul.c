@@ -24,7 +24,8 @@
  *
  * MXFP4's 4-bit codes become signed bytes by a table (twice their E2M1 values: 0, 1, 2, 3, 4, 6, 8,
  * 12 and their negatives, as ggml's kvalues_mxfp4) and then multiply as Q8_0's; its E8M0 scale
- * byte e is the float 2^(e - 128) (ggml's e8m0_to_fp32_half), exact.
+ * byte e is the float 2^(e - 128) (ggml's e8m0_to_fp32_half), exact (times an activation scale it
+ * can go subnormal for e below ~20, where no trained weight's scale lies).
  * Per unit: value = d_u * q + m_u. The offset m_u (Q4_0/Q5_0: -8 d, -16 d; Q4_1, Q5_1, Q4_K, Q5_K:
  * the file's min) meets the row's sum over the unit; Q6_K's -32 is taken from q before widening
  * (int16), or meets the row's sums over half units (int8).

@@ -38,7 +38,8 @@ def build_transformer(config: ModelConfig, tensors: dict[str, torch.Tensor | Qua
     # norms' gains and sinks in the activations' dtype (transformers keeps gpt-oss's sinks as stored,
     # adding them to float32 scores)
     model.load_state_dict({k: _norm_gain(_dense(v), config.norm_offset).to(device=device, dtype=norm_dtype)
-                           if "norm" in k or k.endswith("sinks") else _dense(v).to(device=device, dtype=dtype)
+                           if "norm" in k else _dense(v).to(device=device, dtype=norm_dtype)
+                           if k.endswith("sinks") else _dense(v).to(device=device, dtype=dtype)
                            for k, v in fused.items() if k not in stored}, assign=True, strict=False)
     for name, weight in stored.items():
         owner = model.get_submodule(name.rsplit(".", 1)[0])

@@ -170,7 +170,7 @@ class ModelConfig:
                 max_position_embeddings=_context(cfg, rope),
                 rms_norm_eps=float(cfg["rms_norm_eps"]),
                 rope_theta=float(rope["rope_theta"] if spec.rope_per_layer_type else
-                                 cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+                                 rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0),
                 rope_scaling=_rope_scaling_from_hf(rope, cfg),
                 rope_local_theta=local_theta,
                 qkv_bias=_flag(cfg, spec.qkv_bias),

@@ -46,9 +46,9 @@ class Experts(nn.Module):
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits [N, E] -> each token's experts' weights (float32) and indices, [N, k] each."""
-        if self.topk_first:
+        if self.topk_first:  # (the weights rounded to the logits' dtype, as transformers' GptOssTopKRouter)
             top, chosen = torch.topk(logits.float(), self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), chosen
+            return torch.softmax(top, dim=-1).to(logits.dtype).float(), chosen
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:

@@ -65,13 +65,15 @@ def _rename(name: str, family: Family, source: int) -> str | None:
 def unstack_experts(tensors: dict[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
     """A checkpoint's stacked expert tensors (Family.stacked_experts: x @ W, gate and up interleaved
     in gate|up's columns and its bias) as each expert's gate, up and down matrices ([out, in], as a
-    Linear holds them) and biases under the family's per-expert names; the other tensors as they are."""
+    Linear holds them) and biases under the family's per-expert names; the other tensors as they are.
+    Takes the tensors out of `tensors` as it goes (a stacked one is freed once unstacked)."""
     if family.stacked_experts is None:
         return tensors
     names = family.names
     stacked = [_pattern(name) for name in family.stacked_experts]
     out = {}
-    for name, t in tensors.items():
+    for name in list(tensors):
+        t = tensors.pop(name)
         which = next((k for k, pattern in enumerate(stacked) if pattern.match(name)), None)
         if which is None:
             out[name] = t
