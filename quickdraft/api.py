@@ -7,18 +7,16 @@ deltas cut at stop strings. A chat is rendered as the server renders it (request
 """
 from __future__ import annotations
 
-import json
 import threading
-import uuid
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterator, Literal, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.engine.events import FinishReason, GenerationStats
+from quickdraft.engine.events import GenerationStats
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.service import EngineService
 from quickdraft.errors import ModelLoadError, QuickdraftError, RequestError
@@ -30,14 +28,14 @@ from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfi
 from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
+from quickdraft.requests.completion import Completion, completion
 from quickdraft.requests.prompt import bounded, check_length, given, text_of
+from quickdraft.requests.reply import end_ids
 from quickdraft.requests.shape import constraint_of, shape_of
 from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.structured.conversation import call_id
 from quickdraft.structured.grammar import Constraint, Vocabulary
-from quickdraft.structured.tool_reply import read
 from quickdraft.structured.tools import (
     Syntax,
     Tools,
@@ -53,35 +51,6 @@ T = TypeVar("T")
 # with use: rows and room that no request asked for cost nothing).
 ENGINE = EngineConfig(max_batch=8)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: dict[str, Any]
-
-    def as_openai(self) -> dict[str, Any]:
-        """OpenAI's shape, as a conversation's history holds it."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
-
-
-@dataclass
-class Completion:
-    text: str  # all the model wrote (token_ids decoded), with tools its calls' syntax too
-    token_ids: list[int]
-    finish_reason: FinishReason | Literal["tool_calls"]  # tool_calls: the reply's calls are whole
-    stats: GenerationStats
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
-    content: str = ""  # the text outside the tool calls (all of it without tools)
-    tool_calls: list[ToolCall] = field(default_factory=list)  # whole calls only: one cut short is left out
-
-    @property
-    def message(self) -> dict[str, Any]:
-        """The reply as an assistant message, to go on a conversation (a tool result after it)."""
-        calls = {"tool_calls": [c.as_openai() for c in self.tool_calls]} if self.tool_calls else {}
-        return {"role": "assistant", "content": self.content, **calls}
 
 
 @dataclass
@@ -234,10 +203,11 @@ class LLM:
         """A request for the engine, and the call that builds its proposer (on the driving thread);
         `prompt_logprobs`: its prompt scored too, with this many alternatives a token. A request that
         generates nothing has nothing to draft: no proposer. `cache_scope`: whose prefix-cache
-        entries it reads and leaves (prefix_cache.py)."""
+        entries it reads and leaves (prefix_cache.py). It ends at the model's end tokens
+        (requests/reply.py `end_ids`: a harmony model's <|return|> and <|call|>, never <|end|>)."""
         drafts = spec.enabled and params.max_new_tokens > 0
-        request = Request(ids, params, self.tokenizer.eos_token_ids, None, spec.k if drafts else 0, spec.adaptive,
-                          constraint, prompt_logprobs, cache_scope)
+        request = Request(ids, params, end_ids(self.tokenizer, self.tool_syntax()), None, spec.k if drafts else 0,
+                          spec.adaptive, constraint, prompt_logprobs, cache_scope)
         return request, lambda: self.proposer(ids, params, spec, cache_scope) if drafts else None
 
     def grammar_vocabulary(self) -> Vocabulary:
@@ -273,14 +243,19 @@ class LLM:
         return PROPOSERS[spec.method].factory(ProposerContext(prompt_ids, params, spec, self, cache_scope))
 
     def prompt_ids(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
-                   tools: Tools | None = None, context: int | None = None) -> list[int]:
+                   tools: Tools | None = None, context: int | None = None, reasoning_effort: str | None = None
+                   ) -> list[int]:
         """The prompt's tokens; chat messages as the server writes them (requests/prompt.py `text_of`:
         the tools where the reply may call them, earlier calls and tool results in the template's
-        syntax). `context`: a prompt past it is refused (ContextTooLong) from a prefix, as the server
-        does (`bounded`); None: the whole text is tokenized."""
+        syntax, a harmony template's reasoning_effort). `context`: a prompt past it is refused
+        (ContextTooLong) from a prefix, as the server does (`bounded`); None: the whole text is tokenized."""
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of a prompt or chat messages", "prompt" if messages is None else None)
-        text = prompt if messages is None else text_of(self.tokenizer, self.tool_syntax(), messages, tools)
+        if messages is None and reasoning_effort is not None:
+            raise RequestError("reasoning_effort: a chat's (the template writes it); give messages, not a prompt",
+                               "reasoning_effort")
+        text = prompt if messages is None else text_of(self.tokenizer, self.tool_syntax(), messages, tools,
+                                                       reasoning_effort)
         if context is None:
             return self.tokenizer.encode(text, messages is None)
         param = "prompt" if messages is None else "messages"
@@ -292,27 +267,29 @@ class LLM:
                params: SamplingParams | None = None, spec: SpecConfig | None = None,
                response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None) -> Iterator[Chunk]:
+               parallel_tool_calls: bool | None = None, reasoning_effort: str | None = None) -> Iterator[Chunk]:
         """Text chunks as tokens are committed; `spec` overrides the model's default speculation;
         `response_format` (OpenAI's: json_object or json_schema) constrains the text to JSON (its
         finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on).
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (docs/tools.md), with chat messages;
-        the chunks are the model's text, calls in its syntax (generate reads them into tool_calls)."""
+        `reasoning_effort`: low, medium or high, a harmony (gpt-oss) chat's. The chunks are the model's
+        text: calls in its syntax, a harmony reply's channels with their markers (generate reads them
+        into content, reasoning and tool_calls)."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
-                                                 parallel_tool_calls)
+                                                 parallel_tool_calls, reasoning_effort)
         return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen)
 
     def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
-                  tool_choice: str | Mapping[str, Any] | None, parallel_tool_calls: bool | None
-                  ) -> tuple[list[int], Constraint | None, Tools | None]:
+                  tool_choice: str | Mapping[str, Any] | None, parallel_tool_calls: bool | None,
+                  reasoning_effort: str | None) -> tuple[list[int], Constraint | None, Tools | None]:
         """(prompt ids, constraint, tools) of a request, through the steps the server takes
         (requests/): a RequestError names the field at fault."""
         shape = shape_of(tools, tool_choice, parallel_tool_calls, response_format, chat=messages is not None)
         # the grammar vocabulary (~1 s on first use) only where there is a grammar
         constraint = None if shape.free else constraint_of(shape, self.grammar_vocabulary(), self.tool_syntax())
-        return self.prompt_ids(prompt, messages, shape.tools, self.engine_service().engine.max_seq_len), \
-            constraint, shape.tools
+        return self.prompt_ids(prompt, messages, shape.tools, self.engine_service().engine.max_seq_len,
+                               reasoning_effort), constraint, shape.tools
 
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
                 tools: Tools | None) -> Iterator[Chunk]:
@@ -330,27 +307,15 @@ class LLM:
                  params: SamplingParams | None = None, spec: SpecConfig | None = None,
                  response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                  tool_choice: str | Mapping[str, Any] | None = None,
-                 parallel_tool_calls: bool | None = None) -> Completion:
-        """The whole text; the arguments as stream()'s. With tools, the reply's calls are read out of
-        the text (tool_calls, their arguments parsed) and the rest is its content; finish_reason
-        "tool_calls" once the calls are whole."""
+                 parallel_tool_calls: bool | None = None, reasoning_effort: str | None = None) -> Completion:
+        """The whole text; the arguments as stream()'s. A chat's reply is read as the server reads it
+        (requests/reply.py): with tools, its calls (tool_calls, their arguments parsed); on a harmony
+        model, its reasoning; the rest is its content; finish_reason "tool_calls" once the calls are
+        whole."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
-                                                 parallel_tool_calls)
-        text, tokens, logprobs = [], [], []
-        for chunk in self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen):
-            text.append(chunk.text)
-            tokens.extend(chunk.token_ids)
-            logprobs.extend(chunk.logprobs)
-        done = Completion("".join(text), tokens, chunk.finish_reason or "length", chunk.stats, logprobs, "".join(text))
-        if chosen is None or not chosen.callable():
-            return done
-        reply = read(chosen, self.tool_syntax(), done.text)
-        request_id = uuid.uuid4().hex
-        return replace(done, content=reply.content,
-                       tool_calls=[ToolCall(call_id(request_id, i), c.name, json.loads(c.arguments))
-                                   for i, c in enumerate(reply.whole)],
-                       finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
-                       done.finish_reason)
+                                                 parallel_tool_calls, reasoning_effort)
+        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen)
+        return completion(chunks, self.tool_syntax(), chosen, chat=messages is not None)
 
 
     def score(self, prompt: str | Sequence[int], top_logprobs: int = 0) -> Scored:

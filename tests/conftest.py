@@ -13,7 +13,7 @@ collect_ignore = [] if importlib.util.find_spec("llama_cpp") else ["test_llamacp
 UNIT = {"test_cache", "test_docs_links", "test_draft_contract", "test_draft_cost", "test_engine_stats", "test_extras",
         "test_family_specs", "test_goodput", "test_imports", "test_ngram", "test_proposer_shape", "test_registry",
         "test_request_budget", "test_rope_scaling", "test_sampling", "test_scheduler", "test_schema_validity",
-        "test_spec_errors", "test_token_bound", "test_token_origins", "test_tokenizer"}
+        "test_spec_errors", "test_token_bound", "test_token_origins", "test_tokenizer", "test_harmony"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

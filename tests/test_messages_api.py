@@ -98,7 +98,7 @@ def test_output_format_is_a_response_format_and_count_tokens_has_no_sampling() -
 
 @pytest.mark.parametrize("fields, param, fragment", [
     ({"messages": [*USER, {"role": "assistant", "content": "The answer is ("}]}, "messages", "prefill"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type", "do not think"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking.type", "budget (enabled) is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0",
      "'text', 'tool_result'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "messages.0.content.0.text",

@@ -102,7 +102,8 @@ def test_text_format_becomes_the_response_format(fmt: dict, expected: dict | Non
 
 
 @pytest.mark.parametrize("fields, where", [
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}, "input"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
@@ -121,7 +122,7 @@ def test_what_the_adapter_cannot_serve_is_refused_by_name(fields: dict, where: s
 
 def test_accepted_fields_change_nothing_generated() -> None:
     plain = chat_request(request(), request().items())
-    extra = request(reasoning={"effort": "low"}, include=[], truncation="disabled", service_tier="auto", user="u",
+    extra = request(reasoning={"summary": "auto"}, include=[], truncation="disabled", service_tier="auto", user="u",
                     store=False, stream_options={"include_obfuscation": False}, top_logprobs=0, background=False)
     assert chat_request(extra, extra.items()) == plain
 

@@ -8,7 +8,10 @@ Its steps, in the order both doors take them:
    text, refusing one past the context from a prefix; `prompt.given` checks token ids;
 3. `shape.constraint_of`: the reply's grammar compiled;
 4. `LLM.request`: the engine's request and its proposer, one per choice;
-5. `text.TextAssembler`: the engine's token events of a request become text chunks (stop strings).
+5. `text.TextAssembler`: the engine's token events of a request become text chunks (stop strings);
+6. `reply.Reader` / `reply.read`: a chat's reply read into content, reasoning (harmony's analysis
+   channel) and tool calls, as it streams or whole (`completion.completion` for the Python API);
+   `reply.end_ids`: the tokens that end a generation (harmony's <|return|> and <|call|>, never <|end|>).
 The Python API (api.py) runs them in a row; the server's routes (server/requests.py) run the same
 functions where each belongs (tokenizing and compiling on their thread pools, a request's places in
 the queue taken between), and answer a RequestError with a 400 carrying its param and code. So the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import operator
 from typing import Any, Mapping, Sequence
 
+from jinja2 import TemplateError
+
 from quickdraft.errors import ContextTooLong, QuickdraftError, RequestError
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.structured.conversation import conversation
@@ -18,23 +20,56 @@ PREFIX_CHARS = 8         # a prompt's first prefix: this many characters per tok
 PREFIX_SLACK = 64        # a prefix refuses once it alone makes the context, this many tokens and the bytes of
                          # the longest token more: its cut end tokenizes otherwise than the whole text only in the
                          # token or word it cuts (a 256-byte token cut: up to 255 one-byte tokens)
+EFFORTS = ("low", "medium", "high")  # the reasoning efforts gpt-oss's template writes (its default: medium)
 
 
-def text_of(tokenizer: Tokenizer, syntax: Syntax, messages: Sequence[Mapping[str, Any]], tools: Tools | None) -> str:
+def text_of(tokenizer: Tokenizer, syntax: Syntax, messages: Sequence[Mapping[str, Any]], tools: Tools | None,
+            effort: str | None = None) -> str:
     """A chat's prompt text: its messages (conversation.template_message normalizes roles and text
     parts) and the tools the reply may call, as the model's chat template writes them; a message
-    the template cannot take is a RequestError naming `messages`."""
+    the template cannot take is a RequestError naming `messages`. effort: the reasoning effort of a
+    harmony template (check_effort), None: the template's default."""
+    check_effort(syntax, effort)
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
         raise RequestError(f"messages: expected a list of chat messages, found {type(messages).__name__}", "messages")
     if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
         raise RequestError(f"chat messages are objects with a role and content, found {odd!r}", "messages")
     try:
         turns, listed = conversation(messages, tools, syntax)
-        return tokenizer.chat_text(turns, True, listed)
+        return tokenizer.chat_text(turns, True, listed) if effort is None else _with_effort(tokenizer, turns, listed,
+                                                                                            effort)
     except RequestError:
         raise
     except (QuickdraftError, ValueError) as e:
         raise RequestError(str(e), "messages") from None
+
+
+def check_effort(syntax: Syntax, effort: str | None) -> None:
+    """A reasoning effort is for a template that reads one (harmony's), and one it knows; else a
+    RequestError naming reasoning_effort."""
+    if effort is None:
+        return
+    if not syntax.channels:
+        raise RequestError("reasoning_effort: this model's chat template takes no reasoning effort (gpt-oss's "
+                           "harmony template does); leave it unset", "reasoning_effort")
+    if effort not in EFFORTS:
+        raise RequestError(f"reasoning_effort: expected one of {', '.join(EFFORTS)}, found {effort!r}",
+                           "reasoning_effort")
+
+
+def _with_effort(tokenizer: Tokenizer, turns: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                 effort: str) -> str:
+    """The template's text with its reasoning_effort variable set, which Tokenizer.chat_text has no way
+    to pass: the turns checked as chat_text checks them (the tokenizer refuses text that is no valid
+    Unicode), the template's own refusal a RequestError."""
+    if (odd := next((t for t in turns if not isinstance(t.get("role"), str) or
+                     not isinstance(t.get("content"), str)), None)) is not None:
+        raise RequestError(f"chat messages need string 'role' and 'content', found {odd!r}", "messages")
+    try:
+        return tokenizer.hf.apply_chat_template(turns, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                reasoning_effort=effort)
+    except TemplateError as e:
+        raise RequestError(f"the chat template cannot write this conversation: {e}", "messages") from None
 
 
 def check_length(tokenizer: Tokenizer, at_least: int, context: int, note: str = "", param: str = "prompt") -> None:

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 
 from quickdraft.errors import RequestError
 from quickdraft.structured.grammar import Constraint, GrammarError, Vocabulary, constrain, grammar_text
+from quickdraft.structured.harmony_grammar import harmony_constraint
 from quickdraft.structured.tools import Syntax, Tools, ToolsError, compile_tools, request_tools
 
 FORMAT_CODE = GrammarError.code
@@ -41,7 +42,10 @@ def shape_of(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, parall
 
 def constraint_of(shape: Shape, vocabulary: Vocabulary, syntax: Syntax) -> Constraint | None:
     """The reply's grammar (None: free text), compiled: a schema llguidance refuses is a
-    RequestError naming its field. Takes time (the server runs it on its grammar threads)."""
+    RequestError naming its field. Takes time (the server runs it on its grammar threads). A harmony
+    reply's calls and answer sit in its channels (harmony_grammar.py)."""
+    if syntax.channels:
+        return harmony_constraint(vocabulary, shape.tools, shape.response_format)
     if shape.tools is not None:
         return compile_tools(vocabulary, shape.tools, syntax, shape.response_format)
     if shape.response_format is None:

@@ -36,7 +36,7 @@ MESSAGE = {  # the published schema of a whole answer
     "type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"],
     "properties": {"type": {"const": "message"}, "role": {"const": "assistant"},
                    "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
-                       "type": {"enum": ["text", "tool_use"]}}}},
+                       "type": {"enum": ["thinking", "text", "tool_use"]}}}},
                    "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
                    "usage": {"type": "object", "required": ["input_tokens", "output_tokens"]}}}
 EVENT = {  # one server-sent event (its event: and data: lines), as OpenAPI 3.2 describes a stream's items
@@ -79,11 +79,18 @@ def tool_id(call_id: str) -> str:
     return "toolu_" + call_id.removeprefix("call_")
 
 
-def message(chat: dict[str, Any], stop_sequence: str | None) -> dict[str, Any]:
-    """A whole chat completion (its calls read: tool_calls.rewritten) as Anthropic's Message."""
+def thinking_block(text: str) -> dict[str, Any]:
+    """A harmony model's reasoning as Anthropic's thinking block (unsigned: the signature is empty)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def message(chat: dict[str, Any], stop_sequence: str | None, thinking: bool = True) -> dict[str, Any]:
+    """A whole chat completion (its reply read: tool_calls.rewritten) as Anthropic's Message; its
+    reasoning a thinking block first, unless not `thinking` (the request's thinking disabled)."""
     choice = chat["choices"][0]
     reply = choice["message"]
-    content = [{"type": "text", "text": reply["content"]}] if reply["content"] else []
+    content = [thinking_block(reply["reasoning_content"])] if thinking and reply.get("reasoning_content") else []
+    content += [{"type": "text", "text": reply["content"]}] if reply["content"] else []
     content += [{"type": "tool_use", "id": tool_id(call["id"]), "name": call["function"]["name"],
                  "input": json.loads(call["function"]["arguments"])} for call in reply.get("tool_calls") or ()]
     return {"id": "msg_" + chat["id"].removeprefix("chatcmpl-"), "type": "message", "role": "assistant",
@@ -98,14 +105,16 @@ def event(name: str, data: dict[str, Any]) -> str:
 
 class Events:
     """A chat answer's chunks (responses.chunk) as Anthropic's events: message_start; a content
-    block (start, deltas, stop) per run of text and per tool call; message_delta with the stop reason and
-    the usage; message_stop. message_start's input_tokens are the prompt's; message_delta's, the final
-    ones, leave out the tokens read from the prefix cache (known once the engine has the prompt)."""
+    block (start, deltas, stop) per run of thinking (unless not `thinking`) or text and per tool call;
+    message_delta with the stop reason and the usage; message_stop. message_start's input_tokens are
+    the prompt's; message_delta's, the final ones, leave out the tokens read from the prefix cache
+    (known once the engine has the prompt)."""
 
-    def __init__(self, message_id: str, model: str, prompt_tokens: int) -> None:
-        self.message_id, self.model, self.prompt_tokens = message_id, model, prompt_tokens
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, thinking: bool = True) -> None:
+        self.message_id, self.model, self.prompt_tokens, self.thinking = message_id, model, prompt_tokens, thinking
         self.index = -1                  # the last block's
-        self.open: str | int | None = None  # the open block: "text", or its call's index among the chat's calls
+        # the open block: "thinking", "text", or its call's index among the chat's calls
+        self.open: str | int | None = None
         self.finish: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -118,6 +127,10 @@ class Events:
     def chunk(self, data: dict[str, Any]) -> list[str]:
         choice = data["choices"][0]
         delta, events = choice["delta"], []
+        if self.thinking and delta.get("reasoning_content"):
+            if self.open != "thinking":
+                events += self._begin("thinking", thinking_block(""))
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._begin("text", {"type": "text", "text": ""})

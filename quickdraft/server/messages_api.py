@@ -71,6 +71,14 @@ class ToolUseBlock(BaseModel):
     input: Json
 
 
+class ThinkingBlock(BaseModel):
+    """An earlier answer's thinking (a harmony model's reasoning), echoed back: a harmony template
+    writes it before the call it goes on from (its signature ignored: this server signs none)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["thinking"]
+    thinking: Text
+
+
 class ToolResultBlock(BaseModel):
     """A call's result, which the next answer reads: its text as it is (a chat has no error flag)."""
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -98,7 +106,7 @@ def _union(noun: str, key: str, *models: type[BaseModel]) -> Any:
 
 Texts = Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)]
 UserBlock = _union("a block", "type", TextBlock, ToolResultBlock)
-AssistantBlock = _union("a block", "type", TextBlock, ToolUseBlock)
+AssistantBlock = _union("a block", "type", TextBlock, ToolUseBlock, ThinkingBlock)
 
 
 class UserMessage(BaseModel):
@@ -157,8 +165,9 @@ class ToolChoice(BaseModel):
 
 class Thinking(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    type: Annotated[str, only("disabled", "adaptive", why="quickdraft's models do not think: extended thinking "
-                              "(enabled) is not supported; disabled, or adaptive (the model then never thinks)")]
+    type: Annotated[str, only("disabled", "adaptive", why="extended thinking with a budget (enabled) is not "
+                              "supported: adaptive (a harmony model such as gpt-oss thinks as it does, in thinking "
+                              "blocks; others never think) or disabled (no thinking blocks)")]
     display: Literal["summarized", "omitted"] | None = Field(default=None, description=IGNORED)
 
 
@@ -172,7 +181,9 @@ class OutputConfig(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     format: OutputFormat | None = Field(default=None, description=(
         "the answer is JSON valid under the schema, exact under speculation (not with tools)"))
-    effort: Annotated[str | None, only(None, why="not supported: quickdraft's models do not think")] = None
+    effort: Literal["low", "medium", "high"] | None = Field(default=None, description=(
+        "a harmony (gpt-oss) model's reasoning effort, as its template writes it (unset: medium); other models "
+        "refuse it"))
 
 
 class Metadata(BaseModel):
@@ -256,15 +267,18 @@ def _turns(message: UserMessage | AssistantMessage | SystemMessage) -> list[dict
     if isinstance(message, AssistantMessage):
         calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
                  for b in message.content if isinstance(b, ToolUseBlock)]
-        return [{"role": "assistant", "content": text or None, "tool_calls": calls} if calls
-                else {"role": "assistant", "content": text}]
+        thinking = "".join(b.thinking for b in message.content if isinstance(b, ThinkingBlock))
+        turn = {"role": "assistant", "content": text or None, "tool_calls": calls} if calls \
+            else {"role": "assistant", "content": text}
+        return [{**turn, "reasoning_content": thinking} if thinking else turn]
     results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
                for b in message.content if isinstance(b, ToolResultBlock)]
     return results + ([{"role": message.role, "content": text}] if text or not results else [])
 
 
 def _tools(body: CountTokensRequest | MessagesRequest) -> dict[str, Any]:
-    """tools, tool_choice, parallel_tool_calls and response_format, as the chat request names them."""
+    """tools, tool_choice, parallel_tool_calls, response_format and reasoning_effort, as the chat
+    request names them."""
     fields: dict[str, Any] = {}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -279,11 +293,13 @@ def _tools(body: CountTokensRequest | MessagesRequest) -> dict[str, Any]:
     if body.output_config is not None and body.output_config.format is not None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": body.output_config.format.schema_}}
+    if body.output_config is not None and body.output_config.effort is not None:
+        fields["reasoning_effort"] = body.output_config.effort
     return fields
 
 
 PARAMS = {"stop": "stop_sequences", "response_format": "output_config.format",
-          "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
+          "reasoning_effort": "output_config.effort", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}
 
 
 def messages_param(param: str | None) -> str | None:

@@ -162,19 +162,19 @@ def _text_bounds(components: dict[str, Any], max_body_bytes: int) -> None:
     """Text that reaches the tokenizer has no bound of its own but the body's (a character is at
     least a byte), which is this server's to write in."""
     strings = [components["TextPart"]["properties"]["text"], components["ToolCallFunction"]["properties"]["arguments"]]
-    strings += [form for form in components["ChatMessage"]["properties"]["content"]["anyOf"]
-                if form.get("type") == "string"]
+    strings += [form for name in ("content", "reasoning_content")
+                for form in components["ChatMessage"]["properties"][name]["anyOf"] if form.get("type") == "string"]
     for form in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         strings.append(form if form["type"] == "string" else form["items"])
     responses = [components["ResponsesRequest"]["properties"][name] for name in ("input", "instructions")]
     responses += [components[model]["properties"][name] for model, name in (
         ("MessageItem", "content"), ("ContentPart", "text"), ("FunctionCallItem", "arguments"),
-        ("FunctionCallOutputItem", "output"))]
+        ("FunctionCallOutputItem", "output"), ("ReasoningText", "text"))]
     strings += [form for field in responses for form in field.get("anyOf", [field])]
     messages = [components[model]["properties"][name] for model, name in (
         ("MessagesRequest", "system"), ("CountTokensRequest", "system"), ("UserMessage", "content"),
         ("AssistantMessage", "content"), ("SystemMessage", "content"), ("TextBlock", "text"),
-        ("ToolResultBlock", "content"))]
+        ("ToolResultBlock", "content"), ("ThinkingBlock", "thinking"))]
     strings += [form for field in messages for form in field.get("anyOf", [field])]
     for form in strings:
         if form.get("type") == "string":

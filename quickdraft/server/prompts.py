@@ -67,10 +67,10 @@ class Prompts:
         bound = self.tokenizer.min_tokens(text, normalize=False)
         return bound if bound is not None else await self._run(len(text), self.tokenizer.min_tokens, text)
 
-    async def chat_text(self, messages: Sequence[Message], tools: Tools | None) -> str:
+    async def chat_text(self, messages: Sequence[Message], tools: Tools | None, effort: str | None = None) -> str:
         """A chat's prompt text (prompt.text_of; rendering is fast next to tokenizing: a short task at
-        any size)."""
-        return await self._run(0, text_of, self.tokenizer, self.syntax, messages, tools)
+        any size); effort: a harmony template's reasoning effort."""
+        return await self._run(0, text_of, self.tokenizer, self.syntax, messages, tools, effort)
 
     async def encode(self, text: str, add_special_tokens: bool = True, context: int | None = None) -> list[int]:
         """The text's token ids; with `context`, a text of more tokens than it holds may be refused

@@ -125,9 +125,10 @@ async def constraints(served: Served, shape: Shape, n: int) -> list[Constraint |
 
 
 async def chat_prompt(prompts: Prompts, body: ChatCompletionRequest, tools: Tools | None) -> str:
-    """A chat's prompt text: its messages and tools as the model's chat template takes them. The one
-    rendering of a chat, so the cluster's front names the prefixes of the prompt a replica runs."""
-    return await prompts.chat_text(body.chat(), tools)
+    """A chat's prompt text: its messages, tools and reasoning effort as the model's chat template takes
+    them. The one rendering of a chat, so the cluster's front names the prefixes of the prompt a replica
+    runs."""
+    return await prompts.chat_text(body.chat(), tools, body.reasoning_effort)
 
 
 async def tokenized(served: Served, text: str, budget: Budget, param: str, http: HTTPRequest,

@@ -108,13 +108,16 @@ def token_origins(chunk: Chunk) -> dict[str, Any]:
 def chunk(kind: Kind, request_id: str, model: str, text: str | None, finish_reason: str | None,
           stats: GenerationStats | None = None, first: bool = False,
           origins: dict[str, Any] | None = None, index: int = 0, logprobs: dict[str, Any] | None = None,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None) -> dict[str, Any]:
     """One stream chunk of choice `index`; its last one (finish_reason set) carries usage and
     stats; origins: the "quickdraft" extension field (token_origins); logprobs: this chunk's
-    tokens', as logprobs() writes them; tool_calls: the delta's calls (server/tool_calls.py)."""
+    tokens', as logprobs() writes them; tool_calls and reasoning (reasoning_content, vLLM's and
+    DeepSeek's name): the delta's (server/tool_calls.py)."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs}
     if kind == "chat":
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        if reasoning:
+            choice["delta"]["reasoning_content"] = reasoning
         if tool_calls:
             choice["delta"]["tool_calls"] = tool_calls
     else:

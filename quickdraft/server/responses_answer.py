@@ -1,9 +1,10 @@
 """OpenAI's Responses API on its way out: the chat route's answer as a response object, whole (from a
 chat completion) or as Responses events (from its stream chunks), with sequence numbers.
 
-A reply is output items: a message item with the text (when there is text, or nothing else) and a
-function_call item per call, in the order the model wrote them. Pure functions and one
-event-numbering class; knows the chat route's bodies (responses.py, tool_calls.py), not the engine.
+A reply is output items: a harmony model's reasoning item first, a message item with the text (when
+there is text, or nothing else) and a function_call item per call, in the order the model wrote them.
+Pure functions and one event-numbering class; knows the chat route's bodies (responses.py,
+tool_calls.py), not the engine.
 """
 from __future__ import annotations
 
@@ -25,6 +26,16 @@ def new_id(prefix: str) -> str:
 def message_item(item_id: str, text: str, status: str) -> Item:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> Item:
+    """A harmony model's reasoning, whole in its content (no summary: the model writes none)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+# a text item's type -> its text events' types' prefix
+TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> Item:
@@ -65,7 +76,8 @@ def response(body: ResponsesRequest, response_id: str, created_at: int, output: 
         "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
         "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)
                  if body.text is not None and body.text.format is not None else {"type": "text"}},
-        "reasoning": {"effort": None, "summary": None}, "metadata": body.metadata or {}, "store": body.store,
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
+        "metadata": body.metadata or {}, "store": body.store,
         "truncation": "disabled", "background": False, "service_tier": "default", "user": body.user}
 
 
@@ -73,9 +85,10 @@ def output_of(completion: dict[str, Any]) -> tuple[list[Item], str]:
     """A whole chat completion's reply as output items, and its finish_reason."""
     choice = completion["choices"][0]
     message, finish = choice["message"], choice["finish_reason"]
-    calls = message.get("tool_calls") or []
-    items = [message_item(new_id("msg"), message["content"] or "", "completed")] \
-        if message["content"] or not calls else []
+    calls, reasoning = message.get("tool_calls") or [], message.get("reasoning_content")
+    items = [reasoning_item(new_id("rs"), reasoning, "completed")] if reasoning else []
+    items += [message_item(new_id("msg"), message["content"] or "", "completed")] \
+        if message["content"] or not (calls or items) else []
     items += [call_item(new_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"], "completed")
               for c in calls]
     items[-1]["status"] = status_of(finish)  # as a stream leaves them: only the last item can be cut short
@@ -110,20 +123,23 @@ class Events:
                                param=error.get("param"))]
         choice = chunk["choices"][0]
         delta, finish = choice["delta"], choice["finish_reason"]
-        events = self._text(delta["content"]) if delta.get("content") else []
+        events = self._text("reasoning", delta["reasoning_content"]) if delta.get("reasoning_content") else []
+        events += self._text("message", delta["content"]) if delta.get("content") else []
         for call in delta.get("tool_calls") or ():
             events += self._call(call)
         if finish is not None:
             events += self._end(finish, chunk["usage"])
         return events
 
-    def _text(self, text: str) -> list[str]:
-        events = [] if self.open and self.output[-1]["type"] == "message" else self._close("completed")
+    def _text(self, kind: str, text: str) -> list[str]:
+        """Text of a message or reasoning item (`kind`), in the open one of its kind or a new one."""
+        events = [] if self.open and self.output[-1]["type"] == kind else self._close("completed")
         if not self.open:
-            events += self._open_message()
+            events += self._open_text(kind)
         self.output[-1]["content"][0]["text"] += text
-        return events + [self.event("response.output_text.delta", item_id=self.output[-1]["id"],
-                                    output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[])]
+        logprobs = {"logprobs": []} if kind == "message" else {}
+        return events + [self.event(f"{TEXT_EVENTS[kind]}.delta", item_id=self.output[-1]["id"],
+                                    output_index=len(self.output) - 1, content_index=0, delta=text, **logprobs)]
 
     def _call(self, call: dict[str, Any]) -> list[str]:
         """A call's first piece names it (a new item); the rest are its arguments."""
@@ -138,11 +154,13 @@ class Events:
                                      output_index=len(self.output) - 1, delta=pieces))
         return events
 
-    def _open_message(self) -> list[str]:
-        events = self._open(message_item(new_id("msg"), "", "in_progress"))
-        return events + [self.event("response.content_part.added", item_id=self.output[-1]["id"],
+    def _open_text(self, kind: str) -> list[str]:
+        item = message_item(new_id("msg"), "", "in_progress") if kind == "message" else \
+            reasoning_item(new_id("rs"), "", "in_progress")
+        events = self._open(item)
+        return events + [self.event("response.content_part.added", item_id=item["id"],
                                     output_index=len(self.output) - 1, content_index=0,
-                                    part={"type": "output_text", "text": "", "annotations": []})]
+                                    part={**item["content"][0], "text": ""})]
 
     def _open(self, item: Item) -> list[str]:
         self.output.append(item)
@@ -156,10 +174,11 @@ class Events:
         self.open = False
         item, index = self.output[-1], len(self.output) - 1
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in TEXT_EVENTS:
             part = item["content"][0]
-            events = [self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                 content_index=0, text=part["text"], logprobs=[]),
+            logprobs = {"logprobs": []} if item["type"] == "message" else {}
+            events = [self.event(f"{TEXT_EVENTS[item['type']]}.done", item_id=item["id"], output_index=index,
+                                 content_index=0, text=part["text"], **logprobs),
                       self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                  content_index=0, part=part)]
         else:
@@ -169,7 +188,7 @@ class Events:
 
     def _end(self, finish: str, chat_usage: dict[str, Any]) -> list[str]:
         """The last item closed (an empty message where the reply had none), then the response."""
-        events = [] if self.output else self._open_message()
+        events = [] if self.output else self._open_text("message")
         events += self._close(status_of(finish))
         self.final = response(self.body, self.id, self.created_at, self.output, finish, chat_usage)
         kind = "response.completed" if self.final["status"] == "completed" else "response.incomplete"

@@ -74,13 +74,31 @@ class FunctionCallOutputItem(BaseModel):
     output: Content
 
 
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning (a harmony model's), echoed back: its text goes with the assistant
+    message after it, which a harmony template writes before a call it goes on from (its id, summary
+    and status ignored)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["reasoning"]
+    content: Annotated[list[ReasoningText], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    encrypted_content: Annotated[str | None, only(None, why="not supported: this server encrypts no reasoning; "
+                                                  "echo back the item's content")] = None
+
+
 def _item_type(item: Any) -> str | None:
     """An item's type; one without is a message (OpenAI's "easy" input message)."""
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
 InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
-                      Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+                      Annotated[FunctionCallOutputItem, Tag("function_call_output")] |
+                      Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
 
 
 class FunctionTool(BaseModel):
@@ -117,6 +135,16 @@ class TextConfig(BaseModel):
     verbosity: Annotated[str | None, only(None, why="not supported")] = None
 
 
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    effort: Literal["low", "medium", "high"] | None = Field(default=None, description=(
+        "a harmony (gpt-oss) model's reasoning effort, as its template writes it (unset: medium); other models "
+        "refuse it"))
+    summary: Annotated[str | None, only(None, "auto", why="no summaries: a harmony model's reasoning comes whole, "
+                                        "as its reasoning item's content")] = None
+    generate_summary: Annotated[str | None, only(None, "auto", why="no summaries (summary's older name)")] = None
+
+
 class ResponsesStreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     include_obfuscation: bool | None = Field(default=None, description="accepted, no effect: no event is padded")
@@ -146,7 +174,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one call in a reply")
     text: TextConfig | None = None
-    reasoning: Json | None = Field(default=None, description="accepted and ignored: no reasoning models")
+    reasoning: ReasoningConfig | None = Field(default=None, description=(
+        "effort: a harmony (gpt-oss) model's; its reasoning comes as a reasoning item before the message"))
     metadata: Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
                              Annotated[str, StringConstraints(max_length=512)]],
                         Field(max_length=MAX_METADATA)] | None = Field(default=None, description="kept and echoed")
@@ -188,7 +217,8 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
         "tool_choice": {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, FunctionToolChoice) else choice,
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body.text),
-        "prompt_cache_key": body.prompt_cache_key}
+        "prompt_cache_key": body.prompt_cache_key,
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as e:  # e.g. more messages than a chat holds, with a stored conversation's
@@ -198,21 +228,29 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
 
 def messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
     """A conversation's items as chat messages: consecutive calls one assistant message's tool_calls
-    (after its text, where the model wrote some), a call's output a tool message."""
+    (after its text, where the model wrote some), a call's output a tool message, a reasoning item's
+    text the reasoning_content of the assistant message right after it (a call after it begins one)."""
     chat: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions is not None else []
+    reasoning = ""  # a reasoning item's, for the assistant message that follows it
     for item in items:
         kind = item.get("type", "message")
+        if kind == "reasoning":
+            reasoning += "".join(part["text"] for part in item.get("content") or ())
+            continue
         if kind == "message":
             chat.append({"role": item["role"], "content": _text(item["content"])})
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if chat and chat[-1]["role"] == "assistant":
+            if chat and chat[-1]["role"] == "assistant" and not reasoning:
                 chat[-1].setdefault("tool_calls", []).append(call)
             else:
                 chat.append({"role": "assistant", "content": None, "tool_calls": [call]})
         else:
             chat.append({"role": "tool", "tool_call_id": item["call_id"], "content": _text(item["output"])})
+        if reasoning and chat[-1]["role"] == "assistant":  # another item after it: the reasoning is not its
+            chat[-1]["reasoning_content"] = reasoning
+        reasoning = ""
     return chat
 
 
@@ -233,6 +271,7 @@ def response_format(text: TextConfig | None) -> dict[str, Any] | None:
 # the chat request's fields, as this request names them: the chat route's 400s name these
 PARAMS = [(re.compile(r"^messages.*"), "input"),
           (re.compile(r"^max_completion_tokens$"), "max_output_tokens"),
+          (re.compile(r"^reasoning_effort$"), "reasoning.effort"),
           (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
           (re.compile(r"^tools\.(\d+)\.function"), r"tools.\1")]
 

@@ -289,6 +289,9 @@ class ChatMessage(BaseModel):
     tool_call_id: Name | None = None
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = Field(
         default=None, validate_default=True)
+    reasoning_content: Text | None = Field(default=None, description=(
+        "an assistant's reasoning, as replies carry it: a harmony (gpt-oss) template writes it before the call it "
+        "goes on from"))
 
     @field_validator("content")
     @classmethod
@@ -374,7 +377,9 @@ class ChatCompletionRequest(_Common):
     modalities: Annotated[list[str] | None, only(None, ["text"], why="only [\"text\"]")] = None
     audio: Annotated[Json | None, only(None, why="not supported: quickdraft generates text only")] = None
     prediction: Annotated[Json | None, only(None, why="not supported (predicted outputs)")] = None
-    reasoning_effort: Annotated[str | None, only(None, why="not supported: no reasoning models")] = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(default=None, description=(
+        "a harmony (gpt-oss) model's reasoning effort, as its template writes it (unset: medium); other models "
+        "refuse it"))
     verbosity: Annotated[str | None, only(None, why="not supported")] = None
     web_search_options: Annotated[Json | None, only(None, why="not supported: quickdraft has no web search")] = None
 

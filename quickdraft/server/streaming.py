@@ -40,7 +40,7 @@ class Answer:
     model: str                                  # the name the bodies carry
     choices: list[Choice]
     events: Events
-    replies: list[tool_calls.ToolReply | None]  # per choice, its reply under tools (None: free text)
+    replies: list[tool_calls.ChatReply | None]  # per choice, its reply read (None: its text is its content)
     cancel: Callable[[str], None]               # ends a request in the engine (EngineWorker.cancel)
     prompts: int = 1                            # a batch's (its usage counts each prompt once)
 
@@ -75,15 +75,14 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     loop = asyncio.get_running_loop()
     events: Events = asyncio.Queue()
     choices = []
-    callable_tools = tools is not None and bool(tools.callable())
     keep = kept_markers(tokenizer, served.prompts.syntax, tools)
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
         timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep), served.metrics, arrived)
         echo = echoes[index] if echoes else None
         choices.append(Choice(index, request, timed.feed, kind, tokenizer.token_bytes, echo))
-    replies = [tool_calls.ToolReply(tools, served.prompts.syntax, choice.request.id)  # type: ignore[arg-type]
-               if callable_tools else None for choice in choices]  # none: free text, nothing to read
+    replies = [tool_calls.reply_of(served.prompts.syntax, tools, choice.request.id) if kind == "chat" else None
+               for choice in choices]
     return Answer(kind, served.config.model_name, choices, events, replies, served.worker.cancel, prompts)
 
 
@@ -155,9 +154,11 @@ async def chunks(answer: Answer, include_usage: bool) -> AsyncGenerator[dict[str
                                 logprobs=choice.echo_logprobs())
                 choice.first = False
             if chunk.text or chunk.token_ids or chunk.finish_reason is not None:  # ids: for their origins
-                content, calls, finish = tool_calls.delta(chunk.text, chunk.finish_reason, answer.replies[index])
+                content, reasoning, calls, finish = tool_calls.delta(chunk.text, chunk.finish_reason,
+                                                                     answer.replies[index])
                 yield out.chunk(answer.kind, request_id, answer.model, content, finish, chunk.stats, choice.first,
-                                out.token_origins(chunk), index, choice.chunk_logprobs(chunk), tool_calls=calls)
+                                out.token_origins(chunk), index, choice.chunk_logprobs(chunk), tool_calls=calls,
+                                reasoning=reasoning)
                 choice.first = False
             if chunk.finish_reason is not None:
                 answer.finished(choice)

@@ -39,10 +39,12 @@ def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syn
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) as the chat template takes them, each message as template_message writes it.
     Native: earlier calls' arguments are objects (templates write them with tojson; OpenAI sends JSON
-    text), their ids positional. GENERIC: the tools and how to call them in the system turn (unless
+    text), their ids positional; harmony's, one call a message (_harmony_turns). GENERIC: the tools and how to call them in the system turn (unless
     choice none), earlier calls and tool results as JSON text in their turns."""
     messages = [template_message(m) for m in messages]
     listed = tools.functions if tools is not None and tools.choice != "none" else ()
+    if syntax.channels:
+        return _harmony_turns(_native_turns(messages)), [f.as_tool() for f in listed] or None
     if syntax.native:
         return _native_turns(messages), [f.as_tool() for f in listed] or None
     calls = {c.get("id"): (c["function"]["name"], i if len(m["tool_calls"]) > 1 else None)
@@ -95,6 +97,36 @@ def _native_turns(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
         else:
             turns.append(dict(message))
     return turns
+
+
+def _harmony_turns(turns: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Native turns as harmony's template takes them (gpt-oss's writes one call a message and names a
+    tool's result after the latest call): each call a message of its own, followed by its result; an
+    assistant's reasoning (reasoning_content, as replies carry it) its call's `thinking`, which the
+    template writes before a call that no answer follows yet (gpt-oss goes on from that reasoning).
+    The template takes a call's thinking or its content, never both: with reasoning, a call's content
+    (a preamble) is left out."""
+    results = {turn["tool_call_id"]: turn for turn in turns if turn.get("role") == "tool" and "tool_call_id" in turn}
+    moved: set[str] = set()
+    written: list[dict[str, Any]] = []
+    for turn in turns:
+        if turn.get("role") == "tool" and turn.get("tool_call_id") in moved:
+            continue
+        if turn.get("role") != "assistant":
+            written.append(turn)
+            continue
+        calls, reasoning = turn.get("tool_calls") or [], turn.get("reasoning_content")
+        rest = {key: value for key, value in turn.items() if key not in ("tool_calls", "reasoning_content")}
+        if not calls:  # an answer: the template drops its reasoning
+            written.append(rest)
+            continue
+        first = {**rest, "tool_calls": calls[:1], **({"thinking": reasoning, "content": ""} if reasoning else {})}
+        for i, call in enumerate(calls):
+            written.append(first if i == 0 else {"role": "assistant", "content": "", "tool_calls": [call]})
+            if len(calls) > 1 and call["id"] in results:
+                written.append(results[call["id"]])
+                moved.add(call["id"])
+    return written
 
 
 def _generic_turn(message: Mapping[str, Any], calls: Mapping[Any, tuple[str, int | None]]) -> dict[str, Any]:

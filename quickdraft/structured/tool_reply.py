@@ -63,13 +63,7 @@ class Reader:
             content.append(self.pending)  # an unfinished call's head or tail: text, not lost
             self.pending = ""
         self.said = self.said or any(content)
-        merged: list[CallPiece] = []
-        for piece in pieces:  # one piece per call per feed
-            if merged and merged[-1].index == piece.index:
-                merged[-1].arguments += piece.arguments
-            else:
-                merged.append(piece)
-        return "".join(content), merged
+        return "".join(content), merged(pieces)
 
     def _step(self, content: list[str], pieces: list[CallPiece], end: bool) -> bool:
         """Read what the pending text allows in the current state; False: wait for more."""
@@ -222,6 +216,17 @@ def read(tools: Tools, syntax: Syntax, text: str) -> Reply:
     reader = Reader(tools, syntax)
     content, pieces = reader.feed(text, end=True)
     return Reply(content, calls_of(pieces), reader.complete)
+
+
+def merged(pieces: list[CallPiece]) -> list[CallPiece]:
+    """A feed's pieces, one per call (a call's consecutive pieces joined)."""
+    joined: list[CallPiece] = []
+    for piece in pieces:
+        if joined and joined[-1].index == piece.index:
+            joined[-1].arguments += piece.arguments
+        else:
+            joined.append(piece)
+    return joined
 
 
 def calls_of(pieces: list[CallPiece]) -> list[Call]:

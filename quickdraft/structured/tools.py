@@ -93,6 +93,7 @@ class Syntax:
     markers: tuple[str, ...] = ()  # texts a vocabulary may hold as special tokens
     key: str = "arguments"
     holder: str | None = None  # the key of the one JSON object whose list holds the calls (GENERIC)
+    channels: bool = False     # harmony: a reply is messages on channels, calls among them (harmony.py)
 
     @property
     def opening(self) -> str:
@@ -111,6 +112,10 @@ MISTRAL = Syntax(True, "[TOOL_CALLS] [", ", ", "]", "[TOOL_CALLS]", ("[TOOL_CALL
 # tools, brave_search, wolfram_alpha and code, which no request here can define.)
 LLAMA3 = Syntax(True, "", None, "", None, key="parameters")
 NATIVE = (HERMES, MISTRAL, LLAMA3)  # probed in this order
+# gpt-oss's harmony: its special tokens, as harmony.py names them, kept in a reply's text (the reply's
+# structure); the template writes tools and earlier calls itself, in a format no call probe matches
+HARMONY = Syntax(True, "", None, "", None, ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                                            "<|return|>", "<|call|>"), channels=True)
 # What a reply may write after its last call before it ends: the line break its template puts between
 # two calls. Qwen2.5 writes "\n" after </tool_call> and then wants its end token (logprob -0.0); a
 # grammar that allowed only another call there forced <tool_call> (logprob -27), and calls the model
@@ -123,9 +128,13 @@ PROBE = Function("quickdraft_probe", {"type": "object", "properties": {"x": {"ty
 
 
 def template_syntax(tokenizer: Any) -> Syntax:
-    """How a tokenizer's chat template takes tools (syntax_of's probe); GENERIC without a template."""
+    """How a tokenizer's chat template takes tools: HARMONY where every harmony marker is one special
+    token and the template writes channels, else syntax_of's probe; GENERIC without a template."""
     if not tokenizer.has_chat_template:
         return GENERIC
+    if len(tokenizer.markers_of(HARMONY.markers)) == len(HARMONY.markers) and \
+            "<|channel|>" in str(tokenizer.hf.chat_template):
+        return HARMONY
     return syntax_of(lambda messages, tools: tokenizer.chat_text(messages, tools=tools))
 
 
@@ -161,8 +170,10 @@ def positional_id(n: int) -> str:
 
 def kept_markers(tokenizer: Any, syntax: Syntax, tools: Tools | None) -> frozenset[int]:
     """The special tokens a reply's text keeps: its tool syntax's markers where it may call (the
-    reply is read for calls in that text: tool_reply.read)."""
-    return tokenizer.markers_of(syntax.markers) if tools is not None and tools.callable() else frozenset()
+    reply is read for calls in that text: tool_reply.read); harmony's always, a reply's structure
+    (a completion's raw text shows it too, as llama.cpp's does)."""
+    keeps = syntax.channels or tools is not None and bool(tools.callable())
+    return tokenizer.markers_of(syntax.markers) if keeps else frozenset()
 
 
 def request_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None,
@@ -229,6 +240,17 @@ def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax,
     time (the server runs it on its grammar threads). The syntax's special markers are named by token
     id (the model's trained token; the reply's text keeps them: Tokenizer.markers_of). response_format
     (OpenAI's, not text): where the reply does not call, its text is JSON under that schema."""
+    answer = checked(vocabulary, tools, response_format)
+    lark = grammar(tools, syntax, special_ids(vocabulary, syntax.markers), answer)
+    if lark is None:
+        return None if response_format is None else constrain(vocabulary, grammar_text(response_format))
+    return constrain(vocabulary, lark_grammar(lark))
+
+
+def checked(vocabulary: Vocabulary, tools: Tools, response_format: Mapping[str, Any] | None
+            ) -> tuple[Mapping[str, Any], bool] | None:
+    """Each function's schema and the response_format's compiled alone, so that one llguidance
+    refuses is a ToolsError naming it; the response_format's (schema, strict), None without one."""
     answer = None
     if response_format is not None:
         try:
@@ -243,12 +265,13 @@ def compile_tools(vocabulary: Vocabulary, tools: Tools, syntax: Syntax,
                 "schema": function.parameters, "strict": function.strict}}))
         except GrammarError as e:
             raise ToolsError(f"{param}: {e}", param) from None
-    special = {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
-               for text in vocabulary.special(syntax.markers)}
-    lark = grammar(tools, syntax, special, answer)
-    if lark is None:
-        return None if response_format is None else constrain(vocabulary, grammar_text(response_format))
-    return constrain(vocabulary, lark_grammar(lark))
+    return answer
+
+
+def special_ids(vocabulary: Vocabulary, markers: Sequence[str]) -> dict[str, int]:
+    """Those of `markers` the vocabulary holds as special tokens -> their ids."""
+    return {text: vocabulary.tokenizer.tokenize_str(text, parse_special=True)[0]
+            for text in vocabulary.special(markers)}
 
 
 def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = None,

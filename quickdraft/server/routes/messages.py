@@ -26,6 +26,7 @@ from quickdraft.server.routes import errors
 from quickdraft.server.routes.chat import prepared
 from quickdraft.server.state import served
 from quickdraft.server.streaming import chunks, completed, submit
+from quickdraft.structured.tools import kept_markers
 
 
 async def messages(body: MessagesRequest, http: HTTPRequest) -> Response:
@@ -36,15 +37,18 @@ async def messages(body: MessagesRequest, http: HTTPRequest) -> Response:
         made, params, tools = await prepared(chat, http)
     answer = submit(s, "chat", made, params, arrived, tools, pieces=False)
     first = answer.choices[0]
-    stop_sequence = functools.partial(answer_of.matched_stop, first, params.stop, s.llm.tokenizer.decode)
+    # decoded as the text was assembled: a reply's kept markers (harmony's, a tool syntax's) are text too
+    decode = functools.partial(s.llm.tokenizer.decode, keep=kept_markers(s.llm.tokenizer, s.prompts.syntax, tools))
+    stop_sequence = functools.partial(answer_of.matched_stop, first, params.stop, decode)
+    thinking = body.thinking is None or body.thinking.type != "disabled"  # a harmony model's reasoning shown
     if body.stream:
-        events = answer_of.Events(first.request.id, answer.model, len(first.request.prompt_ids))
+        events = answer_of.Events(first.request.id, answer.model, len(first.request.prompt_ids), thinking)
         return StreamingResponse(answer_of.stream(chunks(answer, include_usage=False), events, stop_sequence),
                                  media_type="text/event-stream")
     reply = await completed(answer, http)
     if not isinstance(reply, dict):
         return reply  # the client left (499), the engine failed (500) or is shutting down (503)
-    return JSONResponse(answer_of.message(reply, stop_sequence()))
+    return JSONResponse(answer_of.message(reply, stop_sequence(), thinking))
 
 
 async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str, int]:
