@@ -10,7 +10,9 @@ tools' parameters it compiles, that tool_choice names one of the tools and that 
 once, a 400 with code invalid_tools; nor that a batch of prompts times n must fit the server's
 places (each is bounded by them alone), a 400 naming prompt; nor that an Anthropic conversation may
 not end with the assistant's turn (prefill, code prefill_not_supported); nor that n times max_tokens
-must fit the per-request token budget (each is bounded alone; code request_tokens_exceeded). A body the schema refuses
+must fit the per-request token budget (each is bounded alone; code request_tokens_exceeded); nor
+which models take a reasoning effort (gpt-oss's harmony template; others: code unsupported_parameter,
+as OpenAI answers). A body the schema refuses
 but over the size limit is a 413 before it is read (ST201 expects the 400 of a refused body).
 """
 from __future__ import annotations
@@ -32,5 +34,6 @@ def filter_failure(context, failure, case, response) -> bool:
     message = response.json()["error"].get("message", "")
     return not (code in ("context_length_exceeded", "invalid_response_format", "invalid_tools",
                          "prefill_not_supported", "request_tokens_exceeded") or
+                (code == "unsupported_parameter" and "reasoning effort" in message) or
                 (code == "invalid_speculation" and "ngram_min <= ngram_max" in message) or
                 (response.json()["error"].get("param") == "prompt" and "each a request of its own" in message))

@@ -226,7 +226,7 @@ def test_reasoning_effort_reaches_the_template_and_is_checked() -> None:
         assert refused.value.param == "reasoning_effort"
     with pytest.raises(RequestError, match="takes no reasoning effort") as refused:
         text_of(chatml(), template_syntax(chatml()), user, None, "low")
-    assert refused.value.param == "reasoning_effort"
+    assert (refused.value.param, refused.value.code) == ("reasoning_effort", "unsupported_parameter")
     with pytest.raises(RequestError, match="need string 'role'") as refused:
         text_of(tok, HARMONY, [{"content": "no role"}], None, "low")
     assert refused.value.param == "messages"

@@ -303,3 +303,4 @@ def test_each_route_names_its_own_reasoning_effort_field(llm, tmp_path) -> None:
                                                                    "reasoning_effort": "low"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
     assert "takes no reasoning effort" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "unsupported_parameter"  # as OpenAI answers it

@@ -50,8 +50,9 @@ def check_effort(syntax: Syntax, effort: str | None) -> None:
     if effort is None:
         return
     if not syntax.channels:
+        # (the code OpenAI's API gives a reasoning effort sent to a model without reasoning)
         raise RequestError("reasoning_effort: this model's chat template takes no reasoning effort (gpt-oss's "
-                           "harmony template does); leave it unset", "reasoning_effort")
+                           "harmony template does); leave it unset", "reasoning_effort", "unsupported_parameter")
     if effort not in EFFORTS:
         raise RequestError(f"reasoning_effort: expected one of {', '.join(EFFORTS)}, found {effort!r}",
                            "reasoning_effort")
