@@ -154,8 +154,9 @@ def test_an_answer_under_a_response_format_is_json_on_the_final_channel() -> Non
     for text in (FINAL_JSON, f"{THINK}{FINAL_JSON}", FINAL_JSON.replace("final", "final <|constrain|>json")):
         assert accepts(None, text, RAIN), text
     for text in ("<|channel|>final<|message|>It rains.", '<|channel|>final<|message|>{"rain": 1}', CALL,
-                 '<|channel|>commentary<|message|>{"rain": true}'):
-        assert not accepts(None, text, RAIN), text
+                 '<|channel|>commentary<|message|>{"rain": true}',
+                 f"<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant{FINAL_JSON}"):
+        assert not accepts(None, text, RAIN), text  # (a preamble is content: it would break the JSON)
 
 
 def test_auto_answers_text_or_calls_and_with_a_format_json_or_calls() -> None:
@@ -163,6 +164,8 @@ def test_auto_answers_text_or_calls_and_with_a_format_json_or_calls() -> None:
     assert accepts(auto, "<|channel|>final<|message|>Sunny.") and accepts(auto, f"{THINK}{CALL}")
     assert accepts(auto, FINAL_JSON, RAIN) and accepts(auto, CALL, RAIN)
     assert not accepts(auto, "<|channel|>final<|message|>Sunny.", RAIN)
+    assert accepts(auto, f"<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant{CALL}")
+    assert not accepts(auto, f"<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant{FINAL_JSON}", RAIN)
     assert grammar(Tools((WEATHER,), "none"), {}, None) is None and grammar(None, {}, None) is None
 
 

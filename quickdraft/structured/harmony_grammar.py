@@ -1,8 +1,9 @@
 """The grammar a harmony reply (tools.HARMONY; harmony.py reads it back) is written under where the
 request constrains it: its call (tool_choice required or a function, and auto, so that a call's
 arguments always follow its function's schema, as on every other model) and its answer (a
-response_format's JSON on the final channel). The messages before it are the model's own: analysis
-(reasoning) and commentary (preambles), any number, their text free. One call a reply: <|call|> ends
+response_format's JSON on the final channel). The messages before it are the model's own, any
+number, their text free: analysis (reasoning), and commentary (preambles) where the reply may call
+and no format asks for JSON (a preamble is content: before a JSON answer it would break it). One call a reply: <|call|> ends
 the turn, so the grammar ends with the call's JSON and the engine stops there. In llguidance's Lark,
 harmony's markers named by token id (the model's trained tokens; spelled out, they would be text).
 Knows the format and the grammar library, not the tokenizer or the engine.
@@ -61,8 +62,9 @@ def grammar(tools: Tools | None, special: Mapping[str, int], answer: tuple[Mappi
         replies.append(f'"final" (" " {constrain_}? "json")? {message} answer')
     elif tools is not None and tools.choice == "auto":
         replies.append(f'"final" {message} TEXT')
+    steps = '("analysis" | "commentary")' if functions and answer is None else '"analysis"'
     lines = ["%llguidance {}", "start: step* reply",
-             f'step: {channel} ("analysis" | "commentary") {message} TEXT {end} {start} "assistant"',
+             f'step: {channel} {steps} {message} TEXT {end} {start} "assistant"',
              f"reply: {channel} ({' | '.join(replies)})", "TEXT: /(.|\\n)*/"]
     if functions:
         lines.append("call: " + " | ".join(f'{json.dumps(f.name)} " " {constrain_}? "json" {message} arguments_{i}'
