@@ -14,7 +14,6 @@ import json
 from typing import Any, Mapping
 
 from quickdraft.structured.grammar import (
-    JSON_OPTIONS,
     Constraint,
     GrammarError,
     Vocabulary,
@@ -24,7 +23,7 @@ from quickdraft.structured.grammar import (
     response_schema,
 )
 from quickdraft.structured.harmony import CHANNEL, CONSTRAIN, END, FUNCTIONS, MESSAGE, START
-from quickdraft.structured.tools import HARMONY, Tools, checked, special_ids
+from quickdraft.structured.tools import HARMONY, Tools, checked, guided_json, special_ids
 
 
 def harmony_constraint(vocabulary: Vocabulary, tools: Tools | None, response_format: Mapping[str, Any] | None
@@ -69,13 +68,8 @@ def grammar(tools: Tools | None, special: Mapping[str, int], answer: tuple[Mappi
     if functions:
         lines.append("call: " + " | ".join(f'{json.dumps(f.name)} " " {constrain_}? "json" {message} arguments_{i}'
                                            for i, f in enumerate(functions)))
-        lines += [f"arguments_{i}: %json {json.dumps(_json(f.parameters, f.strict))}" for i, f in enumerate(functions)]
+        lines += [f"arguments_{i}: %json {json.dumps(guided_json(f.parameters, f.strict))}" for i, f in enumerate(functions)]
     if answer is not None:
-        lines.append(f"answer: %json {json.dumps(_json(*answer))}")
+        lines.append(f"answer: %json {json.dumps(guided_json(*answer))}")
     return "\n".join(lines) + "\n"
 
-
-def _json(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
-    """A schema as the grammar's JSON takes it: on one line as json.dumps writes it (JSON_OPTIONS),
-    keywords llguidance does not implement refused unless not strict."""
-    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}

@@ -300,7 +300,7 @@ def grammar(tools: Tools, syntax: Syntax, special: Mapping[str, int] | None = No
     elif answer is not None:
         schema, strict = answer
         lines = [f"start: answer | {calls}",
-                 f"answer: %json {json.dumps({**schema, 'x-guidance': {**JSON_OPTIONS, 'lenient': not strict}})}"]
+                 f"answer: %json {json.dumps(guided_json(schema, strict))}"]
     elif syntax.trigger is None:
         lines = [f"start: TEXT | {calls}", f"TEXT: /[^{_regex_escape(syntax.opening)}](.|\\n)*/"]
     elif syntax.trigger in tokens:  # text cannot hold a special token: it ends where the trigger comes
@@ -366,3 +366,9 @@ def _moved(schema: Any, where: str) -> Any:
     if isinstance(schema, list):
         return [_moved(value, where) for value in schema]
     return schema
+
+
+def guided_json(schema: Mapping[str, Any], strict: bool) -> dict[str, Any]:
+    """A schema as a grammar's %json takes it: on one line as json.dumps writes it (JSON_OPTIONS),
+    keywords llguidance does not implement refused unless not strict."""
+    return {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}
