@@ -9,10 +9,12 @@ the tiny harmony template's text (tiny_harmony.py) for the history.
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from quickdraft.errors import RequestError
+from quickdraft.errors import ModelLoadError, RequestError
 from quickdraft.model.families import FAMILIES
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.requests import reply
@@ -22,8 +24,10 @@ from quickdraft.structured.grammar import Vocabulary, constrain, lark_grammar
 from quickdraft.structured.harmony_grammar import grammar
 from quickdraft.structured.tool_reply import Call
 from quickdraft.structured.tools import HARMONY, Function, Tools, special_ids, template_syntax
+from quickdraft.weights import load_model
 from quickdraft.weights.gguf_file import _end_token_ids
-from tiny_harmony import HARMONY_SPECIAL, HARMONY_TEMPLATE, harmony_raw, harmony_tokenizer, token
+from quickdraft.weights.hf_dir import read_config
+from tiny_harmony import HARMONY_SPECIAL, HARMONY_TEMPLATE, harmony_llm_dir, harmony_raw, harmony_tokenizer, token
 from tiny_tokenizer import VOCAB_SIZE, build_tokenizer
 
 WEATHER = Function("get_weather", {"type": "object", "properties": {"city": {"enum": ["Oslo", "Paris"]}},
@@ -249,6 +253,18 @@ def test_a_gpt_oss_gguf_ends_where_its_generation_config_says() -> None:
     tokens = ["a", *HARMONY_SPECIAL, "<|endoftext|>"]
     ends = _end_token_ids(tokens, FAMILIES["gpt_oss"])
     assert sorted(tokens[i] for i in ends) == ["<|call|>", "<|endoftext|>", "<|return|>"]
+
+
+def test_a_checkpoint_ends_where_its_generation_config_says(tmp_path) -> None:
+    """config.json names one end token; generation_config.json lists the others, which were dropped."""
+    path = harmony_llm_dir(tmp_path / "m")
+    ends = [token("<|return|>"), token("<|call|>"), 0]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    assert read_config(path).eos_token_ids == tuple(ends)
+    assert set(ends) <= load_model(str(path)).tokenizer.eos_token_ids
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|call|>"]}))
+    with pytest.raises(ModelLoadError, match="eos_token_id must be a token id or a list of them"):
+        read_config(path)
 
 
 def test_the_tiny_template_writes_what_the_format_says() -> None:

@@ -30,7 +30,25 @@ def read_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_file} should hold a JSON object, found {type(raw).__name__}")
-    return ModelConfig.from_hf(raw)
+    config = ModelConfig.from_hf(raw)
+    extra = [i for i in generation_eos_ids(path) if i not in config.eos_token_ids]
+    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
+
+
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The tokens generation_config.json ends on, which transformers' generate ends on too and
+    config.json may list only one of (gpt-oss: <|return|> and <|call|> beside <|endoftext|>)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"{file} is not a JSON object: {e}") from None
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{file}: eos_token_id must be a token id or a list of them, found {eos!r}")
+    return tuple(ids)
 
 
 def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
