@@ -388,6 +388,7 @@ def test_measure_forward_cost_on_a_tiny_model(model_dir: Path) -> None:
     assert all(math.isfinite(r) and r > 0 for r in cost.ratios.values())
     assert cost.t1_s == cost.median_s[1] > 0
     assert cost.ratios[8] == pytest.approx(cost.median_s[8] / cost.t1_s)
+    assert sorted(cost.head_s) == [1, 2, 4, 8] and all(0 < cost.head_s[q] < cost.median_s[q] for q in cost.head_s)
     with pytest.raises(ValueError, match="exceed the model's 256 positions"):
         measure_forward_cost(model, [64], context_len=200)
 
@@ -400,7 +401,8 @@ def test_forward_cost_command_writes_json_and_png(model_dir: Path, tmp_path: Pat
     assert list(record["ratios"]) == ["1", "2", "3", "4", "5", "6"] and record["ratios"]["1"] == 1.0
     assert (tmp_path / "forward_cost.png").read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
-    assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| 1\.000 \|$", out, re.M) and "| 6 |" in out
+    assert re.search(r"^\| 1 \| [\d.]+ \| 1\.00 \| 1\.000 \| [\d.]+ \| 0\.\d+ \| \d+% \|$", out, re.M) and "| 6 |" in out
+    assert list(record["head_s"]) == list(record["ratios"]) and record["head_s"]["6"] < record["median_s"]["6"]
     assert main(["bench", "forward-cost", "--model", str(model_dir), "--context", "250", "--max-q", "16"]) == 1
     assert main(["bench", "forward-cost", "--model", str(model_dir), "--threads", "0"]) == 1
 

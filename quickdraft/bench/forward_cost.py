@@ -24,9 +24,14 @@ def default_q_values(max_q: int) -> list[int]:
 
 
 def cost_table(cost: ForwardCost) -> str:
-    lines = ["| q | t(q) ms | t(q)/t(1) | per token vs q=1 |", "|---:|---:|---:|---:|"]
+    """One row per q; the LM head's columns say what verification that scored only the positions up to
+    the first rejection could save: head(q) - head(m) when m of the q positions decide (docs/benchmarks.md)."""
+    lines = ["| q | t(q) ms | t(q)/t(1) | per token vs q=1 | LM head ms | head(q)/t(1) | head share |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for q, ratio in sorted(cost.ratios.items()):
-        lines.append(f"| {q} | {cost.median_s[q] * 1000:.2f} | {ratio:.2f} | {ratio / q:.3f} |")
+        head = cost.head_s[q]
+        lines.append(f"| {q} | {cost.median_s[q] * 1000:.2f} | {ratio:.2f} | {ratio / q:.3f} | {head * 1000:.2f} | "
+                     f"{head / cost.t1_s:.3f} | {head / cost.median_s[q]:.0%} |")
     return "\n".join(lines)
 
 
@@ -47,6 +52,7 @@ def run_forward_cost(model: str, device: str, dtype: str, q_values: list[int], c
             "t1_s": cost.t1_s,
             "ratios": {str(q): r for q, r in sorted(cost.ratios.items())},
             "median_s": {str(q): s for q, s in sorted(cost.median_s.items())},
+            "head_s": {str(q): s for q, s in sorted(cost.head_s.items())},
         }
         (out / "forward_cost.json").write_text(json.dumps(record, indent=2) + "\n")
         from quickdraft.bench.plot import plot_forward_cost

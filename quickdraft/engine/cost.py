@@ -23,6 +23,8 @@ class ForwardCost:
     median_s: dict[int, float]  # q -> median seconds of a q-token pass
     context_len: int
     repeats: int
+    head_s: dict[int, float]    # q -> median seconds of the pass's final norm and LM head alone (part of
+                                # median_s): what scoring fewer positions than q could save
 
 
 def _sync(device: torch.device) -> None:
@@ -56,21 +58,27 @@ def measure_forward_cost(model: Transformer, q_values: Iterable[int], context_le
     feeds = {q: (torch.randint(vocab, (1, q), generator=gen).to(device),
                  torch.arange(context_len, context_len + q, device=device)[None]) for q in qs}
 
-    def one(q: int) -> float:
+    def one(q: int) -> tuple[float, float]:
+        """(the pass, its LM head): the layers, then the head over every fed token, as verify does."""
         tokens, positions = feeds[q]
         _sync(device)
         start = time.perf_counter()
-        model(tokens, positions, cache, last_n=q)  # the LM head over every fed token, as verify does
+        hidden = model(tokens, positions, cache, last_n=0).hidden
         _sync(device)
-        return time.perf_counter() - start
+        middle = time.perf_counter()
+        model.logits(hidden)
+        _sync(device)
+        end = time.perf_counter()
+        return end - start, end - middle
 
     for _ in range(warmup):
         for q in qs:
             one(q)
-    times: dict[int, list[float]] = {q: [] for q in qs}
+    times: dict[int, list[tuple[float, float]]] = {q: [] for q in qs}
     for r in range(repeats):
         for q in (qs if r % 2 == 0 else reversed(qs)):
             times[q].append(one(q))
-    median = {q: statistics.median(ts) for q, ts in times.items()}
+    median = {q: statistics.median(t for t, _ in ts) for q, ts in times.items()}
+    head = {q: statistics.median(h for _, h in ts) for q, ts in times.items()}
     t1 = median[1]
-    return ForwardCost({q: median[q] / t1 for q in qs}, t1, median, context_len, repeats)
+    return ForwardCost({q: median[q] / t1 for q in qs}, t1, median, context_len, repeats, head)
