@@ -281,10 +281,10 @@ def test_q8_experts_are_batch_invariant_at_any_row_count_and_speculation_is_exac
 
 # -- sampling: the law of the first tokens is plain sampling's ----------------------------------------
 
-def moe16(noise: float = 0.0) -> Transformer:
-    """A 16-token Qwen3-MoE (init 0.35, as test_spec_exactness's tiny16); `noise`: its weights plus
-    that much Gaussian noise (a correlated draft)."""
-    hf = hf_model("qwen3moe", initializer_range=0.35, vocab_size=V16)
+def moe16(name: str, noise: float = 0.0) -> Transformer:
+    """A 16-token MoE of the family (init 0.35, as test_spec_exactness's tiny16); `noise`: its weights
+    plus that much Gaussian noise (a correlated draft)."""
+    hf = hf_model(name, initializer_range=0.35, vocab_size=V16)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in hf.parameters():
@@ -292,11 +292,12 @@ def moe16(noise: float = 0.0) -> Transformer:
     return ours_from_hf(hf)
 
 
-def test_sampling_law_with_an_moe_target_and_draft():
+@pytest.mark.parametrize("name", ["qwen3moe", "gptoss"])
+def test_sampling_law_with_an_moe_target_and_draft(name):
     """A draft model's drafts (a noisy copy of the target: some accepted, some rejected) sampled at
     temperature 1: the first tokens follow plain sampling's law; the same draws against the law at
-    temperature 0.75 are rejected (the negative control)."""
-    target, drafter = moe16(), Drafter(moe16(noise=0.1))
+    temperature 0.75 are rejected (the negative control). gpt-oss: its sinks and clamped experts too."""
+    target, drafter = moe16(name), Drafter(moe16(name, noise=0.1))
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
     for seed in range(50_000, 50_000 + N_SAMPLES):
