@@ -30,7 +30,7 @@ from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
 from quickdraft.requests.completion import Completion, completion
 from quickdraft.requests.prompt import bounded, check_length, given, text_of
-from quickdraft.requests.reply import end_ids
+from quickdraft.requests.reply import end_ids, reasoning_counter
 from quickdraft.requests.shape import constraint_of, shape_of
 from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.spec.logprobs import TokenLogprob
@@ -277,7 +277,7 @@ class LLM:
         into content, reasoning and tool_calls)."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls, reasoning_effort)
-        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen)
+        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
 
     def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
@@ -292,8 +292,10 @@ class LLM:
                                reasoning_effort), constraint, shape.tools
 
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
-                tools: Tools | None) -> Iterator[Chunk]:
-        text = TextAssembler(self.tokenizer, params, keep=kept_markers(self.tokenizer, self.tool_syntax(), tools))
+                tools: Tools | None, chat: bool) -> Iterator[Chunk]:
+        syntax = self.tool_syntax()
+        text = TextAssembler(self.tokenizer, params, keep=kept_markers(self.tokenizer, syntax, tools),
+                             reasoning=reasoning_counter(syntax, tools) if chat else None)
         with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
                 if event.error is not None:
@@ -314,7 +316,7 @@ class LLM:
         whole."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls, reasoning_effort)
-        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen)
+        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
         return completion(chunks, self.tool_syntax(), chosen, chat=messages is not None)
 
 

@@ -255,6 +255,20 @@ def test_a_gpt_oss_gguf_ends_where_its_generation_config_says() -> None:
     assert sorted(tokens[i] for i in ends) == ["<|call|>", "<|endoftext|>", "<|return|>"]
 
 
+@pytest.mark.parametrize("calls", [True, False])
+def test_reasoning_tokens_are_the_analysis_bodies_and_a_message_to_a_tool_not_offered(calls: bool) -> None:
+    """Token by token: the analysis body's tokens; a message to functions.NAME is a call where tools are
+    offered and reasoning where not (as Reader reads it); headers, markers and the answer are not."""
+    tok = harmony_tokenizer()
+    words = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    reply = ("<|channel|>analysis<|message|>think it over<|end|><|start|>assistant to=functions.f"
+             "<|channel|>commentary json<|message|>{\"a\": 1}<|call|>")
+    counter = harmony.ReasoningTokens(calls)
+    for token_id in tok.encode(reply, add_special_tokens=False):
+        counter.feed(tok.decode([token_id], tok.markers_of(harmony.MARKERS)))
+    assert counter.count == words("think it over") + (0 if calls else words('{"a": 1}'))
+
+
 def test_a_checkpoint_ends_where_its_generation_config_says(tmp_path) -> None:
     """config.json names one end token; generation_config.json lists the others, which were dropped."""
     path = harmony_llm_dir(tmp_path / "m")

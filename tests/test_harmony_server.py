@@ -27,7 +27,7 @@ from openai.types.responses import Response
 import quickdraft
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.proposers import SpecConfig
-from quickdraft.server.routes import chat, messages, responses_api
+from quickdraft.server.routes import chat, completions, messages, responses_api
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured import harmony
 from test_messages_api import sse as anthropic_sse
@@ -109,8 +109,11 @@ def test_the_server_answers_as_the_python_api_reads_whole_and_streamed(llm, serv
                        params=SamplingParams(max_new_tokens=200, logit_bias=STEER))
     kw = dict(model=NAME, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=0,
               logit_bias={str(t): b for t, b in STEER.items()})
-    whole = server.client.chat.completions.create(**kw).choices[0]
+    answer = server.client.chat.completions.create(**kw)
+    whole = answer.choices[0]
     assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert answer.usage.completion_tokens_details.reasoning_tokens == api.stats.reasoning_tokens
+    assert 0 < api.stats.reasoning_tokens < api.stats.new_tokens
     assert whole.message.model_extra["reasoning_content"] == api.reasoning
     assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == \
         [(c.name, c.arguments) for c in api.tool_calls]
@@ -161,8 +164,8 @@ class ScriptedWorker(StandInWorker):
         sink(TokenEvent([], self.finish, GenerationStats(prompt_tokens=prompt, new_tokens=len(self.ids))))
 
 
-def scripted(llm, script: str, size: int = 1, finish: str = "stop"):
-    app = bare_app(llm, chat, responses_api, messages)
+def scripted(llm, script: str, size: int = 1, finish: str = "stop", routes: tuple = (chat, responses_api, messages)):
+    app = bare_app(llm, *routes)
     ids = llm.tokenizer.encode(script, add_special_tokens=False)
     app.state.served = dataclasses.replace(app.state.served, worker=ScriptedWorker(ids, size, finish))
     return app
@@ -235,6 +238,25 @@ def test_responses_put_a_reasoning_item_before_the_answer_whole_and_streamed(llm
     assert without_ids(final["output"]) == without_ids(whole.model_dump(exclude_none=True)["output"])
     deltas = [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"]
     assert "".join(deltas) == THOUGHT and len(deltas) > 1
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_usage_counts_the_reasoning_tokens_whole_streamed_and_in_responses(llm, size: int) -> None:
+    """The analysis body's tokens, its header and markers not; the same whole, streamed and in a response."""
+    thought = len(llm.tokenizer.encode(THOUGHT, add_special_tokens=False))
+    app = scripted(llm, ANSWERED, size)
+    body = {"model": NAME, "messages": USER}
+    whole = post(app, "/v1/chat/completions", body).json()["usage"]
+    assert whole["completion_tokens_details"] == {"reasoning_tokens": thought}
+    assert whole["completion_tokens"] == len(llm.tokenizer.encode(ANSWERED, add_special_tokens=False)) > thought
+    events = post(app, "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    last = json.loads([e for e in events.text.split("\n\n") if e.startswith("data: {")][-1].removeprefix("data: "))
+    assert last["usage"] == whole
+    answer = post(app, "/v1/responses", {"model": NAME, "input": "Weather in Oslo?"}).json()
+    assert answer["usage"]["output_tokens_details"] == {"reasoning_tokens": thought}
+    app = scripted(llm, ANSWERED, size, routes=(completions,))
+    plain = post(app, "/v1/completions", {"model": NAME, "prompt": "Weather in Oslo?"}).json()["usage"]
+    assert plain["completion_tokens_details"] == {"reasoning_tokens": 0}  # a completion's text is not read
 
 
 def test_messages_put_a_thinking_block_first_unless_thinking_is_disabled(llm) -> None:

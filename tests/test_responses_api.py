@@ -146,7 +146,8 @@ def test_the_chat_routes_400s_name_the_requests_fields(chat_param: str | None, p
     assert refused.message == (f"{param}: too long" if param else "None: too long")
 
 
-USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 4}}
+USAGE = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14, "prompt_tokens_details": {"cached_tokens": 4},
+         "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def chunk(content: str | None = None, calls: list | None = None, finish: str | None = None) -> dict[str, Any]:

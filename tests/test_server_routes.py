@@ -248,7 +248,7 @@ def test_the_stream_ends_with_the_usage_of_every_choice_and_cached_tokens(llm) -
     *choice_chunks, usage = list(sent(chunks))
     assert usage["choices"] == [] and usage["usage"] == {
         "prompt_tokens": 20, "completion_tokens": len(ids) + 1, "total_tokens": 21 + len(ids),
-        "prompt_tokens_details": {"cached_tokens": 16}}
+        "prompt_tokens_details": {"cached_tokens": 16}, "completion_tokens_details": {"reasoning_tokens": 0}}
     assert [c["choices"][0]["finish_reason"] for c in choice_chunks] == [None, "length", "stop"]
     assert cancelled == []  # the engine ended both itself
 

@@ -30,6 +30,8 @@ class GenerationStats:
     accepted_at: list[int] = field(default_factory=list)  # ... and accepted there
     propose_s: float = 0.0    # time in the proposer
     verify_s: float = 0.0     # time in target forward passes and verification
+    reasoning_tokens: int = 0  # of new_tokens, those of a chat reply's reasoning (harmony's analysis
+                               # channel), counted on the way out (requests/text.py), not by the engine
 
     def snapshot(self) -> GenerationStats:
         """A copy an event can carry while the row's own stats go on counting: its lists copied,
@@ -81,6 +83,7 @@ class GenerationStats:
             "accepted_tokens": self.accepted_tokens, "acceptance_rate": self.acceptance_rate,
             "tokens_per_pass": self.tokens_per_pass, "acceptance_by_position": self.acceptance_by_position,
             "propose_s": self.propose_s, "verify_s": self.verify_s, "other_s": self.other_s,
+            "reasoning_tokens": self.reasoning_tokens,
         }
 
 

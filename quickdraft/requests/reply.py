@@ -53,6 +53,12 @@ def read(syntax: Syntax, tools: Tools | None, text: str) -> Reply:
     return Reply(text, "", [], False)
 
 
+def reasoning_counter(syntax: Syntax, tools: Tools | None) -> harmony.ReasoningTokens | None:
+    """What counts a chat reply's reasoning tokens: on a harmony model its analysis channel's (None: a
+    template without channels has no reasoning)."""
+    return harmony.ReasoningTokens(callable_tools(tools)) if syntax.channels else None
+
+
 def parsed(syntax: Syntax, tools: Tools | None) -> bool:
     """Whether a chat reply is read for more than its text (harmony's channels, or calls)."""
     return syntax.channels or callable_tools(tools)

@@ -10,6 +10,7 @@ from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, 
 from quickdraft.model.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
+from quickdraft.structured.harmony import ReasoningTokens
 
 
 @dataclass
@@ -33,10 +34,13 @@ class TextAssembler:
 
     pieces: also say which text each token released (they join to the chunk's text; the text the
     detokenizer still held at the end goes to the chunk's last token, or to none if it has none).
-    keep: special tokens whose text is kept (a tool syntax's markers: Tokenizer.markers_of)."""
+    keep: special tokens whose text is kept (a tool syntax's markers: Tokenizer.markers_of).
+    reasoning: counts the reply's reasoning tokens into the stats (reply.reasoning_counter), each
+    token's text read alone (a header's and a marker's are whole tokens' texts)."""
 
     def __init__(self, tokenizer: Tokenizer, params: SamplingParams, pieces: bool = False,
-                 keep: frozenset[int] = frozenset()) -> None:
+                 keep: frozenset[int] = frozenset(), reasoning: ReasoningTokens | None = None) -> None:
+        self.tokenizer, self.keep, self.reasoning = tokenizer, keep, reasoning
         self.detok = StreamDetokenizer(tokenizer, keep)
         self.stops = StopStringFilter(params.stop)
         # with stop strings, token by token: where one ends is a token; so too for each token's text
@@ -58,6 +62,10 @@ class TextAssembler:
         stats = event.stats
         if kept < len(ids):
             stats = replace(stats, new_tokens=stats.new_tokens - (len(ids) - kept))
+        if self.reasoning is not None:
+            for token in ids[:kept]:
+                self.reasoning.feed(self.tokenizer.decode([token], self.keep))
+            stats = replace(stats, reasoning_tokens=self.reasoning.count)
         pieces = None
         if self.pieces:
             pieces = parts[:kept]

@@ -32,7 +32,8 @@ def usage(*stats: GenerationStats, prompts: int = 1) -> dict:
     firsts = stats[::len(stats) // prompts]
     prompt, completion = sum(s.prompt_tokens for s in firsts), sum(s.new_tokens for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}  # OpenAI's field
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)},  # OpenAI's fields
+            "completion_tokens_details": {"reasoning_tokens": sum(s.reasoning_tokens for s in stats)}}
 
 
 def logprobs(kind: Kind, ids: Sequence[int], logprobs: Sequence[TokenLogprob | None], spell: Spell,

@@ -54,7 +54,7 @@ def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
             # cache_write_tokens: OpenAI's billed writes to an explicit cache; quickdraft bills none
             "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": chat_usage["completion_tokens_details"]["reasoning_tokens"]}}
 
 
 def response(body: ResponsesRequest, response_id: str, created_at: int, output: list[Item],

@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from quickdraft.engine.events import TokenEvent
+from quickdraft.requests.reply import reasoning_counter
 from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.server import responses as out
 from quickdraft.server import tool_calls
@@ -78,7 +79,9 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     keep = kept_markers(tokenizer, served.prompts.syntax, tools)
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
-        timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep), served.metrics, arrived)
+        counter = reasoning_counter(served.prompts.syntax, tools) if kind == "chat" else None
+        timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep, reasoning=counter), served.metrics,
+                      arrived)
         echo = echoes[index] if echoes else None
         choices.append(Choice(index, request, timed.feed, kind, tokenizer.token_bytes, echo))
     replies = [tool_calls.reply_of(served.prompts.syntax, tools, choice.request.id) if kind == "chat" else None

@@ -150,6 +150,19 @@ class Reader:
             self._say(header, out, [])
 
 
+class ReasoningTokens:
+    """Counts a reply's reasoning tokens, fed one token's text at a time: those of bodies the Reader
+    reads as reasoning (usage's reasoning_tokens), markers and headers not."""
+
+    def __init__(self, calls: bool = True) -> None:
+        self.reader, self.count = Reader(calls), 0
+
+    def feed(self, text: str) -> None:
+        self.reader.feed(text)
+        if self.reader.header is None and self.reader.kind == "reasoning" and text not in MARKERS:
+            self.count += 1
+
+
 def _marker_head(text: str) -> int:
     """The length of the longest tail of `text` that begins a marker and is not yet one (held until it
     is one or is not)."""
