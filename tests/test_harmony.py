@@ -279,6 +279,9 @@ def test_a_checkpoint_ends_where_its_generation_config_says(tmp_path) -> None:
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|call|>"]}))
     with pytest.raises(ModelLoadError, match="eos_token_id must be a token id or a list of them"):
         read_config(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ends[0], 10**6]}))
+    with pytest.raises(ModelLoadError, match=r"eos_token_id 1000000 is past the model's vocabulary \(vocab_size"):
+        read_config(path)
 
 
 def test_the_tiny_template_writes_what_the_format_says() -> None:

@@ -32,6 +32,9 @@ def read_config(path: Path) -> ModelConfig:
         raise ModelLoadError(f"{config_file} should hold a JSON object, found {type(raw).__name__}")
     config = ModelConfig.from_hf(raw)
     extra = [i for i in generation_eos_ids(path) if i not in config.eos_token_ids]
+    if any(i >= config.vocab_size for i in extra):
+        raise ModelLoadError(f"{path / 'generation_config.json'}: eos_token_id {max(extra)} is past the model's "
+                             f"vocabulary (vocab_size {config.vocab_size})")
     return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
 
 
