@@ -295,7 +295,7 @@ class LLM:
                 tools: Tools | None, chat: bool) -> Iterator[Chunk]:
         syntax = self.tool_syntax()
         text = TextAssembler(self.tokenizer, params, keep=kept_markers(self.tokenizer, syntax, tools),
-                             reasoning=reasoning_counter(syntax, tools) if chat else None)
+                             reasoning=reasoning_counter(syntax, tools, chat))
         with closing(self.engine_service().stream(*self.request(ids, params, spec, constraint))) as events:
             for event in events:
                 if event.error is not None:

@@ -53,10 +53,10 @@ def read(syntax: Syntax, tools: Tools | None, text: str) -> Reply:
     return Reply(text, "", [], False)
 
 
-def reasoning_counter(syntax: Syntax, tools: Tools | None) -> harmony.ReasoningTokens | None:
-    """What counts a chat reply's reasoning tokens: on a harmony model its analysis channel's (None: a
-    template without channels has no reasoning)."""
-    return harmony.ReasoningTokens(callable_tools(tools)) if syntax.channels else None
+def reasoning_counter(syntax: Syntax, tools: Tools | None, chat: bool) -> harmony.ReasoningTokens | None:
+    """What counts a reply's reasoning tokens: a chat's on a harmony model, its analysis channel's (None:
+    a template without channels has no reasoning, and a prompt's text is not read)."""
+    return harmony.ReasoningTokens(callable_tools(tools)) if chat and syntax.channels else None
 
 
 def parsed(syntax: Syntax, tools: Tools | None) -> bool:

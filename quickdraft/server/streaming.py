@@ -79,7 +79,7 @@ def submit(served: Served, kind: out.Kind, made: Made, params: SamplingParams, a
     keep = kept_markers(tokenizer, served.prompts.syntax, tools)
     for index, (request, make_proposer) in enumerate(made):
         served.worker.submit(request, _sink(loop, events, index), make_proposer)
-        counter = reasoning_counter(served.prompts.syntax, tools) if kind == "chat" else None
+        counter = reasoning_counter(served.prompts.syntax, tools, chat=kind == "chat")
         timed = Timed(TextAssembler(tokenizer, params, pieces=pieces, keep=keep, reasoning=counter), served.metrics,
                       arrived)
         echo = echoes[index] if echoes else None
