@@ -13,17 +13,30 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from quickdraft.cli import main
+from quickdraft.engine.service import loaded_objects_frozen
 from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_PROMPTS, MAX_TOOL_CALLS
 from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
+
+
+@pytest.fixture(autouse=True)
+def served_process_heap() -> Iterator[None]:
+    """Streams are timed as a served process runs them: serve, replicas and the benchmarks freeze the
+    objects loaded before serving (loaded_objects_frozen), and this test process would not. It holds
+    the modules and leftovers of every test before it, whose full collection (1-2 s on a CI machine
+    late in the suite, measured with gc.callbacks) lands in whichever stream is running: a 1.9 s
+    "stall" of the steady stream that no server shows."""
+    with loaded_objects_frozen():
+        yield
 
 
 class Steady:
