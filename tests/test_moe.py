@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Mxfp4Config
 
 import quickdraft
 from quickdraft import SamplingParams
@@ -53,9 +55,10 @@ from tiny_models import (
     hf_model,
     mxfp4_experts,
     ours_from_hf,
+    save_mxfp4_dir,
     transformers_greedy,
 )
-from tiny_tokenizer import assert_plain_and_speculative, both_formats, tiny_model, write_llama_gguf
+from tiny_tokenizer import assert_plain_and_speculative, both_formats, save_tokenizer, tiny_model, write_llama_gguf
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
 PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
@@ -200,6 +203,40 @@ def test_a_row_alone_is_bitwise_the_same_row_in_a_batch_of_3(name):
     batch = logits(ours, tokens)
     for i in range(3):
         assert torch.equal(logits(ours, tokens[i:i + 1])[0], batch[i]), i
+
+
+def test_mxfp4_checkpoints_run_as_stored_and_give_transformers_tokens(tmp_path):
+    """gpt-oss's published safetensors (experts as MXFP4 blocks and scales, quantization_config mxfp4)
+    load as stored: their experts are MXFP4 blocks the kernel runs, and the greedy tokens are those of
+    transformers reading the same files (its own unpacking, dequantized), plain and speculative;
+    `dequantize` loads their float values, with transformers' logits."""
+    path = save_tokenizer(save_mxfp4_dir(mxfp4_experts(tiny_model("gptoss")), tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True),
+                                              dtype=torch.float32)
+    llm = quickdraft.load(path)
+    weight = llm.model.blocks[1].moe.experts[3].w_down.weight
+    assert isinstance(weight, QuantizedWeight) and weight.parts[0].qtype == GGMLQuantizationType.MXFP4
+    assert "MXFP4" in llm.model.weight_format
+    ids = llm.tokenizer.encode(PROMPT)
+    assert_plain_and_speculative(llm, path, PROMPT, N, transformers_greedy(hf, ids, N))
+    floats = quickdraft.load(path, dequantize=True)
+    assert not floats.model.quantized
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits(floats.model, torch.tensor([ids]))[0], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("model.layers.0.mlp.experts.down_proj_scales", "down_proj_blocks has no model.layers.0.mlp.experts.down_proj_scales"),
+    ("model.layers.1.mlp.experts.gate_up_proj_blocks", "gate_up_proj_scales has no model.layers.1.mlp.experts.gate_up_proj_blocks"),
+])
+def test_an_mxfp4_matrix_missing_half_is_refused_by_name(tmp_path, drop, message):
+    path = save_tokenizer(save_mxfp4_dir(tiny_model("gptoss"), tmp_path / "hf"))
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors[drop]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=message):
+        quickdraft.load(path)
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "mixtral", "gptoss", "gptoss-mxfp4"])

@@ -153,6 +153,28 @@ def mxfp4_experts(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def save_mxfp4_dir(model: torch.nn.Module, path: Path) -> Path:
+    """config.json + model.safetensors as gpt-oss's published checkpoints hold them: each stacked expert
+    matrix as `_blocks` [E, out, in/32, 16] (two FP4 codes a byte, the even element low) and `_scales`
+    [E, out, in/32] (E8M0), quantization_config mxfp4; written from gguf's MXFP4 quantization of the
+    matrices (mxfp4_experts' values are held exactly). Transformers reads these files on its own."""
+    save_hf_dir(model, path)
+    sd = load_file(str(path / "model.safetensors"))
+    for name in [n for n in sd if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = sd.pop(name).transpose(1, 2).float().contiguous().numpy()  # x @ W [E, in, out] -> [E, out, in]
+        e, n, k = rows.shape
+        q = quantize(rows.reshape(e * n, k), GGMLQuantizationType.MXFP4).reshape(e, n, k // 32, 17)
+        codes = np.concatenate([q[..., 1:] & 0x0F, q[..., 1:] >> 4], axis=-1)  # GGUF: low nibbles 0-15, high 16-31
+        sd[name + "_blocks"] = torch.from_numpy((codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8))
+        sd[name + "_scales"] = torch.from_numpy(q[..., 0].copy())
+    save_file(sd, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def save_hf_dir(model: torch.nn.Module, path: Path) -> Path:
     """config.json + model.safetensors, as save_pretrained writes them."""
     path.mkdir(parents=True, exist_ok=True)

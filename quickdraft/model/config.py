@@ -280,11 +280,11 @@ def _refuse_unsupported_hf(cfg: dict[str, Any], rope: dict[str, Any], spec: Fami
     quantization = cfg.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        hint = (" (gpt-oss's MXFP4 experts run as stored from its GGUF: llama.cpp's convert_hf_to_gguf.py keeps "
-                "their blocks)" if method == "mxfp4" else "")
-        raise UnsupportedArchitecture(
-            f"quantization_config ({method!r}) is not supported; expected float safetensors weights "
-            f"(a GGUF file, or --quantize at load, runs quantized){hint}")
+        if method not in spec.stored_quantization:
+            hint = (" (gpt-oss's MXFP4 checkpoints load as stored)" if method == "mxfp4" else "")
+            raise UnsupportedArchitecture(
+                f"quantization_config ({method!r}) is not supported for {spec.model_type}; expected float "
+                f"safetensors weights (a GGUF file, or --quantize at load, runs quantized){hint}")
     heads = cfg.get("architectures") or []
     if isinstance(heads, list) and any(not str(a).endswith("ForCausalLM") for a in heads):
         raise UnsupportedArchitecture(

@@ -161,6 +161,9 @@ class Family:
     stacked_experts: tuple[str, str, str, str] | None = None
     gguf_yarn_truncate: bool = True  # YaRN's correction range rounded (transformers' default); gpt-oss's
                                      # config says false, which its GGUF does not record
+    # config.json quantization_config methods of the family's published checkpoints that load as
+    # stored (gpt-oss's "mxfp4": its stacked experts as blocks and scales, weights/mxfp4.py)
+    stored_quantization: tuple[str, ...] = ()
 
     @property
     def sinks(self) -> bool:
@@ -233,7 +236,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType({f.model_type: f for f in (
     Family("gpt_oss", "gpt-oss", _without(_LLAMA_TENSORS, *_DENSE_MLP, "mlp_norm") + _GPT_OSS_TENSORS,
            qkv_bias="attention_bias", o_bias="attention_bias", window="pattern", moe=True, norm_topk=False,
            gguf_expert_size_key="expert_feed_forward_length", topk_first=True, gate="swiglu_oai",
-           stacked_experts=_GPT_OSS_STACKED, gguf_yarn_truncate=False,
+           stacked_experts=_GPT_OSS_STACKED, gguf_yarn_truncate=False, stored_quantization=("mxfp4",),
            gguf_end_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
            defaults=(("rms_norm_eps", 1e-5), ("head_dim", 64), ("sliding_window", 128),
                      ("sliding_window_pattern", 2), ("num_local_experts", 128), ("num_experts_per_tok", 4),

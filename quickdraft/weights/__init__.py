@@ -36,8 +36,8 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
                dtype: torch.dtype = torch.float32, progress: bool = False,
                dequantize: bool = False, quantize: str | None = None,
                activations: str | None = None) -> LoadedModel:
-    """`dtype` is that of activations and of unquantized tensors. A quantized GGUF runs as stored
-    on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
+    """`dtype` is that of activations and of unquantized tensors. A quantized GGUF (or gpt-oss's
+    MXFP4 checkpoint) runs as stored on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
     `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py).
     `activations` ('int16' or 'int8') is what the integer kernel rounds activations to for
     matrices kept quantized; None: the file's measured choice (weights/activations.py)."""
@@ -45,13 +45,13 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
         raise ModelLoadError("--quantize runs on CPU and cannot be combined with --dequantize")
     source = resolve_model(name_or_path)
     bits = activation_bits(source, activations)
+    as_stored = not dequantize and torch.device(device).type == "cpu"
     if source.kind == "gguf":
-        as_stored = not dequantize and torch.device(device).type == "cpu"
         ckpt = gguf_file.read_gguf(source.path, progress=progress, quantized=as_stored)
         config, tensors, freq_factors = ckpt.config, ckpt.tensors, ckpt.rope_freq_factors
         tokenizer = gguf_tokenizer(ckpt.metadata, config.eos_token_ids)
     else:
-        (config, tensors), freq_factors = hf_dir.read_checkpoint(source.path), None
+        (config, tensors), freq_factors = hf_dir.read_checkpoint(source.path, as_stored), None
         tokenizer = load_hf_tokenizer(source.path, config.eos_token_ids)
     if quantize is not None:
         tensors = quantize_tensors(tensors, quantize, progress=progress)

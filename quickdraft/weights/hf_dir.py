@@ -1,4 +1,5 @@
-"""Loading a Hugging Face model directory: config.json + model.safetensors (or a sharded index).
+"""Loading a Hugging Face model directory: config.json + model.safetensors (or a sharded index);
+gpt-oss's MXFP4 experts as stored (weights/mxfp4.py).
 
 Hands on every tensor of the files but the harmless ones names.IGNORED_TENSORS lists; the model
 refuses any it does not take.
@@ -14,7 +15,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from quickdraft.errors import ModelLoadError
+from quickdraft.kernels.quantized import QuantizedWeight
 from quickdraft.model.config import ModelConfig
+from quickdraft.weights.mxfp4 import unstack_blocks
 from quickdraft.weights.names import ignored, unstack_experts
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,11 +57,13 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def read_checkpoint(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json and the tensors (stacked experts as each expert's), a tied LM head settled as
-    transformers settles it."""
+def read_checkpoint(path: Path, as_stored: bool = True
+                    ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+    """config.json and the tensors (stacked experts as each expert's; MXFP4 ones as stored, or their
+    float values where not `as_stored`), a tied LM head settled as transformers settles it."""
     config = read_config(path)
-    return settle_tied_head(config, unstack_experts(read_tensors(path), config.family))
+    tensors = unstack_blocks(read_tensors(path), config.family, as_stored)
+    return settle_tied_head(config, unstack_experts(tensors, config.family))
 
 
 def settle_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]

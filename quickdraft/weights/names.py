@@ -27,12 +27,12 @@ IGNORED_TENSORS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _pattern(template: str) -> re.Pattern[str]:
+def name_pattern(template: str) -> re.Pattern[str]:
     """"{i}" (a layer) and "{e}" (an expert) match an index."""
     return re.compile("^" + re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)") + "$")
 
 
-_IGNORED = [_pattern(hf) for hf, _ in IGNORED_TENSORS]
+_IGNORED = [name_pattern(hf) for hf, _ in IGNORED_TENSORS]
 
 
 def ignored(name: str) -> bool:
@@ -53,7 +53,7 @@ def gguf_name_for_hf(name: str, family: Family) -> str | None:
 def _rename(name: str, family: Family, source: int) -> str | None:
     """`name` matched against the family's names of one format (0: HF, 1: GGUF), in the other's."""
     for pair in family.names.values():
-        m = _pattern(pair[source]).match(name)
+        m = name_pattern(pair[source]).match(name)
         if m:
             out = pair[1 - source]
             for index, value in m.groupdict().items():
@@ -69,8 +69,7 @@ def unstack_experts(tensors: dict[str, torch.Tensor], family: Family) -> dict[st
     Takes the tensors out of `tensors` as it goes (a stacked one is freed once unstacked)."""
     if family.stacked_experts is None:
         return tensors
-    names = family.names
-    stacked = [_pattern(name) for name in family.stacked_experts]
+    stacked = [name_pattern(name) for name in family.stacked_experts]
     out = {}
     for name in list(tensors):
         t = tensors.pop(name)
@@ -87,6 +86,11 @@ def unstack_experts(tensors: dict[str, torch.Tensor], family: Family) -> dict[st
                   2: {"expert_down": t}, 3: {"expert_down.bias": t}}[which]
         for role, w in pieces.items():
             w = w.transpose(1, 2) if w.dim() == 3 else w  # [E, in, out] -> [E, out, in]
-            template = names[role][0].replace("{i}", layer)
-            out |= {template.replace("{e}", str(e)): w[e].contiguous() for e in range(w.shape[0])}
+            out |= expert_tensors(family, role, layer, [w[e].contiguous() for e in range(w.shape[0])])
     return out
+
+
+def expert_tensors(family: Family, role: str, layer: str, weights: list) -> dict:
+    """Each expert's tensor of `role` in `layer` under the family's per-expert name, in expert order."""
+    template = family.names[role][0].replace("{i}", layer)
+    return {template.replace("{e}", str(e)): w for e, w in enumerate(weights)}
