@@ -126,6 +126,18 @@ def test_config_malformed_value(broken: Path) -> None:
         quickdraft.load(broken)
 
 
+@pytest.mark.parametrize("eos, message", [
+    (10**6, r"eos_token_id 1000000 is past the model's vocabulary \(vocab_size 300\)"),
+    ([2, 300], r"eos_token_id 300 is past"),
+    ("</s>", "eos_token_id must be a token id or a list of them, found '</s>'"),
+    ([2, -1], "found -1"),
+])
+def test_config_end_tokens_outside_the_vocabulary(broken: Path, eos, message) -> None:
+    edit_config(broken, eos_token_id=eos)
+    with pytest.raises(ModelLoadError, match=message):
+        quickdraft.load(broken)
+
+
 def test_unsupported_architecture(broken: Path) -> None:
     edit_config(broken, model_type="gpt_neox")
     with pytest.raises(UnsupportedArchitecture) as e:
