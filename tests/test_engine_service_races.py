@@ -105,7 +105,10 @@ def test_a_request_whose_cache_cannot_grow_ends_with_the_error(llm: quickdraft.L
 
 
 def test_a_cache_that_fails_to_grow_is_left_as_it_was(llm: quickdraft.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool that allocates (CUDA's, or where no reservation is to be had) and cannot grow."""
+    monkeypatch.setattr(quickdraft.kv.blocks, "reservation", lambda *args: None)
     cache = llm.model.new_cache(1, 4)
+    assert not cache.pool.reserved
     c = llm.model.config
     cache.write_rows(0, 0, torch.randn(c.num_layers, 2, c.num_kv_heads, 4, c.head_dim))
     before, pool = cache.read(0, 0, 4), cache.pool.kv

@@ -3,15 +3,19 @@ when released or moved, a block shared with another holder is never written, and
 without losing what its blocks hold."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
-from quickdraft.kv.blocks import BLOCK, BlockPool
+from quickdraft.kv import blocks as blocks_module
+from quickdraft.kv.blocks import BLOCK, BlockPool, physical_memory
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.spec.sampling import SamplingParams
+from support.process import vm_rss_mb
 from tiny_models import BASE, hf_model, ours_from_hf
 
 
@@ -58,12 +62,19 @@ def test_appending_past_a_shared_prefix_is_allowed(model) -> None:
     assert cache.held[0] == 2
 
 
-def test_the_pool_grows_keeping_every_block_and_reuses_freed_ones_first() -> None:
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "allocated"])
+def test_the_pool_grows_keeping_every_block_and_reuses_freed_ones_first(reserved, monkeypatch) -> None:
+    """Reserved (the CPU's): growing moves nothing; allocated (CUDA's): by doubling, blocks copied."""
+    if not reserved:
+        monkeypatch.setattr(blocks_module, "reservation", lambda *args: None)
     config = ours_from_hf(hf_model("llama-gqa-untied")).config
     pool = BlockPool(config, blocks=2)
+    assert pool.reserved == reserved and pool.in_memory == (0 if reserved else 2)
     first = pool.alloc(2)
     pool.kv[:, :, :, first] = 7.0
-    more = pool.alloc(5)  # past its room: doubled, first's contents kept
+    kv = pool.kv
+    more = pool.alloc(5)  # past the room it was made with
+    assert (pool.kv is kv) == reserved and pool.in_memory == 7
     assert pool.blocks >= 8 and (pool.kv[:, :, :, first] == 7.0).all() and pool.used == 7
     pool.decref([more[1], more[3], more[0]])
     assert pool.alloc(2) == [more[0], more[3]] and pool.used == 6  # the last two freed (warm), ascending
@@ -72,6 +83,20 @@ def test_the_pool_grows_keeping_every_block_and_reuses_freed_ones_first() -> Non
     pool.reserve(20)
     with pytest.raises(ValueError, match="not held"):
         pool.incref([pool.high])  # never handed out
+
+
+def test_a_reserved_pool_takes_memory_only_for_the_blocks_written() -> None:
+    """The 1.5B's pool reserves the machine's memory in blocks of 0.9 MB; writing 200 of them costs
+    their pages alone, in 4 KB pages (no huge page zeroed past them), and fresh blocks read zero."""
+    shape = SimpleNamespace(num_layers=28, num_kv_heads=2, head_dim=128, hidden_size=1536)
+    pool = BlockPool(shape)
+    assert pool.reserved and pool.blocks * pool.block_bytes >= physical_memory() // 2
+    before = vm_rss_mb()
+    ids = pool.alloc(200)
+    pool.kv[:, :, :, ids] = 1.0
+    grown = vm_rss_mb() - before
+    assert 0.9 * 200 * pool.block_bytes / 2**20 < grown < 1.2 * 200 * pool.block_bytes / 2**20 + 8, grown
+    assert pool.kv[:, :, :, pool.alloc(1)].abs().sum() == 0
 
 
 def test_a_cache_over_a_given_pool_draws_its_blocks_there(model) -> None:
@@ -88,7 +113,7 @@ def test_a_cache_over_a_given_pool_draws_its_blocks_there(model) -> None:
 
 def refcounts_agree(engine: Engine) -> bool:
     """Every block's reference count is the number of its holders: trie nodes and cache rows."""
-    want = np.zeros(engine.cache.pool.blocks, np.int64)
+    want = np.zeros(len(engine.cache.pool.refs), np.int64)
     want[0] = 1
     for node in engine.prefix._nodes():
         want[node.block] += 1

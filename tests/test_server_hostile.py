@@ -25,6 +25,7 @@ from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_PROMPTS, MAX_TOOL_CALLS
+from support.process import vm_rss_mb
 from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
 
 
@@ -133,11 +134,6 @@ def status_and_error(data: bytes) -> tuple[int, dict, dict]:
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     return int(lines[0].split()[1]), headers, error
-
-
-def vm_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 # -- item 1: a slow body holds no place in the queue ------------------------------------------------------

@@ -30,8 +30,9 @@ class Placement:
         self.filling: Row | None = None  # the row whose prompt is being prefilled: cache row n
 
     def reserve(self, rows: int, length: int) -> None:
-        """A cache of our own holds `rows` rows of `length` slots: grown by doubling (each growth
-        copies the used blocks), never past max_batch rows of max_seq_len (+ pad) slots."""
+        """A cache of our own holds `rows` rows of `length` slots: its tables grown by doubling (an
+        allocated pool, CUDA's, copies its used blocks then), never past max_batch rows of
+        max_seq_len (+ pad) slots."""
         have = self.cache
         if not self.grows or (rows <= have.batch_size and length <= have.max_len):
             return

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+import os
 import sys
 import threading
 from typing import Iterable, Protocol
@@ -16,6 +18,8 @@ import torch
 BLOCK = 16  # tokens a block: a multiple of 8 (the kernel scores keys 8 at a time) and a power of two
 ALIGN = 64  # bytes: a cache line, as torch's own allocator aligns
 PAGE, HUGE_PAGE, MADV_NOHUGEPAGE = 4096, 2 << 20, 15  # Linux's (asm-generic/mman-common.h)
+MAP_NORESERVE = 0x4000  # Linux's; Python 3.11's mmap module lacks the constant
+MAX_RESERVED_BLOCKS = 1 << 20  # a reservation holds at most this many blocks (16M tokens), at most the machine's memory
 
 
 class KVShape(Protocol):
@@ -40,6 +44,28 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     return torch.from_numpy(memory[start:start + size]).view(dtype).view(shape)
 
 
+def reservation(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Zeros of `shape` in address space alone: an anonymous mapping that Linux backs with memory
+    page by page as it is first written (MAP_NORESERVE: no commit charge for the rest), in 4 KB pages
+    (see _no_huge_pages). A pool made of one grows by handing out higher ids, no copy ever. None where
+    none is to be had (not Linux; strict overcommit, vm.overcommit_memory = 2, refuses the mapping)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        return None
+    memory.madvise(MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps the mapping
+
+
+def physical_memory() -> int:
+    """Bytes of memory the machine has (a reservation past it could never be written)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _no_huge_pages(memory: np.ndarray) -> None:
     """Ask Linux for 4 KB pages here. A block's stripe of one layer and head is a few KB; with
     transparent huge pages the first token written into a fresh stretch made the kernel zero 2 MB (a
@@ -62,24 +88,40 @@ class BlockPool:
     Heads before blocks: one head's stripes of blocks with consecutive ids (a row's, as they are
     handed out) are one stretch of memory, read in order as a row's keys were before blocks (with
     blocks first, each 4 KB stripe lay a few pages past the last: ~20% slower attention at 3,000
-    tokens of context, the prefetchers lost). Block 0 is the null block: never handed out, never written; tables name it past a row's blocks,
-    so whatever the kernels read there stays inside the pool (such keys are masked). refs[b]: the
-    holders of block b (rows, prefix-cache nodes); 0 = free. Thread-safe: one lock inside each call."""
+    tokens of context, the prefetchers lost). Block 0 is the null block: never handed out, never
+    written; tables name it past a row's blocks, so whatever the kernels read there stays inside the
+    pool (such keys are masked). refs[b]: the holders of block b (rows, prefix-cache nodes); 0 = free.
+    Thread-safe: one lock inside each call.
+
+    On the CPU the pool is a reservation (`reservation`) of as many blocks as the machine's memory
+    could hold: growing is handing out the next id, its pages written as tokens arrive, and no block
+    is ever copied. Elsewhere (CUDA, or no reservation to be had) it is allocated and grows by
+    doubling, the used blocks copied once a doubling."""
 
     def __init__(self, config: KVShape, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                  blocks: int = 0) -> None:
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
-        self._set(self._zeros(blocks + 1))
-        self.refs = np.zeros(self.blocks, np.int32)
+        kv = self._reservation(blocks + 1) if self.device.type == "cpu" else None
+        self.reserved = kv is not None  # room for every block already: nothing is ever copied
+        self._set(kv if kv is not None else self._allocated(blocks + 1))
+        self.refs = np.zeros(blocks + 1, np.int32)  # ids < high are held or free; refs grows with high
         self.refs[0] = 1  # the null block, pinned
         self.free: list[int] = []  # ids given back, the most recent last (reused first: warm pages)
         self.high = 1  # ids from here on were never handed out
         self.lock = threading.Lock()
 
-    def _zeros(self, blocks: int) -> torch.Tensor:
+    def _shape(self, blocks: int) -> tuple[int, ...]:
         c = self.config
-        with torch.inference_mode(False):  # a tensor of its own kind: a step (inference mode) may grow it
-            return zeros((c.num_layers, 2, c.num_kv_heads, blocks, BLOCK, c.head_dim), self.dtype, self.device)
+        return (c.num_layers, 2, c.num_kv_heads, blocks, BLOCK, c.head_dim)
+
+    def _reservation(self, at_least: int) -> torch.Tensor | None:
+        blocks = max(at_least, min(MAX_RESERVED_BLOCKS, physical_memory() // self.block_bytes))
+        with torch.inference_mode(False):  # a tensor of its own kind: a step (inference mode) may write it
+            return reservation(self._shape(blocks), self.dtype)
+
+    def _allocated(self, blocks: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return zeros(self._shape(blocks), self.dtype, self.device)
 
     def _set(self, kv: torch.Tensor) -> None:
         self.kv = kv
@@ -89,8 +131,14 @@ class BlockPool:
 
     @property
     def blocks(self) -> int:
-        """Ids 0..blocks-1 exist (the null block included)."""
+        """Ids 0..blocks-1 exist (the null block included): allocated, or reserved."""
         return self.kv.shape[3]
+
+    @property
+    def in_memory(self) -> int:
+        """Blocks besides the null one that take memory: of a reservation, those ever handed out
+        (a freed block keeps its pages, and is reused first); else every allocated one."""
+        return (self.high if self.reserved else self.blocks) - 1
 
     @property
     def used(self) -> int:
@@ -104,18 +152,19 @@ class BlockPool:
         return c.num_layers * 2 * c.num_kv_heads * BLOCK * c.head_dim * self.dtype.itemsize
 
     def reserve(self, blocks: int) -> None:
-        """Room for `blocks` blocks besides the null one, by doubling: the used ones are copied once
-        (all or nothing: allocating may fail, out of memory), never again once the pool is warm."""
+        """Room for `blocks` blocks besides the null one: nothing to do in a reservation; else by
+        doubling, the used ones copied once (all or nothing: allocating may fail, out of memory),
+        never again once the pool is warm."""
         with self.lock:
             self._reserve(blocks + 1)
 
     def _reserve(self, blocks: int) -> None:
         if blocks <= self.blocks:
             return
-        grown = self._zeros(max(blocks, 2 * self.blocks))
+        grown = self._allocated(max(blocks, 2 * self.blocks))  # past a reservation too (it was the machine's memory)
         grown[:, :, :, :self.high] = self.kv[:, :, :, :self.high]
         self._set(grown)
-        self.refs = np.concatenate((self.refs, np.zeros(self.blocks - len(self.refs), np.int32)))
+        self.reserved = False
 
     def alloc(self, n: int) -> list[int]:
         """n free blocks, each held once by the caller, ascending (a row's stretch, where they were one)."""
@@ -124,6 +173,9 @@ class BlockPool:
             del self.free[len(self.free) - len(reused):]
             fresh = n - len(reused)
             self._reserve(self.high + fresh)
+            if self.high + fresh > len(self.refs):
+                grown = max(self.high + fresh, 2 * len(self.refs))
+                self.refs = np.concatenate((self.refs, np.zeros(grown - len(self.refs), np.int32)))
             ids = reused + list(range(self.high, self.high + fresh))
             self.high += fresh
             self.refs[ids] = 1
@@ -132,7 +184,7 @@ class BlockPool:
     def incref(self, ids: Iterable[int]) -> None:
         with self.lock:
             for i in ids:
-                if self.refs[i] <= 0 or i == 0:
+                if not 0 < i < self.high or self.refs[i] <= 0:
                     raise ValueError(f"block {i} is not held: it cannot be shared")
                 self.refs[i] += 1
 
@@ -140,7 +192,7 @@ class BlockPool:
         """Each id held once less; a block no one holds any more is free."""
         with self.lock:
             for i in ids:
-                if self.refs[i] <= 0 or i == 0:
+                if not 0 < i < self.high or self.refs[i] <= 0:
                     raise ValueError(f"block {i} is not held: it cannot be given back")
                 self.refs[i] -= 1
                 if self.refs[i] == 0:

@@ -125,7 +125,7 @@ class _Derived:
             pool = m.prefix.pool  # the running rows' blocks and the prefix cache's, each held once
             yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_used", f"K/V blocks of {BLOCK} tokens that rows or the "
                                     "prefix cache hold (a block several hold counts once)", value=pool.used)
-            yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_reserved", "K/V blocks the pool has room for",
-                                    value=pool.blocks - 1)
+            yield GaugeMetricFamily(f"{PREFIX}_kv_blocks_reserved", "K/V blocks that take memory (written "
+                                    "at least once; free ones are reused first)", value=pool.in_memory)
             yield GaugeMetricFamily(f"{PREFIX}_kv_block_bytes", "Bytes of one K/V block, every layer",
                                     value=pool.block_bytes)
