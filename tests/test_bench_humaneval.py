@@ -150,6 +150,14 @@ class FakeLookup(GreedyLoop):
         return out, passes, 3 * passes
 
 
+class FakeDraft(FakeLookup):
+    """Stands in for llama.cpp's speculation with a draft model (the draft file and its --draft-max kept)."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, draft: Path, n_max: int) -> None:
+        GreedyLoop.__init__(self, path, threads, n_ctx)
+        self.draft = (draft, n_max)
+
+
 QUESTIONS = [{"question_id": 1, "category": "qa", "turns": ["the cat the cat the"]},
              {"question_id": 2, "category": "writing", "turns": ["Write hello.", "Again, the hello."]}]
 
@@ -160,6 +168,7 @@ def stand_ins(monkeypatch) -> None:
     monkeypatch.setattr(llamacpp_engine, "import_llama_cpp", lambda: type("lc", (), {"__version__": "fake"}))
     monkeypatch.setattr(llamacpp_engine, "LlamaCppEngine", GreedyLoop)
     monkeypatch.setattr(llamacpp_engine, "LlamaCppPromptLookup", FakeLookup)
+    monkeypatch.setattr(llamacpp_engine, "LlamaCppDraftModel", FakeDraft)
 
 
 def test_compare_llamacpp_adds_both_rows_to_the_same_table(stand_ins, tmp_path: Path, capsys) -> None:
@@ -217,3 +226,29 @@ def test_without_llama_cpp_the_command_says_how_to_install_it(monkeypatch, capsy
     assert main(["bench", "specbench", "-m", "no-such-model", "--groups", "code_edit", "--compare-llamacpp"]) == 1
     err = capsys.readouterr().err
     assert "needs the Python package llama_cpp" in err and "bash scripts/install.sh --llamacpp" in err
+
+
+def test_a_named_draft_adds_llamacpps_draft_model_row(stand_ins, tmp_path: Path, capsys) -> None:
+    """--llamacpp-draft PATH: a llama.cpp-draft row drafting with that GGUF file (none without one:
+    the tiny target has no packaged draft); a directory is refused before anything loads."""
+    gguf = write_llama_gguf(tiny_model(), tmp_path / "tiny.gguf")
+    draft = write_llama_gguf(tiny_model(seed=1), tmp_path / "draft.gguf")
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    argv = ["--model", str(gguf), "--questions", str(qfile), "--groups", "qa", "--max-new-tokens", "6",
+            "--methods", "plain", "--compare-llamacpp", "--threads", "1"]
+    rc, res = run_json(capsys, *argv)
+    assert rc == 0 and [m["label"] for m in res["methods"]] == ["plain", "llama.cpp-plain", "llama.cpp-prompt-lookup"]
+    assert res["config"]["llamacpp_draft"] is None and "--llamacpp-draft none" in res["config"]["command"]
+    rc, res = run_json(capsys, *argv, "--llamacpp-draft", str(draft), "--llamacpp-draft-max", "5")
+    assert rc == 0 and res["failures"] == []
+    assert [(m["label"], m["method"]) for m in res["methods"]][-1] == ("llama.cpp-draft", "draft-model")
+    assert GreedyLoop.made[-1].draft == (draft, 5) and GreedyLoop.made[-1].closed
+    assert res["config"]["llamacpp_draft"] == str(draft) and res["config"]["llamacpp_draft_max"] == 5
+    assert f"--llamacpp-draft {draft} --llamacpp-draft-max 5" in res["config"]["command"]
+    assert res["questions"][0]["runs"]["llama.cpp-draft"]["identical_to_plain"]
+    folder = tiny_llm_dir(tmp_path / "hf")
+    assert main(["bench", "specbench", *argv, "--llamacpp-draft", str(folder)]) == 1
+    assert "--llamacpp-draft: llama.cpp drafts with a GGUF file" in capsys.readouterr().err
+    assert main(["bench", "specbench", *argv, "--llamacpp-draft-max", "0"]) == 1
+    assert "--llamacpp-draft-max must be >= 1" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from quickdraft.bench.llamacpp_engine import LlamaCppEngine, LlamaCppPromptLookup, import_llama_cpp
+from quickdraft.bench.llamacpp_engine import LlamaCppDraftModel, LlamaCppEngine, LlamaCppPromptLookup, import_llama_cpp
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
 from tiny_tokenizer import tiny_model, write_llama_gguf
@@ -74,21 +74,40 @@ def test_prompt_lookup_drafts_and_decodes_the_greedy_tokens(gguf: Path, referenc
         lookup.close()
 
 
+def test_a_draft_model_drafts_and_decodes_the_greedy_tokens(gguf: Path, reference: list[int]) -> None:
+    """The model as its own draft: each draft is the target's own greedy continuation, all accepted
+    (fewer passes than tokens); the tokens are the binding's greedy ones, call after call (the draft's
+    cache reused from one call to the next)."""
+    speculative = LlamaCppDraftModel(gguf, threads=1, n_ctx=128, draft=gguf, n_max=4)
+    try:
+        for _ in range(2):
+            out, passes, drafted = speculative.generate(PROMPT, N, frozenset())
+            assert out == reference
+            assert drafted >= len(out) - passes and passes < len(out)
+        stop = reference[5]
+        assert speculative.generate(PROMPT, N, frozenset({stop}))[0] == reference[:reference.index(stop) + 1]
+    finally:
+        speculative.close()
+
+
 def test_specbench_rows_with_the_real_binding(gguf: Path, tmp_path: Path, capsys) -> None:
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["the cat the cat the"]}) + "\n")
     rc = main(["bench", "specbench", "--model", str(gguf), "--questions", str(qfile), "--groups", "qa",
-               "--max-new-tokens", "12", "--compare-llamacpp", "--threads", "1", "--json", "--no-progress"])
+               "--max-new-tokens", "12", "--compare-llamacpp", "--llamacpp-draft", str(gguf), "--threads", "1",
+               "--json", "--no-progress"])
     res = json.loads(capsys.readouterr().out)
     assert rc == 0 and res["config"]["llama_cpp_python"] == import_llama_cpp().__version__
     (q,) = res["questions"]
     runs = q["runs"]
     assert runs["llama.cpp-plain"]["turns"][0]["prompt_tokens"] == runs["plain"]["turns"][0]["prompt_tokens"]
-    for label in ("llama.cpp-plain", "llama.cpp-prompt-lookup"):
+    assert res["config"]["llamacpp_draft"] == str(gguf) and res["config"]["llamacpp_draft_max"] == 16
+    for label in ("llama.cpp-plain", "llama.cpp-prompt-lookup", "llama.cpp-draft"):
         assert runs[label]["new_tokens"] > 0 and runs[label]["tokens_per_s"] > 0
         assert runs[label]["identical_to_plain"] is not None  # reported, not required
     assert runs["llama.cpp-plain"]["tokens_per_pass"] == 1.0
     assert runs["llama.cpp-prompt-lookup"]["tokens_per_pass"] >= 1.0
+    assert runs["llama.cpp-draft"]["tokens_per_pass"] > 1.0  # its own draft: every drafted token accepted
 
 
 @pytest.mark.parametrize("given", [None, "active"])

@@ -123,13 +123,11 @@ class LlamaCppEngine:
         return self.worker.call("generate", list(prompt), max_new_tokens, sorted(eos))
 
 
-class LlamaCppPromptLookup:
-    """The binding's prompt-lookup decoding, greedy (llamacpp_worker.py), with its passes and drafts."""
-    name = "llama.cpp prompt lookup"
+class _Speculative:
+    """The binding's speculative loop, greedy (llamacpp_worker.py), with its passes and drafts."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 10,
-                 max_ngram_size: int = 2) -> None:
-        self.worker = _Worker("prompt-lookup", [str(path), threads, n_ctx, num_pred_tokens, max_ngram_size])
+    def __init__(self, kind: str, args: Sequence[Any]) -> None:
+        self.worker = _Worker(kind, args)
 
     def close(self) -> None:
         self.worker.close()
@@ -139,3 +137,21 @@ class LlamaCppPromptLookup:
         target passes and drafted tokens it took."""
         out, passes, drafted = self.worker.call("generate", list(prompt), max_new_tokens, sorted(eos))
         return out, passes, drafted
+
+
+class LlamaCppPromptLookup(_Speculative):
+    """The binding's prompt-lookup decoding."""
+    name = "llama.cpp prompt lookup"
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 10,
+                 max_ngram_size: int = 2) -> None:
+        super().__init__("prompt-lookup", [str(path), threads, n_ctx, num_pred_tokens, max_ngram_size])
+
+
+class LlamaCppDraftModel(_Speculative):
+    """Speculative decoding with a draft model (a GGUF file), drafting as llama.cpp's own does
+    (llamacpp_worker.ModelDraft: up to n_max greedy tokens, ending at the first below p_min)."""
+    name = "llama.cpp draft model"
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, draft: Path, n_max: int = 16) -> None:
+        super().__init__("draft-model", [str(path), threads, n_ctx, str(draft), n_max])

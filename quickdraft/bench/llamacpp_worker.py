@@ -8,9 +8,10 @@ third (18 vs 27 tok/s on the 1.5B).
 
 `Llama(...)` loads; plain decoding goes through llama.cpp's C API directly (one `llama_decode`
 per pass, its own greedy sampler, `llama_memory_seq_rm` to drop fed tokens), so the binding's
-Python bookkeeping (copying logits into numpy per token) is not charged to llama.cpp. Prompt
-lookup is the binding's own (`LlamaPromptLookupDecoding` in its `generate` loop): the only
-speculative decoding it offers, bookkeeping included.
+Python bookkeeping (copying logits into numpy per token) is not charged to llama.cpp. Speculative
+decoding is the binding's own loop (`Llama(draft_model=...)` and its `generate`, bookkeeping
+included), drafting by its prompt lookup (`LlamaPromptLookupDecoding`) or by a second model as
+llama.cpp's own speculative decoding drafts (`ModelDraft`).
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ import json
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import llama_cpp as lc
+import numpy as np
 from amx_guard import AMX_REFUSED, amx_refused, refuse_amx_tile_state  # a sibling: this file runs by path
 
 
@@ -86,6 +88,10 @@ class LlamaCppEngine:
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.truncate(0)
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Feed tokens after the cached ones, the last one's logits kept."""
         for start in range(0, len(tokens), self.n_batch):  # one pass per n_batch tokens, as llama.cpp's tools
             self._decode(tokens[start:start + self.n_batch], all_logits=False)
 
@@ -123,21 +129,18 @@ def check_room(prompt_tokens: int, max_new_tokens: int, n_ctx: int) -> None:
 CTX_PAD = 256
 
 
-class LlamaCppPromptLookup:
-    """The binding's prompt-lookup decoding, greedy: `Llama(draft_model=LlamaPromptLookupDecoding(
-    max_ngram_size, num_pred_tokens))` and its `generate` loop, which verifies each draft in one
-    llama_decode and keeps the tokens up to the first mismatch. Counts its passes and drafts."""
-    name = "llama.cpp prompt lookup"
+class LlamaCppSpeculative:
+    """The binding's speculative decoding, greedy: `Llama(draft_model=draft)` and its `generate`
+    loop, which verifies each draft in one llama_decode and keeps the tokens up to the first
+    mismatch. Counts its passes and drafted tokens."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 10,
-                 max_ngram_size: int = 2) -> None:
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    def __init__(self, path: Path, threads: int, n_ctx: int, draft: Callable[..., np.ndarray]) -> None:
         refuse_amx_tile_state()
-        lookup = LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size, num_pred_tokens=num_pred_tokens)
+        self.draft = draft
         self.passes = self.drafted = 0
 
-        def draft(input_ids, **kwargs):  # noqa: ANN001, ANN003 (the binding's draft-model call)
-            tokens = lookup(input_ids, **kwargs)
+        def counted(input_ids, **kwargs):  # noqa: ANN001, ANN003 (the binding's draft-model call)
+            tokens = draft(input_ids, **kwargs)
             self.drafted += len(tokens)
             return tokens
 
@@ -147,11 +150,11 @@ class LlamaCppPromptLookup:
         # drafts by the padded size but its token array by the size asked for (overflowing it)
         n_ctx = -(-n_ctx // CTX_PAD) * CTX_PAD
         self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                            flash_attn=True, logits_all=True, draft_model=draft, verbose=False)
+                            flash_attn=True, logits_all=True, draft_model=counted, verbose=False)
         if self.llm.n_ctx() != len(self.llm.input_ids):
-            self.llm.close()
+            self.close()
             raise NoRoom(f"llama.cpp made a context of {self.llm.n_ctx()} tokens for {n_ctx} asked for; "
-                                  f"the binding's prompt lookup needs them equal")
+                         f"the binding's speculative loop needs them equal")
         evaluate = self.llm.eval
 
         def counted_eval(tokens: Sequence[int]) -> None:
@@ -162,6 +165,8 @@ class LlamaCppPromptLookup:
 
     def close(self) -> None:
         self.llm.close()
+        if hasattr(self.draft, "close"):
+            self.draft.close()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: Collection[int]) -> tuple[list[int], int, int]:
         """Greedy tokens after `prompt` (up to max_new_tokens or through the first EOS), with the
@@ -177,7 +182,62 @@ class LlamaCppPromptLookup:
         return out, self.passes, self.drafted
 
 
-ENGINES = {"plain": LlamaCppEngine, "prompt-lookup": LlamaCppPromptLookup}
+def prompt_lookup(path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 10,
+                  max_ngram_size: int = 2) -> LlamaCppSpeculative:
+    """The binding's prompt lookup: `LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    return LlamaCppSpeculative(path, threads, n_ctx, LlamaPromptLookupDecoding(max_ngram_size=max_ngram_size,
+                                                                               num_pred_tokens=num_pred_tokens))
+
+
+class ModelDraft:
+    """Drafts from a second model, as llama.cpp's own speculative decoding drafts (common/speculative.cpp,
+    its defaults: --draft-max 16, --draft-p-min 0.75): the draft's greedy tokens, up to n_max, ending
+    after the first whose probability among the draft's top 10 is below p_min. The draft model's
+    cache is kept between calls: the longest prefix it shares with the new input is reused, the
+    rest fed (the last accepted draft token and the target's own, after each verification)."""
+    TOP = 10  # the candidates llama.cpp's draft sampler keeps (top-k), whose softmax gives p
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, n_max: int = 16, p_min: float = 0.75) -> None:
+        self.engine = LlamaCppEngine(path, threads, n_ctx)
+        self.vocab = self.engine.llm.n_vocab()
+        self.n_max, self.p_min = n_max, p_min
+        self.tokens: list[int] = []  # what the draft model's cache holds
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __call__(self, input_ids: np.ndarray, **kwargs: Any) -> np.ndarray:
+        ids = [int(t) for t in input_ids]
+        keep = 0
+        while keep < min(len(self.tokens), len(ids) - 1) and self.tokens[keep] == ids[keep]:
+            keep += 1  # the input's last token is always fed: its logits start the draft
+        e = self.engine
+        e.truncate(keep)
+        e.extend(ids[keep:])
+        draft: list[int] = []
+        while True:
+            logits = np.ctypeslib.as_array(e.lc.llama_get_logits_ith(e.ctx, -1), shape=(self.vocab,))
+            top = np.argpartition(logits, -self.TOP)[-self.TOP:]
+            best = int(top[np.argmax(logits[top])])
+            p = 1.0 / float(np.exp(logits[top] - logits[best]).sum())
+            draft.append(best)
+            if len(draft) == self.n_max or p < self.p_min:
+                break
+            e.extend([best])
+        self.tokens = ids + draft[:-1]
+        return np.array(draft, dtype=np.intc)
+
+
+def draft_model(path: Path, threads: int, n_ctx: int, draft: str, n_max: int = 16,
+                p_min: float = 0.75) -> LlamaCppSpeculative:
+    """Speculative decoding with the GGUF model `draft` drafting (ModelDraft), same threads; its context
+    holds the target's (padded as LlamaCppSpeculative pads it) and a draft past it."""
+    room = -(-n_ctx // CTX_PAD) * CTX_PAD + n_max
+    return LlamaCppSpeculative(path, threads, n_ctx, ModelDraft(Path(draft), threads, room, n_max, p_min))
+
+
+ENGINES = {"plain": LlamaCppEngine, "prompt-lookup": prompt_lookup, "draft-model": draft_model}
 
 
 def serve(kind: str, args: list[Any]) -> None:

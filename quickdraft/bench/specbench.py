@@ -34,6 +34,7 @@ PLAIN = "plain"
 # the other engines' rows: label -> (engine, its decoding)
 HF_ROWS = {"hf-plain": ("transformers", "plain"), "hf-prompt-lookup": ("transformers", "prompt-lookup")}
 LLAMACPP_ROWS = {"llama.cpp-plain": ("llama.cpp", "plain"), "llama.cpp-prompt-lookup": ("llama.cpp", "prompt-lookup")}
+LLAMACPP_DRAFT_ROW = {"llama.cpp-draft": ("llama.cpp", "draft-model")}  # where a draft model is named
 Prompt = Union[str, list[Message]]  # raw text to continue, or a chat (the template applied)
 
 
@@ -42,7 +43,7 @@ class Method:
     label: str                    # the row name in every table
     spec: SpecConfig | None       # quickdraft's decoding (method "none" = plain); None for other engines' rows
     engine: str = "quickdraft"    # or "transformers", "llama.cpp": comparators on the same prompt ids
-    mode: str | None = None       # another engine's decoding: "plain" or "prompt-lookup"
+    mode: str | None = None       # another engine's decoding: "plain", "prompt-lookup" or "draft-model"
 
     def describe(self) -> dict[str, Any]:
         if self.spec is None:
@@ -53,7 +54,7 @@ class Method:
 
 def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, compare_hf: bool = False,
                   verify_all: bool = False, compare_llamacpp: bool = False,
-                  default_draft: str | None = None) -> list[Method]:
+                  default_draft: str | None = None, llamacpp_draft: bool = False) -> list[Method]:
     """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR,
     draft:4@draft-vocab=32768` -> methods, plain first (always run: it is the baseline). NAME:K sets
     k for one method, @OPTION=VALUE one of its proposer options (repeatable); the file
@@ -63,7 +64,8 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
     defaults. `verify_all` adds beside each speculative method the same one with the draft-length
     policy off (every offered draft token verified, label ending in "all"): what its drafts could
     commit per pass, the ceiling of its speedup, measured in the same run as what the policy makes
-    of them. `compare_hf` and `compare_llamacpp` add the other engines' plain and prompt-lookup rows."""
+    of them. `compare_hf` and `compare_llamacpp` add the other engines' plain and prompt-lookup rows,
+    and `llamacpp_draft` llama.cpp's draft-model row (OtherEngines.llamacpp_draft drafts)."""
     methods = [Method(PLAIN, SpecConfig(method="none"))]
     for item in (t.strip() for t in text.split(",")):
         if not item or item == PLAIN:
@@ -94,7 +96,8 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
         methods.append(Method(label, spec))
         if verify_all:
             methods.append(Method(f"{label} all", replace(spec, adaptive=False)))
-    for rows in (HF_ROWS if compare_hf else {}, LLAMACPP_ROWS if compare_llamacpp else {}):
+    llamacpp_rows = {**LLAMACPP_ROWS, **(LLAMACPP_DRAFT_ROW if llamacpp_draft else {})} if compare_llamacpp else {}
+    for rows in (HF_ROWS if compare_hf else {}, llamacpp_rows):
         methods += [Method(label, None, engine, mode) for label, (engine, mode) in rows.items()]
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
@@ -262,6 +265,8 @@ class OtherEngines:
     llamacpp_lookup_tokens: int = 10  # the binding's LlamaPromptLookupDecoding: num_pred_tokens ...
     llamacpp_ngram: int = 2           # ... and max_ngram_size (its default)
     threads: int | None = None        # llama.cpp's threads; None: torch's count, as quickdraft's
+    llamacpp_draft: Path | None = None  # the GGUF llama.cpp's draft-model row drafts with
+    llamacpp_draft_max: int = 16      # its draft tokens per step at most (llama.cpp's --draft-max default)
 
 
 TURN_ROOM = 32  # context kept per turn beyond its new tokens: chat tags, re-tokenized answers
@@ -294,10 +299,14 @@ def _runners(llm: LLM, methods: Sequence[Method], device: str, others: OtherEngi
                 hf_model = load_hf_model(llm.loaded.source, llm.model.dtype, device)
             decode = _hf_decoder(hf_model, m.mode, others.hf_lookup_tokens)
         else:
-            from quickdraft.bench.llamacpp_engine import LlamaCppEngine, LlamaCppPromptLookup
+            from quickdraft.bench.llamacpp_engine import LlamaCppDraftModel, LlamaCppEngine, LlamaCppPromptLookup
             threads, path = others.threads or torch.get_num_threads(), llm.loaded.source.path
-            engine = (LlamaCppEngine(path, threads, n_ctx) if m.mode == "plain" else
-                      LlamaCppPromptLookup(path, threads, n_ctx, others.llamacpp_lookup_tokens, others.llamacpp_ngram))
+            if m.mode == "plain":
+                engine = LlamaCppEngine(path, threads, n_ctx)
+            elif m.mode == "prompt-lookup":
+                engine = LlamaCppPromptLookup(path, threads, n_ctx, others.llamacpp_lookup_tokens, others.llamacpp_ngram)
+            else:
+                engine = LlamaCppDraftModel(path, threads, n_ctx, others.llamacpp_draft, others.llamacpp_draft_max)
             closers.append(engine.close)
             decode = _llamacpp_decoder(engine, m.mode)
         runners[m.label] = lambda prompt, p, schema, decode=decode: _other_engine_turn(llm, decode, prompt, p)

@@ -126,7 +126,8 @@ def _specbench_command(args: argparse.Namespace) -> str:
     if args.compare_hf:
         words += ["--compare-hf", "--hf-lookup-tokens", str(args.hf_lookup_tokens)]
     if args.compare_llamacpp:
-        words += ["--compare-llamacpp", "--llamacpp-lookup-tokens", str(args.llamacpp_lookup_tokens)]
+        words += ["--compare-llamacpp", "--llamacpp-lookup-tokens", str(args.llamacpp_lookup_tokens),
+                  "--llamacpp-draft", args.llamacpp_draft or "none", "--llamacpp-draft-max", str(args.llamacpp_draft_max)]
     if args.verify_all:
         words.append("--verify-all")
     if args.traffic:
@@ -152,13 +153,18 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
             needed_for="bench specbench" + (" --out" if args.out else "") + (" --traffic" if args.traffic else ""))
     pool, files = bench_questions(groups, args.questions, args.humaneval_half)
     questions = select_questions(pool, groups, args.limit)
+    if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1 or args.llamacpp_draft_max < 1:
+        raise QuickdraftError("--hf-lookup-tokens, --llamacpp-lookup-tokens and --llamacpp-draft-max must be >= 1")
+    if args.compare_llamacpp and args.llamacpp_draft is None:
+        args.llamacpp_draft = packaged_draft(args.model)
+    draft = _llamacpp_draft(args.llamacpp_draft) if args.compare_llamacpp else None
     methods = parse_methods(args.methods, args.k, options_from_args(args), args.compare_hf, args.verify_all,
-                            args.compare_llamacpp, default_draft=packaged_draft(args.model))
-    if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1:
-        raise QuickdraftError("--hf-lookup-tokens and --llamacpp-lookup-tokens must be >= 1")
+                            args.compare_llamacpp, default_draft=packaged_draft(args.model),
+                            llamacpp_draft=draft is not None)
     check_llamacpp(args.model, methods)
     set_threads(args.threads)
-    others = OtherEngines(args.hf_lookup_tokens, args.llamacpp_lookup_tokens, threads=torch.get_num_threads())
+    others = OtherEngines(args.hf_lookup_tokens, args.llamacpp_lookup_tokens, threads=torch.get_num_threads(),
+                          llamacpp_draft=draft, llamacpp_draft_max=args.llamacpp_draft_max)
     llm, records = run_specbench(args.model, questions, methods, args.max_new_tokens, args.temperature,
                                  args.seed, args.device, args.dtype, others, progress=not args.no_progress,
                                  traffic=_traffic(args.traffic, pool))
@@ -168,6 +174,7 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "seed": args.seed, "k": args.k, "traffic": args.traffic, "hf_lookup_tokens": args.hf_lookup_tokens,
               "llamacpp_lookup_tokens": others.llamacpp_lookup_tokens, "llamacpp_ngram": others.llamacpp_ngram,
+              "llamacpp_draft": str(draft) if draft else None, "llamacpp_draft_max": others.llamacpp_draft_max,
               "llama_cpp_python": _llama_cpp_version() if args.compare_llamacpp else None,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.machine(), "python": platform.python_version(),
@@ -183,6 +190,18 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     for line in results["failures"] if args.json else ():  # the tables carry them otherwise
         print(line, file=sys.stderr)
     return 1 if results["failures"] else 0
+
+
+def _llamacpp_draft(name: str | None) -> Path | None:
+    """The GGUF file llama.cpp's draft-model row drafts with (None or "none": no such row)."""
+    if name is None or name == "none":
+        return None
+    from quickdraft.weights.resolve import resolve_model
+    source = resolve_model(name)
+    if source.kind != "gguf":
+        raise QuickdraftError(f"--llamacpp-draft: llama.cpp drafts with a GGUF file; {name!r} is a {source.kind} "
+                              f"directory")
+    return source.path
 
 
 def _traffic(n: int, pool: Sequence[Question]) -> list[str]:
@@ -237,9 +256,17 @@ def add_bench_specbench(bsub) -> None:
     sb.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens (default 10)")
     sb.add_argument("--compare-llamacpp", action="store_true",
                     help="add llama.cpp rows on the same GGUF file, prompt ids and threads (the `llamacpp` extra): "
-                         "plain decoding (llama.cpp-plain) and the binding's prompt lookup (llama.cpp-prompt-lookup)")
+                         "plain decoding (llama.cpp-plain), the binding's prompt lookup (llama.cpp-prompt-lookup) and, "
+                         "where a draft model is named or packaged, speculation with it (llama.cpp-draft)")
     sb.add_argument("--llamacpp-lookup-tokens", type=int, default=10,
                     help="llama.cpp prompt lookup's draft tokens per step (num_pred_tokens, default 10)")
+    sb.add_argument("--llamacpp-draft", metavar="NAME|PATH",
+                    help="with --compare-llamacpp, a llama.cpp-draft row: speculative decoding with this GGUF draft "
+                         "model, drafting as llama.cpp's own (greedy, up to --llamacpp-draft-max tokens, ending at the "
+                         "first below probability 0.75) (default: the target's packaged draft, e.g. "
+                         "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b; 'none': no such row)")
+    sb.add_argument("--llamacpp-draft-max", type=int, default=16,
+                    help="llama.cpp-draft's draft tokens per step at most (llama.cpp's --draft-max, default 16)")
     sb.add_argument("--verify-all", action="store_true",
                     help="add beside each speculative method the same one verifying every offered draft "
                          "token (draft-length policy off; label ending in 'all'): the tokens per pass its "
