@@ -252,3 +252,6 @@ def test_a_named_draft_adds_llamacpps_draft_model_row(stand_ins, tmp_path: Path,
     assert "--llamacpp-draft: llama.cpp drafts with a GGUF file" in capsys.readouterr().err
     assert main(["bench", "specbench", *argv, "--llamacpp-draft-max", "0"]) == 1
     assert "--llamacpp-draft-max must be >= 1" in capsys.readouterr().err
+    alone = [a for a in argv if a != "--compare-llamacpp"]
+    assert main(["bench", "specbench", *alone, "--llamacpp-draft", str(draft)]) == 1
+    assert "give --compare-llamacpp too" in capsys.readouterr().err

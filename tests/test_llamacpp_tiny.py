@@ -19,7 +19,7 @@ import pytest
 from quickdraft.bench.llamacpp_engine import LlamaCppDraftModel, LlamaCppEngine, LlamaCppPromptLookup, import_llama_cpp
 from quickdraft.cli import main
 from quickdraft.errors import QuickdraftError
-from tiny_tokenizer import tiny_model, write_llama_gguf
+from tiny_tokenizer import VOCAB_SIZE, tiny_model, write_llama_gguf
 
 PROMPT = [40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41, 42]  # the lookup finds 41, 42
 N = 24
@@ -88,6 +88,12 @@ def test_a_draft_model_drafts_and_decodes_the_greedy_tokens(gguf: Path, referenc
         assert speculative.generate(PROMPT, N, frozenset({stop}))[0] == reference[:reference.index(stop) + 1]
     finally:
         speculative.close()
+
+
+def test_a_draft_of_another_vocabulary_is_refused(gguf: Path, tmp_path: Path) -> None:
+    other = write_llama_gguf(tiny_model(vocab_size=VOCAB_SIZE + 8), tmp_path / "other.gguf")
+    with pytest.raises(QuickdraftError, match=r"vocabulary \(\d+ tokens\) is not the target's"):
+        LlamaCppDraftModel(gguf, threads=1, n_ctx=128, draft=other)
 
 
 def test_specbench_rows_with_the_real_binding(gguf: Path, tmp_path: Path, capsys) -> None:

@@ -149,8 +149,12 @@ class LlamaCppSpeculative:
         # n_ctx a multiple of 256: llama.cpp pads the context to one, and the binding's loop bounds
         # drafts by the padded size but its token array by the size asked for (overflowing it)
         n_ctx = -(-n_ctx // CTX_PAD) * CTX_PAD
-        self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                            flash_attn=True, logits_all=True, draft_model=counted, verbose=False)
+        try:
+            self.llm = lc.Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                                flash_attn=True, logits_all=True, draft_model=counted, verbose=False)
+        except Exception:
+            getattr(draft, "close", lambda: None)()
+            raise
         if self.llm.n_ctx() != len(self.llm.input_ids):
             self.close()
             raise NoRoom(f"llama.cpp made a context of {self.llm.n_ctx()} tokens for {n_ctx} asked for; "
@@ -165,14 +169,14 @@ class LlamaCppSpeculative:
 
     def close(self) -> None:
         self.llm.close()
-        if hasattr(self.draft, "close"):
-            self.draft.close()
+        getattr(self.draft, "close", lambda: None)()
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, eos: Collection[int]) -> tuple[list[int], int, int]:
         """Greedy tokens after `prompt` (up to max_new_tokens or through the first EOS), with the
         target passes and drafted tokens it took."""
         check_room(len(prompt), max_new_tokens, self.llm.n_ctx())
         self.llm.reset()  # no prefix reuse from an earlier call: every turn starts from an empty cache
+        getattr(self.draft, "reset", lambda: None)()  # the draft model's too
         self.passes = self.drafted = 0
         out: list[int] = []
         for token in self.llm.generate(list(prompt), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
@@ -193,7 +197,8 @@ def prompt_lookup(path: Path, threads: int, n_ctx: int, num_pred_tokens: int = 1
 class ModelDraft:
     """Drafts from a second model, as llama.cpp's own speculative decoding drafts (common/speculative.cpp,
     its defaults: --draft-max 16, --draft-p-min 0.75): the draft's greedy tokens, up to n_max, ending
-    after the first whose probability among the draft's top 10 is below p_min. The draft model's
+    after the first whose probability among the draft's top 10 is below p_min (that token still
+    drafted, as its gen_draft did in 2025; later versions leave it out). The draft model's
     cache is kept between calls: the longest prefix it shares with the new input is reused, the
     rest fed (the last accepted draft token and the target's own, after each verification)."""
     TOP = 10  # the candidates llama.cpp's draft sampler keeps (top-k), whose softmax gives p
@@ -202,19 +207,24 @@ class ModelDraft:
         self.engine = LlamaCppEngine(path, threads, n_ctx)
         self.vocab = self.engine.llm.n_vocab()
         self.n_max, self.p_min = n_max, p_min
-        self.tokens: list[int] = []  # what the draft model's cache holds
+        self.tokens = np.zeros(0, np.int64)  # what the draft model's cache holds
 
     def close(self) -> None:
         self.engine.close()
 
+    def reset(self) -> None:
+        """Nothing cached: a turn's prompt is the draft's to prefill, as the target's."""
+        self.tokens = np.zeros(0, np.int64)
+
     def __call__(self, input_ids: np.ndarray, **kwargs: Any) -> np.ndarray:
-        ids = [int(t) for t in input_ids]
-        keep = 0
-        while keep < min(len(self.tokens), len(ids) - 1) and self.tokens[keep] == ids[keep]:
-            keep += 1  # the input's last token is always fed: its logits start the draft
+        ids = np.asarray(input_ids, dtype=np.int64)
+        n = min(len(self.tokens), len(ids) - 1)  # the input's last token is always fed: its logits start the draft
+        differ = np.flatnonzero(self.tokens[:n] != ids[:n])
+        keep = int(differ[0]) if differ.size else n
         e = self.engine
         e.truncate(keep)
-        e.extend(ids[keep:])
+        self.tokens = ids[:keep]  # what the cache holds, should feeding fail
+        e.extend(ids[keep:].tolist())
         draft: list[int] = []
         while True:
             logits = np.ctypeslib.as_array(e.lc.llama_get_logits_ith(e.ctx, -1), shape=(self.vocab,))
@@ -225,7 +235,7 @@ class ModelDraft:
             if len(draft) == self.n_max or p < self.p_min:
                 break
             e.extend([best])
-        self.tokens = ids + draft[:-1]
+        self.tokens = np.concatenate((ids, np.array(draft[:-1], dtype=np.int64)))
         return np.array(draft, dtype=np.intc)
 
 
@@ -234,7 +244,13 @@ def draft_model(path: Path, threads: int, n_ctx: int, draft: str, n_max: int = 1
     """Speculative decoding with the GGUF model `draft` drafting (ModelDraft), same threads; its context
     holds the target's (padded as LlamaCppSpeculative pads it) and a draft past it."""
     room = -(-n_ctx // CTX_PAD) * CTX_PAD + n_max
-    return LlamaCppSpeculative(path, threads, n_ctx, ModelDraft(Path(draft), threads, room, n_max, p_min))
+    drafter = ModelDraft(Path(draft), threads, room, n_max, p_min)
+    speculative = LlamaCppSpeculative(path, threads, n_ctx, drafter)
+    if drafter.vocab != speculative.llm.n_vocab():  # as llama.cpp's own check: its ids must be the target's
+        speculative.close()
+        raise ValueError(f"the draft model's vocabulary ({drafter.vocab} tokens) is not the target's "
+                         f"({speculative.llm.n_vocab()}): llama.cpp drafts only with a model of the same tokenizer")
+    return speculative
 
 
 ENGINES = {"plain": LlamaCppEngine, "prompt-lookup": prompt_lookup, "draft-model": draft_model}

@@ -127,7 +127,7 @@ def _specbench_command(args: argparse.Namespace) -> str:
         words += ["--compare-hf", "--hf-lookup-tokens", str(args.hf_lookup_tokens)]
     if args.compare_llamacpp:
         words += ["--compare-llamacpp", "--llamacpp-lookup-tokens", str(args.llamacpp_lookup_tokens),
-                  "--llamacpp-draft", args.llamacpp_draft or "none", "--llamacpp-draft-max", str(args.llamacpp_draft_max)]
+                  "--llamacpp-draft", args.llamacpp_draft, "--llamacpp-draft-max", str(args.llamacpp_draft_max)]
     if args.verify_all:
         words.append("--verify-all")
     if args.traffic:
@@ -155,9 +155,9 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     questions = select_questions(pool, groups, args.limit)
     if args.llamacpp_lookup_tokens < 1 or args.hf_lookup_tokens < 1 or args.llamacpp_draft_max < 1:
         raise QuickdraftError("--hf-lookup-tokens, --llamacpp-lookup-tokens and --llamacpp-draft-max must be >= 1")
-    if args.compare_llamacpp and args.llamacpp_draft is None:
-        args.llamacpp_draft = packaged_draft(args.model)
-    draft = _llamacpp_draft(args.llamacpp_draft) if args.compare_llamacpp else None
+    if args.llamacpp_draft is not None and not args.compare_llamacpp:
+        raise QuickdraftError("--llamacpp-draft names the draft of llama.cpp's row: give --compare-llamacpp too")
+    draft = _llamacpp_draft(args) if args.compare_llamacpp else None
     methods = parse_methods(args.methods, args.k, options_from_args(args), args.compare_hf, args.verify_all,
                             args.compare_llamacpp, default_draft=packaged_draft(args.model),
                             llamacpp_draft=draft is not None)
@@ -192,15 +192,32 @@ def cmd_bench_specbench(args: argparse.Namespace) -> int:
     return 1 if results["failures"] else 0
 
 
-def _llamacpp_draft(name: str | None) -> Path | None:
-    """The GGUF file llama.cpp's draft-model row drafts with (None or "none": no such row)."""
-    if name is None or name == "none":
-        return None
+def _llamacpp_draft(args: argparse.Namespace) -> Path | None:
+    """The GGUF file llama.cpp's draft-model row drafts with: --llamacpp-draft (none: no such row),
+    else the target's packaged draft where one ships and is installed (args.llamacpp_draft is set to
+    what runs, for the report's command)."""
+    from quickdraft.bench.llamacpp_engine import import_llama_cpp
+    from quickdraft.errors import ModelLoadError
+    from quickdraft.weights.packaged import packaged_draft
     from quickdraft.weights.resolve import resolve_model
-    source = resolve_model(name)
+    import_llama_cpp()  # the extra's absence said first, before any draft is looked for
+    name, named = args.llamacpp_draft or packaged_draft(args.model), args.llamacpp_draft is not None
+    if name is None or name == "none":
+        args.llamacpp_draft = "none"
+        return None
+    try:
+        source = resolve_model(name)
+    except ModelLoadError as e:
+        if named:
+            raise
+        print(f"quickdraft: no llama.cpp-draft row: the packaged draft {name} is not at hand ({e}); "
+              f"name one with --llamacpp-draft", file=sys.stderr)
+        args.llamacpp_draft = "none"
+        return None
     if source.kind != "gguf":
         raise QuickdraftError(f"--llamacpp-draft: llama.cpp drafts with a GGUF file; {name!r} is a {source.kind} "
                               f"directory")
+    args.llamacpp_draft = name
     return source.path
 
 

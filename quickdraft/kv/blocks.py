@@ -8,6 +8,7 @@ import ctypes
 import functools
 import mmap
 import os
+import platform
 import sys
 import threading
 from typing import Iterable, Protocol
@@ -18,7 +19,9 @@ import torch
 BLOCK = 16  # tokens a block: a multiple of 8 (the kernel scores keys 8 at a time) and a power of two
 ALIGN = 64  # bytes: a cache line, as torch's own allocator aligns
 PAGE, HUGE_PAGE, MADV_NOHUGEPAGE = 4096, 2 << 20, 15  # Linux's (asm-generic/mman-common.h)
-MAP_NORESERVE = 0x4000  # Linux's; Python 3.11's mmap module lacks the constant
+# Linux's on x86-64 and arm64 (Python 3.11's mmap module lacks it; other architectures number it otherwise)
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+RESERVING_MACHINES = ("x86_64", "amd64", "aarch64", "arm64")
 MAX_RESERVED_BLOCKS = 1 << 20  # a reservation holds at most this many blocks (16M tokens), at most the machine's memory
 
 
@@ -49,7 +52,7 @@ def reservation(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
     page by page as it is first written (MAP_NORESERVE: no commit charge for the rest), in 4 KB pages
     (see _no_huge_pages). A pool made of one grows by handing out higher ids, no copy ever. None where
     none is to be had (not Linux; strict overcommit, vm.overcommit_memory = 2, refuses the mapping)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in RESERVING_MACHINES:
         return None
     size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     try:
@@ -57,7 +60,10 @@ def reservation(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | No
                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError:
         return None
-    memory.madvise(MADV_NOHUGEPAGE)
+    try:
+        memory.madvise(MADV_NOHUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KB pages anyway
+        pass
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps the mapping
 
 
@@ -161,7 +167,8 @@ class BlockPool:
     def _reserve(self, blocks: int) -> None:
         if blocks <= self.blocks:
             return
-        grown = self._allocated(max(blocks, 2 * self.blocks))  # past a reservation too (it was the machine's memory)
+        # past a reservation too (the machine's memory, or 2^20 blocks): double what is used, not it
+        grown = self._allocated(max(blocks, 2 * (self.high if self.reserved else self.blocks)))
         grown[:, :, :, :self.high] = self.kv[:, :, :, :self.high]
         self._set(grown)
         self.reserved = False

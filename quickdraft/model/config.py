@@ -158,7 +158,7 @@ class ModelConfig:
             heads = int(cfg["num_attention_heads"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            _check_end_tokens(eos_ids, int(cfg["vocab_size"]))
+            check_end_tokens(eos_ids, int(cfg["vocab_size"]), "config.json")
             return cls(
                 model_type=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -198,14 +198,14 @@ class ModelConfig:
             raise ModelLoadError(f"config.json has a malformed value: {e}") from None
 
 
-def _check_end_tokens(ids: tuple[Any, ...], vocab_size: int) -> None:
-    """config.json's eos_token_id: token ids of the vocabulary (one past it failed later, inside the
+def check_end_tokens(ids: tuple[Any, ...], vocab_size: int, where: str) -> None:
+    """A file's eos_token_id values: token ids of the vocabulary (one past it failed later, inside the
     grammar's vocabulary, with a raw error)."""
     for i in ids:
         if not isinstance(i, int) or isinstance(i, bool) or i < 0:
-            raise ModelLoadError(f"config.json: eos_token_id must be a token id or a list of them, found {i!r}")
+            raise ModelLoadError(f"{where}: eos_token_id must be a token id or a list of them, found {i!r}")
         if i >= vocab_size:
-            raise ModelLoadError(f"config.json: eos_token_id {i} is past the model's vocabulary (vocab_size {vocab_size})")
+            raise ModelLoadError(f"{where}: eos_token_id {i} is past the model's vocabulary (vocab_size {vocab_size})")
 
 
 def _experts(cfg: dict[str, Any], spec: Family) -> dict[str, Any]:

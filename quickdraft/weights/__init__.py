@@ -37,7 +37,8 @@ def load_model(name_or_path: str | Path | None = None, device: torch.device | st
                dequantize: bool = False, quantize: str | None = None,
                activations: str | None = None) -> LoadedModel:
     """`dtype` is that of activations and of unquantized tensors. A quantized GGUF (or gpt-oss's
-    MXFP4 checkpoint) runs as stored on CPU unless `dequantize` (then, and on other devices, its matrices become `dtype`).
+    MXFP4 checkpoint) runs as stored on CPU unless `dequantize` (then, and on other devices, its
+    matrices become `dtype`).
     `quantize` ('int8' or 'int4', CPU only) quantizes float matrices at load (weights/quantize.py).
     `activations` ('int16' or 'int8') is what the integer kernel rounds activations to for
     matrices kept quantized; None: the file's measured choice (weights/activations.py)."""

@@ -64,7 +64,8 @@ CALIBRATION = (
 def activation_bits(source: ModelSource, activations: str | None) -> int | None:
     """Bits for a model's activations: `activations` when given; else for a GGUF the recorded
     answer of the rule above, None where it is still to be measured (choose_bits, once the model
-    is built); int16 for anything else (a float model quantized at load)."""
+    is built); int16 for anything else (a float model quantized at load; a Hugging Face directory's
+    MXFP4 experts, not measured)."""
     if activations is not None:
         if activations not in ACTIVATIONS:
             raise ModelLoadError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {activations!r}")

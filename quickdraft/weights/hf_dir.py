@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.kernels.quantized import QuantizedWeight
-from quickdraft.model.config import ModelConfig
+from quickdraft.model.config import ModelConfig, check_end_tokens
 from quickdraft.weights.mxfp4 import unstack_blocks
 from quickdraft.weights.names import ignored, unstack_experts
 
@@ -34,16 +34,16 @@ def read_config(path: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{config_file} should hold a JSON object, found {type(raw).__name__}")
     config = ModelConfig.from_hf(raw)
-    extra = [i for i in generation_eos_ids(path) if i not in config.eos_token_ids]
-    if any(i >= config.vocab_size for i in extra):
-        raise ModelLoadError(f"{path / 'generation_config.json'}: eos_token_id {max(extra)} is past the model's "
-                             f"vocabulary (vocab_size {config.vocab_size})")
-    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + tuple(extra)) if extra else config
+    ends = generation_eos_ids(path)
+    check_end_tokens(ends, config.vocab_size, str(path / "generation_config.json"))
+    extra = tuple(i for i in ends if i not in config.eos_token_ids)
+    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + extra) if extra else config
 
 
-def generation_eos_ids(path: Path) -> tuple[int, ...]:
+def generation_eos_ids(path: Path) -> tuple[object, ...]:
     """The tokens generation_config.json ends on, which transformers' generate ends on too and
-    config.json may list only one of (gpt-oss: <|return|> and <|call|> beside <|endoftext|>)."""
+    config.json may list only one of (gpt-oss: <|return|> and <|call|> beside <|endoftext|>); as
+    written (read_config checks them: config.check_end_tokens)."""
     file = path / "generation_config.json"
     if not file.is_file():
         return ()
@@ -51,10 +51,7 @@ def generation_eos_ids(path: Path) -> tuple[int, ...]:
         eos = json.loads(file.read_text()).get("eos_token_id")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
         raise ModelLoadError(f"{file} is not a JSON object: {e}") from None
-    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ModelLoadError(f"{file}: eos_token_id must be a token id or a list of them, found {eos!r}")
-    return tuple(ids)
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def read_checkpoint(path: Path, as_stored: bool = True
@@ -66,8 +63,8 @@ def read_checkpoint(path: Path, as_stored: bool = True
     return settle_tied_head(config, unstack_experts(tensors, config.family))
 
 
-def settle_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]
-                     ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def settle_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor | QuantizedWeight]
+                     ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """A config that ties the LM head to the embeddings over files that also hold `lm_head.weight`:
     a copy of the embeddings is dropped; a different head is the model's head, untied, as
     transformers 5 loads it (it warns and keeps both)."""

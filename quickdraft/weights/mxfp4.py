@@ -24,7 +24,6 @@ from quickdraft.model.families import Family
 from quickdraft.weights.names import expert_tensors, name_pattern
 
 MXFP4 = GGMLQuantizationType.MXFP4
-METHOD = "mxfp4"  # quantization_config.quant_method
 
 
 def unstack_blocks(tensors: dict[str, torch.Tensor], family: Family, as_stored: bool = True

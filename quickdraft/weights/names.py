@@ -12,8 +12,7 @@ gives them the per-expert names.
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import Any
 
 from quickdraft.errors import ModelLoadError
 from quickdraft.model.families import Family
@@ -62,10 +61,11 @@ def _rename(name: str, family: Family, source: int) -> str | None:
     return None
 
 
-def unstack_experts(tensors: dict[str, torch.Tensor], family: Family) -> dict[str, torch.Tensor]:
+def unstack_experts(tensors: dict[str, Any], family: Family) -> dict[str, Any]:
     """A checkpoint's stacked expert tensors (Family.stacked_experts: x @ W, gate and up interleaved
     in gate|up's columns and its bias) as each expert's gate, up and down matrices ([out, in], as a
-    Linear holds them) and biases under the family's per-expert names; the other tensors as they are.
+    Linear holds them) and biases under the family's per-expert names; the other tensors (MXFP4 experts
+    already taken apart by weights/mxfp4.py among them) as they are.
     Takes the tensors out of `tensors` as it goes (a stacked one is freed once unstacked)."""
     if family.stacked_experts is None:
         return tensors
