@@ -14,7 +14,6 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_model import DraftModelProposer
-from quickdraft.spec.goodput import Acceptance
 from support.engine import Job, draft_state, greedy, run_batched, target
 from test_batched_draft import Counted
 
@@ -26,6 +25,19 @@ def test_calibration_starts_at_the_confidence_and_learns_acceptance() -> None:
     for _ in range(50):  # confident tokens always accepted, unsure ones never
         c.record([0.96, 0.12], verified=2, accepted=1)
     assert c.estimate(0.96) > 0.95 and c.estimate(0.12) < 0.02
+
+
+def test_the_mean_follows_the_evidence_after_one_prior() -> None:
+    """11 draft tokens of 11 accepted read ~0.92, not 0.61 (the bins' 20 priors outweighed them, and
+    the 0.5B at k = 8 stopped drafting after one HumanEval problem); rejections pull it down as fast."""
+    c = Calibration()
+    c.record([0.95] * 11, verified=11, accepted=11)
+    assert c.mean == pytest.approx(12 / 13)
+    c.record([0.4] * 3, verified=3, accepted=0)  # one rejected: the two after it tell nothing
+    assert c.mean == pytest.approx(12 / 14)
+    for _ in range(40):
+        c.record([0.4], verified=1, accepted=0)
+    assert c.mean < 0.25
 
 
 def test_calibration_ignores_tokens_after_the_first_rejection() -> None:
@@ -126,7 +138,8 @@ def test_a_draft_that_could_pay_at_its_best_acceptance_explores(monkeypatch: pyt
     costly_drafts(monkeypatch, 0.3)
     monkeypatch.setattr(StepCost, "observe", lambda self, n, seconds: None)
     low = Calibration()
-    low.bins = [Acceptance(0.0, 1000.0) for _ in range(BINS - 1)] + low.bins[-1:]
+    for _ in range(1000):  # rejected at every confidence but the highest, whose bin keeps its prior
+        low.record([0.5], verified=1, accepted=0)
     monkeypatch.setattr("quickdraft.proposers.drafter.Calibration", lambda: low)
     assert low.mean < 0.2 and low.best > 0.9
     drafter, out, last, jobs = run_pair(monkeypatch, "goodput")

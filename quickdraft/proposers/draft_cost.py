@@ -40,6 +40,7 @@ class Calibration:
 
     def __init__(self) -> None:
         self.bins = [Acceptance(PRIOR_WEIGHT * (i + 0.5) / BINS, PRIOR_WEIGHT) for i in range(BINS)]
+        self.accepted = self.verified = 0  # every token recorded, whatever its bin: the mean's evidence
 
     @staticmethod
     def _bin(confidence: float) -> int:
@@ -56,14 +57,20 @@ class Calibration:
 
     @property
     def mean(self) -> float:
-        """Acceptance over all confidences: the estimate for a token not drafted yet."""
-        return sum(b.hits for b in self.bins) / sum(b.trials for b in self.bins)
+        """Acceptance over all confidences, the estimate for a token not drafted yet: what was
+        recorded, after one prior of PRIOR_WEIGHT trials at 1/2. (Summing the bins counted their 20
+        priors, 40 trials, against the evidence: 11 accepted tokens of 11 read 0.61, and a draft
+        model priced just above that stopped drafting for good, learning nothing more: the 0.5B
+        at k = 8 on HumanEval, 87% accepted where it drafted.)"""
+        return (self.accepted + PRIOR_WEIGHT / 2) / (self.verified + PRIOR_WEIGHT)
 
     def record(self, confidences: Sequence[float], verified: int, accepted: int) -> None:
         """A chain's outcome: its first `verified` tokens were verified, the first `accepted` of
         them accepted; a token after the first rejected one tells nothing."""
         for i, c in enumerate(confidences[:min(verified, accepted + 1)]):
             self.bins[self._bin(c)].record(i < accepted)
+            self.accepted += i < accepted
+            self.verified += 1
 
 
 @dataclass
