@@ -15,8 +15,8 @@ from quickdraft.cli.bench import (
     add_bench_plain,
     add_bench_quality,
     add_bench_serve,
-    add_bench_specbench,
 )
+from quickdraft.cli.bench_specbench import add_bench_specbench
 from quickdraft.cli.common import add_model_args, add_sampling_args, add_spec_args
 from quickdraft.cli.generate import cmd_generate
 from quickdraft.cli.multiturn import add_bench_multiturn
