@@ -30,7 +30,7 @@ from quickdraft.proposers.head import DraftHead, load_head, packaged_head
 from quickdraft.proposers.registry import runs
 from quickdraft.requests.completion import Completion, completion
 from quickdraft.requests.prompt import bounded, check_length, given, text_of
-from quickdraft.requests.reply import end_ids, reasoning_counter
+from quickdraft.requests.reply import end_ids, read_stream, reasoning_counter
 from quickdraft.requests.shape import constraint_of, shape_of
 from quickdraft.requests.text import Chunk, TextAssembler
 from quickdraft.spec.logprobs import TokenLogprob
@@ -272,12 +272,15 @@ class LLM:
         `response_format` (OpenAI's: json_object or json_schema) constrains the text to JSON (its
         finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on).
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (docs/tools.md), with chat messages;
-        `reasoning_effort`: low, medium or high, a harmony (gpt-oss) chat's. The chunks are the model's
-        text: calls in its syntax, a harmony reply's channels with their markers (generate reads them
-        into content, reasoning and tool_calls)."""
+        `reasoning_effort`: low, medium or high, a harmony (gpt-oss) chat's. A chunk's `text` is the
+        model's (calls in its syntax, a harmony reply's channels with their markers); a chat's is read
+        as it streams, as generate reads it whole: `content`, `reasoning` and `tool_calls` (the calls'
+        pieces, each call's name on its first), the last chunk's finish reason "tool_calls" where
+        the calls are whole."""
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls, reasoning_effort)
-        return self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
+        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
+        return read_stream(chunks, self.tool_syntax(), chosen, messages is not None)
 
     def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,

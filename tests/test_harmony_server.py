@@ -104,6 +104,26 @@ def test_a_forced_call_after_reasoning_reads_out_and_speculation_changes_nothing
     assert (spec.token_ids, spec.tool_calls[0].arguments) == (plain.token_ids, call.arguments)
 
 
+def test_the_python_stream_reads_the_reply_as_generate_reads_it_whole(llm) -> None:
+    """LLM.stream's chunks carry what each adds to the reply: joined, their reasoning, content and
+    call pieces are generate's reading of the same greedy generation, no marker in any; the raw
+    text stays whole in `text`."""
+    kw = dict(messages=USER, tools=TOOLS, tool_choice="required", params=SamplingParams(max_new_tokens=200,
+                                                                                        logit_bias=STEER))
+    whole = llm.generate(**kw)
+    chunks = list(llm.stream(**kw))
+    assert "".join(c.text for c in chunks) == whole.text and chunks[-1].finish_reason == "tool_calls"
+    assert "".join(c.reasoning for c in chunks) == whole.reasoning and whole.reasoning
+    assert "".join(c.content for c in chunks) == whole.content and no_markers(*(c.content for c in chunks))
+    pieces = [p for c in chunks for p in c.tool_calls]
+    assert [p.name for p in pieces if p.name is not None] == [c.name for c in whole.tool_calls]
+    assert json.loads("".join(p.arguments for p in pieces)) == whole.tool_calls[0].arguments
+    # a prompt's text is all content, its finish reason the engine's
+    prompt = list(llm.stream(prompt="Weather", params=SamplingParams(max_new_tokens=5)))
+    assert [c.content for c in prompt] == [c.text for c in prompt] and prompt[-1].finish_reason == "length"
+    assert not any(c.reasoning or c.tool_calls for c in prompt)
+
+
 def test_the_server_answers_as_the_python_api_reads_whole_and_streamed(llm, server) -> None:
     api = llm.generate(messages=USER, tools=TOOLS, tool_choice="required",
                        params=SamplingParams(max_new_tokens=200, logit_bias=STEER))

@@ -63,6 +63,20 @@ def test_calls_come_back_parsed_and_the_same_under_every_proposer(llm: quickdraf
             (plain.token_ids, [(c.name, c.arguments) for c in plain.tool_calls])
 
 
+def test_the_stream_reads_the_calls_as_generate_does(llm: quickdraft.LLM) -> None:
+    """LLM.stream's chunks carry the calls' pieces as they come: their names in order, each call's
+    joined arguments the arguments generate parses from the same text."""
+    whole = llm.generate(messages=USER, params=PARAMS, tools=TOOLS, tool_choice="required")
+    chunks = list(llm.stream(messages=USER, params=PARAMS, tools=TOOLS, tool_choice="required"))
+    assert "".join(c.text for c in chunks) == whole.text and chunks[-1].finish_reason == "tool_calls"
+    assert "".join(c.content for c in chunks) == whole.content == ""
+    calls: dict[int, list[str]] = {}
+    for piece in (p for c in chunks for p in c.tool_calls):
+        calls.setdefault(piece.index, [piece.name]).append(piece.arguments)
+    assert [(name, json.loads("".join(parts))) for name, *parts in calls.values()] == \
+        [(c.name, c.arguments) for c in whole.tool_calls]
+
+
 def test_a_tool_result_continues_the_conversation(llm: quickdraft.LLM) -> None:
     first = llm.generate(messages=USER, params=PARAMS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     call = first.tool_calls[0]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Literal
 
 from quickdraft.engine.events import FinishReason, GenerationStats
-from quickdraft.requests.reply import parsed, read
+from quickdraft.requests.reply import finish, parsed, read
 from quickdraft.requests.text import Chunk
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.structured.conversation import call_id
@@ -66,5 +66,4 @@ def completion(chunks: Iterable[Chunk], syntax: Syntax, tools: Tools | None, cha
     return replace(done, content=reply.content, reasoning=reply.reasoning,
                    tool_calls=[ToolCall(call_id(request_id, i), c.name, json.loads(c.arguments))
                                for i, c in enumerate(reply.calls)],
-                   finish_reason="tool_calls" if reply.complete and done.finish_reason == "stop" else
-                   done.finish_reason)
+                   finish_reason=finish(done.finish_reason, reply.complete))

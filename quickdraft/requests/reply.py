@@ -7,9 +7,11 @@ chat's reply here. Knows the structured-output layer, not HTTP.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator
 
 from quickdraft.model.tokenizer import Tokenizer
+from quickdraft.requests.text import Chunk
 from quickdraft.structured import harmony, tool_reply
 from quickdraft.structured.tool_reply import Call, CallPiece
 from quickdraft.structured.tools import Syntax, Tools
@@ -84,3 +86,22 @@ class Reader:
     def complete(self) -> bool:
         """A call was made and every call is whole (once the reply is over)."""
         return (self.channels or self.calls).complete  # type: ignore[union-attr]
+
+
+def finish(reason: str, complete: bool) -> str:
+    """"tool_calls" where the reply's calls are whole and it ended of itself ("stop")."""
+    return "tool_calls" if reason == "stop" and complete else reason
+
+
+def read_stream(chunks: Iterable[Chunk], syntax: Syntax, tools: Tools | None, chat: bool) -> Iterator[Chunk]:
+    """A generation's chunks, each with what it adds to the reply (its content, reasoning and call
+    pieces) as the server's stream deltas read a chat's; a prompt's text is all content. The last
+    one's finish reason is "tool_calls" where the reply's calls are whole."""
+    reader = Reader(syntax, tools) if chat and parsed(syntax, tools) else None
+    for chunk in chunks:
+        if reader is None:
+            yield replace(chunk, content=chunk.text)
+            continue
+        said = reader.feed(chunk.text, end=chunk.finish_reason is not None)
+        yield replace(chunk, content=said.content, reasoning=said.reasoning, tool_calls=said.calls,
+                      finish_reason=None if chunk.finish_reason is None else finish(chunk.finish_reason, reader.complete))

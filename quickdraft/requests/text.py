@@ -5,12 +5,14 @@ Python API's `stream`/`generate` and every server answer read a request through 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from quickdraft.engine.events import FinishReason, GenerationStats, TokenEvent, TokenOrigin
 from quickdraft.model.tokenizer import StopStringFilter, StreamDetokenizer, Tokenizer
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.harmony import ReasoningTokens
+from quickdraft.structured.tool_reply import CallPiece
 
 
 @dataclass
@@ -18,11 +20,15 @@ class Chunk:
     """One streamed piece: new text (never half a UTF-8 character) and the ids behind it."""
     text: str
     token_ids: list[int]
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None  # tool_calls: LLM.stream's, the calls whole
     stats: GenerationStats = field(default_factory=GenerationStats)
     origins: list[TokenOrigin] = field(default_factory=list)  # [len(token_ids)] where each came from
     pieces: list[str] | None = None  # [len(token_ids)] the text each released (TextAssembler(pieces=True))
     logprobs: list[TokenLogprob] = field(default_factory=list)  # [len(token_ids)] if params.logprobs is set
+    # what the text adds to a chat's reply, where LLM.stream reads it (reply.read_stream; None: not read)
+    content: str | None = None  # the answer, outside the reasoning and the calls (a prompt's: all the text)
+    reasoning: str = ""         # a harmony reply's analysis channel
+    tool_calls: list[CallPiece] = field(default_factory=list)  # the calls' new pieces: a call's name on its first
 
 
 class TextAssembler:

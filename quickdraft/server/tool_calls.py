@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quickdraft.requests.reply import Reader, Reply, parsed, read
+from quickdraft.requests.reply import Reader, Reply, finish, parsed, read
 from quickdraft.structured.conversation import call_id
 from quickdraft.structured.tools import Syntax, Tools
 
@@ -52,11 +52,6 @@ class ChatReply:
 def reply_of(syntax: Syntax, tools: Tools | None, request_id: str) -> ChatReply | None:
     """A chat choice's reply where it is read for more than its text (None: its text is its content)."""
     return ChatReply(syntax, tools, request_id) if parsed(syntax, tools) else None
-
-
-def finish(reason: str, complete: bool) -> str:
-    """"tool_calls" where the reply's calls are whole and it ended of itself ("stop")."""
-    return "tool_calls" if reason == "stop" and complete else reason
 
 
 def rewritten(choice: dict[str, Any], reply: ChatReply | None) -> dict[str, Any]:
