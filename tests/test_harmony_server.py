@@ -117,7 +117,10 @@ def test_the_python_stream_reads_the_reply_as_generate_reads_it_whole(llm) -> No
     assert "".join(c.content for c in chunks) == whole.content and no_markers(*(c.content for c in chunks))
     pieces = [p for c in chunks for p in c.tool_calls]
     assert [p.name for p in pieces if p.name is not None] == [c.name for c in whole.tool_calls]
-    assert json.loads("".join(p.arguments for p in pieces)) == whole.tool_calls[0].arguments
+    assert json.loads("".join(p.arguments for p in pieces if p.index == 0)) == whole.tool_calls[0].arguments
+    # read as it comes, not at the end: the reasoning before the call, the call's pieces over chunks
+    first_call = next(i for i, c in enumerate(chunks) if c.tool_calls)
+    assert any(c.reasoning for c in chunks[:first_call]) and sum(bool(c.tool_calls) for c in chunks) > 1
     # a prompt's text is all content, its finish reason the engine's
     prompt = list(llm.stream(prompt="Weather", params=SamplingParams(max_new_tokens=5)))
     assert [c.content for c in prompt] == [c.text for c in prompt] and prompt[-1].finish_reason == "length"

@@ -75,6 +75,7 @@ def test_the_stream_reads_the_calls_as_generate_does(llm: quickdraft.LLM) -> Non
         calls.setdefault(piece.index, [piece.name]).append(piece.arguments)
     assert [(name, json.loads("".join(parts))) for name, *parts in calls.values()] == \
         [(c.name, c.arguments) for c in whole.tool_calls]
+    assert sum(bool(c.tool_calls) for c in chunks[:-1]) > 1  # the pieces as they come, not at the end
 
 
 def test_a_tool_result_continues_the_conversation(llm: quickdraft.LLM) -> None:

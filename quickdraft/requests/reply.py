@@ -7,8 +7,9 @@ chat's reply here. Knows the structured-output layer, not HTTP.
 """
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Generator, Iterator
 
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.requests.text import Chunk
@@ -93,15 +94,17 @@ def finish(reason: str, complete: bool) -> str:
     return "tool_calls" if reason == "stop" and complete else reason
 
 
-def read_stream(chunks: Iterable[Chunk], syntax: Syntax, tools: Tools | None, chat: bool) -> Iterator[Chunk]:
+def read_stream(chunks: Generator[Chunk, None, None], syntax: Syntax, tools: Tools | None, chat: bool) -> Iterator[Chunk]:
     """A generation's chunks, each with what it adds to the reply (its content, reasoning and call
     pieces) as the server's stream deltas read a chat's; a prompt's text is all content. The last
     one's finish reason is "tool_calls" where the reply's calls are whole."""
     reader = Reader(syntax, tools) if chat and parsed(syntax, tools) else None
-    for chunk in chunks:
-        if reader is None:
-            yield replace(chunk, content=chunk.text)
-            continue
-        said = reader.feed(chunk.text, end=chunk.finish_reason is not None)
-        yield replace(chunk, content=said.content, reasoning=said.reasoning, tool_calls=said.calls,
-                      finish_reason=None if chunk.finish_reason is None else finish(chunk.finish_reason, reader.complete))
+    with closing(iter(chunks)) as pieces:  # a consumer that stops early ends the request now
+        for chunk in pieces:
+            if reader is None:
+                yield replace(chunk, content=chunk.text)
+                continue
+            said = reader.feed(chunk.text, end=chunk.finish_reason is not None)
+            yield replace(chunk, content=said.content, reasoning=said.reasoning, tool_calls=said.calls,
+                          finish_reason=None if chunk.finish_reason is None else
+                          finish(chunk.finish_reason, reader.complete))
