@@ -50,17 +50,16 @@ INLINE float dot(const float *a, const float *b, int64_t D) {
     return s;
 }
 
-/* The dot products of q with keys j0..j0+7 (keys past the last, kv_len - 1, repeat it: their
- * values are not used), reduced in one fixed order for every key, whichever block of 8 it falls
+/* The dot products of q with the 8 keys from `group` on (those past the first `valid` are the
+ * row's last key, `last`: their values are not used), reduced in one fixed order for every key, whichever block of 8 it falls
  * in: 8 FMA lanes over the head dimension, then pairs of lanes (hadd), then the two halves. A key's
  * score is then the same whatever kv_len is (a decode step and a verification pass see different
  * kv_len), and a block costs 9 reduction ops instead of 8 x 5. D a multiple of 8. */
-INLINE __m256 dot8(const float *qv, const Slots *kb, int64_t D, int64_t j0, int64_t kv_len) {
+INLINE __m256 dot8(const float *qv, const float *group, const float *last, int64_t D, int64_t valid) {
     const float *key[8];
     __m256 acc[8];
-    const float *group = slot(kb, j0);  /* keys j0..j0+7 lie in one block (a block is a multiple of 8 keys) */
     for (int i = 0; i < 8; i++) {
-        key[i] = j0 + i < kv_len ? group + i * D : slot(kb, kv_len - 1);
+        key[i] = i < valid ? group + i * D : last;
         acc[i] = _mm256_setzero_ps();
     }
     for (int64_t d = 0; d < D; d += 8) {
@@ -101,13 +100,18 @@ INLINE __m256 exp_neg(__m256 x) {
 INLINE void weighted_span(const float *p, const Slots *vb, float *o, int64_t D, int64_t j0, int64_t j1, const int W) {
     __m256 acc[16];
     for (int i = 0; i < W; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
-    const int64_t within = vb->shift < 0 ? -1 : ((int64_t)1 << vb->shift) - 1;  /* j & within: j's offset in its block */
-    const float *vj = slot(vb, j0);
-    for (int64_t j = j0; j < j1; j++) {
-        if (j > j0) vj = j & within ? vj + D : slot(vb, j);  /* a block's slots are consecutive rows */
-        if (p[j] == 0.0f) continue;
-        const __m256 pv = _mm256_set1_ps(p[j]);
-        for (int i = 0; i < W; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+    /* block by block (a block's slots are consecutive rows): a test per key for the next block cost
+     * prefill's attention a few percent over one contiguous row */
+    for (int64_t b0 = j0; b0 < j1;) {
+        int64_t b1 = vb->shift < 0 ? j1 : ((b0 >> vb->shift) + 1) << vb->shift;
+        b1 = b1 < j1 ? b1 : j1;
+        const float *vj = slot(vb, b0);
+        for (int64_t j = b0; j < b1; j++, vj += D) {
+            if (p[j] == 0.0f) continue;
+            const __m256 pv = _mm256_set1_ps(p[j]);
+            for (int i = 0; i < W; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * i), acc[i]);
+        }
+        b0 = b1;
     }
     for (int i = 0; i < W; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
@@ -179,11 +183,14 @@ static void attend_group(const float *qv, const Slots *kb, const Slots *vb, cons
         m[i] = -INFINITY;
         for (int64_t j = 0; j < kv_len; j++) s[i * kv_len + j] = -INFINITY;
     }
+    /* key addresses once per 8 keys, not per query of the group (a block table lookup each) */
+    const float *last_key = slot(kb, kv_len - 1);
     for (int64_t j0 = start; j0 < last; j0 += 8) {
+        const float *group = slot(kb, j0);  /* keys j0..j0+7 lie in one block (a block is a multiple of 8 keys) */
         for (int i = 0; i < n; i++) {
             float block[8], *si = s + i * kv_len;
             const float *q = qv + i * D;
-            if (D % 8 == 0) _mm256_storeu_ps(block, dot8(q, kb, D, j0, kv_len));
+            if (D % 8 == 0) _mm256_storeu_ps(block, dot8(q, group, last_key, D, kv_len - j0));
             else for (int r = 0; r < 8 && j0 + r < kv_len; r++) block[r] = dot(q, slot(kb, j0 + r), D);
             for (int64_t j = j0; j < j0 + 8 && j < kv_len; j++) {
                 si[j] = vis && !vis[j] ? -INFINITY : soft_cap(block[j - j0] * scale, softcap);
