@@ -3,8 +3,8 @@
 `bash scripts/gpu_check.sh OUTDIR` writes OUTDIR/gpu_check.json, rewritten after every case (a run
 cut short keeps what it measured), and OUTDIR/gpu_check.log (progress, and each failure's
 traceback; a failing section is recorded and the next one runs). On CUDA: the tests' tiny random
-models in float32 (logits against transformers', the HF-directory and GGUF loaders, every
-registered proposer with chains and trees in batch 1 and in a batch rows join and leave, the
+models in float32, three of them mixtures of experts (logits against transformers', the HF-directory
+and GGUF loaders, every registered proposer with chains and trees in batch 1 and in a batch rows join and leave, the
 sampling law through the engine, cached prefixes with chunked prefill, a chat through the prefix
 cache, a JSON schema's grammar and the sampling surface under speculation: gpu_features.py), then a random Qwen2.5-1.5B-shaped model in bfloat16 timed
 against transformers' `generate` (speed.py). `--tiny`, or a machine without CUDA, runs the same
@@ -37,16 +37,18 @@ sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
 class Scale:
     models: tuple[str, ...]   # tiny model names (tests/tiny_models.py)
     ks: tuple[int, ...]       # draft tokens (tree nodes) per step
+    moe: tuple[str, ...]      # tiny mixtures of experts: parity, and exactness at moe_k only
+    moe_k: int
     alone: tuple[int, ...]    # test_batch_engine.JOBS each run alone (batch 1)
     sampling: tuple[str, ...]  # sampling-law cases
     budget_s: float           # the whole run; cases past a section's share are recorded as skipped
 
 
-FULL = Scale(("llama-gqa-untied", "qwen2-qkv-bias"), (2, 8), (1, 4),
-             ("batch-draft", "alone-draft-topp0.9", "batch-ngram"), 360.0)
-TINY = Scale(("llama-gqa-untied",), (4,), (1,), ("batch-ngram",), 120.0)
+FULL = Scale(("llama-gqa-untied", "qwen2-qkv-bias"), (2, 8), ("qwen3moe", "mixtral", "gptoss"), 4, (1, 4),
+             ("batch-draft", "alone-draft-topp0.9", "batch-ngram"), 480.0)
+TINY = Scale(("llama-gqa-untied",), (4,), ("mixtral",), 2, (1,), ("batch-ngram",), 150.0)
 CHECKED = ("parity", "api", "exactness", "sampling", "features")  # sections whose cases are pass/fail checks
-SHARES = {"exactness": 0.4, "sampling": 0.25}  # of the budget, at most
+SHARES = {"exactness": 0.5, "sampling": 0.2}  # of the budget, at most
 DRAFT_VOCAB = 64  # the draft proposers' vocabulary: 64 of the tiny models' 96 tokens (draft_vocab.py)
 ALPHA = 1e-6      # the tests' chi-square false-failure probability (test_verify.py)
 
@@ -206,13 +208,14 @@ def exactness(report: Report, scale: Scale, device: str, deadline: float) -> Non
     from support.engine import JOBS
     from support.models import tiny
     plain: dict[Any, Any] = {"alone": scale.alone}
-    for name in scale.models:
+    for name in scale.models + scale.moe:
         model = tiny(name, init=0.1, device=device)
         for i, job in enumerate(JOBS):
             plain[(name, i)] = replace(job, make=None, k=0).alone(model)
         report.put("exactness", f"plain_{name}_distinct_tokens", len(set(plain[(name, 1)])))
-    for name, k in itertools.product(scale.models, scale.ks):  # every method per (model, k): a run cut
-        for method in sorted(PROPOSERS):                        # short for time has run each method
+    runs = [*itertools.product(scale.models, scale.ks), *((name, scale.moe_k) for name in scale.moe)]
+    for name, k in runs:                  # every method per (model, k): a run cut short for time has
+        for method in sorted(PROPOSERS):  # run each method
             for batched in (False, True):
                 fields = {"method": method, "model": name, "k": k, "batch": 3 if batched else 1}
                 if time.perf_counter() > deadline:
@@ -226,7 +229,7 @@ def parity(report: Report, scale: Scale, device: str) -> None:
     """Our logits against transformers' on the same tiny weights, on the device (float32)."""
     from test_spec_exactness import PROMPT_REPEAT, tiny
     from tiny_models import hf_model
-    for name in scale.models:
+    for name in scale.models + scale.moe:
         hf = hf_model(name, seed=0, initializer_range=0.1).to(device)
         ours = tiny(name, init=0.1, device=device)
         ids = torch.tensor([PROMPT_REPEAT], device=device)

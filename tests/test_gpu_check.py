@@ -27,6 +27,8 @@ def test_tiny_run_passes_and_records_every_section(tmp_path: Path, monkeypatch: 
     assert all("error" not in s for s in sections.values()), {k: s.get("error") for k, s in sections.items()}
     cases = sections["exactness"]["cases"]
     assert {c["method"] for c in cases} == set(PROPOSERS) and {c["batch"] for c in cases} == {1, 3}
+    assert {c["model"] for c in cases} == {c["model"] for c in sections["parity"]["cases"]} == \
+        {"llama-gqa-untied", "mixtral"}  # a mixture of experts among them
     assert all(c["ok"] and c["drafted"] > 0 for c in cases)
     assert all(c["ok"] for name in ("parity", "api", "sampling", "features") for c in sections[name]["cases"])
     features = sections["features"]["cases"]

@@ -17,6 +17,7 @@ from quickdraft.engine.admission import Admission
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME, STALL, next_admitted, step_allowance
+from quickdraft.kv.blocks import BlockPool
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
 from quickdraft.model.llama import Transformer
@@ -32,7 +33,18 @@ MB = 1 << 20
 
 
 def prefix_for(model: Transformer, budget: int = 64 * MB) -> PrefixCache:
-    return PrefixCache(budget, model.config, model.compute_dtype)
+    return PrefixCache(budget, model.config, model.compute_dtype,
+                       pool=BlockPool(model.config, model.compute_dtype, model.device))
+
+
+def test_an_engine_refuses_a_prefix_cache_whose_blocks_are_not_its_models() -> None:
+    """Rows live in the prefix cache's pool: blocks of another dtype (or device) are refused by
+    name, not met later as a pass's dtype or device error."""
+    model = tiny(MODEL)
+    other = PrefixCache(64 * MB, model.config, torch.bfloat16, pool=BlockPool(model.config, torch.bfloat16))
+    with pytest.raises(ValueError, match="prefix cache's blocks are torch.bfloat16 on cpu, the model's K/V "
+                                         "torch.float32 on cpu"):
+        Engine(model, EngineConfig(max_batch=2), prefix=other)
 
 
 def tokens(seed: int, n: int, vocab: int = 96) -> list[int]:

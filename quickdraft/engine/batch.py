@@ -68,6 +68,9 @@ class Engine:
         self.scheduler = Scheduler(config, self.cost, model.invariant_rows, model.ragged)
         # Rows of a batch are padded to the longest draft: room for MAX_K slots past the end.
         self.pad = MAX_K if config.max_batch > 1 else 0
+        if prefix is not None and (prefix.pool.device, prefix.pool.dtype) != (model.device, model.compute_dtype):
+            raise ValueError(f"the prefix cache's blocks are {prefix.pool.dtype} on {prefix.pool.device}, the model's "
+                             f"K/V {model.compute_dtype} on {model.device}: give the cache a BlockPool of the model's")
         grows = cache is None  # a cache of its own grows as requests need (Placement.reserve)
         if cache is None:  # rows in the prefix cache's pool: a hit shares its blocks
             cache = model.new_cache(1, 1) if prefix is None else KVCache(prefix.pool, 1, 1)

@@ -59,9 +59,11 @@ STOP_REACH = 0.2  # drafting stops once the estimated chance that all drafts so 
 
 def head_config(target: ModelConfig) -> ModelConfig:
     """The head's one decoder layer has the target's layer shape, with a dense MLP where the
-    target's layers have experts (intermediate_size: the family's dense width), and no attention
-    sinks (gpt-oss's are learned logits a head would hold fixed at 0)."""
-    return dataclasses.replace(target, num_layers=1, num_experts=0, experts_per_token=0, attn_sinks=False)
+    target's layers have experts (intermediate_size: the family's dense width), no attention
+    sinks (gpt-oss's are learned logits a head would hold fixed at 0), and the window of the
+    target's first layer (Gemma's and gpt-oss's: a sliding one)."""
+    return dataclasses.replace(target, num_layers=1, num_experts=0, experts_per_token=0, attn_sinks=False,
+                               layer_windows=target.layer_windows[:1])
 
 
 def target_probe(target: Transformer) -> list[float]:
