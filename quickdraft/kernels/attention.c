@@ -34,6 +34,19 @@ INLINE Slots row_slots(const QDPages *pg, const float *pool, int64_t row, int64_
     return (Slots){base, table, pg->shift, pg->block_stride, D};
 }
 
+/* row_slots for reading slots 0..n-1: where the row's blocks holding them are consecutive ids of a
+ * pool whose consecutive blocks of a head are adjacent (the pool hands a row its ids in order), the
+ * row is read as one contiguous stretch, with no table lookup per group of keys and no break at each
+ * block in the weighted sums: ~4% of a 3,000-token prefill's attention. Same slots, same addresses. */
+INLINE Slots span_slots(const QDPages *pg, const float *pool, int64_t row, int64_t head, int64_t D, int64_t n) {
+    Slots s = row_slots(pg, pool, row, head, D);
+    if (s.shift < 0 || pg->block_stride != ((int64_t)1 << s.shift) * D) return s;
+    const int64_t blocks = (n + ((int64_t)1 << s.shift) - 1) >> s.shift;
+    for (int64_t i = 1; i < blocks; i++)
+        if (s.table[i] != s.table[0] + i) return s;
+    return (Slots){s.base + s.table[0] * s.stride, s.table, -1, s.stride, D};
+}
+
 INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -250,7 +263,8 @@ static void attention_task(void *ctx, int64_t task) {
     const int64_t kv_len = j->visible ? j->kv_len : j->slots[bt] + 1;
     float *scores = malloc((size_t)((h1 - h0) * kv_len) * sizeof(float));
     if (!scores) abort();  /* a few MB at most: a 32k context and a group of 8 heads */
-    const Slots keys = row_slots(j->pages, j->pages->k, b, g, j->D), values = row_slots(j->pages, j->pages->v, b, g, j->D);
+    const Slots keys = span_slots(j->pages, j->pages->k, b, g, j->D, kv_len),
+                values = span_slots(j->pages, j->pages->v, b, g, j->D, kv_len);
     attend_group(j->q + (bt * j->Hq + h0) * j->D, &keys, &values, j->visible ? j->visible + bt * j->kv_len : 0,
                  j->out + (bt * j->Hq + h0) * j->D, scores, (int)(h1 - h0), j->D, kv_len, j->scale, j->softcap,
                  j->sinks ? j->sinks + h0 : 0);
