@@ -155,6 +155,20 @@ def test_gguf_blocks_are_batch_invariant_and_speculation_is_exact(q8):
         assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == alone[PROMPT], spec.method
 
 
+def test_a_pass_past_the_mlp_row_chunk_gives_each_row_its_bits_alone(q8):
+    """layer.c runs the MLP half MLP_ROWS (256) rows at a time: a pass of 3 x 200 rows, split at
+    rows 256 and 512 in the middle of a sequence, gives every row the bits of its sequence alone
+    (200 rows: one piece), post-norm families included."""
+    model = quickdraft.load(q8).model
+    ids = torch.randint(3, 96, (3, 200), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(200).expand(3, 200)
+    both = model(ids, positions, model.new_cache(3, 200), last_n=0).hidden
+    assert all(block.fused is not None for block in model.blocks)
+    for b in range(3):
+        alone = model(ids[b:b + 1], positions[:1], model.new_cache(1, 200), last_n=0).hidden[0]
+        assert torch.equal(both[b], alone), b
+
+
 # -- GELU gates ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, gate", [("llama-gelu-tanh", "gelu_tanh"), ("qwen2-gelu-erf", "gelu")])
