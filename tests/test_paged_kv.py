@@ -199,29 +199,32 @@ def test_choices_of_one_prompt_share_its_blocks(model) -> None:
     assert engine.cache.pool.used == 0  # every block back once no row and no node holds it
 
 
-@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
 def test_attention_reads_any_block_order_with_the_bits_of_one_contiguous_row(head_dim: int) -> None:
     """The kernel reads a row whose blocks are consecutive ids as one stretch (attention.c's
-    span_slots) and any other row block by block: the same outputs, bit for bit, as one contiguous
-    row, causal and under a mask."""
+    span_slots) and any other row block by block: the same outputs, bit for bit, as contiguous
+    rows, causal and under a mask, for the first row of a table and the next."""
     from quickdraft.kernels import rope_attention
     from quickdraft.kernels.pages import Pages
-    T, n_q, n_kv, D = 70, 4, 2, head_dim
+    B, T, n_q, n_kv, D = 2, 70, 4, 2, head_dim
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(1, T, (n_q + 2 * n_kv) * D, generator=g)
+    qkv = torch.randn(B, T, (n_q + 2 * n_kv) * D, generator=g)
     angles = torch.arange(T)[:, None] * (0.01 * torch.arange(D)[None])
-    cos, sin, positions = angles.cos()[None, None], angles.sin()[None, None], torch.arange(T)[None]
-    visible = torch.rand(1, T, T, generator=g) < 0.7
+    cos, sin = angles.cos()[None, None].expand(B, 1, T, D), angles.sin()[None, None].expand(B, 1, T, D)
+    positions = torch.arange(T).expand(B, T)
+    visible = torch.rand(B, T, T, generator=g) < 0.7
     visible = (visible & torch.ones(T, T, dtype=torch.bool).tril()) | torch.eye(T, dtype=torch.bool)
-    blocks = (T + BLOCK - 1) // BLOCK
-    orders = {"consecutive": torch.arange(1, blocks + 1), "reversed": torch.arange(blocks, 0, -1),
-              "one gap": torch.cat([torch.arange(1, blocks), torch.tensor([blocks + 1])])}
+    n = (T + BLOCK - 1) // BLOCK  # blocks a row
+    first, second = torch.arange(1, n + 1), torch.arange(n + 1, 2 * n + 1)
+    orders = {"consecutive": (first, second), "reversed": (first.flip(0), second.flip(0)),
+              "one gap": (torch.cat([first[:-1], torch.tensor([2 * n + 1])]), second),
+              "interleaved": (torch.arange(1, 2 * n + 1, 2), torch.arange(2, 2 * n + 1, 2))}
     for mask in (None, visible.to(torch.uint8)):
-        k, v = torch.zeros(1, n_kv, T, D), torch.zeros(1, n_kv, T, D)
-        want = rope_attention(qkv, cos, sin, positions, Pages.rows(1, T), k, v, mask, T, n_q, n_kv)
-        for name, table in orders.items():
-            pool = torch.zeros(2, n_kv, blocks + 2, BLOCK, D)  # the pool's layout: heads before blocks
-            pages = Pages(table.to(torch.int32)[None].contiguous(), BLOCK, blocks + 2, T)
+        k, v = torch.zeros(B, n_kv, T, D), torch.zeros(B, n_kv, T, D)
+        want = rope_attention(qkv, cos, sin, positions, Pages.rows(B, T), k, v, mask, T, n_q, n_kv)
+        for name, rows in orders.items():
+            pool = torch.zeros(2, n_kv, 2 * n + 2, BLOCK, D)  # the pool's layout: heads before blocks
+            pages = Pages(torch.stack(rows).to(torch.int32).contiguous(), BLOCK, 2 * n + 2, T)
             got = rope_attention(qkv, cos, sin, positions, pages, pool[0].transpose(0, 1), pool[1].transpose(0, 1),
                                  mask, T, n_q, n_kv)
             assert torch.equal(got, want), (name, mask is None)
