@@ -94,9 +94,10 @@ class LLM:
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.spec = spec or SpecConfig()
-        self.prefix = make_prefix_cache(self.model, prefix_cache_mb)
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
+        self.model.keep_features(self._head_reads())  # before the prefix cache: it keeps them too
+        self.prefix = make_prefix_cache(self.model, prefix_cache_mb)
         self._shared: dict[Hashable, dict[Hashable, Any]] = {}  # scope -> key -> state
         self._scope: Hashable = None
         self._shared_lock = threading.Lock()  # proposers are made on engine threads and callers' threads
@@ -107,8 +108,18 @@ class LLM:
         self._tool_syntax: Syntax | None = None
         if self.spec.draft_model or self.spec.needs_draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
-        if self.spec.needs_head:
-            self.draft_head(self.spec.head)
+
+    def _head_reads(self) -> tuple[int, ...]:
+        """The target layers whose outputs the engine keeps for draft heads (features): those the
+        head of this model's spec reads, else the head that ships for it (`auto` may pick it);
+        the last layer's alone where there is none. A request's head that reads others is refused
+        (proposers/head.py): one engine keeps one set of features for every row."""
+        try:
+            return self.draft_head(self.spec.head).reads(self.model)
+        except SpecConfigError:
+            if self.spec.needs_head:
+                raise
+            return (self.model.config.num_layers - 1,)
 
     @property
     def name(self) -> str | None:
@@ -347,7 +358,7 @@ def make_prefix_cache(model: Transformer, budget_mb: int | None) -> PrefixCache 
         raise QuickdraftError(f"the prefix cache's budget must be a whole number of MiB >= 0, found {budget_mb!r}")
     try:
         return PrefixCache((budget_mb or default_budget_mb()) << 20, model.config, model.compute_dtype,
-                           pool=BlockPool(model.config, model.compute_dtype, model.device))
+                           model.feature_width, pool=BlockPool(model.config, model.compute_dtype, model.device))
     except ValueError as e:
         raise QuickdraftError(f"{e}; give --prefix-cache-mb at least that, or --no-prefix-cache") from None
 

@@ -30,7 +30,7 @@ K = 4
 
 
 def kv_cache(model, budget: int) -> PrefixCache:
-    return PrefixCache(budget, model.config, model.compute_dtype, features=False)
+    return PrefixCache(budget, model.config, model.compute_dtype, feature_width=0)
 
 
 def member(drafter: Drafter, prompt: list[int], new: int = 24) -> DraftModelProposer:
@@ -45,7 +45,7 @@ def row_kv(drafter: Drafter, m: DraftModelProposer, n: int) -> torch.Tensor:
 def test_a_cache_of_kv_only_keeps_and_gives_back_blocks_and_tails() -> None:
     model = tiny("llama-gqa-untied")
     c = model.config
-    prefix = PrefixCache(MB, c, model.compute_dtype, features=False)
+    prefix = PrefixCache(MB, c, model.compute_dtype, feature_width=0)
     assert prefix.block_bytes == BLOCK * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # no features
     source, into = random_cache(model, 1, 64, seed=0), model.new_cache(1, 64)
     seq = tokens(1, 40)

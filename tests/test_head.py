@@ -7,7 +7,9 @@ exact law of the first sampled tokens (chi-square).
 """
 from __future__ import annotations
 
+import copy
 import functools
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -43,6 +45,17 @@ def random_head(model: Transformer, seed: int = 0, vocab: Sequence[int] | None =
                      ).requires_grad_(False).eval()
 
 
+def fused(model: Transformer, seed: int = 0) -> tuple[Transformer, DraftHead]:
+    """A copy of the target that keeps every layer's output (tiny models are shared between tests:
+    keep_features must not reach the others) and a random head that reads them through a fuse, as
+    EAGLE-3's heads read a low, a middle and the top layer."""
+    model = copy.deepcopy(model)
+    layers = tuple(range(model.config.num_layers))
+    model.keep_features(layers)
+    torch.manual_seed(seed)
+    return model, DraftHead(head_config(model.config), None, layers).requires_grad_(False).eval()
+
+
 def identity_head(model: Transformer) -> DraftHead:
     """f^_{t+1} = f_t: drafts what the target predicted one position earlier, so loops are accepted
     and anything else rejected (mixed acceptance)."""
@@ -56,8 +69,8 @@ def identity_head(model: Transformer) -> DraftHead:
 
 
 class CheckedHead(HeadProposer):
-    """After each commit: its features equal the target's hidden states from a fresh forward, and
-    its cache holds what a fresh head forward over the same pairs writes."""
+    """After each commit: its features equal what the head reads of the target's features from a
+    fresh forward, and its cache holds what a fresh head forward over the same pairs writes."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -69,8 +82,8 @@ class CheckedHead(HeadProposer):
         if n != len(self.tokens) - 1:
             self.violations.append(f"{n} features for {len(self.tokens)} tokens")
         with torch.inference_mode():
-            fresh = self.target(torch.tensor([self.tokens[:n]]), torch.arange(n)[None],
-                                self.target.new_cache(1, n)).hidden[0]
+            fresh = self.head.read(self.target(torch.tensor([self.tokens[:n]]), torch.arange(n)[None],
+                                               self.target.new_cache(1, n)).features[0])
             diff = float((fresh - self.features[:n]).abs().max())
             if diff > KV_TOL:
                 self.violations.append(f"features differ from the target's by {diff:.3g}")
@@ -101,11 +114,12 @@ def plain() -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("kind", ["identity", "random", "random-draft-vocab"])
+@pytest.mark.parametrize("kind", ["identity", "random", "random-draft-vocab", "fused"])
 def test_greedy_with_a_head_equals_plain(kind: str, k: int) -> None:
     model = target()
-    head = {"identity": lambda: identity_head(model), "random": lambda: random_head(model),
-            "random-draft-vocab": lambda: random_head(model, 5, list(range(0, 96, 2)))}[kind]()
+    model, head = fused(model, 6) if kind == "fused" else \
+        (model, {"identity": lambda: identity_head(model), "random": lambda: random_head(model),
+                 "random-draft-vocab": lambda: random_head(model, 5, list(range(0, 96, 2)))}[kind]())
     proposer = CheckedHead(head, model, PROMPT, greedy(), len(PROMPT) + 40 + k + 1)
     ids, stats = run(model, proposer, k, greedy())
     assert ids == list(plain())
@@ -140,11 +154,12 @@ def recorded(proposer: HeadProposer) -> list[Draft]:
 
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("k", [1, 4, 8, 16])
-@pytest.mark.parametrize("kind", ["identity", "random-draft-vocab"])
+@pytest.mark.parametrize("kind", ["identity", "random-draft-vocab", "fused"])
 def test_greedy_with_a_head_tree_equals_plain(kind: str, k: int, width: int) -> None:
     """head-tree: the head's likeliest continuations as a tree, every node verified."""
     model = target()
-    head = identity_head(model) if kind == "identity" else random_head(model, 5, list(range(0, 96, 2)))
+    model, head = fused(model, 6) if kind == "fused" else \
+        (model, identity_head(model) if kind == "identity" else random_head(model, 5, list(range(0, 96, 2))))
     proposer = CheckedHead(head, model, PROMPT, greedy(), len(PROMPT) + 40 + (width + 1) * k + 1, width)
     drafts = recorded(proposer)
     ids, stats = run(model, proposer, k, greedy())
@@ -245,14 +260,15 @@ def test_hybrid_choice(lookup, head, chosen, head_asked) -> None:
     assert (ngram.verified, heads.verified) == (([1], [0]) if chosen == "lookup" else ([0], [1]))
 
 
-@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid", "tree"],
-                         ids=["whole-vocab", "draft-vocab", "hybrid", "head-tree"])
+@pytest.mark.parametrize("vocab", [None, [0, 2, 3, 5, 7, 8, 11, 13, 14], "hybrid", "tree", "fused"],
+                         ids=["whole-vocab", "draft-vocab", "hybrid", "head-tree", "fused"])
 def test_sampling_law_with_a_head(vocab) -> None:
     """A draft vocabulary makes q zero on the other tokens: still exact. So is the hybrid, whose
     drafts come from the head (sampled, with q) or the n-gram proposer (deterministic), and the
     head's trees (deterministic siblings, recursive rejection)."""
     model = tiny16()
-    head = random_head(model, 2, None if vocab in ("hybrid", "tree") else vocab)
+    model, head = fused(model, 2) if vocab == "fused" else \
+        (model, random_head(model, 2, None if vocab in ("hybrid", "tree") else vocab))
     counts = torch.zeros([V16] * N_TOKENS, dtype=torch.long)
     drafted = accepted = 0
     for seed in range(40_000, 40_000 + N_SAMPLES):
@@ -285,6 +301,48 @@ def test_save_load_and_the_wrong_target(tmp_path: Path) -> None:
         load_head(path, model)
     with pytest.raises(SpecConfigError, match="cannot read a draft head"):
         load_head(tmp_path / "nowhere", model)
+
+
+def test_a_fused_head_saves_its_layers_and_runs_only_where_the_target_keeps_them(tmp_path: Path) -> None:
+    """A head that reads several layers: head.json names them, the fuse round-trips, the proposer
+    refuses a target that keeps other features (a head's shapes would fit by chance otherwise),
+    and an LLM loaded with the head keeps its layers' features, in its prefix cache too: spec ==
+    plain, fresh and on a prefix hit; a request's head that reads other layers is a clear error."""
+    model, head = fused(target(), 3)
+    path = save_head(head, model, tmp_path / "fused", "tiny-target")
+    assert json.loads((path / "head.json").read_text())["feature_layers"] == [0, 1]
+    fresh = copy.deepcopy(target())
+    with pytest.raises(SpecConfigError, match=r"reads the target's layers \[0, 1\].*keeps the features of layers \[1\]"):
+        HeadProposer(load_head(path, fresh), fresh, PROMPT, greedy(), 64)
+    fresh.keep_features((0, 1))
+    loaded = load_head(path, fresh)
+    torch.testing.assert_close(loaded.fuse.weight, head.fuse.weight.to(torch.bfloat16).float())
+    ids, _ = run(fresh, HeadProposer(loaded, fresh, PROMPT, greedy(), len(PROMPT) + 48), 4, greedy())
+    assert ids == list(plain())
+    info = json.loads((path / "head.json").read_text())
+    for layers in ([1, 0], [0], [0, 1, 2], "1"):
+        (path / "head.json").write_text(json.dumps({**info, "feature_layers": layers}))
+        with pytest.raises(SpecConfigError, match="feature_layers .* are not ascending layers of this target"):
+            load_head(path, fresh)
+    (path / "head.json").write_text(json.dumps(info))
+
+    model_dir = tiny_llm_dir(tmp_path / "model")
+    llm = quickdraft.load(str(model_dir))
+    L, D = llm.model.config.num_layers, llm.model.config.hidden_size
+    head_dir = save_head(fused(llm.model, 4)[1], llm.model, tmp_path / "head", "tiny")
+    plain_llm = quickdraft.load(str(model_dir))
+    assert plain_llm.model.feature_layers == (L - 1,) and plain_llm.prefix.feature_width == D
+    llm = quickdraft.load(str(model_dir), spec=SpecConfig("head", k=3, head=str(head_dir), adaptive=False))
+    assert llm.model.feature_layers == tuple(range(L)) and llm.prefix.feature_width == L * D
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    expected = plain_llm.generate("hello there, hello there", params=params).token_ids
+    first = llm.generate("hello there, hello there", params=params)
+    again = llm.generate("hello there, hello there", params=params)  # its prompt's K/V and features cached
+    assert first.token_ids == again.token_ids == expected and first.stats.drafted_tokens > 0
+    assert again.stats.cached_tokens > 0 and again.stats.drafted_tokens > 0
+    other = save_head(random_head(llm.model, 5), llm.model, tmp_path / "last-layer", "tiny")
+    with pytest.raises(SpecConfigError, match="load the model with this head"):
+        llm.generate("hello", params=params, spec=SpecConfig("head", k=3, head=str(other)))
 
 
 def test_a_head_on_a_bfloat16_target_keeps_float32_rotary_frequencies() -> None:

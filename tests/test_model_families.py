@@ -169,6 +169,33 @@ def test_a_pass_past_the_mlp_row_chunk_gives_each_row_its_bits_alone(q8):
         assert torch.equal(both[b], alone), b
 
 
+def test_features_are_the_kept_layers_outputs_side_by_side(q8):
+    """keep_features (a draft head that fuses layers): each position's features are the kept layers'
+    outputs as each layer returned them (a later layer writes none of them again), the last layer's
+    last; the logits and the last layer's output are those of the model keeping that layer alone."""
+    model = quickdraft.load(q8).model
+    L, D = model.config.num_layers, model.config.hidden_size
+    layers = tuple(sorted({0, L // 2, L - 1}))
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(30).expand(2, 30)
+    alone = model(ids, positions, model.new_cache(2, 30))
+    assert alone.features is alone.hidden and model.feature_width == D
+    seen = {}
+    hooks = [model.blocks[i].register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, out.clone()))
+             for i in layers]
+    model.keep_features(layers)
+    kept = model(ids, positions, model.new_cache(2, 30))
+    for hook in hooks:
+        hook.remove()
+    assert model.feature_width == len(layers) * D
+    assert torch.equal(kept.features, torch.cat([seen[i] for i in layers], dim=-1))
+    assert torch.equal(kept.hidden, alone.hidden) and torch.equal(kept.logits, alone.logits)
+    assert torch.equal(model.logits(kept.features), alone.logits)
+    for wrong in ((0,), (L - 1, 0), (0, 0, L - 1), (-1, L - 1), ()):
+        with pytest.raises(ValueError, match="feature layers must be distinct, ascending, and end with the last"):
+            model.keep_features(wrong)
+
+
 # -- GELU gates ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, gate", [("llama-gelu-tanh", "gelu_tanh"), ("qwen2-gelu-erf", "gelu")])

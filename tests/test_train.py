@@ -4,6 +4,7 @@ a trained head is accepted more often than an untrained one, a resumed run conti
 the ShareGPT reader keeps what parses of a cut-off file."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -36,16 +37,23 @@ def target(name: str = "llama-gqa-untied"):
     return tiny(name, init=0.1)
 
 
+def fusing(layers: tuple[int, ...]):
+    """A copy of the target keeping `layers`' features (tiny models are shared between tests)."""
+    model = copy.deepcopy(target())
+    model.keep_features(layers)
+    return model
+
+
 def prompts(n: int, seed: int, lengths: tuple[int, int] = (4, 9)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 96, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
 
 
-def corpus(n: int, seed: int) -> list[Example]:
-    """The target's own greedy continuations of random prompts, with its features there: the text
-    a head must predict."""
-    model = target()
+def corpus(n: int, seed: int, layers: tuple[int, ...] = ()) -> list[Example]:
+    """The target's own greedy continuations of random prompts, with its features there (of its
+    last layer, or of `layers`): the text a head must predict."""
+    model = fusing(layers) if layers else target()
     with tempfile.TemporaryDirectory() as tmp:
         answers = generate_responses(model, prompts(n, seed), frozenset(), 40, Path(tmp) / RESPONSES, batch_size=8,
                                      progress=False)
@@ -297,6 +305,51 @@ def test_a_checkpoint_kept_without_the_optimizer_resumes_with_fresh_moments(trai
     assert losses[41:] != pytest.approx(uninterrupted[41:], rel=1e-5) and all(map(math.isfinite, losses))
 
 
+def test_a_head_grown_to_fuse_layers_starts_as_the_last_layer_head_and_trains_on(trained, tmp_path: Path) -> None:
+    """--init-from: a head reading layers 0 and 1 through a fuse, grown from the checkpoint of one
+    that read layer 1 alone, has that head's loss on the same batch (the fuse passes the last
+    layer through), continues its step count and history, and learns its fuse. The features it
+    reads are cached apart from the last layer's (their key names the layers), their last D
+    columns the last layer's features."""
+    out, record = trained
+    model, layers = fusing((0, 1)), (0, 1)
+    top, both = corpus(48, 0), corpus(48, 0, layers)
+    D = model.config.hidden_size
+    assert all(b.features.shape[-1] == 2 * D and torch.equal(b.features[:, -D:], t.features)
+               for t, b in zip(top, both))
+    state = torch.load(out / trainer.CHECKPOINT, weights_only=False)
+    config = dataclasses.replace(CONFIG, steps=100, feature_layers=layers)
+    last_only = DraftHead(head_config(model.config), state["head"]["vocab"])
+    last_only.load_state_dict(state["head"])
+    grown = DraftHead(head_config(model.config), state["head"]["vocab"], layers)
+    trainer.grown_from(grown, state, config, out / trainer.CHECKPOINT)
+    before = trainer.head_loss(target(), last_only, trainer.batch_of(top, 80, CONFIG), CONFIG)
+    after = trainer.head_loss(model, grown, trainer.batch_of(both, 80, config), config)
+    assert after[0].item() == pytest.approx(before[0].item(), rel=1e-6) and after[1] == pytest.approx(before[1])
+    with pytest.raises(ValueError, match="other settings"):
+        trainer.grown_from(grown, state, dataclasses.replace(config, lr=1e-4), out / trainer.CHECKPOINT)
+    with pytest.raises(ValueError, match="starts a head that fuses layers"):
+        trainer.grown_from(last_only, state, CONFIG, out / trainer.CHECKPOINT)
+
+    run = train_head(model, both, config, tmp_path, "tiny", progress=False, init=out / trainer.CHECKPOINT)
+    losses = [h["loss"] for h in run["history"]]
+    assert len(losses) == 100 and losses[:80] == [h["loss"] for h in record["history"]]
+    assert all(map(math.isfinite, losses[80:]))
+    head = load_head(tmp_path, model)
+    assert json.loads((tmp_path / "head.json").read_text())["feature_layers"] == [0, 1]
+    assert head.fuse.weight[:, :D].abs().max() > 0  # it learned to read layer 0
+    _, per_pass = acceptance(model, head, [e.tokens[:10] for e in corpus(4, 1)])
+    assert per_pass >= 1.0
+
+
+def test_a_head_that_fuses_layers_learns_from_scratch() -> None:
+    config = dataclasses.replace(CONFIG, steps=40, feature_layers=(0, 1))
+    with tempfile.TemporaryDirectory() as tmp:
+        history = train_head(fusing((0, 1)), corpus(48, 0, (0, 1)), config, Path(tmp), "tiny", progress=False)["history"]
+    assert mean(h["loss"] for h in history[-10:]) < 0.85 * mean(h["loss"] for h in history[:10])
+    assert mean(h["top1"] for h in history[-10:]) > mean(h["top1"] for h in history[:10]) + 0.1
+
+
 def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
@@ -314,7 +367,7 @@ def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     assert kept == got[:1]
 
 
-def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None:
+def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch, capsys) -> None:
     model_dir = tiny_llm_dir(tmp_path / "model", max_position_embeddings=512)
     out = tmp_path / "head"
     args = ["train-head", "--model", str(model_dir), "--out", str(out), "--conversations", "6",
@@ -335,6 +388,17 @@ def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch) -> None
     info = json.loads((out / "head.json").read_text())
     history = json.loads((out / "history.json").read_text())
     assert info["training"]["steps"] == 5 and len(history) == 5 and all(math.isfinite(h["loss"]) for h in history)
+    assert info["feature_layers"] == [1]
+    # a head that fuses both layers: its own run (the checkpoint's settings differ), its features cached apart
+    monkeypatch.undo()
+    fused = tmp_path / "fused"
+    assert main([*args, "--out", str(fused), "--steps", "3", "--feature-layers", "0,1"]) == 0
+    assert json.loads((fused / "head.json").read_text())["feature_layers"] == [0, 1]
+    capsys.readouterr()
+    for layers, error in (("1,0", "--feature-layers: feature layers must be distinct, ascending"),
+                          ("top", "--feature-layers takes 'last' or comma-separated layer indices")):
+        assert main([*args, "--out", str(fused), "--steps", "3", "--feature-layers", layers]) == 1
+        assert error in capsys.readouterr().err
 
 
 def test_bench_head_scores_a_head_and_a_checkpoint_alike(trained) -> None:

@@ -53,7 +53,7 @@ def head_from(path: Path, target: Transformer) -> tuple[DraftHead, int | None]:
         head = load_head(path, target)
         return head, None
     state = torch.load(path / CHECKPOINT, map_location=target.device, weights_only=False)
-    head = DraftHead(head_config(target.config), state["head"]["vocab"])
+    head = DraftHead(head_config(target.config), state["head"]["vocab"], state["config"].get("feature_layers", ()))
     head.load_state_dict(state["head"])
     return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target), state["step"]
 
@@ -64,14 +64,14 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
     the target's feature there is the target's own next token. Pair t (f_t, s_{t+1}) predicts
     f_{t+1}, hence s_{t+2}; pairs from the prompt's last token on count, as in training."""
     tokens = prompt + answer
-    features = prefill(target, tokens).to(target.device, target.compute_dtype)  # [n, D], n = len(tokens) - 1
+    features = prefill(target, tokens).to(target.device, target.compute_dtype)  # [n, F], n = len(tokens) - 1
     n = features.shape[0]
     if n < 2:
         return 0, 0
     ids = torch.tensor(tokens, device=target.device)
     embeds = target.embed(ids[1:n][None]).to(target.compute_dtype)             # [1, n-1, D]
     positions = torch.arange(n - 1, device=target.device)[None]
-    predicted = head(features[None, :-1], embeds, positions, head.new_cache(n - 1, target.device,
+    predicted = head(head.read(features[None, :-1]), embeds, positions, head.new_cache(n - 1, target.device,
                                                                             target.compute_dtype))[0]
     logits = linear(predicted, head.output_rows(target), norm=target.norm.fused)  # [n-1, Vd], as drafting reads them
     drafted = head.vocab[logits.argmax(-1)]                                      # [n-1] token ids
@@ -83,6 +83,7 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
 def score_head(target: Transformer, head: DraftHead, prompts: list[list[int]], eos: frozenset[int],
                k: int, new_tokens: int, steps: int | None = None) -> HeadScore:
     from quickdraft.engine.loop import generate_tokens
+    target.keep_features(head.reads(target))  # what the head reads: its features, and the engine's
     agree = counted = 0
     params = SamplingParams(max_new_tokens=new_tokens)
     for prompt in prompts:

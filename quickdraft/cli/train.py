@@ -33,15 +33,22 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     try:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              unroll=args.unroll, draft_vocab=args.draft_vocab,
-                             checkpoint_every=args.checkpoint_every, seed=args.seed, dtype=args.train_dtype)
+                             checkpoint_every=args.checkpoint_every, seed=args.seed, dtype=args.train_dtype,
+                             feature_layers=feature_layers(args.feature_layers))
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
+    if args.init_from and not Path(args.init_from).is_file():
+        raise QuickdraftError(f"--init-from {args.init_from}: no such checkpoint file")
     for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
         if getattr(args, flag) < 1:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
     data = sharegpt_path("train")
     set_threads(args.threads)
     llm = load_llm(args, progress=not args.no_progress)
+    try:
+        llm.model.keep_features(config.feature_layers or (llm.model.config.num_layers - 1,))
+    except ValueError as e:
+        raise QuickdraftError(f"--feature-layers: {e}") from None
     questions = default_questions_path()
     banned = {t for f in (questions, OWN_QUESTIONS) if f for q in load_questions(f) for t in q.turns}
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"
@@ -64,7 +71,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         examples = training_examples(llm.model, responses, out / FEATURES, progress)
         print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens; training "
               f"in {str(training_dtype(config.dtype, llm.model.device)).removeprefix('torch.')}", file=sys.stderr)
-        train_head(llm.model, examples, config, out, args.model, progress=progress)
+        train_head(llm.model, examples, config, out, args.model, progress=progress,
+                   init=Path(args.init_from) if args.init_from else None)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     head = load_head(out, llm.model)
@@ -74,6 +82,16 @@ def cmd_train_head(args: argparse.Namespace) -> int:
               f"(greedy, up to k=4, {len(held_out)} prompts)", file=sys.stderr)
     print(f"quickdraft: head written to {out}", file=sys.stderr)
     return 0
+
+
+def feature_layers(text: str) -> tuple[int, ...]:
+    """--feature-layers: "last" (the default), or layer indices "2,15,29" ascending to the last."""
+    if text == "last":
+        return ()
+    try:
+        return tuple(int(i) for i in text.split(","))
+    except ValueError:
+        raise QuickdraftError(f"--feature-layers takes 'last' or comma-separated layer indices, found {text!r}") from None
 
 
 def add_train_head(sub) -> None:
@@ -93,6 +111,13 @@ def add_train_head(sub) -> None:
                     help="head passes per step: the first on the target's features, then on its own")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head may draft")
     tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    tr.add_argument("--feature-layers", default="last",
+                    help="the target's layers the head reads: 'last', or indices ending with the last layer, e.g. "
+                         "2,15,29 for SmolLM2 (EAGLE-3: a low, a middle and the last layer's outputs, fused)")
+    tr.add_argument("--init-from", metavar="CHECKPOINT",
+                    help="start a head that fuses layers from the checkpoint.pt of one that read the last layer "
+                         "alone (same settings otherwise): its step, its history, its weights, the fuse passing "
+                         "the last layer's output at first")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--train-dtype", choices=DTYPES, default="auto",
                     help="dtype of the training's matmuls (the head's weights stay float32; --dtype is the target's); "

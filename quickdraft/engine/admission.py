@@ -106,7 +106,7 @@ class Admission:
         if features is not None:
             row.features = [features]
             row.length = row.stats.cached_tokens = features.shape[0]
-            self._score(row, 0, features)  # their last-layer outputs, cached too: only the head runs
+            self._score(row, 0, features)  # their features, cached too: only the LM head runs
         return row
 
     def prefill_chunk(self, row: Row, size: int) -> Events:
@@ -120,38 +120,38 @@ class Admission:
                              self.placement.cache.rows(index, index + 1), last_n=0)
         except Exception as e:  # noqa: BLE001 - only this row ran: only this request ends
             return self._fill_failed(row, e)
-        return self.prefilled(row, size, out.hidden[0], time.perf_counter() - t0)
+        return self.prefilled(row, size, out.features[0], time.perf_counter() - t0)
 
-    def prefilled(self, row: Row, size: int, hidden: torch.Tensor, seconds: float) -> Events:
+    def prefilled(self, row: Row, size: int, fed: torch.Tensor, seconds: float) -> Events:
         """The filling row's next `size` prompt tokens went through the model (their K/V are in its
-        cache row; hidden [size, D]), in a pass of their own or riding along, adding `seconds` to
+        cache row; `fed`: their features [size, F]), in a pass of their own or riding along, adding `seconds` to
         the step. After the prompt's last token, the row decodes from the next step on (it joins
         the running rows, whose cache row it already sits in); its first token is sampled here from
         that token's logits alone, as a one-pass prefill scores it."""
         n, end = len(row.tokens), row.length + size
         t0 = time.perf_counter()
         try:
-            self._score(row, row.length, hidden)
+            self._score(row, row.length, fed)
         except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
             return self._fill_failed(row, e)
         seconds += time.perf_counter() - t0  # the head over a scored chunk: its cost too (the next chunk's size)
         self.scheduler.prefilled(size, seconds)
         row.length = end
-        row.features.append(hidden)
+        row.features.append(fed)
         if end < n:
             row.stats.verify_s += seconds
             return []
         if row.budget == 0:
             return self._scored_only(row, seconds)
         try:
-            logits = self.model.logits(hidden[-1:])[None]  # [1, 1, V]
+            logits = self.model.logits(fed[-1:])[None]  # [1, 1, V]
             verdict = verify([NO_DRAFT], logits, [row.request.params], [row.generator], [grammar_masks(row, 0)])
         except Exception as e:  # noqa: BLE001 - only this row's: only this request ends
             return self._fill_failed(row, e)
         place = self.placement
         place.filling = None
         place.rows.append(row)
-        features = torch.cat(row.features)  # [n, D]: the whole prompt's, as a one-pass prefill gives them
+        features = torch.cat(row.features)  # [n, F]: the whole prompt's, as a one-pass prefill gives them
         row.features = [features] if place.prefix is not None else []
         place.offer(row, len(place.rows) - 1, features)  # sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
@@ -161,19 +161,19 @@ class Admission:
         events[0][1].prompt_logprobs = row.scored  # the prompt's scores go in its first event
         return events
 
-    def _score(self, row: Row, start: int, hidden: torch.Tensor) -> None:
+    def _score(self, row: Row, start: int, fed: torch.Tensor) -> None:
         """For a request that scores its prompt, the log-probabilities of the prompt tokens that
-        positions start.. predict (hidden [m, D]: their last-layer outputs, as a forward over the whole
+        positions start.. predict (`fed` [m, F]: their features, as a forward over the whole
         prompt gives them); the last position's logits are the first new token's, not a prompt token's.
         In slices within the kernel's batch-invariant rows, so each is what a one-pass prefill gives."""
         top, prompt = row.request.prompt_logprobs, row.request.prompt_ids
         if top is None:
             return
-        stop = min(start + hidden.shape[0], len(prompt) - 1)
+        stop = min(start + fed.shape[0], len(prompt) - 1)
         rows = self.invariant_rows or SCORE_ROWS
         for at in range(start, stop, rows):
             end = min(at + rows, stop)
-            logits = self.model.logits(hidden[at - start:end - start])  # [end - at, V]
+            logits = self.model.logits(fed[at - start:end - start])  # [end - at, V]
             row.scored += token_logprobs(logits, prompt[at + 1:end + 1], top)
 
     def _scored_only(self, row: Row, seconds: float) -> Events:

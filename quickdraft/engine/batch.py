@@ -71,6 +71,9 @@ class Engine:
         if prefix is not None and (prefix.pool.device, prefix.pool.dtype) != (model.device, model.compute_dtype):
             raise ValueError(f"the prefix cache's blocks are {prefix.pool.dtype} on {prefix.pool.device}, the model's "
                              f"K/V {model.compute_dtype} on {model.device}: give the cache a BlockPool of the model's")
+        if prefix is not None and prefix.features and prefix.feature_width != model.feature_width:
+            raise ValueError(f"the prefix cache keeps {prefix.feature_width} features per token, the model hands over "
+                             f"{model.feature_width} (its feature_layers): make the cache with the model's feature_width")
         grows = cache is None  # a cache of its own grows as requests need (Placement.reserve)
         if cache is None:  # rows in the prefix cache's pool: a hit shares its blocks
             cache = model.new_cache(1, 1) if prefix is None else KVCache(prefix.pool, 1, 1)
@@ -208,7 +211,7 @@ class Engine:
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
-            logits, hidden, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
+            logits, features, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
             verdict = verify(drafts, logits, [r.request.params for r in rows], [r.generator for r in rows],
                              [grammar_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)],
                              [generated_tokens(r) for r in rows])
@@ -232,7 +235,7 @@ class Engine:
             row.length += 1 + len(kept)
             row.tokens += tokens
             row.stats.record_draft(draft.depths(), len(kept))
-            steps.append(Committed(tokens, len(kept), len(draft.tokens), hidden[b, [0, *(1 + i for i in kept)]],
+            steps.append(Committed(tokens, len(kept), len(draft.tokens), features[b, [0, *(1 + i for i in kept)]],
                                    top.row(b)))
             if self.prefix is not None:
                 row.features.append(steps[-1].features)
@@ -245,23 +248,23 @@ class Engine:
 
     def _pass(self, lo: int, hi: int, inputs: StepInputs, sizes: list[int], ride: tuple[Row, int] | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The target's pass over rows lo..hi-1 -> logits [B, 1+W, V], hidden [B, 1+W, D] (padding's
-        are junk) and the riding chunk's hidden [n, D] (None: no chunk). Ragged where the model
+        """The target's pass over rows lo..hi-1 -> logits [B, 1+W, V], features [B, 1+W, F] (padding's
+        are junk) and the riding chunk's features [n, F] (None: no chunk). Ragged where the model
         feeds them: each row's tokens only, and the chunk's, in one sequence (inputs.ragged)."""
         if not self.model.ragged:
             out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask, inputs.width,
                              inputs.slots)
-            return out.logits, out.hidden, None
+            return out.logits, out.features, None
         chunk = None if ride is None else (ride[0].length, ride[0].tokens[ride[0].length:ride[0].length + ride[1]])
         flat = ragged(inputs, sizes, chunk)
         out = self.model(flat.ids, flat.positions, self.cache.rows(lo, hi + (ride is not None)), flat.mask,
                          last_n=0, slots=flat.slots, rows=flat.rows)
-        hidden = out.hidden[0]  # [M, D]
-        logits = self.model.logits(hidden[:flat.decoded])  # the chunk's only where it ends a prompt: _prefilled
-        chunk = None if ride is None else hidden[flat.decoded:]
+        features = out.features[0]  # [M, F]
+        logits = self.model.logits(features[:flat.decoded])  # the chunk's only where it ends a prompt: _prefilled
+        chunk = None if ride is None else features[flat.decoded:]
         if len(set(sizes)) == 1:  # no padding: the rows' tokens are already in StepInputs' places
-            return logits.view(len(sizes), sizes[0], -1), hidden[:flat.decoded].view(len(sizes), sizes[0], -1), chunk
-        return logits[flat.index], hidden[flat.index], chunk
+            return logits.view(len(sizes), sizes[0], -1), features[:flat.decoded].view(len(sizes), sizes[0], -1), chunk
+        return logits[flat.index], features[flat.index], chunk
 
     def _fail(self, row: Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

@@ -43,7 +43,7 @@ class Placement:
     def fetch(self, row: Row) -> torch.Tensor | None:
         """Cache row n (where `row` goes) given back, then holding the longest prefix of its prompt
         the prefix cache has (its last token is always fed: its logits give the first token); that
-        prefix's features [m, D], None on a miss. A cache that fails (out of memory) is a miss."""
+        prefix's features [m, F], None on a miss. A cache that fails (out of memory) is a miss."""
         n = len(self.rows)
         self.cache.release(n)
         if self.prefix is None:
@@ -56,7 +56,7 @@ class Placement:
 
     def offer(self, row: Row, i: int, features: torch.Tensor) -> None:
         """Leave a row's K/V (cache row i) to the prefix cache, unless its pass failed: its tokens'
-        with `features` [n, D]. A cache that fails (out of memory) loses only the caching, never
+        with `features` [n, F]. A cache that fails (out of memory) loses only the caching, never
         the request or the engine."""
         if self.prefix is None or row.failed:
             return

@@ -51,8 +51,8 @@ class Row:
     draft: Draft = NO_DRAFT     # the proposer's offer for the next step
     tokens: list[int] = field(default_factory=list)  # the prompt, then every committed token: the
                                 # K/V in the cache are those of tokens[:length]
-    features: list[torch.Tensor] = field(default_factory=list)  # [n, D] pieces: the last layer's
-                                # outputs at tokens[:length] (kept for the prefix cache only)
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, F] pieces: the model's
+                                # features at tokens[:length] (kept for the prefix cache only)
     scored: list[TokenLogprob] = field(default_factory=list)  # the prompt's log-probabilities so far
                                 # (Request.prompt_logprobs), until its first event carries them
     failed: bool = False        # its pass or proposer raised: its K/V are not offered to the prefix cache
@@ -87,7 +87,7 @@ def cut_at_stop(new: list[int], stop_ids: frozenset[int], remaining: int) -> tup
 
 
 def features_of(row: Row) -> torch.Tensor:
-    """The row's features [length, D] (its prompt's, then each step's)."""
+    """The row's features [length, F] (its prompt's, then each step's)."""
     return torch.cat(row.features)[:row.length]
 
 

@@ -31,7 +31,7 @@ class KVShape(Protocol):
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    hidden_size: int  # the last layer's output kept beside the K/V (prefix_cache.py's features)
+    hidden_size: int  # the last layer's output: the features kept beside the K/V by default (prefix_cache.py)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -60,7 +60,7 @@ def default_budget_mb() -> int:
 @dataclass(eq=False)
 class _Node:
     block: int | None                             # its pool block (the first len(key) slots); None at the root
-    features: torch.Tensor | None                 # [n, D] the last layer's outputs (draft heads read
+    features: torch.Tensor | None                 # [n, F] the model's features (draft heads read
                                                   # them); None at the root and in a cache of K/V only
     parent: "_Node | None"
     scope: str                                    # whose: requests of this scope find it (the root's too)
@@ -81,14 +81,16 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int, config: KVShape, dtype: torch.dtype, features: bool = True,
+    def __init__(self, budget_bytes: int, config: KVShape, dtype: torch.dtype, feature_width: int | None = None,
                  pool: BlockPool | None = None) -> None:
-        """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's; features:
-        whether blocks keep features too (a draft model's cache keeps K/V only: `fetch_kv`); pool:
-        the blocks of the model's rows (None: a pool of its own, on the CPU)."""
-        self.features = features
+        """budget_bytes: bytes of K/V and features held at most; dtype: the K/V cache's; feature_width:
+        the features kept per token beside the K/V (the model's `feature_width`; None: the last
+        layer's output, hidden_size; 0: none, a draft model's cache keeps K/V only: `fetch_kv`);
+        pool: the blocks of the model's rows (None: a pool of its own, on the CPU)."""
+        self.feature_width = config.hidden_size if feature_width is None else feature_width
+        self.features = self.feature_width > 0
         self.pool = pool if pool is not None else BlockPool(config, dtype)
-        self.block_bytes = self.block_size(config, dtype, features)
+        self.block_bytes = self.block_size(config, dtype, self.feature_width)
         if budget_bytes < self.block_bytes:
             raise ValueError(f"the prefix cache's budget ({budget_bytes:,} bytes) is below one block of "
                              f"{BLOCK} tokens ({self.block_bytes:,} bytes for this model)")
@@ -109,15 +111,16 @@ class PrefixCache:
                 self._owner = None
 
     @staticmethod
-    def block_size(config: KVShape, dtype: torch.dtype, features: bool = True) -> int:
-        """Bytes one block holds: BLOCK tokens' K/V of every layer, and their features."""
-        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + features * config.hidden_size
+    def block_size(config: KVShape, dtype: torch.dtype, feature_width: int | None = None) -> int:
+        """Bytes one block holds: BLOCK tokens' K/V of every layer, and their features (as __init__'s)."""
+        width = config.hidden_size if feature_width is None else feature_width
+        per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim + width
         return BLOCK * per_token * dtype.itemsize
 
     def fetch(self, tokens: Sequence[int], limit: int, cache: KVCache, row: int, scope: str = ""
               ) -> torch.Tensor | None:
         """Copy the K/V of the longest prefix of `tokens[:limit]` that `scope` holds into slots 0..
-        of `row` and count the hit; its features [n, D], None if nothing matched."""
+        of `row` and count the hit; its features [n, F], None if nothing matched."""
         with self._locked():
             path = self._copy_in(tokens, limit, cache, row, scope)
             return torch.cat([node.features[:n] for node, n in path]) if path else None
@@ -184,7 +187,7 @@ class PrefixCache:
     def store(self, tokens: Sequence[int], cache: KVCache, row: int, features: torch.Tensor | None = None,
               scope: str = "") -> None:
         """Keep the K/V of the first len(features) `tokens` (slots 0.. of `row`), with their
-        features [n, D] (a cache without features: of all `tokens`), in blocks and a tail; blocks
+        features [n, F] (a cache without features: of all `tokens`), in blocks and a tail; blocks
         already held are only marked used. Less is kept where the budget cannot make room; none
         where this thread is inside a call already (a stream that the garbage collector closes in
         the middle of one offers its tokens: waiting for the lock would wait for itself).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +28,10 @@ from quickdraft.model.rope import RotaryTable, apply_rope, inverse_frequencies
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, n, V] for the last n positions asked for
-    hidden: torch.Tensor  # [B, T, D] last layer's output before the final norm at every fed
-                          # position (draft heads read it)
+    logits: torch.Tensor    # [B, n, V] for the last n positions asked for
+    hidden: torch.Tensor    # [B, T, D] the last layer's output before the final norm at every fed position
+    features: torch.Tensor  # [B, T, F] the outputs of the model's feature_layers there, side by side, the
+                            # last layer's last (F = D where that layer alone is kept): what draft heads read
 
 
 @dataclass
@@ -272,7 +274,24 @@ class Transformer(nn.Module):
         local = None if config.rope_local_theta is None else inverse_frequencies(config, local=True)
         self.register_buffer("inv_freq_local", local, persistent=False)  # Gemma 3's sliding layers
         self.rope_local = RotaryTable()
+        self.feature_layers = (config.num_layers - 1,)  # whose outputs forward hands over (keep_features)
         self.requires_grad_(False)
+
+    def keep_features(self, layers: Sequence[int]) -> None:
+        """Hand over as each position's features the outputs of `layers` side by side (ascending,
+        ending with the last layer, whose columns the LM head reads: `logits`): a draft head that
+        fuses a low, a middle and the top layer's outputs reads them (EAGLE-3); the default is
+        the last layer's alone."""
+        layers, top = tuple(int(i) for i in layers), self.config.num_layers - 1
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] != top:
+            raise ValueError(f"feature layers must be distinct, ascending, and end with the last layer ({top}); "
+                             f"found {list(layers)}")
+        self.feature_layers = layers
+
+    @property
+    def feature_width(self) -> int:
+        """F: the features' width per position."""
+        return len(self.feature_layers) * self.config.hidden_size
 
     @property
     def device(self) -> torch.device:
@@ -346,14 +365,20 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=self.embed.weight.dtype).to(x.dtype)
         local = None if self.inv_freq_local is None else (self.rope_local, self.inv_freq_local)
         at = attention_inputs(self.rope, self.inv_freq, positions, cache, attn_mask, slots, local, rows)
+        taps, kept = self.feature_layers[:-1], []
         for layer, block in enumerate(self.blocks):
-            x = block(x, cache, layer, at)
+            x = block(x, cache, layer, at)  # (a new tensor: a kept one is never written again)
+            if layer in taps:
+                kept.append(x)
+        features = torch.cat([*kept, x], dim=-1) if kept else x
         if last_n == 0:
-            return ForwardOutput(logits=x.new_empty(x.shape[0], 0, self.config.vocab_size), hidden=x)
-        return ForwardOutput(logits=self.logits(x if last_n is None else x[:, -last_n:]), hidden=x)
+            return ForwardOutput(x.new_empty(x.shape[0], 0, self.config.vocab_size), x, features)
+        return ForwardOutput(self.logits(x if last_n is None else x[:, -last_n:]), x, features)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., D] last-layer outputs (pre-norm) -> [..., V] logits: the final norm and LM head."""
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., F] features (or [..., D] last-layer outputs: the features' last D columns), pre-norm ->
+        [..., V] logits: the final norm and LM head."""
+        hidden = features[..., -self.config.hidden_size:]
         logits = linear(hidden, self.lm_head.weight, norm=self.norm.fused)
         cap = self.config.logit_softcap
         return logits if cap is None else cap * torch.tanh(logits / cap)  # per value: batch-invariant

@@ -113,10 +113,10 @@ def draft_prefix(target: Target, draft: Transformer) -> PrefixCache | None:
     target's budget; none where the target keeps none (--no-prefix-cache), or where that share is
     below one of the draft's blocks (a budget of a few MiB, made to test eviction)."""
     budget = 0 if target.prefix is None else target.prefix.budget_bytes // PREFIX_SHARE
-    if budget < PrefixCache.block_size(draft.config, draft.compute_dtype, features=False):
+    if budget < PrefixCache.block_size(draft.config, draft.compute_dtype, feature_width=0):
         return None
     return target.shared((PrefixCache, draft), lambda: PrefixCache(
-        budget, draft.config, draft.compute_dtype, features=False,
+        budget, draft.config, draft.compute_dtype, feature_width=0,
         pool=BlockPool(draft.config, draft.compute_dtype, draft.device)))
 
 

@@ -5,7 +5,11 @@ norm and LM head turn a predicted feature into q.
 Feature f_t is the target's last-layer output (before the final norm) at position t; the head's
 input at position t is the pair (f_t, embedding of token t+1) and its output predicts f_{t+1}.
 The target's forward returns those features for every position it runs, so a head costs no extra
-target pass: the engine hands each step's features to `commit`.
+target pass: the engine hands each step's features to `commit`. A head may read more of the target
+than its last layer (EAGLE-3): its `feature_layers`, a low, a middle and the last layer's outputs,
+which a learned `fuse` (3D -> D) turns into the f_t it reads at the target's positions; at its own
+draft steps it reads its own predictions, D wide, as ever. The target keeps the layers its head
+reads (Transformer.keep_features).
 
 The head drafts over a *draft vocabulary*, the target's most frequent tokens in its training data:
 on a CPU the LM head of a 49k-token vocabulary costs a fifth of a whole SmolLM2 forward per draft
@@ -73,10 +77,16 @@ def target_probe(target: Transformer) -> list[float]:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, config: ModelConfig, vocab: torch.Tensor | None = None) -> None:
-        """vocab: the draft vocabulary's token ids [Vd] (default: the whole vocabulary)."""
+    def __init__(self, config: ModelConfig, vocab: torch.Tensor | None = None,
+                 feature_layers: Sequence[int] = ()) -> None:
+        """vocab: the draft vocabulary's token ids [Vd] (default: the whole vocabulary); feature_layers:
+        the target's layers whose outputs it reads (Transformer.keep_features; (): the last alone)."""
         super().__init__()
         self.config = config
+        self.feature_layers = tuple(int(i) for i in feature_layers)
+        D = config.hidden_size
+        # (a copy of the last layer's output at first, `fuse_from_top`)
+        self.fuse = nn.Linear(len(self.feature_layers) * D, D, bias=False) if len(self.feature_layers) > 1 else None
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = Block(config, 0)  # one layer shaped as the target's first
         self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
@@ -98,13 +108,28 @@ class DraftHead(nn.Module):
             self._output = (weight, rows)
         return self._output[1]
 
+    def reads(self, target: Transformer) -> tuple[int, ...]:
+        """The target's layers this head reads, as Transformer.feature_layers names them."""
+        return self.feature_layers or (target.config.num_layers - 1,)
+
+    def read(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., F] the target's features (its feature_layers' outputs) -> [..., D] the f_t the head reads."""
+        return features if self.fuse is None else linear(features, self.fuse.weight)
+
+    def fuse_from_top(self) -> None:
+        """Set the fuse to pass the last layer's output through: a head trained on that alone reads
+        as before, and learns from there what the other layers add."""
+        D = self.config.hidden_size
+        with torch.no_grad():
+            self.fuse.weight.zero_()[:, -D:] = torch.eye(D)
+
     def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype, batch_size: int = 1) -> KVCache:
         return KVCache(self.config, batch_size, capacity, device, dtype)
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache, attn_mask: torch.Tensor | None = None, slots: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """features, token_embeds: [B, T, D] pairs (f_t, e(s_{t+1})) at positions t [B, T] ->
+        """features (what `read` gives), token_embeds: [B, T, D] pairs (f_t, e(s_{t+1})) at positions t [B, T] ->
         predicted f_{t+1} [B, T, D]. K/V go to cache `slots` (default: the positions), narrowed
         by `attn_mask` [B, T, kv_len] as in the target's forward (a tree's nodes)."""
         x = linear(torch.cat([token_embeds, features], dim=-1), self.fc.weight)
@@ -121,7 +146,7 @@ def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str
             "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
                               "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
                               "num_kv_heads": target.config.num_kv_heads},
-            "training": training or {}}
+            "feature_layers": list(head.reads(target)), "training": training or {}}
     (path / CONFIG).write_text(json.dumps(info, indent=1))
     return path
 
@@ -134,6 +159,17 @@ def trained_for(info: dict, target: Transformer) -> bool:
     scale = max(max((abs(v) for v in ours), default=0.0), 1e-6)
     return shape == info.get("target_config") and len(theirs) == len(ours) and \
         all(abs(a - b) <= PROBE_TOLERANCE * scale for a, b in zip(ours, theirs))
+
+
+def feature_layers_of(info: dict, target: Transformer) -> tuple[int, ...]:
+    """The target layers a head.json says its head reads, as DraftHead takes them (() for the last
+    layer alone, as heads written before heads could fuse layers read); invalid ones are an error."""
+    layers, top = info.get("feature_layers", [target.config.num_layers - 1]), target.config.num_layers - 1
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) and 0 <= i <= top for i in layers) \
+            or layers != sorted(set(layers)) or layers[-1] != top:
+        raise SpecConfigError(f"the draft head's feature_layers {layers!r} are not ascending layers of this target "
+                              f"ending with its last ({top})")
+    return () if layers == [top] else tuple(layers)
 
 
 def packaged_head(target: Transformer) -> Path:
@@ -169,7 +205,7 @@ def load_head(path: str | Path, target: Transformer) -> DraftHead:
     if vocab is None or vocab.dim() != 1 or not len(vocab) or int(vocab.min()) < 0 or \
             int(vocab.max()) >= target.config.vocab_size:
         raise SpecConfigError(f"the draft head in {path} has no valid draft vocabulary for this target")
-    head = DraftHead(head_config(target.config), vocab)
+    head = DraftHead(head_config(target.config), vocab, feature_layers_of(info, target))
     try:
         head.load_state_dict(tensors)
     except RuntimeError as e:
@@ -183,7 +219,8 @@ def as_target_runs(head: DraftHead, target: Transformer) -> DraftHead:
     made SmolLM2's head forward cost ~18% of a target step (2.3 ms of 12.5, Intel Xeon, 2 threads),
     four times its blocks' bytes. Exactness does not depend on it: the target verifies every draft
     (and a sampled draft carries the q it was drawn from)."""
-    matrices = (head.fc, head.block.wqkv, head.block.wo, head.block.w_gate_up, head.block.w_down)
+    matrices = (head.fc, head.block.wqkv, head.block.wo, head.block.w_gate_up, head.block.w_down) + \
+        ((head.fuse,) if head.fuse is not None else ())
     if not target.quantized or any(m.weight.shape[1] % QUANT_GROUP for m in matrices):
         return head  # (rows that are not whole Q8_0 blocks stay float: a head for an odd-sized target)
     for owner in matrices:
@@ -236,6 +273,11 @@ class HeadProposer:
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int, width: int = 1) -> None:
         """width 1: a chain (sampled rows draw it from q); more: a tree (head_tree)."""
+        if head.reads(target) != target.feature_layers:
+            raise SpecConfigError(f"this draft head reads the target's layers {list(head.reads(target))}, and the "
+                                  f"model keeps the features of layers {list(target.feature_layers)} (those of the head "
+                                  f"it was loaded with): load the model with this head (--head DIR; in Python, "
+                                  f"quickdraft.load(..., spec=SpecConfig(head=DIR)))")
         self.head, self.target, self.params, self.width = head, target, params, width
         self.cache = head.new_cache(capacity, target.device, target.compute_dtype)
         self.tokens = list(prompt_ids)
@@ -251,6 +293,7 @@ class HeadProposer:
         self.vocab = head.vocab.to(target.device)
         self.lm_weight = head.output_rows(target)  # [Vd, D] the draft vocabulary's rows
 
+    @torch.inference_mode()
     def commit(self, step: Committed) -> None:
         self.cache.truncate([self.cached])  # the last proposal's draft steps are evicted
         self.agreement.judge(self.pending, step.tokens)
@@ -258,7 +301,8 @@ class HeadProposer:
         self.tokens.extend(step.tokens)
         self.rest.after_step(step.verified)
         n = step.features.shape[0]
-        self.features[self.n_features:self.n_features + n] = step.features
+        # the fuse runs once per committed position; draft steps read the head's own D-wide outputs
+        self.features[self.n_features:self.n_features + n] = self.head.read(step.features)
         self.n_features += n
 
     def _step(self, features: torch.Tensor, tokens: list[int], start: int, positions: list[int] | None = None,

@@ -17,7 +17,7 @@ Terms (as in verify.py and vLLM's rejection sampler):
 Shapes:
     n       nodes of one draft (n <= k <= MAX_K)
     V       vocabulary size
-    D       the target's hidden size (Committed.features)
+    F       the target's feature width (Committed.features: its hidden size per feature layer)
     m       positions a step scored for a row: the fed token, then every verified node
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Committed:
     tokens: list[int]     # the accepted drafts (root to leaf), then the target's recovered or bonus token
     drafted: int          # how many of `tokens` came from the proposer's last draft (the accepted ones)
     verified: int         # draft nodes the target verified (0: the engine declined the draft, or none came)
-    features: torch.Tensor  # [n, D] the target's last-layer features at the positions the step ran and
+    features: torch.Tensor  # [n, F] the target's features (Transformer.feature_layers) at the positions the step ran and
                             # kept: the whole prompt after the prefill, then the fed token and the
                             # accepted drafts (draft heads read them; others ignore them)
     top: Callable[[int], list[list[int]]] | None = None  # top(n): [m][n] the target's n likeliest next

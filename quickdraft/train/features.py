@@ -31,23 +31,26 @@ STORE_DTYPE = torch.bfloat16   # half the bytes; its rounding is far below the h
 @dataclass
 class Example:
     tokens: list[int]          # s_0 .. s_n: prompt and response
-    features: torch.Tensor     # [n, D] f_0 .. f_{n-1}: the target's last-layer output at each token but the last
+    features: torch.Tensor     # [n, F] f_0 .. f_{n-1}: the target's features (its feature_layers' outputs, the
+                               # last layer's last) at each token but the last
     prompt_len: int            # s_0 .. s_{prompt_len-1} are the prompt
 
 
 @torch.inference_mode()
 def prefill(target: Transformer, tokens: Sequence[int]) -> torch.Tensor:
-    """[n, D] the target's features at s_0 .. s_{n-1} of tokens s_0 .. s_n (the last token's feature
-    would predict past the response: no pair learns from it)."""
+    """[n, F] the target's features (Transformer.feature_layers) at s_0 .. s_{n-1} of tokens s_0 .. s_n
+    (the last token's would predict past the response: no pair learns from it)."""
     ids = torch.tensor([list(tokens[:-1])], device=target.device)
     positions = torch.arange(ids.shape[1], device=target.device)[None]
-    hidden = target(ids, positions, target.new_cache(1, ids.shape[1]), last_n=0).hidden[0]
-    return hidden.to("cpu", STORE_DTYPE)
+    features = target(ids, positions, target.new_cache(1, ids.shape[1]), last_n=0).features[0]
+    return features.to("cpu", STORE_DTYPE)
 
 
 def shard_key(target: Transformer, responses: Sequence[Response]) -> str:
-    """What a shard's features depend on: the target as run and its responses' tokens."""
-    text = json.dumps([target_settings(target), [r.tokens for r in responses]])
+    """What a shard's features depend on: the target as run, the layers it keeps, its responses' tokens."""
+    # (the last layer's alone: the key made before the layers could be chosen, so kept caches stay valid)
+    layers = [] if target.feature_layers == (target.config.num_layers - 1,) else [list(target.feature_layers)]
+    text = json.dumps([target_settings(target), [r.tokens for r in responses], *layers])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

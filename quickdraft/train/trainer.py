@@ -64,6 +64,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     seed: int = 0
     dtype: str = "auto"          # of the matmuls (DTYPES; auto: training_dtype's choice)
+    feature_layers: tuple[int, ...] = ()  # the target's layers the head reads (DraftHead; (): the last alone)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll"):
@@ -77,8 +78,11 @@ class TrainConfig:
 
 def _resumable(config: dict) -> dict:
     """The settings a resumed run must share with the checkpoint: more steps may be asked for, and
-    another dtype (the weights and the optimizer's state are float32 in either)."""
-    return {k: v for k, v in config.items() if k not in ("steps", "checkpoint_every", "dtype")}
+    another dtype (the weights and the optimizer's state are float32 in either). A checkpoint
+    written before heads could fuse layers read the last layer alone."""
+    config = {"feature_layers": (), **config}
+    return {k: tuple(v) if k == "feature_layers" else v for k, v in config.items()
+            if k not in ("steps", "checkpoint_every", "dtype")}
 
 
 def training_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -157,7 +161,8 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
     enclosing autocast may run in bfloat16."""
     device, dtype = target.device, torch.float32  # the head's weights' dtype (new_head)
     n = max(len(e.features) for e in batch)  # features per row; pairs per row: n - 1
-    features = torch.zeros(len(batch), n, target.config.hidden_size, device=device, dtype=dtype)  # [B, n, D]
+    D = target.config.hidden_size
+    features = torch.zeros(len(batch), n, batch[0].features.shape[-1], device=device, dtype=dtype)  # [B, n, F]
     tokens = torch.zeros(len(batch), n + 1, dtype=torch.long, device=device)                      # [B, n+1]
     for b, e in enumerate(batch):
         features[b, :len(e.features)] = e.features.to(device, dtype)
@@ -165,17 +170,17 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
     valid = loss_positions(batch, n - 1).to(device)
     positions = torch.arange(n - 1, device=device).expand(len(batch), n - 1)
     gain, eps = target.norm.weight.to(dtype), target.norm.eps
-    D = features.shape[-1]
     with torch.no_grad():
         embeds = target.embed(tokens[:, 1:n]).to(dtype)                      # [B, n-1, D]: e(s_{t+1})
         lm_weight = target.lm_head.weight[head.vocab].to(dtype)              # [Vd, D]
-        goal = features[:, 1:][valid]                                        # [N, D]: f_{t+1}
+        goal = features[:, 1:, -D:][valid]                                   # [N, D]: f_{t+1}, the last layer's
         goal_normed = gain * F.rms_norm(goal, (D,), eps=eps)                 # what the LM head reads
         p = torch.softmax(F.linear(goal_normed, lm_weight).float(), dim=-1)  # [N, Vd]
         best = p.argmax(-1)
         # H(p, q) = logsumexp(z) - p.z with z = W h: p.z = h.(p W), and p W is the same every pass
         p_weight = (p @ lm_weight).float()                                   # [N, D]
-    inputs, total, parts = features[:, :-1], torch.zeros((), device=device), {}
+    fused = head.read(features[:, :-1])  # [B, n-1, D]: what the head reads at the target's positions
+    inputs, total, parts = fused, torch.zeros((), device=device), {}
     for j in range(config.unroll):
         predicted = head(inputs, embeds, positions, head.new_cache(n - 1, device, dtype, len(batch)))  # [B, n-1, D]
         # after the target's final norm: what its LM head reads; the regression there is scale-free
@@ -190,7 +195,7 @@ def head_loss(target: Transformer, head: DraftHead, batch: list[Example],
         parts.update({"regression": regression.item(), "ce": ce.item(), "top1": top1} if j == 0 else
                      {f"top1_{j + 1}": top1})
         # the next pass reads at position t this pass's prediction of f_t (position 0: the target's)
-        inputs = torch.cat([features[:, :1], predicted[:, :-1].detach().to(dtype)], dim=1)
+        inputs = torch.cat([fused[:, :1], predicted[:, :-1].detach().to(dtype)], dim=1)
     return total, parts
 
 
@@ -199,7 +204,7 @@ def new_head(target: Transformer, examples: Sequence[Example],
     """An untrained head for `target` (float32, whatever the target's dtype) and its optimizer."""
     torch.manual_seed(config.seed)
     head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
-                                                                  config.draft_vocab))
+                                                                  config.draft_vocab), config.feature_layers)
     head = on_target(head, target).float().requires_grad_(True).train()
     return head, torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
 
@@ -241,16 +246,41 @@ def save_checkpoint(out: Path, head: DraftHead, optimizer: torch.optim.Optimizer
         os.replace(out / f"{name}.partial", out / name)
 
 
+def grown_from(head: DraftHead, state: dict, config: TrainConfig, path: Path) -> None:
+    """Load into a head that fuses layers the checkpoint `state` (at `path`) of a head that read the
+    last layer alone, trained with otherwise the same settings; its fuse starts as the last layer's
+    copy (DraftHead.fuse_from_top), so it drafts as that head did and learns what the others add."""
+    if head.fuse is None or state["config"].get("feature_layers"):
+        raise ValueError(f"--init-from starts a head that fuses layers from one that read the last layer alone; "
+                         f"{path} and this run are not that")
+    ours = {k: v for k, v in _resumable(dataclasses.asdict(config)).items() if k != "feature_layers"}
+    theirs = {k: v for k, v in _resumable(state["config"]).items() if k != "feature_layers"}
+    if ours != theirs:
+        raise ValueError(f"{path} was written with other settings ({state['config']})")
+    missing, unexpected = head.load_state_dict(state["head"], strict=False)
+    if missing != ["fuse.weight"] or unexpected:
+        raise ValueError(f"{path} does not hold a head of this target's shape")
+    head.fuse_from_top()
+
+
 def train_head(target: Transformer, examples: Sequence[Example], config: TrainConfig, out: Path,
-               target_name: str, progress: bool = True) -> dict:
+               target_name: str, progress: bool = True, init: Path | None = None) -> dict:
     """Train (or resume training) a head for `target` on `examples`; writes DIR/head.safetensors,
-    DIR/head.json and DIR/checkpoint.pt. Returns the training record saved in head.json."""
+    DIR/head.json and DIR/checkpoint.pt. Returns the training record saved in head.json. `init`: a
+    checkpoint of a head that read the last layer alone, which a new run that fuses layers starts
+    from (its step and history go on; the optimizer's moments start afresh)."""
     examples = usable_examples(examples, config)
     out.mkdir(parents=True, exist_ok=True)
     head, optimizer = new_head(target, examples, config)
     step, history = 0, []
     checkpoint = out / CHECKPOINT
-    if checkpoint.is_file():
+    if init is not None and not checkpoint.is_file():
+        state = torch.load(init, map_location=target.device, weights_only=False)
+        grown_from(head, state, config, init)
+        step, history = state["step"], state["history"]
+        print(f"quickdraft: starting at step {step} from {init}, the fuse passing the last layer's output",
+              file=sys.stderr)
+    elif checkpoint.is_file():
         state = torch.load(checkpoint, map_location=target.device, weights_only=False)
         if _resumable(state["config"]) != _resumable(dataclasses.asdict(config)):
             raise ValueError(f"{checkpoint} was written with other settings ({state['config']}); use another "
