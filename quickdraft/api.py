@@ -26,7 +26,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Message, Tokenizer
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_model import check_compatible
-from quickdraft.proposers.head import DraftHead, load_head, packaged_head
+from quickdraft.proposers.head import DraftHead, load_head, packaged_head, packaged_reads
 from quickdraft.proposers.registry import runs
 from quickdraft.requests.completion import Completion, completion
 from quickdraft.requests.prompt import bounded, check_length, given, text_of
@@ -96,7 +96,8 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
-        self.model.keep_features(self._head_reads())  # before the prefix cache: it keeps them too
+        # the layers the packaged head reads (`auto` may pick it), before the prefix cache: it keeps them too
+        self.model.keep_features(packaged_reads(self.model))
         self.prefix = make_prefix_cache(self.model, prefix_cache_mb)
         self._shared: dict[Hashable, dict[Hashable, Any]] = {}  # scope -> key -> state
         self._scope: Hashable = None
@@ -108,18 +109,8 @@ class LLM:
         self._tool_syntax: Syntax | None = None
         if self.spec.draft_model or self.spec.needs_draft_model:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
-
-    def _head_reads(self) -> tuple[int, ...]:
-        """The target layers whose outputs the engine keeps for draft heads (features): those the
-        head of this model's spec reads, else the head that ships for it (`auto` may pick it);
-        the last layer's alone where there is none. A request's head that reads others is refused
-        (proposers/head.py): one engine keeps one set of features for every row."""
-        try:
-            return self.draft_head(self.spec.head).reads(self.model)
-        except SpecConfigError:
-            if self.spec.needs_head:
-                raise
-            return (self.model.config.num_layers - 1,)
+        if self.spec.needs_head:
+            self.draft_head(self.spec.head)
 
     @property
     def name(self) -> str | None:
@@ -164,7 +155,25 @@ class LLM:
                 self._heads[key] = e  # asked again per request ("auto"): fail fast, no file reads
         if isinstance(self._heads[key], SpecConfigError):
             raise SpecConfigError(str(self._heads[key]))
+        self.keep_features_of(self._heads[key], path)
         return self._heads[key]
+
+    def keep_features_of(self, head: "DraftHead", path: str | Path | None = None) -> None:
+        """Have the model keep the layers `head` reads besides those it keeps (a head reads its own
+        columns of them). One engine keeps one set of layers for every row and its prefix cache, so
+        they can grow only until the engine is made: a head named at load, by a server at start or
+        before the first generation. `path`: where the head came from, for the error."""
+        reads, kept = head.reads(self.model), self.model.feature_layers
+        if set(reads) <= set(kept):
+            return
+        if self._service is not None:
+            raise SpecConfigError(f"the draft head {path or '(packaged)'} reads the target's layers {list(reads)}, and "
+                                  f"this model's engine already runs keeping the features of layers {list(kept)}: "
+                                  f"load the model with this head (--head DIR; in Python, quickdraft.load(..., "
+                                  f"spec=SpecConfig(head=DIR)))")
+        self.model.keep_features(sorted(set(reads) | set(kept)))
+        if self.prefix is not None:  # nothing stored yet: no engine has run
+            self.prefix.keep_features(self.model.feature_width)
 
     def shared(self, key: Hashable, make: Callable[[], T]) -> T:
         """State proposers share across this model's requests, made once per key (proposers/base.py

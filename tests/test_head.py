@@ -21,6 +21,8 @@ import quickdraft
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.loop import generate_tokens
 from quickdraft.kernels import QuantizedWeight
+from quickdraft.kv.blocks import BlockPool
+from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.model.rope import inverse_frequencies
 from quickdraft.proposers import EACH, Committed, Draft, SpecConfig, SpecConfigError
@@ -69,12 +71,15 @@ def identity_head(model: Transformer) -> DraftHead:
 
 
 class CheckedHead(HeadProposer):
-    """After each commit: its features equal what the head reads of the target's features from a
-    fresh forward, and its cache holds what a fresh head forward over the same pairs writes."""
+    """After each commit: its features equal what the head makes of a fresh forward of a copy of the
+    target that keeps exactly the layers the head reads (the target itself may keep more), and its
+    cache holds what a fresh head forward over the same pairs writes."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.violations: list[str] = []
+        self.reference = copy.copy(self.target)  # the same weights (a module's shallow copy), its own layers
+        self.reference.keep_features(self.head.reads(self.target))
 
     def commit(self, step: Committed) -> None:
         super().commit(step)
@@ -82,8 +87,8 @@ class CheckedHead(HeadProposer):
         if n != len(self.tokens) - 1:
             self.violations.append(f"{n} features for {len(self.tokens)} tokens")
         with torch.inference_mode():
-            fresh = self.head.read(self.target(torch.tensor([self.tokens[:n]]), torch.arange(n)[None],
-                                               self.target.new_cache(1, n)).features[0])
+            fresh = self.head.read(self.reference(torch.tensor([self.tokens[:n]]), torch.arange(n)[None],
+                                                  self.target.new_cache(1, n)).features[0])
             diff = float((fresh - self.features[:n]).abs().max())
             if diff > KV_TOL:
                 self.violations.append(f"features differ from the target's by {diff:.3g}")
@@ -312,7 +317,8 @@ def test_a_fused_head_saves_its_layers_and_runs_only_where_the_target_keeps_them
     path = save_head(head, model, tmp_path / "fused", "tiny-target")
     assert json.loads((path / "head.json").read_text())["feature_layers"] == [0, 1]
     fresh = copy.deepcopy(target())
-    with pytest.raises(SpecConfigError, match=r"reads the target's layers \[0, 1\].*keeps the features of layers \[1\]"):
+    with pytest.raises(SpecConfigError, match=r"reads the target's layers \[0, 1\], and the model keeps the features "
+                                              r"of layers \[1\]: load the model with this head"):
         HeadProposer(load_head(path, fresh), fresh, PROMPT, greedy(), 64)
     fresh.keep_features((0, 1))
     loaded = load_head(path, fresh)
@@ -340,9 +346,50 @@ def test_a_fused_head_saves_its_layers_and_runs_only_where_the_target_keeps_them
     again = llm.generate("hello there, hello there", params=params)  # its prompt's K/V and features cached
     assert first.token_ids == again.token_ids == expected and first.stats.drafted_tokens > 0
     assert again.stats.cached_tokens > 0 and again.stats.drafted_tokens > 0
+    # a head that reads the last layer alone reads its columns of them
     other = save_head(random_head(llm.model, 5), llm.model, tmp_path / "last-layer", "tiny")
-    with pytest.raises(SpecConfigError, match="load the model with this head"):
-        llm.generate("hello", params=params, spec=SpecConfig("head", k=3, head=str(other)))
+    out = llm.generate("hello there, hello there", params=params, spec=SpecConfig("head", k=3, head=str(other)))
+    assert out.token_ids == expected and out.stats.drafted_tokens > 0
+    # a model loaded plainly keeps the layers of a head named before its engine is made, not after
+    late = quickdraft.load(str(model_dir))
+    late.draft_head(str(head_dir))
+    assert late.model.feature_layers == tuple(range(L)) and late.prefix.feature_width == L * D
+    assert late.generate("hello there, hello there", params=params,
+                         spec=SpecConfig("head", k=3, head=str(head_dir))).token_ids == expected
+    plain_llm.generate("hello", params=params)  # its engine now runs, keeping the last layer's features
+    with pytest.raises(SpecConfigError, match=r"engine already runs keeping the features of layers \[1\]"):
+        plain_llm.generate("hello", params=params, spec=SpecConfig("head", k=3, head=str(head_dir)))
+
+
+def test_heads_reading_some_of_the_kept_layers_read_their_own_columns_fresh_and_from_the_prefix_cache() -> None:
+    """A model keeping layers 0, 1 and 2 with heads that read (0, 2), (2,) and all three in one
+    engine batch over a prefix cache: each head's features are what it reads of a fresh forward
+    (CheckedHead), on the first request and on the second, whose prompt's features come from the
+    cache; every output is plain greedy decoding's."""
+    model = copy.deepcopy(tiny("llama-gqa-untied", init=0.1, num_hidden_layers=3))
+    model.keep_features((0, 1, 2))
+    torch.manual_seed(7)
+    heads = [DraftHead(head_config(model.config), None, layers).requires_grad_(False).eval()
+             for layers in ((0, 2), (), (0, 1, 2))]
+    expected = run(model, None, 0, greedy(24))[0]
+    prefix = PrefixCache(64 << 20, model.config, model.compute_dtype, model.feature_width,
+                         pool=BlockPool(model.config, model.compute_dtype, model.device))
+    engine = Engine(model, EngineConfig(max_batch=3), prefix=prefix)
+    for round_ in range(2):
+        proposers = [CheckedHead(h, model, PROMPT, greedy(24), 64) for h in heads]
+        for i, proposer in enumerate(proposers):
+            engine.add(Request(PROMPT, greedy(24), frozenset(), proposer, 4, id=f"{round_}-{i}"))
+        out, cached = {}, {}
+        while engine.has_work():
+            for rid, event in engine.step():
+                out[rid] = out.get(rid, []) + event.token_ids
+                cached[rid] = event.stats.cached_tokens
+        assert all(out[f"{round_}-{i}"] == expected for i in range(3))
+        assert all(p.violations == [] and p.n_features > len(PROMPT) for p in proposers)
+    assert all(cached[f"1-{i}"] > 0 for i in range(3))  # the second round's prompts came from the cache
+    narrow = PrefixCache(64 << 20, model.config, model.compute_dtype, pool=BlockPool(model.config, model.compute_dtype))
+    with pytest.raises(ValueError, match="prefix cache keeps 64 features per token, the model hands over 192"):
+        Engine(model, EngineConfig(max_batch=3), prefix=narrow)
 
 
 def test_a_head_on_a_bfloat16_target_keeps_float32_rotary_frequencies() -> None:

@@ -330,6 +330,8 @@ def test_a_head_grown_to_fuse_layers_starts_as_the_last_layer_head_and_trains_on
         trainer.grown_from(grown, state, dataclasses.replace(config, lr=1e-4), out / trainer.CHECKPOINT)
     with pytest.raises(ValueError, match="starts a head that fuses layers"):
         trainer.grown_from(last_only, state, CONFIG, out / trainer.CHECKPOINT)
+    with pytest.raises(ValueError, match="not the 128 columns a head reading layers \\[0, 1\\] takes"):
+        train_head(model, top, config, tmp_path, "tiny", progress=False)
 
     run = train_head(model, both, config, tmp_path, "tiny", progress=False, init=out / trainer.CHECKPOINT)
     losses = [h["loss"] for h in run["history"]]

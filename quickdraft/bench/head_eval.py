@@ -65,6 +65,8 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
     f_{t+1}, hence s_{t+2}; pairs from the prompt's last token on count, as in training."""
     tokens = prompt + answer
     features = prefill(target, tokens).to(target.device, target.compute_dtype)  # [n, F], n = len(tokens) - 1
+    columns = head.columns(target)
+    features = features if columns is None else features[:, columns]          # [n, F_head]: the layers it reads
     n = features.shape[0]
     if n < 2:
         return 0, 0
@@ -83,7 +85,6 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
 def score_head(target: Transformer, head: DraftHead, prompts: list[list[int]], eos: frozenset[int],
                k: int, new_tokens: int, steps: int | None = None) -> HeadScore:
     from quickdraft.engine.loop import generate_tokens
-    target.keep_features(head.reads(target))  # what the head reads: its features, and the engine's
     agree = counted = 0
     params = SamplingParams(max_new_tokens=new_tokens)
     for prompt in prompts:

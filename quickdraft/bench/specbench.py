@@ -418,8 +418,10 @@ def run_specbench(model: str | None, questions: Sequence[Question], methods: Seq
     check_llamacpp(model, methods)
     # every method answers the same questions: a prefix cache would time the later ones' prompts cached
     llm = load(model, device=device, dtype=dtype, prefix_cache_mb=0)
-    for m in methods:  # load drafts and check them before the first question, not during it
+    for m in methods:  # load drafts and heads and check them before the first question, not during it
         if m.spec is not None and (m.spec.draft_model or m.spec.method == "draft"):
             llm.draft_model(m.spec.draft_model)
+        if m.spec is not None and m.spec.head:  # (the model keeps every named head's layers from here)
+            llm.draft_head(m.spec.head)
     return llm, run_questions(llm, questions, methods, max_new_tokens, temperature, seed, device, others, progress,
                               traffic)

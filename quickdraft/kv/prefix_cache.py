@@ -87,6 +87,7 @@ class PrefixCache:
         the features kept per token beside the K/V (the model's `feature_width`; None: the last
         layer's output, hidden_size; 0: none, a draft model's cache keeps K/V only: `fetch_kv`);
         pool: the blocks of the model's rows (None: a pool of its own, on the CPU)."""
+        self.config, self.dtype = config, dtype
         self.feature_width = config.hidden_size if feature_width is None else feature_width
         self.features = self.feature_width > 0
         self.pool = pool if pool is not None else BlockPool(config, dtype)
@@ -109,6 +110,13 @@ class PrefixCache:
                 yield
             finally:
                 self._owner = None
+
+    def keep_features(self, width: int) -> None:
+        """Keep `width` features per token from now on (the model keeps more layers' outputs for a
+        draft head); only while nothing is stored, so every block holds one width."""
+        if not self.features or self.roots:
+            raise ValueError("a prefix cache changes its features' width only while it keeps features and holds nothing")
+        self.feature_width, self.block_bytes = width, self.block_size(self.config, self.dtype, width)
 
     @staticmethod
     def block_size(config: KVShape, dtype: torch.dtype, feature_width: int | None = None) -> int:
@@ -193,6 +201,7 @@ class PrefixCache:
         the middle of one offers its tokens: waiting for the lock would wait for itself).
         `scope`: whose they are (only its requests find them)."""
         assert (features is not None) == self.features, "features are kept by a cache made to keep them, only"
+        assert features is None or features.shape[-1] == self.feature_width, "features of the cache's width"
         if self._owner == threading.get_ident():
             return
         with self._locked():

@@ -85,7 +85,7 @@ class DraftHead(nn.Module):
         self.config = config
         self.feature_layers = tuple(int(i) for i in feature_layers)
         D = config.hidden_size
-        # (a copy of the last layer's output at first, `fuse_from_top`)
+        # (a grown head's passes the last layer's output through at first: `fuse_from_top`)
         self.fuse = nn.Linear(len(self.feature_layers) * D, D, bias=False) if len(self.feature_layers) > 1 else None
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = Block(config, 0)  # one layer shaped as the target's first
@@ -113,8 +113,20 @@ class DraftHead(nn.Module):
         return self.feature_layers or (target.config.num_layers - 1,)
 
     def read(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., F] the target's features (its feature_layers' outputs) -> [..., D] the f_t the head reads."""
+        """[..., F] the outputs of the layers it reads, side by side -> [..., D] the f_t the head reads."""
         return features if self.fuse is None else linear(features, self.fuse.weight)
+
+    def columns(self, target: Transformer) -> torch.Tensor | None:
+        """Which of the target's feature columns are the layers this head reads ([F_head] indices;
+        None: all of them, in order); a head that reads a layer the target does not keep is an error."""
+        reads, kept, D = self.reads(target), target.feature_layers, target.config.hidden_size
+        if reads == kept:
+            return None
+        if not set(reads) <= set(kept):
+            raise SpecConfigError(f"this draft head reads the target's layers {list(reads)}, and the model keeps the "
+                                  f"features of layers {list(kept)}: load the model with this head (--head DIR; in "
+                                  f"Python, quickdraft.load(..., spec=SpecConfig(head=DIR))) so that it keeps them")
+        return torch.cat([torch.arange(kept.index(i) * D, (kept.index(i) + 1) * D) for i in reads]).to(target.device)
 
     def fuse_from_top(self) -> None:
         """Set the fuse to pass the last layer's output through: a head trained on that alone reads
@@ -161,6 +173,16 @@ def trained_for(info: dict, target: Transformer) -> bool:
         all(abs(a - b) <= PROBE_TOLERANCE * scale for a, b in zip(ours, theirs))
 
 
+def packaged_reads(target: Transformer) -> tuple[int, ...]:
+    """The target layers the head that ships for `target` reads (its head.json alone is read); the
+    last layer's where none ships or it cannot be read (loading it says why)."""
+    try:
+        return feature_layers_of(json.loads((packaged_head(target) / CONFIG).read_text()), target) or \
+            (target.config.num_layers - 1,)
+    except (SpecConfigError, OSError, ValueError):
+        return (target.config.num_layers - 1,)
+
+
 def feature_layers_of(info: dict, target: Transformer) -> tuple[int, ...]:
     """The target layers a head.json says its head reads, as DraftHead takes them (() for the last
     layer alone, as heads written before heads could fuse layers read); invalid ones are an error."""
@@ -179,7 +201,7 @@ def packaged_head(target: Transformer) -> Path:
             info = json.loads((folder / CONFIG).read_text())
         except (OSError, ValueError):
             continue
-        if trained_for(info, target):
+        if isinstance(info, dict) and trained_for(info, target):
             return folder
     raise SpecConfigError("no draft head ships with quickdraft for this model; train one with "
                           "`quickdraft train-head` and pass its folder with --head DIR")
@@ -273,11 +295,7 @@ class HeadProposer:
     def __init__(self, head: DraftHead, target: Transformer, prompt_ids: Sequence[int],
                  params: SamplingParams, capacity: int, width: int = 1) -> None:
         """width 1: a chain (sampled rows draw it from q); more: a tree (head_tree)."""
-        if head.reads(target) != target.feature_layers:
-            raise SpecConfigError(f"this draft head reads the target's layers {list(head.reads(target))}, and the "
-                                  f"model keeps the features of layers {list(target.feature_layers)} (those of the head "
-                                  f"it was loaded with): load the model with this head (--head DIR; in Python, "
-                                  f"quickdraft.load(..., spec=SpecConfig(head=DIR)))")
+        self.columns = head.columns(target)  # the model may keep more layers than this head reads
         self.head, self.target, self.params, self.width = head, target, params, width
         self.cache = head.new_cache(capacity, target.device, target.compute_dtype)
         self.tokens = list(prompt_ids)
@@ -302,7 +320,8 @@ class HeadProposer:
         self.rest.after_step(step.verified)
         n = step.features.shape[0]
         # the fuse runs once per committed position; draft steps read the head's own D-wide outputs
-        self.features[self.n_features:self.n_features + n] = self.head.read(step.features)
+        mine = step.features if self.columns is None else step.features[:, self.columns]
+        self.features[self.n_features:self.n_features + n] = self.head.read(mine)
         self.n_features += n
 
     def _step(self, features: torch.Tensor, tokens: list[int], start: int, positions: list[int] | None = None,

@@ -6,8 +6,8 @@ the same in any batch and on any rerun. Where the target's passes are batch-inva
 GGUF target on CPU at any length, float weights up to kernels.MAX_ROWS tokens) they are bitwise
 the features the engine handed over while decoding the response; elsewhere (torch's GEMM, which
 blocks its sums by the row count) they differ in the last bits of float32, far below bfloat16's,
-in which they are kept. The cache is a file per SHARD responses, each keyed by the target and its
-responses' tokens, so a killed prefill resumes and changed responses recompute only their shard.
+in which they are kept. The cache is a file per SHARD responses, each keyed by the target, the layers
+it keeps (Transformer.keep_features) and its responses' tokens, so a killed prefill resumes and changed responses recompute only their shard.
 """
 from __future__ import annotations
 

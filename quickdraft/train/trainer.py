@@ -270,6 +270,10 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
     checkpoint of a head that read the last layer alone, which a new run that fuses layers starts
     from (its step and history go on; the optimizer's moments start afresh)."""
     examples = usable_examples(examples, config)
+    width = max(1, len(config.feature_layers)) * target.config.hidden_size
+    if {e.features.shape[-1] for e in examples} != {width}:
+        raise ValueError(f"the examples' features are not the {width} columns a head reading layers "
+                         f"{list(config.feature_layers) or 'last'} takes (the target kept other layers)")
     out.mkdir(parents=True, exist_ok=True)
     head, optimizer = new_head(target, examples, config)
     step, history = 0, []
