@@ -346,6 +346,27 @@ def test_a_head_grown_to_fuse_layers_starts_as_the_last_layer_head_and_trains_on
     assert per_pass >= 1.0
 
 
+def test_a_grown_head_keeps_its_sources_optimizer_moments(trained, tmp_path: Path) -> None:
+    """With the source run's optimizer.pt beside its checkpoint, a grown head's next steps follow
+    the source run's own continuation closely (only the fuse's moments start afresh); with the
+    moments afresh, Adam's first updates move every weight by about the learning rate, and its
+    losses leave that continuation further (the control)."""
+    import shutil
+    out, _ = trained
+    ten_more = dataclasses.replace(CONFIG, steps=90)
+    shutil.copytree(out, tmp_path / "top")
+    source = train_head(target(), corpus(48, 0), ten_more, tmp_path / "top", "tiny", progress=False)["history"]
+    shutil.copytree(out, tmp_path / "source-without-moments")
+    (tmp_path / "source-without-moments" / trainer.OPTIMIZER).unlink()
+    grown = {}
+    for name, source_folder in (("kept", out), ("afresh", tmp_path / "source-without-moments")):
+        grown[name] = train_head(fusing((0, 1)), corpus(48, 0, (0, 1)), dataclasses.replace(ten_more, feature_layers=(0, 1)),
+                                 tmp_path / name, "tiny", progress=False, init=source_folder / trainer.CHECKPOINT)["history"]
+    gap = {name: mean(abs(g["loss"] - s["loss"]) for g, s in zip(h[81:], source[81:])) for name, h in grown.items()}
+    assert grown["kept"][80]["loss"] == pytest.approx(source[80]["loss"], rel=1e-6)  # step 81: before any update
+    assert gap["kept"] < 0.5 * gap["afresh"], gap
+
+
 def test_a_head_that_fuses_layers_learns_from_scratch() -> None:
     config = dataclasses.replace(CONFIG, steps=40, feature_layers=(0, 1))
     with tempfile.TemporaryDirectory() as tmp:
