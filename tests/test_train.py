@@ -25,7 +25,7 @@ from quickdraft.proposers.head import DraftHead, head_config, load_head
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.train import data, features, responses, trainer
-from quickdraft.train.data import iter_sharegpt, without_benchmark
+from quickdraft.train.data import chat_prompts, iter_sharegpt, without_benchmark
 from quickdraft.train.features import FEATURES, Example, training_examples
 from quickdraft.train.responses import RESPONSES, generate_responses
 from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, step_rate, train_head, training_dtype
@@ -390,6 +390,32 @@ def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     assert [[m["role"] for m in c] for c in got] == [["user", "assistant"], ["system", "user", "assistant"]]
     kept = list(without_benchmark(got, {"  Q? "}))
     assert kept == got[:1]
+
+
+class _CharTokenizer:
+    """One token per character, a message as its role's initial and its content: enough to see
+    which messages a prompt holds."""
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False) -> list[int]:
+        text = "".join(m["role"][0] + m["content"] for m in messages) + ("a" if add_generation_prompt else "")
+        return [ord(c) for c in text]
+
+
+def test_chat_prompts_are_the_openings_then_later_turns_after_their_history() -> None:
+    def chat(*turns: str) -> list[dict]:
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+    conversations = [chat("hello!", "HI", "more", "MORE", "last", "LAST"),
+                     [{"role": "system", "content": "kind"}] + chat("ask", "ANSWER", "then", "THEN"),
+                     chat("x" * 40, "long answer"),
+                     chat("short!", "a very long answer indeed", "cut", "CUT")]
+    texts = ["".join(map(chr, ids)) for ids in chat_prompts(iter(conversations), _CharTokenizer(), max_len=30)]
+    assert texts == ["uhello!a", "skinduaska", "ushort!a",          # every opening first (the long one skipped)
+                     "uhello!aHIumorea", "uhello!aHIumoreaMOREulasta",  # then later turns after their history
+                     "skinduaskaANSWERuthena"]                      # (the last one's second turn: too long)
+    # a run asking for fewer prompts gets the first of the same order
+    assert list(itertools.islice(chat_prompts(iter(conversations), _CharTokenizer(), 30), 2)) == \
+        [[ord(c) for c in t] for t in texts[:2]]
 
 
 def test_code_prompts_are_the_standard_librarys_documented_functions_mixed_in_evenly(tmp_path: Path) -> None:

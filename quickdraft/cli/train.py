@@ -22,8 +22,8 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     from quickdraft.proposers.head import load_head
     from quickdraft.train.data import (
         HELD_OUT_FROM,
+        chat_prompts,
         code_prompts,
-        first_turn_prompts,
         iter_sharegpt,
         mixed,
         sharegpt_path,
@@ -62,7 +62,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     print(f"quickdraft: {len(banned)} benchmark turns excluded from training"
           f"{'' if questions else ' (no Spec-Bench file found)'}", file=sys.stderr)
     conversations = without_benchmark(itertools.islice(iter_sharegpt(data), HELD_OUT_FROM), banned)
-    chats = first_turn_prompts(conversations, llm.tokenizer, args.max_prompt_len)
+    chats = chat_prompts(conversations, llm.tokenizer, args.max_prompt_len)
     prompts = list(itertools.islice(mixed(chats, code_prompts(llm.tokenizer, args.max_prompt_len), args.code_share),
                                     args.conversations + HELD_OUT))
     if len(prompts) < args.conversations + HELD_OUT:
@@ -110,11 +110,12 @@ def add_train_head(sub) -> None:
     add_model_args(tr)
     tr.add_argument("--out", required=True, help="folder for head.safetensors, head.json and checkpoints")
     tr.add_argument("--conversations", type=int, default=2000,
-                    help="ShareGPT conversations whose opening turn the target answers for training")
+                    help="prompts the target answers for training: ShareGPT opening turns, then later turns "
+                         "after their conversation's history, code mixed in by --code-share (the name is old)")
     tr.add_argument("--code-share", type=float, default=0.0,
                     help="share of the prompts that are code to complete (the standard library's functions, "
                          "signature and docstring, as HumanEval's prompts) rather than ShareGPT opening turns")
-    tr.add_argument("--max-prompt-len", type=int, default=256, help="longer opening turns are skipped")
+    tr.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts (a later turn: with its history) are skipped")
     tr.add_argument("--max-new-tokens", type=int, default=160, help="tokens per generated response at most")
     tr.add_argument("--gen-batch", type=int, default=32, help="responses generated together")
     tr.add_argument("--steps", type=int, default=1000)

@@ -107,6 +107,24 @@ def first_turn_prompts(conversations: Iterable[list[Message]], tokenizer: Tokeni
             yield ids
 
 
+def chat_prompts(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
+                 min_len: int = 8) -> Iterator[list[int]]:
+    """first_turn_prompts of every conversation, then their later user turns, each after the
+    conversation's history (the dataset's own assistant turns) up to it: more prompts than the
+    openings alone, in an order whose first n stay the same however many a run asks for (a run
+    asking for more extends its answers). Longer than max_len tokens, skipped."""
+    conversations = list(conversations)
+    yield from first_turn_prompts(conversations, tokenizer, max_len, min_len)
+    for messages in conversations:
+        start = 1 if messages[0]["role"] == "system" else 0
+        for i in range(start + 2, len(messages), 2):  # the second user turn on (turns alternate)
+            ids = tokenizer.apply_chat_template(messages[:i + 1], add_generation_prompt=True)
+            if len(ids) > max_len:
+                break  # the later turns carry this history too
+            if len(ids) >= min_len:
+                yield ids
+
+
 def user_turns(conversations: Iterable[list[Message]], min_turns: int) -> Iterator[list[str]]:
     """The user messages of each conversation that has at least `min_turns` of them, in order (for
     multi-turn benchmarks, whose clients send them one turn after another)."""
