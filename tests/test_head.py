@@ -308,6 +308,34 @@ def test_save_load_and_the_wrong_target(tmp_path: Path) -> None:
         load_head(tmp_path / "nowhere", model)
 
 
+def test_a_head_of_its_own_mlp_width_round_trips_and_drafts_exactly(tmp_path: Path) -> None:
+    """A head narrower than its target's layers (a large target's MLP would make training slow):
+    head.json records the width, loading builds that shape, drafting stays exact; old head.json
+    files without it mean the target's width, and a bad one is refused by name."""
+    model = target()
+    torch.manual_seed(4)
+    head = DraftHead(head_config(model.config, mlp_width=24)).requires_grad_(False).eval()
+    assert head.block.w_down.weight.shape[-1] == 24 != model.config.intermediate_size
+    path = save_head(head, model, tmp_path / "narrow", "tiny-target")
+    info = json.loads((path / "head.json").read_text())
+    assert info["mlp_width"] == 24
+    loaded = load_head(path, model)
+    assert loaded.config.intermediate_size == 24
+    ids, _ = run(model, HeadProposer(loaded, model, PROMPT, greedy(), len(PROMPT) + 48), 4, greedy())
+    assert ids == list(plain())
+    wide = save_head(random_head(model), model, tmp_path / "wide", "tiny-target")
+    old = {k: v for k, v in json.loads((wide / "head.json").read_text()).items() if k != "mlp_width"}
+    (wide / "head.json").write_text(json.dumps(old))
+    assert load_head(wide, model).config.intermediate_size == model.config.intermediate_size
+    for bad in (-1, "24", 2.5):
+        (path / "head.json").write_text(json.dumps({**info, "mlp_width": bad}))
+        with pytest.raises(SpecConfigError, match="mlp_width"):
+            load_head(path, model)
+    (path / "head.json").write_text(json.dumps({**info, "mlp_width": 32}))
+    with pytest.raises(SpecConfigError, match="does not fit this target"):
+        load_head(path, model)
+
+
 def test_a_fused_head_saves_its_layers_and_runs_only_where_the_target_keeps_them(tmp_path: Path) -> None:
     """A head that reads several layers: head.json names them, the fuse round-trips, the proposer
     refuses a target that keeps other features (a head's shapes would fit by chance otherwise),

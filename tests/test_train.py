@@ -375,6 +375,19 @@ def test_a_head_that_fuses_layers_learns_from_scratch() -> None:
     assert mean(h["top1"] for h in history[-10:]) > mean(h["top1"] for h in history[:10]) + 0.1
 
 
+def test_a_narrower_head_trains_saves_its_width_and_resumes_only_at_it(tmp_path: Path) -> None:
+    config = dataclasses.replace(CONFIG, steps=6, checkpoint_every=3, mlp_width=16)
+    examples = corpus(16, 0)
+    train_head(target(), examples, config, tmp_path, "tiny", progress=False)
+    assert json.loads((tmp_path / "head.json").read_text())["mlp_width"] == 16
+    assert load_head(tmp_path, target()).config.intermediate_size == 16
+    with pytest.raises(ValueError, match="written with other settings"):
+        train_head(target(), examples, dataclasses.replace(config, steps=9, mlp_width=0), tmp_path, "tiny",
+                   progress=False)
+    with pytest.raises(ValueError, match="mlp_width must be >= 0"):
+        dataclasses.replace(config, mlp_width=-1)
+
+
 def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},

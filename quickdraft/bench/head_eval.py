@@ -53,7 +53,8 @@ def head_from(path: Path, target: Transformer) -> tuple[DraftHead, int | None]:
         head = load_head(path, target)
         return head, None
     state = torch.load(path / CHECKPOINT, map_location=target.device, weights_only=False)
-    head = DraftHead(head_config(target.config), state["head"]["vocab"], state["config"].get("feature_layers", ()))
+    head = DraftHead(head_config(target.config, state["config"].get("mlp_width", 0)), state["head"]["vocab"],
+                     state["config"].get("feature_layers", ()))
     head.load_state_dict(state["head"])
     return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target), state["step"]
 

@@ -37,7 +37,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
                              unroll=args.unroll, draft_vocab=args.draft_vocab,
                              checkpoint_every=args.checkpoint_every, seed=args.seed, dtype=args.train_dtype,
-                             feature_layers=feature_layers(args.feature_layers))
+                             feature_layers=feature_layers(args.feature_layers), mlp_width=args.mlp_width)
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     if args.init_from and not Path(args.init_from).is_file():
@@ -129,6 +129,9 @@ def add_train_head(sub) -> None:
     tr.add_argument("--feature-layers", default="last",
                     help="the target's layers the head reads: 'last', or indices ending with the last layer, e.g. "
                          "2,15,29 for SmolLM2 (EAGLE-3: a low, a middle and the last layer's outputs, fused)")
+    tr.add_argument("--mlp-width", type=int, default=0,
+                    help="the head's MLP width (default 0: the target's; a narrower one trains and drafts faster, "
+                         "as a large target's 8,960 makes a head of ~60M weights)")
     tr.add_argument("--init-from", metavar="CHECKPOINT",
                     help="start a head that fuses layers from the checkpoint.pt of one that read the last layer "
                          "alone (same settings otherwise): its step, its history, its weights, the fuse passing "

@@ -61,13 +61,15 @@ STOP_REACH = 0.2  # drafting stops once the estimated chance that all drafts so 
                   # falls below this: a further draft step (a head forward) would rarely pay
 
 
-def head_config(target: ModelConfig) -> ModelConfig:
+def head_config(target: ModelConfig, mlp_width: int = 0) -> ModelConfig:
     """The head's one decoder layer has the target's layer shape, with a dense MLP where the
-    target's layers have experts (intermediate_size: the family's dense width), no attention
-    sinks (gpt-oss's are learned logits a head would hold fixed at 0), and the window of the
-    target's first layer (Gemma's and gpt-oss's: a sliding one)."""
+    target's layers have experts (intermediate_size: the family's dense width, or `mlp_width`
+    where one is given: a 1.5B target's 8,960 would make a head of ~60M weights, seconds a
+    training step on a CPU), no attention sinks (gpt-oss's are learned logits a head would hold
+    fixed at 0), and the window of the target's first layer (Gemma's and gpt-oss's: a sliding one)."""
     return dataclasses.replace(target, num_layers=1, num_experts=0, experts_per_token=0, attn_sinks=False,
-                               layer_windows=target.layer_windows[:1])
+                               layer_windows=target.layer_windows[:1],
+                               intermediate_size=mlp_width or target.intermediate_size)
 
 
 def target_probe(target: Transformer) -> list[float]:
@@ -158,7 +160,8 @@ def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str
             "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
                               "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
                               "num_kv_heads": target.config.num_kv_heads},
-            "feature_layers": list(head.reads(target)), "training": training or {}}
+            "feature_layers": list(head.reads(target)), "mlp_width": head.config.intermediate_size,
+            "training": training or {}}
     (path / CONFIG).write_text(json.dumps(info, indent=1))
     return path
 
@@ -194,6 +197,14 @@ def feature_layers_of(info: dict, target: Transformer) -> tuple[int, ...]:
     return () if layers == [top] else tuple(layers)
 
 
+def mlp_width_of(info: dict) -> int:
+    """The MLP width a head.json records (0, the target's, for heads written before it was recorded)."""
+    width = info.get("mlp_width", 0)
+    if not isinstance(width, int) or isinstance(width, bool) or width < 0:
+        raise SpecConfigError(f"the draft head's mlp_width {width!r} is not a positive integer")
+    return width
+
+
 def packaged_head(target: Transformer) -> Path:
     """The head that ships with quickdraft for `target` (quickdraft/heads/<model>/)."""
     for folder in sorted(PACKAGED_HEADS.iterdir()) if PACKAGED_HEADS.is_dir() else []:
@@ -227,7 +238,7 @@ def load_head(path: str | Path, target: Transformer) -> DraftHead:
     if vocab is None or vocab.dim() != 1 or not len(vocab) or int(vocab.min()) < 0 or \
             int(vocab.max()) >= target.config.vocab_size:
         raise SpecConfigError(f"the draft head in {path} has no valid draft vocabulary for this target")
-    head = DraftHead(head_config(target.config), vocab, feature_layers_of(info, target))
+    head = DraftHead(head_config(target.config, mlp_width_of(info)), vocab, feature_layers_of(info, target))
     try:
         head.load_state_dict(tensors)
     except RuntimeError as e:

@@ -65,6 +65,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "auto"          # of the matmuls (DTYPES; auto: training_dtype's choice)
     feature_layers: tuple[int, ...] = ()  # the target's layers the head reads (DraftHead; (): the last alone)
+    mlp_width: int = 0           # the head's MLP width (head_config; 0: the target's)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll"):
@@ -72,6 +73,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0 or not 0 < self.unroll_decay <= 1:
             raise ValueError("lr must be > 0, warmup and ce_weight >= 0, unroll_decay in (0, 1]")
+        if self.mlp_width < 0:
+            raise ValueError(f"mlp_width must be >= 0 (0: the target's), found {self.mlp_width}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, found {self.dtype!r}")
 
@@ -80,7 +83,7 @@ def _resumable(config: dict) -> dict:
     """The settings a resumed run must share with the checkpoint: more steps may be asked for, and
     another dtype (the weights and the optimizer's state are float32 in either). A checkpoint
     written before heads could fuse layers read the last layer alone."""
-    config = {"feature_layers": (), **config}
+    config = {"feature_layers": (), "mlp_width": 0, **config}
     return {k: tuple(v) if k == "feature_layers" else v for k, v in config.items()
             if k not in ("steps", "checkpoint_every", "dtype")}
 
@@ -203,8 +206,8 @@ def new_head(target: Transformer, examples: Sequence[Example],
              config: TrainConfig) -> tuple[DraftHead, torch.optim.Optimizer]:
     """An untrained head for `target` (float32, whatever the target's dtype) and its optimizer."""
     torch.manual_seed(config.seed)
-    head = DraftHead(head_config(target.config), draft_vocabulary(examples, target.config.vocab_size,
-                                                                  config.draft_vocab), config.feature_layers)
+    vocab = draft_vocabulary(examples, target.config.vocab_size, config.draft_vocab)
+    head = DraftHead(head_config(target.config, config.mlp_width), vocab, config.feature_layers)
     head = on_target(head, target).float().requires_grad_(True).train()
     return head, torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
 
