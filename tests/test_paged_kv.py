@@ -77,12 +77,33 @@ def test_the_pool_grows_keeping_every_block_and_reuses_freed_ones_first(reserved
     assert (pool.kv is kv) == reserved and pool.in_memory == 7
     assert pool.blocks >= 8 and (pool.kv[:, :, :, first] == 7.0).all() and pool.used == 7
     pool.decref([more[1], more[3], more[0]])
-    assert pool.alloc(2) == [more[0], more[3]] and pool.used == 6  # the last two freed (warm), ascending
+    assert pool.alloc(2) == [more[0], more[1]] and pool.used == 6  # the first run of freed ones
     with pytest.raises(ValueError, match="not held"):
         pool.decref([0])
     pool.reserve(20)
     with pytest.raises(ValueError, match="not held"):
         pool.incref([pool.high])  # never handed out
+
+
+def test_rows_are_handed_consecutive_blocks_where_free_ones_allow() -> None:
+    """The kernels read a row of consecutive block ids as one stretch (faster): a row grows right
+    after its last block where those are free, a new row takes the first run of free ids long
+    enough, else the lowest; fresh ids only past the free ones (the memory stays bounded). Handing
+    the most recently freed first broke every row after the first (the last block went first)."""
+    pool = BlockPool(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8, hidden_size=8))
+    for _ in range(3):  # one request after another: prefill, then a block more while decoding
+        table = pool.alloc(6)
+        table += pool.alloc(1, after=table[-1])
+        assert table == list(range(1, 8)) and pool.in_memory == 7
+        pool.decref(reversed(table))  # in any order
+    a, b = pool.alloc(3), pool.alloc(3)                     # [1, 2, 3], [4, 5, 6]; 7 free
+    assert b == [4, 5, 6] and pool.alloc(1, after=a[-1]) == [7]  # 4 is b's: not after a, the lowest free
+    pool.decref(a)                                          # free: 1, 2, 3
+    assert pool.alloc(2, after=0) == [1, 2]                 # right after the null block
+    assert pool.alloc(2) == [3, 8] and pool.in_memory == 8  # past the free ones: fresh
+    pool.decref([1, 4, 5, 2])                               # free: 1, 2, 4, 5
+    assert pool.alloc(2, after=3) == [4, 5] and pool.alloc(2, after=6) == [1, 2]
+    assert pool.alloc(0, after=1) == [] and pool.free == []
 
 
 def test_a_reservation_outgrown_doubles_what_is_used(monkeypatch) -> None:

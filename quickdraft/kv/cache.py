@@ -99,10 +99,11 @@ class KVCache:
 
     def _hold(self, row: int, end: int) -> None:
         """Row `row` holds blocks for slots 0..end-1."""
-        need = width(end) - int(self.held[row])
-        if need > 0:
-            ids = self.pool.alloc(need)
-            self.tables[row, self.held[row]:self.held[row] + need] = torch.tensor(ids, dtype=torch.int32)
+        held = int(self.held[row])
+        need = width(end) - held
+        if need > 0:  # after the row's last block where those are free: the row stays one stretch
+            ids = self.pool.alloc(need, after=int(self.tables[row, held - 1]) if held else None)
+            self.tables[row, held:held + need] = torch.tensor(ids, dtype=torch.int32)
             self.held[row] += need
 
     def pages(self, kv_len: int) -> Pages:
