@@ -388,6 +388,24 @@ def test_a_narrower_head_trains_saves_its_width_and_resumes_only_at_it(tmp_path:
         dataclasses.replace(config, mlp_width=-1)
 
 
+@pytest.mark.parametrize("layers, width", [((), 0), ((0, 1), 0), ((), 24)], ids=["last", "fused", "narrow"])
+def test_step_flops_are_the_matmuls_torch_counts_plus_attention(layers, width) -> None:
+    """step_flops against torch's own count of a step's matrix products (FlopCounterMode: forward
+    and backward, whatever autograd skips), which does not see the head's attention (quickdraft's
+    kernel): that term is added from its shape, causal, forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model, examples = (fusing(layers) if layers else target()), corpus(16, 0, layers)
+    config = dataclasses.replace(CONFIG, feature_layers=layers, mlp_width=width)
+    head, _ = trainer.new_head(model, examples, config)
+    batch = trainer.batch_of(examples, 0, config)
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = trainer.head_loss(model, head, batch, config)
+        loss.backward()
+    n, c = max(len(e.features) for e in batch), head.config
+    attention = 2 * 3 * config.unroll * len(batch) * (n - 1) * n // 2 * 2 * c.num_heads * c.head_dim
+    assert trainer.step_flops(head, batch, config) == counter.get_total_flops() + attention
+
+
 def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:
     rows = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
@@ -510,7 +528,7 @@ def test_bench_head_scores_a_head_and_a_checkpoint_alike(trained) -> None:
     import shutil
 
     from quickdraft.bench.head_eval import first_token_agreement, head_from
-    out, _ = trained
+    out, record = trained
     model = target()
     held_out = [(e.tokens[:e.prompt_len], e.tokens[e.prompt_len:]) for e in corpus(8, 1)]
     only_checkpoint = out.parent / "checkpoint-only"
@@ -518,8 +536,9 @@ def test_bench_head_scores_a_head_and_a_checkpoint_alike(trained) -> None:
     shutil.copy(out / trainer.CHECKPOINT, only_checkpoint)
     torch.manual_seed(CONFIG.seed)
     untrained = DraftHead(head_config(model.config)).eval()
-    (head, steps), (checkpointed, at) = head_from(out, model), head_from(only_checkpoint, model)
-    assert steps is None and at == CONFIG.steps
+    (head, none), (checkpointed, training) = head_from(out, model), head_from(only_checkpoint, model)
+    assert none is None and training.steps == training.timed_steps == CONFIG.steps
+    assert training.seconds > 0 and training.flops == sum(h["flops"] for h in record["history"]) > 0
     rates = {}
     for name, h in (("head", head), ("checkpoint", checkpointed), ("untrained", untrained)):
         scores = [first_token_agreement(model, h, prompt, answer) for prompt, answer in held_out]

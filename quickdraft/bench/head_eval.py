@@ -27,13 +27,29 @@ from quickdraft.train.trainer import CHECKPOINT, acceptance
 
 
 @dataclass(frozen=True)
+class Training:
+    """What a checkpoint's history says its head cost: steps, and the operations and wall time of
+    those whose entries record them (steps trained before the history kept them count in `steps`
+    alone)."""
+    steps: int
+    timed_steps: int
+    flops: float
+    seconds: float
+
+    @classmethod
+    def of(cls, state: dict) -> Training:
+        timed = [h for h in state["history"] if "seconds" in h and "flops" in h]
+        return cls(state["step"], len(timed), sum(h["flops"] for h in timed), sum(h["seconds"] for h in timed))
+
+
+@dataclass(frozen=True)
 class HeadScore:
     prompts: int
     positions: int           # answer positions the agreement counts
     top1: float              # the head's first draft token == the target's greedy next token
     acceptance: float        # greedy decoding with the head: accepted / drafted
     tokens_per_pass: float   # ... committed tokens per target pass
-    steps: int | None        # the training steps behind the head (None: not recorded)
+    training: Training | None  # what the training behind it cost, where a checkpoint records it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,10 +61,10 @@ def held_out_prompts(tokenizer: Tokenizer, n: int, max_prompt_len: int = 256) ->
     return list(itertools.islice(first_turn_prompts(conversations, tokenizer, max_prompt_len), n))
 
 
-def head_from(path: Path, target: Transformer) -> tuple[DraftHead, int | None]:
+def head_from(path: Path, target: Transformer) -> tuple[DraftHead, Training | None]:
     """The head in `path` (head.safetensors, checked against the target) or, without one, the head
     of the training checkpoint there, either as it runs (load_head: Q8_0 blocks over a GGUF target);
-    and its training steps where recorded."""
+    and, from a checkpoint, what its training cost."""
     if (path / WEIGHTS).is_file() or not (path / CHECKPOINT).is_file():
         head = load_head(path, target)
         return head, None
@@ -56,7 +72,7 @@ def head_from(path: Path, target: Transformer) -> tuple[DraftHead, int | None]:
     head = DraftHead(head_config(target.config, state["config"].get("mlp_width", 0)), state["head"]["vocab"],
                      state["config"].get("feature_layers", ()))
     head.load_state_dict(state["head"])
-    return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target), state["step"]
+    return as_target_runs(on_target(head, target).requires_grad_(False).eval(), target), Training.of(state)
 
 
 @torch.inference_mode()
@@ -84,7 +100,7 @@ def first_token_agreement(target: Transformer, head: DraftHead, prompt: list[int
 
 
 def score_head(target: Transformer, head: DraftHead, prompts: list[list[int]], eos: frozenset[int],
-               k: int, new_tokens: int, steps: int | None = None) -> HeadScore:
+               k: int, new_tokens: int, training: Training | None = None) -> HeadScore:
     from quickdraft.engine.loop import generate_tokens
     agree = counted = 0
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -93,4 +109,4 @@ def score_head(target: Transformer, head: DraftHead, prompts: list[list[int]], e
         a, c = first_token_agreement(target, head, prompt, [t for t in answer if t not in eos])
         agree, counted = agree + a, counted + c
     rate, per_pass = acceptance(target, head, prompts, k=k, max_new_tokens=new_tokens)
-    return HeadScore(len(prompts), counted, agree / counted if counted else 0.0, rate, per_pass, steps)
+    return HeadScore(len(prompts), counted, agree / counted if counted else 0.0, rate, per_pass, training)

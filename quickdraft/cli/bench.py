@@ -151,17 +151,27 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
         except SpecConfigError as e:
             raise QuickdraftError(str(e)) from None
     prompts = held_out_prompts(llm.tokenizer, args.prompts)
-    scores = {path: score_head(llm.model, head, prompts, llm.tokenizer.eos_token_ids, args.k, args.new_tokens, steps)
-              for path, (head, steps) in heads.items()}
+    scores = {path: score_head(llm.model, head, prompts, llm.tokenizer.eos_token_ids, args.k, args.new_tokens,
+                               training) for path, (head, training) in heads.items()}
     if args.json:
         print(json.dumps({"model": args.model, "k": args.k, "new_tokens": args.new_tokens,
                           "heads": {p: s.as_dict() for p, s in scores.items()}}))
         return 0
     for path, s in scores.items():
-        print(f"{path}{'' if s.steps is None else f' (step {s.steps})'}: top-1 {s.top1:.3f} over {s.positions} "
+        print(f"{path}{trained(s.training)}: top-1 {s.top1:.3f} over {s.positions} "
               f"answer positions of {s.prompts} held-out prompts | greedy, k={args.k}: acceptance {s.acceptance:.0%}, "
               f"{s.tokens_per_pass:.2f} tokens per target pass")
     return 0
+
+
+def trained(t) -> str:
+    """A checkpoint's training cost for `bench head`'s line (a head.safetensors records none)."""
+    if t is None:
+        return ""
+    timed = "" if not t.timed_steps else \
+        f"; {'its last ' if t.timed_steps < t.steps else ''}{t.timed_steps:,} timed: {t.flops / 1e15:.2f} PFLOP, " \
+        f"{t.seconds / 3600:.2f} h"
+    return f" (step {t.steps:,}{timed})"
 
 
 def add_bench_head(bsub) -> None:

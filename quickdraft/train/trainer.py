@@ -212,21 +212,46 @@ def new_head(target: Transformer, examples: Sequence[Example],
     return head, torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
 
 
+def step_flops(head: DraftHead, batch: Sequence[Example], config: TrainConfig) -> float:
+    """Floating-point operations of one training step on `batch` (2 per multiply-add), counted
+    from the shapes head_loss runs: per pass the head's layer over every padded position (input
+    projection, attention projections, causal attention, MLP) and the LM head over the draft
+    vocabulary at the positions that count, the fuse once, the target's distributions there once.
+    A backward pass costs a forward's twice where inputs and weights both take gradients, once where
+    one does (the frozen LM head; the input projection but in a fusing head, whose passes all read
+    the fuse's output at position 0). The learning curve's x axis."""
+    c, D = head.config, head.config.hidden_size
+    n = max(len(e.features) for e in batch)                   # features per row: n - 1 pairs
+    positions = len(batch) * (n - 1)
+    valid = int(loss_positions(batch, n - 1).sum())
+    lm, fc = valid * len(head.vocab) * D, positions * 2 * D * D
+    layer = positions * (D * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * D
+                         + 3 * D * c.intermediate_size)      # wqkv, wo, gate|up and down
+    attention = len(batch) * (n - 1) * n // 2 * 2 * c.num_heads * c.head_dim  # scores and weighted values
+    fuse = positions * len(head.feature_layers) * D * D if head.fuse is not None else 0
+    passes = config.unroll * (3 * (layer + attention) + (3 if fuse else 2) * fc + 2 * lm)
+    return 2.0 * (passes + 2 * fuse + 2 * lm)
+
+
 def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Optimizer,
                 examples: Sequence[Example], config: TrainConfig, step: int = 0) -> Iterator[dict]:
-    """Training steps `step` + 1 .. config.steps, each yielding its history entry."""
+    """Training steps `step` + 1 .. config.steps, each yielding its history entry (with its wall
+    seconds and step_flops: the learning curve's hours and operations)."""
     dtype = training_dtype(config.dtype, target.device)
     while step < config.steps:
+        start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
+        batch = batch_of(examples, step, config)
         with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss, parts = head_loss(target, head, batch_of(examples, step, config), config)
+            loss, parts = head_loss(target, head, batch, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
-        yield {"step": step, "loss": loss.item(), **parts}
+        yield {"step": step, "loss": loss.item(), **parts, "seconds": time.perf_counter() - start,
+               "flops": step_flops(head, batch, config)}
 
 
 def usable_examples(examples: Sequence[Example], config: TrainConfig) -> list[Example]:
