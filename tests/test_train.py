@@ -270,7 +270,7 @@ def killed_after_step_40(data: list[Example], out: Path, monkeypatch) -> None:
 
     def dies_at_step_41(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 41:
+        if len(calls) == 40 * CONFIG.length_groups + 1:  # a step's first pass (one a part of its batch)
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
@@ -404,6 +404,31 @@ def test_step_flops_are_the_matmuls_torch_counts_plus_attention(layers, width) -
     n, c = max(len(e.features) for e in batch), head.config
     attention = 2 * 3 * config.unroll * len(batch) * (n - 1) * n // 2 * 2 * c.num_heads * c.head_dim
     assert trainer.step_flops(head, batch, config) == counter.get_total_flops() + attention
+
+
+def test_a_step_in_parts_of_like_lengths_is_the_whole_batchs_step() -> None:
+    """A step's examples run in passes of like lengths (less padding): its loss, its figures and the
+    gradient it applies are the whole batch's, to float32 rounding; fewer positions are run."""
+    model, examples = target(), corpus(16, 0)
+    batch = trainer.batch_of(examples, 3, CONFIG)
+    assert sorted(len(e.features) for e in batch) == [len(e.features) for g in trainer.by_length(batch, 3) for e in g]
+    results = {}
+    for groups in (1, 2, 4):
+        config = dataclasses.replace(CONFIG, length_groups=groups, steps=1)
+        head, _ = trainer.new_head(model, examples, config)
+        before = {k: v.clone() for k, v in head.state_dict().items()}
+        sgd = torch.optim.SGD(head.parameters())  # the update is the (clipped) gradient, scaled
+        entry = next(trainer.train_steps(model, head, sgd, examples, config))
+        results[groups] = entry, {k: v - before[k] for k, v in head.state_dict().items()}
+    whole, whole_update = results[1]
+    for groups in (2, 4):
+        entry, update = results[groups]
+        for k in ("loss", "regression", "ce", "top1", "top1_2", "top1_3"):
+            assert entry[k] == pytest.approx(whole[k], rel=1e-5, abs=1e-6), k
+        for k, v in ((k, v) for k, v in update.items() if v.is_floating_point()):
+            # as a whole: elementwise, float32's sums in another order differ in the last bits
+            assert (v - whole_update[k]).norm() <= 1e-4 * whole_update[k].norm(), k
+        assert entry["flops"] < whole["flops"]
 
 
 def test_sharegpt_reader_keeps_what_parses(tmp_path: Path) -> None:

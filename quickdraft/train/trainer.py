@@ -66,9 +66,10 @@ class TrainConfig:
     dtype: str = "auto"          # of the matmuls (DTYPES; auto: training_dtype's choice)
     feature_layers: tuple[int, ...] = ()  # the target's layers the head reads (DraftHead; (): the last alone)
     mlp_width: int = 0           # the head's MLP width (head_config; 0: the target's)
+    length_groups: int = 2       # a step's examples run in this many passes of like lengths (by_length)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll"):
+        for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll", "length_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
         if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0 or not 0 < self.unroll_decay <= 1:
@@ -85,7 +86,7 @@ def _resumable(config: dict) -> dict:
     written before heads could fuse layers read the last layer alone."""
     config = {"feature_layers": (), "mlp_width": 0, **config}
     return {k: tuple(v) if k == "feature_layers" else v for k, v in config.items()
-            if k not in ("steps", "checkpoint_every", "dtype")}
+            if k not in ("steps", "checkpoint_every", "dtype", "length_groups")}
 
 
 def training_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -124,6 +125,20 @@ def batch_of(examples: Sequence[Example], step: int, config: TrainConfig) -> lis
     random.Random(config.seed + epoch).shuffle(order)
     picked = [examples[order[(offset + i) % len(examples)]] for i in range(config.batch_size)]
     return [Example(e.tokens[:config.max_len + 1], e.features[:config.max_len], e.prompt_len) for e in picked]
+
+
+def by_length(batch: Sequence[Example], groups: int) -> list[list[Example]]:
+    """The batch in up to `groups` parts of like lengths, shortest first: a part's rows are padded to
+    its own longest, not the batch's (8 rows padded to the longest ran a third more positions than
+    they hold, SmolLM2's answers)."""
+    ordered = sorted(batch, key=lambda e: len(e.features))
+    size = -(-len(ordered) // groups)
+    return [ordered[i:i + size] for i in range(0, len(ordered), size)]
+
+
+def counted(batch: Sequence[Example]) -> int:
+    """The pairs of a batch whose predictions count (loss_positions)."""
+    return sum(max(0, len(e.features) - e.prompt_len) for e in batch)
 
 
 def loss_positions(batch: Sequence[Example], pairs: int) -> torch.Tensor:
@@ -242,16 +257,21 @@ def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Opt
         start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, config)
-        batch = batch_of(examples, step, config)
-        with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss, parts = head_loss(target, head, batch, config)
+        groups = by_length(batch_of(examples, step, config), config.length_groups)
+        total, loss, parts = sum(map(counted, groups)), 0.0, {}
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        for group in groups:  # the batch's loss: each part's mean weighed by its share of the counted pairs
+            weight = counted(group) / total
+            with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
+                part, values = head_loss(target, head, group, config)
+            (weight * part).backward()
+            loss += weight * part.item()
+            parts = {k: parts.get(k, 0.0) + weight * v for k, v in values.items()}
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
-        yield {"step": step, "loss": loss.item(), **parts, "seconds": time.perf_counter() - start,
-               "flops": step_flops(head, batch, config)}
+        yield {"step": step, "loss": loss, **parts, "seconds": time.perf_counter() - start,
+               "flops": sum(step_flops(head, group, config) for group in groups)}
 
 
 def usable_examples(examples: Sequence[Example], config: TrainConfig) -> list[Example]:
