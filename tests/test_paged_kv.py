@@ -104,6 +104,21 @@ def test_rows_are_handed_consecutive_blocks_where_free_ones_allow() -> None:
     pool.decref([1, 4, 5, 2])                               # free: 1, 2, 4, 5
     assert pool.alloc(2, after=3) == [4, 5] and pool.alloc(2, after=6) == [1, 2]
     assert pool.alloc(0, after=1) == [] and pool.free == []
+    pool.decref([1, 4, 5])                                  # free: 1, 4, 5
+    assert pool.alloc(2) == [4, 5]                          # the first run of two, not the lowest two
+
+
+def test_a_growing_row_takes_the_block_after_its_last(model) -> None:
+    """Through the cache: a row that grows asks for the ids after its last block, so it stays one
+    stretch where a lower free id would have broken it."""
+    cache = model.new_cache(3, 64)
+    for row in range(3):
+        fill(model, cache, row, 16, seed=row)               # a block each: 1, 2, 3
+    cache.release(0)
+    cache.release(2)                                        # free: 1, 3
+    tokens = torch.randint(0, BASE["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(9))
+    model(tokens, torch.arange(16, 32)[None], cache.rows(1, 2))
+    assert cache.tables[1, :2].tolist() == [2, 3]
 
 
 def test_a_reservation_outgrown_doubles_what_is_used(monkeypatch) -> None:

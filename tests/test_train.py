@@ -291,6 +291,20 @@ def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
         train_head(target(), data, dataclasses.replace(CONFIG, lr=1e-4), tmp_path, "tiny", progress=False)
 
 
+def test_a_checkpoint_from_before_the_newer_settings_resumes(trained, tmp_path: Path, monkeypatch) -> None:
+    """Checkpoints written before TrainConfig had feature_layers, mlp_width and length_groups (the
+    repository keeps such runs) resume as runs with their defaults."""
+    _, record = trained
+    data = corpus(48, 0)
+    killed_after_step_40(data, tmp_path, monkeypatch)
+    state = torch.load(tmp_path / trainer.CHECKPOINT, weights_only=False)
+    for key in ("feature_layers", "mlp_width", "length_groups"):
+        del state["config"][key]
+    torch.save(state, tmp_path / trainer.CHECKPOINT)
+    resumed = train_head(target(), data, CONFIG, tmp_path, "tiny", progress=False)
+    assert [h["loss"] for h in resumed["history"]] == pytest.approx([h["loss"] for h in record["history"]], rel=1e-5)
+
+
 def test_a_checkpoint_kept_without_the_optimizer_resumes_with_fresh_moments(trained, tmp_path: Path, monkeypatch,
                                                                            capsys) -> None:
     """A repository keeps checkpoint.pt alone: a rerun resumes from its step and says the moments start
@@ -409,8 +423,13 @@ def test_step_flops_are_the_matmuls_torch_counts_plus_attention(layers, width) -
 def test_a_step_in_parts_of_like_lengths_is_the_whole_batchs_step() -> None:
     """A step's examples run in passes of like lengths (less padding): its loss, its figures and the
     gradient it applies are the whole batch's, to float32 rounding; fewer positions are run."""
-    model, examples = target(), corpus(16, 0)
+    model = target()
+    # answers of unlike lengths (the corpus's are alike): parts of unlike counted pairs, which a mean
+    # of the parts' means, or weights by examples, would weigh wrongly
+    examples = [Example(e.tokens[:len(e.tokens) - 4 * i], e.features[:len(e.features) - 4 * i], e.prompt_len)
+                for i, e in enumerate(corpus(8, 0))]
     batch = trainer.batch_of(examples, 3, CONFIG)
+    assert len({trainer.counted(g) for g in trainer.by_length(batch, 2)}) == 2
     assert sorted(len(e.features) for e in batch) == [len(e.features) for g in trainer.by_length(batch, 3) for e in g]
     results = {}
     for groups in (1, 2, 4):

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args, load_llm
 from quickdraft.cluster import ROUTER_NAMES
@@ -14,6 +15,9 @@ from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
 from quickdraft.weights.activations import ACTIVATIONS
 from quickdraft.weights.resolve import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from quickdraft.bench.head_eval import Training
 
 
 def cmd_bench_plain(args: argparse.Namespace) -> int:
@@ -164,7 +168,7 @@ def cmd_bench_head(args: argparse.Namespace) -> int:
     return 0
 
 
-def trained(t) -> str:
+def trained(t: Training | None) -> str:
     """A checkpoint's training cost for `bench head`'s line (a head.safetensors records none)."""
     if t is None:
         return ""

@@ -114,7 +114,7 @@ def add_train_head(sub) -> None:
                          "after their conversation's history, code mixed in by --code-share (the name is old)")
     tr.add_argument("--code-share", type=float, default=0.0,
                     help="share of the prompts that are code to complete (the standard library's functions, "
-                         "signature and docstring, as HumanEval's prompts) rather than ShareGPT opening turns")
+                         "signature and docstring, as HumanEval's prompts) rather than ShareGPT turns")
     tr.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts (a later turn: with its history) are skipped")
     tr.add_argument("--max-new-tokens", type=int, default=160, help="tokens per generated response at most")
     tr.add_argument("--gen-batch", type=int, default=32, help="responses generated together")

@@ -183,9 +183,9 @@ class BlockPool:
         the first a broken stretch: a cold prompt's prefill 7% slower in a server); fresh ids (their
         pages unwritten, the memory grows) only past the free ones."""
         with self.lock:
-            reused = self._reused(min(n, len(self.free)), after)
-            fresh = n - len(reused)
-            self._reserve(self.high + fresh)
+            fresh = n - min(n, len(self.free))
+            self._reserve(self.high + fresh)  # first: growing may fail (out of memory) with nothing taken
+            reused = self._reused(n - fresh, after)
             if self.high + fresh > len(self.refs):
                 grown = max(self.high + fresh, 2 * len(self.refs))
                 self.refs = np.concatenate((self.refs, np.zeros(grown - len(self.refs), np.int32)))
@@ -195,7 +195,7 @@ class BlockPool:
             return ids
 
     def _reused(self, n: int, after: int | None) -> list[int]:
-        """n of the free ids, taken from the free list (module docstring of alloc: which)."""
+        """n of the free ids, taken from the free list (alloc's docstring says which)."""
         free = self.free
         if n == 0:
             return []

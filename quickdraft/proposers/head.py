@@ -201,7 +201,7 @@ def mlp_width_of(info: dict) -> int:
     """The MLP width a head.json records (0, the target's, for heads written before it was recorded)."""
     width = info.get("mlp_width", 0)
     if not isinstance(width, int) or isinstance(width, bool) or width < 0:
-        raise SpecConfigError(f"the draft head's mlp_width {width!r} is not a positive integer")
+        raise SpecConfigError(f"the draft head's mlp_width {width!r} is not an integer >= 0 (0: the target's width)")
     return width
 
 

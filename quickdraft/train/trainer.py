@@ -138,7 +138,7 @@ def by_length(batch: Sequence[Example], groups: int) -> list[list[Example]]:
 
 def counted(batch: Sequence[Example]) -> int:
     """The pairs of a batch whose predictions count (loss_positions)."""
-    return sum(max(0, len(e.features) - e.prompt_len) for e in batch)
+    return sum(max(0, len(e.features) - max(e.prompt_len, 1)) for e in batch)
 
 
 def loss_positions(batch: Sequence[Example], pairs: int) -> torch.Tensor:
@@ -238,7 +238,7 @@ def step_flops(head: DraftHead, batch: Sequence[Example], config: TrainConfig) -
     c, D = head.config, head.config.hidden_size
     n = max(len(e.features) for e in batch)                   # features per row: n - 1 pairs
     positions = len(batch) * (n - 1)
-    valid = int(loss_positions(batch, n - 1).sum())
+    valid = counted(batch)
     lm, fc = valid * len(head.vocab) * D, positions * 2 * D * D
     layer = positions * (D * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + c.num_heads * c.head_dim * D
                          + 3 * D * c.intermediate_size)      # wqkv, wo, gate|up and down
@@ -260,7 +260,9 @@ def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Opt
         groups = by_length(batch_of(examples, step, config), config.length_groups)
         total, loss, parts = sum(map(counted, groups)), 0.0, {}
         optimizer.zero_grad(set_to_none=True)
-        for group in groups:  # the batch's loss: each part's mean weighed by its share of the counted pairs
+        # the batch's loss: each part's mean weighted by its share of the counted pairs (usable_examples
+        # leaves none without one, so no part's mean is of nothing)
+        for group in groups:
             weight = counted(group) / total
             with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
                 part, values = head_loss(target, head, group, config)
