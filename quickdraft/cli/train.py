@@ -14,7 +14,7 @@ from quickdraft.engine.startup import set_threads
 from quickdraft.errors import QuickdraftError
 from quickdraft.train.trainer import DTYPES
 
-HELD_OUT = 8  # prompts after the training ones, for the acceptance report
+HELD_OUT = 8  # held-out prompts of the closing acceptance report
 
 
 def cmd_train_head(args: argparse.Namespace) -> int:
@@ -24,6 +24,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         HELD_OUT_FROM,
         chat_prompts,
         code_prompts,
+        held_out_prompts,
         iter_sharegpt,
         mixed,
         sharegpt_path,
@@ -64,20 +65,19 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     conversations = without_benchmark(itertools.islice(iter_sharegpt(data), HELD_OUT_FROM), banned)
     chats = chat_prompts(conversations, llm.tokenizer, args.max_prompt_len)
     prompts = list(itertools.islice(mixed(chats, code_prompts(llm.tokenizer, args.max_prompt_len), args.code_share),
-                                    args.conversations + HELD_OUT))
-    if len(prompts) < args.conversations + HELD_OUT:
+                                    args.conversations))
+    if len(prompts) < args.conversations:
         raise QuickdraftError(f"--conversations {args.conversations}: the first {HELD_OUT_FROM} conversations (the "
                               f"rest are held out for `bench head`) and the standard library's functions give "
-                              f"{len(prompts) - HELD_OUT} usable prompts")
-    held_out, train = prompts[args.conversations:], prompts[:args.conversations]
+                              f"{len(prompts)} usable prompts")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     code = f" and the standard library's code ({args.code_share:.0%})" if args.code_share else ""
-    print(f"quickdraft: the target answers {len(train)} prompts from {data.name}{code} (greedy, up to "
+    print(f"quickdraft: the target answers {len(prompts)} prompts from {data.name}{code} (greedy, up to "
           f"{args.max_new_tokens} tokens each; those in {out / RESPONSES} are kept)", file=sys.stderr)
     try:
-        responses = generate_responses(llm.model, train, llm.tokenizer.eos_token_ids, args.max_new_tokens,
+        responses = generate_responses(llm.model, prompts, llm.tokenizer.eos_token_ids, args.max_new_tokens,
                                        out / RESPONSES, args.gen_batch, progress)
         examples = training_examples(llm.model, responses, out / FEATURES, progress)
         print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens; training "
@@ -87,6 +87,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise QuickdraftError(str(e)) from None
     head = load_head(out, llm.model)
+    held_out = held_out_prompts(llm.tokenizer, HELD_OUT, args.max_prompt_len, "train")
     if held_out:
         rate, per_pass = acceptance(llm.model, head, held_out, k=4, max_new_tokens=64)
         print(f"quickdraft: held-out acceptance {rate:.0%}, {per_pass:.2f} tokens per target pass "

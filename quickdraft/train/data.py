@@ -107,6 +107,13 @@ def first_turn_prompts(conversations: Iterable[list[Message]], tokenizer: Tokeni
             yield ids
 
 
+def held_out_prompts(tokenizer: Tokenizer, n: int, max_prompt_len: int = 256, extra: str = "bench") -> list[list[int]]:
+    """The first n usable openings of the held-out conversations (from HELD_OUT_FROM on), through
+    the chat template: what `bench head` and train-head's closing report measure a head on."""
+    conversations = itertools.islice(iter_sharegpt(sharegpt_path(extra)), HELD_OUT_FROM, None)
+    return list(itertools.islice(first_turn_prompts(conversations, tokenizer, max_prompt_len), n))
+
+
 def chat_prompts(conversations: Iterable[list[Message]], tokenizer: Tokenizer, max_len: int,
                  min_len: int = 8) -> Iterator[list[int]]:
     """first_turn_prompts of every conversation, then their later user turns, each after the
