@@ -395,12 +395,8 @@ def step_rate(target: Transformer, examples: Sequence[Example], config: TrainCon
         raise ValueError(f"config.steps must be >= warmup + steps = {warmup + steps}, found {config.steps}")
     examples = usable_examples(examples, config)
     head, optimizer = new_head(target, examples, config)
-    history, seconds, start = [], [], time.perf_counter()
-    for entry in itertools.islice(train_steps(target, head, optimizer, examples, config), warmup + steps):
-        seconds.append(time.perf_counter() - start)
-        history.append(entry)
-        start = time.perf_counter()
-    return 1 / statistics.median(seconds[warmup:]), history
+    history = list(itertools.islice(train_steps(target, head, optimizer, examples, config), warmup + steps))
+    return 1 / statistics.median(h["seconds"] for h in history[warmup:]), history
 
 
 def acceptance(target: Transformer, head: DraftHead, prompts: Sequence[list[int]], k: int = 4,
