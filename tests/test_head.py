@@ -134,12 +134,15 @@ def test_greedy_with_a_head_equals_plain(kind: str, k: int) -> None:
         assert 0 < stats.accepted_tokens < stats.drafted_tokens
 
 
+@pytest.mark.parametrize("width", [1, 2])
 @pytest.mark.parametrize("name", ["gemma3-sandwich", "gemma2-softcap", "gptoss", "qwen3moe", "mixtral"])
-def test_a_head_for_each_family_with_windows_or_experts_drafts_plain_greedy_tokens(name: str) -> None:
+def test_a_head_for_each_family_with_windows_or_experts_drafts_plain_greedy_tokens(name: str, width: int) -> None:
     """head_config's one layer from a target whose layers differ (sliding and full windows) or carry
-    experts: the head builds, drafts, and the output is plain decoding's."""
+    experts: the head builds, drafts as a chain and as a tree (width 2), and the output is plain
+    decoding's."""
     model = tiny(name, init=0.1)
-    proposer = CheckedHead(identity_head(model), model, PROMPT, greedy(24), len(PROMPT) + 24 + 5)
+    proposer = CheckedHead(identity_head(model), model, PROMPT, greedy(24), len(PROMPT) + 24 + (width + 1) * 4 + 1,
+                           width)
     ids, stats = run(model, proposer, 4, greedy(24))
     assert ids == run(model, None, 0, greedy(24))[0]
     assert proposer.violations == [] and stats.drafted_tokens > 0

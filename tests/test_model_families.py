@@ -36,7 +36,14 @@ from tiny_models import (
     save_hf_dir,
     transformers_greedy,
 )
-from tiny_tokenizer import assert_plain_and_speculative, both_formats, save_tokenizer, tiny_model, write_llama_gguf
+from tiny_tokenizer import (
+    assert_every_proposer,
+    assert_plain_and_speculative,
+    both_formats,
+    save_tokenizer,
+    tiny_model,
+    write_llama_gguf,
+)
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
 PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
@@ -82,16 +89,8 @@ def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected,
 def test_every_proposer_without_a_trained_head_gives_plain_greedy_tokens(files, expected):
     """Speculation on each family: every registered proposer that needs no trained head (those
     drafting with a model take the target itself) commits transformers' greedy tokens."""
-    from quickdraft.proposers import PROPOSERS
     name, directory, _ = files
-    llm = quickdraft.load(directory)
-    methods = sorted(m for m, p in PROPOSERS.items() if p.loads != "head")
-    assert {"ngram", "ngram-tree", "recycle", "lookup-recycle", "suffix", "draft", "draft-tree",
-            "lookup-draft"} <= set(methods)
-    for method in methods:
-        spec = SpecConfig(method, k=4, adaptive=False,
-                          draft_model=str(directory) if PROPOSERS[method].loads == "draft_model" else None)
-        assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == expected[PROMPT], method
+    assert_every_proposer(quickdraft.load(directory), directory, PROMPT, N, expected[PROMPT])
 
 
 def run_engine(llm, prompts: list[str], spec: SpecConfig) -> dict[str, list[int]]:

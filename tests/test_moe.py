@@ -58,7 +58,14 @@ from tiny_models import (
     save_mxfp4_dir,
     transformers_greedy,
 )
-from tiny_tokenizer import assert_plain_and_speculative, both_formats, save_tokenizer, tiny_model, write_llama_gguf
+from tiny_tokenizer import (
+    assert_every_proposer,
+    assert_plain_and_speculative,
+    both_formats,
+    save_tokenizer,
+    tiny_model,
+    write_llama_gguf,
+)
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
 PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
@@ -173,6 +180,15 @@ def test_greedy_tokens_equal_transformers_plain_and_speculative(files, expected,
     assert_plain_and_speculative(llm, path, PROMPT, N, expected[PROMPT])
     spec = SpecConfig("draft-tree", k=6, draft_model=str(path), adaptive=False)
     assert llm.generate(PROMPT, params=GREEDY, spec=spec).token_ids == expected[PROMPT]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_every_proposer_without_a_trained_head_gives_transformers_tokens(files, expected, fmt):
+    """Each MoE family from each format under every proposer that needs no trained head (the
+    heads' own test drafts on each family: test_head.py)."""
+    _, directory, gguf = files
+    path = directory if fmt == "safetensors" else gguf
+    assert_every_proposer(quickdraft.load(path), path, PROMPT, N, expected[PROMPT])
 
 
 def test_unnormalized_routing_from_safetensors_gives_transformers_tokens(tmp_path):

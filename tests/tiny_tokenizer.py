@@ -155,3 +155,19 @@ def assert_plain_and_speculative(llm, path: Path, prompt: str, n: int, expected:
         assert out.token_ids == expected, spec.method
         if spec.method == "draft":  # the target as its own draft: speculation really ran
             assert out.stats.accepted_tokens >= n // 2
+
+
+def assert_every_proposer(llm, path: Path, prompt: str, n: int, expected: list[int]) -> None:
+    """n greedy tokens of `prompt` are `expected` under every registered proposer that needs no
+    trained head (those drafting with a model take the one at `path`, the target itself)."""
+    from quickdraft import SamplingParams
+    from quickdraft.proposers import PROPOSERS, SpecConfig
+
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    methods = sorted(m for m, p in PROPOSERS.items() if p.loads != "head")
+    assert {"ngram", "ngram-tree", "recycle", "lookup-recycle", "suffix", "draft", "draft-tree",
+            "lookup-draft"} <= set(methods)
+    for method in methods:
+        spec = SpecConfig(method, k=4, adaptive=False,
+                          draft_model=str(path) if PROPOSERS[method].loads == "draft_model" else None)
+        assert llm.generate(prompt, params=params, spec=spec).token_ids == expected, method

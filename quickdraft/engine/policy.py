@@ -89,8 +89,12 @@ class StepCost:
         self.step_s[n] = seconds
 
     def seed(self, median_s: dict[int, float]) -> None:
-        """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost)."""
-        self.curve = dict(median_s)
+        """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost), never
+        falling as q grows: a pass that feeds more tokens does no less work (estimate's rule), and a
+        dip in the measurement (a mixture of experts' curve can show t(5) < t(4)) would otherwise
+        price the longer draft as the cheaper one."""
+        qs = sorted(median_s)
+        self.curve = dict(zip(qs, accumulate((median_s[q] for q in qs), max)))
 
 
 @dataclass(frozen=True)
