@@ -128,6 +128,12 @@ def test_the_root_holds_only_the_public_api() -> None:
     assert {p.stem for p in PACKAGE.glob("*.py")} == ROOT_MODULES
 
 
+def test_the_engine_has_no_mixins() -> None:
+    """One class that holds its parts (admission, placement, scheduler) as fields, not as bases."""
+    from quickdraft.engine.batch import Engine
+    assert Engine.__mro__ == (Engine, object)
+
+
 def test_no_runtime_package_imports_the_benchmarks() -> None:
     assert sorted(m for m, deps in GRAPH.items() for d in deps
                   if part(d) == "bench" and part(m) not in ("bench", "cli")) == []

@@ -187,30 +187,34 @@ def until_decoding(engine: Engine, n: int) -> None:
     raise AssertionError("the rows never all decoded")
 
 
+@pytest.fixture(scope="module")
+def long_model():
+    return ours_from_hf(hf_model("llama-gqa-untied", max_position_embeddings=2048))
+
+
 @pytest.mark.parametrize("cached", [True, False])
-def test_sessions_behind_one_system_prompt_hold_it_once(model, cached: bool) -> None:
-    """8 sessions whose prompts start with the same 100 tokens (6 blocks and 4 tokens): the first
-    one's blocks go to the prefix cache, the 7 after it share them (the same ids in every table);
-    without a prefix cache each row holds a copy."""
-    system = prompt(0, 100)
-    prefix = PrefixCache(64 << 20, model.config, model.compute_dtype) if cached else None
-    # A fixed prefill allowance: a measured one (the default) may admit so slowly on a busy machine
-    # that the first rows end their 30 tokens before the last is admitted.
-    engine = Engine(model, EngineConfig(max_batch=8, prefill_chunk=1024), prefix=prefix)
-    engine.add(Request(system + prompt(1, 5), SamplingParams(max_new_tokens=4, ignore_eos=True), id="first"))
-    while engine.has_work():
-        engine.step()
-    for i in range(7):
-        engine.add(Request(system + prompt(10 + i, 5), SamplingParams(max_new_tokens=30, ignore_eos=True), id=str(i)))
-    until_decoding(engine, 7)
-    heads = {tuple(engine.cache.tables[r, :6].tolist()) for r in range(7)}
+def test_sessions_behind_one_system_prompt_hold_it_once(long_model, cached: bool) -> None:
+    """Issue 46's measure: 8 sessions sent together behind one 1,500-token system prompt (93 blocks
+    and 12 tokens) hold its K/V once: the first to fill offers it to the prefix cache as it starts
+    decoding, the 7 after it share its 93 blocks (the same ids in every table), and the pool holds
+    those, each row's own 2 (the partial block's 12 tokens, 5 of its own, 8 new) and the trie's
+    copies of the partial blocks. Without a prefix cache each row holds a copy."""
+    system = prompt(0, 1500)
+    prefix = PrefixCache(256 << 20, long_model.config, long_model.compute_dtype) if cached else None
+    # A fixed prefill allowance past all 8 prompts: a measured one (the default) feeds the uncached
+    # prompts so slowly beside the decoding rows that the first end before the last is admitted.
+    engine = Engine(long_model, EngineConfig(max_batch=8, prefill_chunk=1 << 14), prefix=prefix)
+    for i in range(8):
+        engine.add(Request(system + prompt(10 + i, 5), SamplingParams(max_new_tokens=8, ignore_eos=True), id=str(i)))
+    until_decoding(engine, 8)
+    heads = {tuple(engine.cache.tables[r, :93].tolist()) for r in range(8)}
     pool = engine.cache.pool
     if cached:
-        assert len(heads) == 1 and all(engine.rows[r].stats.cached_tokens == 100 for r in range(7))
-        assert pool.used <= prefix.stats.blocks + 7 * 2  # the rows' own blocks: 4 + 5 + up to 30 tokens and pad
+        assert len(heads) == 1 and sorted(engine.rows[r].stats.cached_tokens for r in range(8)) == [0] + [1500] * 7
+        assert pool.used <= 93 + 8 * 2 + 8  # 8 copies would be 760
         assert refcounts_agree(engine)
     else:
-        assert len(heads) == 7 and pool.used >= 7 * 7
+        assert len(heads) == 8 and pool.used >= 8 * 94
 
 
 def test_choices_of_one_prompt_share_its_blocks(model) -> None:

@@ -37,7 +37,7 @@ from quickdraft.server.errors import install_error_handlers
 from quickdraft.server.guards import Admission
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
-from quickdraft.server.routes import chat, completions, health, models
+from quickdraft.server.routes import chat, completions, health, messages, models, responses_api
 from quickdraft.server.state import Served
 from quickdraft.server.streaming import Answer, stream, whole
 from quickdraft.spec.sampling import SamplingParams
@@ -187,15 +187,7 @@ def test_a_tools_bearing_chats_routing_digests_are_those_of_the_prompt_the_route
     without_tools = llm.tokenizer.encode(llm.tokenizer.chat_text(USER), add_special_tokens=False)
     assert prompt_digests(without_tools) != digests  # the premise: tools change the prompt's blocks
     # the ids go with the call, and the replica's app submits them without rendering or tokenizing again
-    assert list(forwarded.prompt_ids) == request.prompt_ids
-    replica = bare_app(llm, chat)
-    served = replica.state.served
-    refuse = AssertionError("the replica rendered or tokenized a prompt the front had tokenized")
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("encode", "chat_text"):
-            patch.setattr(served.prompts, name, lambda *a, **k: (_ for _ in ()).throw(refuse))
-        messages = asyncio.run(collect(call_app(replica, forwarded)))
-    assert messages[0]["status"] == 200 and served.worker.submitted[0].prompt_ids == request.prompt_ids
+    assert_submitted_as_forwarded(llm, chat, forwarded, request.prompt_ids)
     # forwarded ids are checked as given ones: the scope's ids past the vocabulary are a 400, not a crash
     bad = dataclasses.replace(forwarded, prompt_ids=(llm.model.config.vocab_size,))
     assert asyncio.run(collect(call_app(bare_app(llm, chat), bad)))[0]["status"] == 400
@@ -206,6 +198,51 @@ def test_a_tools_bearing_chats_routing_digests_are_those_of_the_prompt_the_route
     ask(ingress, "POST", "/v1/completions", given)
     assert list(text.calls[0][0].prompt_ids) == llm.tokenizer.encode("once upon a time", add_special_tokens=True)
     assert text.calls[1][0].prompt_ids is None
+
+
+def assert_submitted_as_forwarded(llm: quickdraft.LLM, route: Any, forwarded: Any, ids: list[int]) -> None:
+    """The front's call carries `ids`, and a replica's app (only `route`) submits them without
+    rendering or tokenizing the prompt again."""
+    assert list(forwarded.prompt_ids) == ids
+    replica = bare_app(llm, route)
+    served = replica.state.served
+    refuse = AssertionError("the replica rendered or tokenized a prompt the front had tokenized")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("encode", "chat_text"):
+            patch.setattr(served.prompts, name, lambda *a, **k: (_ for _ in ()).throw(refuse))
+        messages = asyncio.run(collect(call_app(replica, forwarded)))
+    assert messages[0]["status"] == 200 and served.worker.submitted[0].prompt_ids == ids
+
+
+WEATHER = TOOLS[0]["function"]
+
+
+@pytest.mark.parametrize("path, payload, route", [
+    ("/v1/messages", {"model": NAME, "max_tokens": 2, "system": "Be brief.", "messages": USER}, messages),
+    ("/v1/messages", {"model": NAME, "max_tokens": 2, "messages": USER,
+                      "tools": [{"name": WEATHER["name"], "description": WEATHER["description"],
+                                 "input_schema": WEATHER["parameters"]}]}, messages),
+    ("/v1/responses", {"model": NAME, "max_output_tokens": 2, "instructions": "Be brief.",
+                       "input": USER[0]["content"]}, responses_api),
+    ("/v1/responses", {"model": NAME, "max_output_tokens": 2, "input": USER[0]["content"],
+                       "tools": [{"type": "function", **WEATHER}]}, responses_api),
+], ids=["messages-system", "messages-tools", "responses-instructions", "responses-tools"])
+def test_the_front_tokenizes_a_messages_or_responses_request_once_for_its_replica(llm, path, payload, route) -> None:
+    """The Messages and Responses routes answer as chats: the front renders their prompt (system
+    text or tools included; both at once pass the tiny model's context) as the route does, routes by it and forwards its ids; a response that
+    continues a stored one is rendered where the store is, on the replica."""
+    app = bare_app(llm, route)
+    assert call(app, path, payload).status_code == 200
+    [request] = app.state.served.worker.submitted
+    replicas = FakeReplicas([[start(), body(b"{}")]] * 2)
+    ingress = Ingress(replicas, Prompts(llm.tokenizer), 1 << 20, CONTEXT)
+    ask(ingress, "POST", path, payload)
+    forwarded, digests = replicas.calls[0]
+    assert digests == prompt_digests(request.prompt_ids)
+    assert_submitted_as_forwarded(llm, route, forwarded, request.prompt_ids)
+    if path == "/v1/responses":
+        ask(ingress, "POST", path, {**payload, "previous_response_id": "resp_0"})
+        assert replicas.calls[1][0].prompt_ids is None
 
 
 async def collect(messages: Any) -> list[dict[str, Any]]:

@@ -31,6 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from quickdraft.cluster import REPLICA_HEADER
 from quickdraft.cluster.asgi import HttpCall, response_messages
 from quickdraft.cluster.digests import prompt_digests
+from quickdraft.server import messages_api, responses_api
 from quickdraft.server import responses as out
 from quickdraft.server.guards import body_too_large
 from quickdraft.server.prompts import Prompts
@@ -170,15 +171,18 @@ class Ingress:
 
     async def _prompt_ids(self, call: HttpCall) -> tuple[list[int], bool]:
         """The prompt's ids as the replica's app would make them, and whether the front made them (a
-        chat's, a completion's one text prompt: forwarded, the replica need not) or the client gave
-        them; none for a request the replica will refuse (it says why) or that is no generation."""
+        chat's, a Messages or Responses request's, a completion's one text prompt: forwarded, the
+        replica need not) or the client gave them; none for a request the replica will refuse (it
+        says why), that is no generation, or that continues a response the replica stored."""
         try:
             body = json.loads(call.body) if call.method == "POST" else None
-            if call.path == "/v1/chat/completions" and isinstance(body, dict):
-                chat = ChatCompletionRequest.model_validate(body)  # rendered as the app does, tools included
+            if not isinstance(body, dict):
+                return [], False
+            chat = _as_chat(call.path, body)
+            if chat is not None:  # rendered as the app does, tools included
                 text = await chat_prompt(self.prompts, chat, shape(chat).tools)
                 return await self.prompts.encode(text, add_special_tokens=False, context=self.context), True
-            if call.path == "/v1/completions" and isinstance(body, dict):
+            if call.path == "/v1/completions":
                 prompt = body.get("prompt")
                 if isinstance(prompt, str):
                     return await self.prompts.encode(prompt, add_special_tokens=True, context=self.context), True
@@ -187,6 +191,20 @@ class Ingress:
         except Exception:  # noqa: BLE001 - a request the replica will refuse: routed by load alone
             return [], False
         return [], False
+
+
+def _as_chat(path: str, body: dict[str, Any]) -> ChatCompletionRequest | None:
+    """The chat request a route answers `body` as (the Messages and Responses routes adapt onto the
+    chat route's steps); None for other routes and for a response continuing a stored one (its
+    conversation is in the replica's store)."""
+    if path == "/v1/chat/completions":
+        return ChatCompletionRequest.model_validate(body)
+    if path == "/v1/messages":
+        return messages_api.chat_request(messages_api.MessagesRequest.model_validate(body))
+    if path == "/v1/responses" and body.get("previous_response_id") is None:
+        request = responses_api.ResponsesRequest.model_validate(body)
+        return responses_api.chat_request(request, request.items())
+    return None
 
 
 def merge_labelled(texts: list[tuple[str, str]]) -> bytes:
