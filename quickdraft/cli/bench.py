@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args, load_llm
 from quickdraft.cluster import ROUTER_NAMES
-from quickdraft.engine.startup import set_threads, startup_cost
+from quickdraft.engine.startup import set_threads, started
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
@@ -237,12 +237,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         from quickdraft.cli.bench_replicas import cmd_bench_serve_replicas
         return cmd_bench_serve_replicas(args, levels, questions)
-    set_threads(args.threads)
     # a draft model loads now, not in a timed wave; every round resends the same requests, so no prefix
     # cache (it would time later rounds' prompts cached against the first's)
-    llm = load_llm(args, spec, progress=not args.no_progress, prefix_cache=False)
+    llm, cost = started(args.threads, lambda: load_llm(args, spec, progress=not args.no_progress, prefix_cache=False),
+                        args.policy, measure=True)
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
-    cost = startup_cost(llm, args.policy, measure=True)
     server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)
     results: dict = {}
 

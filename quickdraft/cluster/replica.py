@@ -68,13 +68,11 @@ class EngineReplica:
 
     def _run(self, setup: ReplicaSetup, loaded: threading.Event) -> None:
         from quickdraft.api import load
-        from quickdraft.engine.startup import set_threads, startup_cost
+        from quickdraft.engine.startup import started
         from quickdraft.server import create_app
         try:
-            set_threads(setup.threads)
-            llm = load(**setup.model)
-            self.app = create_app(llm, setup.server, startup_cost(llm, setup.policy, setup.measure_cost),
-                                  engine_thread=False, bind=setup.bind)
+            llm, cost = started(setup.threads, lambda: load(**setup.model), setup.policy, setup.measure_cost)
+            self.app = create_app(llm, setup.server, cost, engine_thread=False, bind=setup.bind)
             self.prefix = llm.prefix
             self.runtime = {"weights": llm.model.weight_format, "threads": setup.threads,
                             "context": self.app.state.served.context,

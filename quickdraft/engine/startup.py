@@ -6,7 +6,7 @@ goodput policy's step-time model seeded with this machine's forward-cost curve.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import QuickdraftError
@@ -35,3 +35,11 @@ def startup_cost(llm: LLM, policy: str, measure: bool) -> StepCost:
         print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
         cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
     return cost
+
+
+def started(threads: int | None, load: Callable[[], LLM], policy: str, measure: bool) -> tuple[LLM, StepCost]:
+    """A serving process's start (`quickdraft serve`, a cluster's replica, `bench serve`), in its
+    order: the threads, then the model (`load`), then its step-time model."""
+    set_threads(threads)
+    llm = load()
+    return llm, startup_cost(llm, policy, measure)
