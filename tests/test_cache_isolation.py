@@ -21,7 +21,7 @@ import pytest
 
 import quickdraft
 from quickdraft.kv.prefix_cache import BLOCK
-from test_server import NAME, Server
+from support.server import NAME, Server
 
 pytestmark = pytest.mark.slow
 KEY_A, KEY_B = "key-of-tenant-a", "key-of-tenant-b"

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 import quickdraft
 from quickdraft.api import Completion
 from quickdraft.spec.sampling import SamplingParams
-from test_server import NAME, Server
+from support.server import NAME, Server
 
 pytestmark = pytest.mark.slow
 

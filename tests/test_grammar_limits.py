@@ -28,7 +28,7 @@ from quickdraft.requests.prompt import PREFIX_CHARS, PREFIX_SLACK, bounded
 from quickdraft.server.requests import GRAMMAR_TIMEOUT_S
 from quickdraft.structured.grammar import GrammarError
 from quickdraft.structured.tools import ToolsError
-from test_server import MAX_SEQ, NAME, Server
+from support.server import MAX_SEQ, NAME, Server
 from tiny_tokenizer import tiny_llm_dir
 
 LONG_TOKEN = "=" * 256  # one token of 256 bytes: the length bound then lets 2048 * 256 bytes through

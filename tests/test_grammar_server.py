@@ -18,7 +18,7 @@ import pytest
 import quickdraft.server.requests as requests_module
 from quickdraft.proposers import SpecConfig
 from quickdraft.spec.sampling import SamplingParams
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "rain": {"type": "boolean"},

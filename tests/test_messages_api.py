@@ -26,7 +26,7 @@ from quickdraft.server.messages_answer import AnthropicErrors, Events, matched_s
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
 from quickdraft.server.schemas import MAX_MESSAGES
 from quickdraft.structured.conversation import template_message
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 from test_server_hostile import unbounded
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

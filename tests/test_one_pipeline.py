@@ -16,7 +16,7 @@ import pytest
 
 from quickdraft.errors import RequestError
 from quickdraft.spec.sampling import SamplingParams
-from test_server import MAX_SEQ, NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import MAX_SEQ, NAME, Server
 
 TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}

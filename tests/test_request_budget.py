@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from quickdraft.server.config import REQUEST_CONTEXTS, ServerConfig
-from test_server import MAX_SEQ, NAME, PROMPTS, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import MAX_SEQ, NAME, PROMPTS, Server
 
 BOUND = 64
 

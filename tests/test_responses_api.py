@@ -27,7 +27,7 @@ from quickdraft.server.responses_answer import Events, output_of
 from quickdraft.server.responses_api import ResponsesRequest, chat_request, renamed, responses_param
 from quickdraft.server.schemas import MAX_MESSAGES
 from quickdraft.structured.conversation import template_message
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures: the tiny model)
+from support.server import NAME, Server
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],

@@ -16,7 +16,7 @@ from quickdraft.proposers.base import SpecConfig
 from quickdraft.server.guards import ADMIT, Admission, QueueFull
 from quickdraft.server.schemas import MAX_CHOICES
 from quickdraft.spec.sampling import SamplingParams
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 from tiny_tokenizer import byte_symbols
 
 NGRAM = {"speculative": {"method": "ngram", "k": 4}}

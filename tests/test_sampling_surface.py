@@ -35,7 +35,7 @@ from support.laws import (
     plain_law,
 )
 from support.models import V16, tiny16, tiny16_draft
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 
 BIAS16 = {3: 2.0, 7: -3.0, 11: 1.5, 0: 0.7}
 

@@ -6,17 +6,9 @@ server's own output for a request run alone vs under concurrency, /metrics for f
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
 import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Iterator
 
 import httpx
@@ -25,46 +17,14 @@ import pytest
 
 import quickdraft
 from quickdraft import kernels
-from quickdraft.engine.batch import EngineConfig
-from quickdraft.proposers import EACH, Committed, Draft, SpecConfig
+from quickdraft.proposers import EACH, Committed, Draft
 from quickdraft.proposers.registry import PROPOSERS, Registration
-from quickdraft.server import BackgroundServer, ServerConfig
 from quickdraft.spec.sampling import SamplingParams
-from tiny_tokenizer import tiny_llm_dir
+from support.server import MAX_SEQ, NAME, PROMPTS, Server, alone, serve_process, stream_text, wait_for
 
-NAME = "tiny"
-MAX_SEQ = 2048
-PROMPTS = ["The quick brown fox", "hello hello hello hello", "abc abc abd abc", "Once upon a time",
-           "1 2 3 4 5 6", "zzz", "Dear diary, today", "print('hi')"]
 SPECS = [{"method": "none"}, {"method": "ngram", "k": 2}, {"method": "ngram", "k": 8},
          {"method": "draft", "k": 3}, {"method": "ngram", "k": 4, "adaptive": False}, {"method": "draft", "k": 1},
          {}, {"method": "ngram", "k": 1}]
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("server")
-    target = tiny_llm_dir(root / "target", max_position_embeddings=MAX_SEQ)
-    draft = tiny_llm_dir(root / "draft", seed=3, max_position_embeddings=MAX_SEQ)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def llm(dirs) -> quickdraft.LLM:
-    target, draft = dirs
-    return quickdraft.load(str(target), spec=SpecConfig("ngram", k=4, draft_model=str(draft)))
-
-
-class Server(BackgroundServer):
-    def __init__(self, llm: quickdraft.LLM, max_batch: int, shutdown_timeout_s: float = 30.0, max_seq: int = MAX_SEQ,
-                 **config) -> None:
-        engine = EngineConfig(max_batch=max_batch, max_seq_len=max_seq)
-        super().__init__(llm, ServerConfig(NAME, llm.spec, engine, **config), shutdown_timeout_s=shutdown_timeout_s)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +32,6 @@ def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
-
-
-def alone(llm: quickdraft.LLM, prompt: str, n: int, spec: dict, **sampling) -> str:
-    config = SpecConfig(**{"method": "ngram", "k": 4, "draft_model": llm.spec.draft_model, **spec})
-    return llm.generate(prompt, params=SamplingParams(max_new_tokens=n, **sampling), spec=config).text
-
-
-def stream_text(client: openai.OpenAI, prompt: str, n: int, spec: dict, **kw) -> tuple[str, list]:
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=n, stream=True,
-                                            extra_body={"speculative": spec} if spec else None, **kw))
-    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
 
 # -- the happy paths, with the openai client ----------------------------------------------------------------
@@ -203,13 +152,6 @@ def test_eight_concurrent_streams_equal_each_alone(server: Server, llm) -> None:
 
 
 # -- robustness -------------------------------------------------------------------------------------------
-
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "condition not reached"
-        time.sleep(0.05)
-
 
 def test_disconnect_cancels_and_frees_the_row(server: Server, llm) -> None:
     before = server.metrics().get('quickdraft_requests_total{finish_reason="cancelled"}', 0.0)
@@ -349,33 +291,6 @@ def test_extreme_sampling_values_are_served_and_harm_no_one(server: Server, llm)
 
 
 # -- the command line server and SIGTERM --------------------------------------------------------------------
-
-@contextlib.contextmanager
-def serve_process(dirs, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`quickdraft serve` in a process of its own on a free port, up and answering /health."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", "--model", str(dirs[0]), "--port", str(port),
-                             "--spec", "ngram", "--served-model-name", NAME, "--no-measure-cost",
-                             "--log-level", "warning", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            try:
-                return httpx.get(f"{url}/health").status_code == 200
-            except httpx.TransportError:
-                return False
-        wait_for(up, 120)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
 
 def test_serve_command_drains_in_flight_requests_on_sigterm(dirs) -> None:
     with serve_process(dirs) as (proc, url):

@@ -17,7 +17,7 @@ import pytest
 
 from quickdraft.cli import main
 from quickdraft.server.connections import MAX_HEADER_BYTES, ConnectionLimits, peer_of
-from test_server import NAME, PROMPTS, Server, alone, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, PROMPTS, Server, alone
 from test_server_hardening import KEY, error_of
 from test_server_hostile import address, answer, closed_within, status_and_error
 

@@ -29,14 +29,12 @@ from quickdraft.server.guards import answered_hosts
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.conversation import conversation
 from quickdraft.structured.tools import GENERIC
-from test_server import (  # noqa: F401 (fixtures)
+from support.server import (
     MAX_SEQ,
     NAME,
     PROMPTS,
     Server,
     alone,
-    dirs,
-    llm,
     serve_process,
     stream_text,
     wait_for,

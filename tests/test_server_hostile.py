@@ -26,7 +26,7 @@ from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_PROMPTS, MAX_TOOL_CALLS
 from support.process import vm_rss_mb
-from test_server import MAX_SEQ, NAME, PROMPTS, Server, alone, dirs, llm, stream_text  # noqa: F401 (fixtures)
+from support.server import MAX_SEQ, NAME, PROMPTS, Server, alone, stream_text
 
 
 @pytest.fixture(autouse=True)

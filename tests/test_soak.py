@@ -12,7 +12,7 @@ from quickdraft.bench.soak_memory import MAX_RSS_GROWTH, memory_sample, own_rss,
 from quickdraft.bench.soak_report import SoakReport
 from quickdraft.cli import main
 from quickdraft.server.connections import ConnectionLimits
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 
 
 def test_a_short_soak_passes_and_sends_every_kind(dirs, capsys: pytest.CaptureFixture) -> None:  # noqa: F811

@@ -21,7 +21,7 @@ from quickdraft.structured.tools import HERMES, Function, Tools, syntax_of
 from quickdraft.weights.gguf_file import open_reader, read_metadata
 from quickdraft.weights.resolve import resolve_model
 from quickdraft.weights.tokenizers import gguf_tokenizer
-from test_server import NAME, Server
+from support.server import NAME, Server
 
 pytestmark = pytest.mark.slow
 

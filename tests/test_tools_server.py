@@ -19,7 +19,7 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.conversation import conversation
 from quickdraft.structured.tools import GENERIC, Function, Tools
-from test_server import NAME, Server, dirs, llm  # noqa: F401 (fixtures)
+from support.server import NAME, Server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
