@@ -291,6 +291,21 @@ def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
         train_head(target(), data, dataclasses.replace(CONFIG, lr=1e-4), tmp_path, "tiny", progress=False)
 
 
+def test_a_resumed_run_may_weigh_the_cross_entropy_otherwise(trained, tmp_path: Path, monkeypatch) -> None:
+    """--ce-weight on a resume: the same head, data and moments go on under the other objective (the
+    history says which weight each step had); its parts are the uninterrupted run's at step 41, the
+    updates from there differ."""
+    _, record = trained
+    data = corpus(48, 0)
+    killed_after_step_40(data, tmp_path, monkeypatch)
+    resumed = train_head(target(), data, dataclasses.replace(CONFIG, ce_weight=1.0), tmp_path, "tiny", progress=False)
+    history, uninterrupted = resumed["history"], record["history"]
+    assert [h["ce_weight"] for h in history] == [CONFIG.ce_weight] * 40 + [1.0] * 40
+    assert history[40]["ce"] == pytest.approx(uninterrupted[40]["ce"], rel=1e-5)
+    assert history[40]["loss"] != pytest.approx(uninterrupted[40]["loss"], rel=1e-3)  # weighed otherwise
+    assert [h["ce"] for h in history[41:]] != pytest.approx([h["ce"] for h in uninterrupted[41:]], rel=1e-3)
+
+
 def test_a_checkpoint_from_before_the_newer_settings_resumes(trained, tmp_path: Path, monkeypatch) -> None:
     """Checkpoints written before TrainConfig had feature_layers, mlp_width and length_groups (the
     repository keeps such runs) resume as runs with their defaults."""

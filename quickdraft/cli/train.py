@@ -36,7 +36,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 
     try:
         config = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
-                             unroll=args.unroll, draft_vocab=args.draft_vocab,
+                             unroll=args.unroll, draft_vocab=args.draft_vocab, ce_weight=args.ce_weight,
                              checkpoint_every=args.checkpoint_every, seed=args.seed, dtype=args.train_dtype,
                              feature_layers=feature_layers(args.feature_layers), mlp_width=args.mlp_width)
     except ValueError as e:
@@ -126,6 +126,9 @@ def add_train_head(sub) -> None:
     tr.add_argument("--unroll", type=int, default=3,
                     help="head passes per step: the first on the target's features, then on its own")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head may draft")
+    tr.add_argument("--ce-weight", type=float, default=0.1,
+                    help="weight of the next-token cross-entropy beside the feature regression (EAGLE's 0.1); "
+                         "a resumed run may change it")
     tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     tr.add_argument("--feature-layers", default="last",
                     help="the target's layers the head reads: 'last', or indices ending with the last layer, e.g. "

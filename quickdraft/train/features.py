@@ -57,7 +57,9 @@ def shard_key(target: Transformer, responses: Sequence[Response]) -> str:
 def _cached(path: Path, key: str) -> list[torch.Tensor] | None:
     if not path.is_file():
         return None
-    saved = torch.load(path, weights_only=True)
+    # mapped, not read: a run's features (GBs) are then the page cache's, shared by the runs that
+    # read one folder, and a step copies only its batch's
+    saved = torch.load(path, weights_only=True, mmap=True)
     return saved["features"] if saved.get("key") == key else None
 
 

@@ -81,12 +81,13 @@ class TrainConfig:
 
 
 def _resumable(config: dict) -> dict:
-    """The settings a resumed run must share with the checkpoint: more steps may be asked for, and
-    another dtype (the weights and the optimizer's state are float32 in either). A checkpoint
+    """The settings a resumed run must share with the checkpoint: more steps may be asked for,
+    another dtype (the weights and the optimizer's state are float32 in either), and another weight
+    of the loss's parts (the same head and data, another objective from here on). A checkpoint
     written before heads could fuse layers read the last layer alone."""
     config = {"feature_layers": (), "mlp_width": 0, **config}
     return {k: tuple(v) if k == "feature_layers" else v for k, v in config.items()
-            if k not in ("steps", "checkpoint_every", "dtype", "length_groups")}
+            if k not in ("steps", "checkpoint_every", "dtype", "length_groups", "ce_weight")}
 
 
 def training_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -272,8 +273,8 @@ def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Opt
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
-        yield {"step": step, "loss": loss, **parts, "seconds": time.perf_counter() - start,
-               "flops": sum(step_flops(head, group, config) for group in groups)}
+        yield {"step": step, "loss": loss, **parts, "ce_weight": config.ce_weight,
+               "seconds": time.perf_counter() - start, "flops": sum(step_flops(head, group, config) for group in groups)}
 
 
 def usable_examples(examples: Sequence[Example], config: TrainConfig) -> list[Example]:
