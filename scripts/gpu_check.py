@@ -285,7 +285,7 @@ def api(report: Report, device: str, tmp: Path) -> None:
     from quickdraft.model.rope import inverse_frequencies
     from quickdraft.proposers.head import load_head, save_head
     from quickdraft.weights.gguf_file import read_gguf
-    from test_head import random_head
+    from support.heads import random_head
     from tiny_tokenizer import tiny_llm_dir, tiny_model, write_llama_gguf
     path = tiny_llm_dir(tmp / "model")
     llm = quickdraft.load(path, device=device)

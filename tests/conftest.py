@@ -4,6 +4,7 @@ import importlib.util
 import pytest
 import torch
 
+from support.bench import model_dir  # noqa: F401 (the bench tests' fixture, a module's own `model_dir` wins)
 from support.server import dirs, llm  # noqa: F401 (the server tests' fixtures, a module's own `llm` wins)
 
 # llama.cpp tests need the optional `llamacpp` extra: without it they are not collected at all

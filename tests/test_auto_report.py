@@ -15,7 +15,7 @@ from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.registry import runs
 from quickdraft.spec.sampling import SamplingParams
-from test_head import random_head
+from support.heads import random_head
 from tiny_tokenizer import tiny_llm_dir
 
 PROMPT = "abc abc abc abc"

@@ -12,8 +12,6 @@ import gc
 from typing import Sequence
 
 import pytest
-import torch
-from gguf import GGMLQuantizationType
 
 import quickdraft
 import quickdraft.engine.rows as engine_rows
@@ -27,46 +25,19 @@ from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
-from support.engine import Job, draft_state, first_tokens_in_batches, greedy, run_batched, target
+from support.drafts import Counted, first_tokens, noisy_draft
+from support.engine import Job, draft_state, greedy, run_batched, target
 from support.laws import (
     ALPHA,
     N_SAMPLES,
     N_TOKENS,
     PROMPT16,
-    SAMPLE_K,
-    SAMPLE_NEW,
     assert_plain_sampling_law,
     chi_square_p_value,
     plain_law,
 )
 from support.models import KV_TOL, kv_mismatch, tiny16, tiny16_draft
-from tiny_models import hf_model, ours_from_hf
 from tiny_tokenizer import tiny_llm_dir
-
-
-def noisy_draft(seed: int = 3, noise: float = 0.15, qtype: GGMLQuantizationType | None = None):
-    """The engine tests' target with noise on its weights: acceptance is mixed (with `qtype`, its
-    matrices, the LM head included, as those GGUF blocks)."""
-    hf = hf_model("llama-gqa-untied", initializer_range=0.1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.add_(torch.randn(param.shape, generator=g) * noise * param.std())
-    return ours_from_hf(hf, qtype=qtype)
-
-
-class Counted(Drafter):
-    """A Drafter that records how many rows drafted in each of its forwards."""
-
-    def __init__(self, model) -> None:
-        super().__init__(model)
-        self.rows_per_forward: list[int] = []
-        self.fed: list[list[tuple[int, int]]] = []  # per forward: each member's row and sequence length
-
-    def forward(self, states, feeds, starts, *tree):
-        self.rows_per_forward.append(len(states))
-        self.fed.append([(s.row, len(self.rows.owners[s.row])) for s in states])  # owners: the members' tokens
-        return super().forward(states, feeds, starts, *tree)
 
 
 def member(drafter: Drafter, violations: list[str]):
@@ -135,18 +106,6 @@ def test_batched_draft_seeded_sampling_reproduces_alone() -> None:
                 assert out[str(i)] == alone[sampled.index(job)]
     assert max(drafter.rows_per_forward) > 1
     assert len({tuple(a) for a in alone}) == 3  # the seeds matter
-
-
-def first_tokens(drafter: Drafter, seed0: int) -> tuple[torch.Tensor, int, int]:
-    """N_SAMPLES sampled requests (temperature 1) through one engine of 8 rows, every draft
-    proposer a member of `drafter`, requests joining as others leave: counts [V16]*N_TOKENS of
-    the first tokens; drafted and accepted tokens in all."""
-    requests = []
-    for seed in range(seed0, seed0 + N_SAMPLES):
-        p = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=SAMPLE_NEW, ignore_eos=True)
-        proposer = DraftModelProposer(drafter, PROMPT16, p, len(PROMPT16) + SAMPLE_NEW + SAMPLE_K + 1)
-        requests.append(Request(PROMPT16, p, frozenset(), proposer, SAMPLE_K, id=str(seed)))
-    return first_tokens_in_batches(tiny16(), requests)
 
 
 def test_sampling_law_through_the_batched_draft() -> None:

@@ -38,25 +38,10 @@ from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import EACH, Committed, Draft
 from quickdraft.proposers.registry import PROPOSERS, Registration
 from quickdraft.spec.verify import Verdict
+from support.bench import QUESTIONS, write_questions
 from tiny_tokenizer import tiny_llm_dir
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
-QUESTIONS = [
-    {"question_id": 81, "category": "writing", "turns": ["Write the theme of the story.", "Now the the again."]},
-    {"question_id": 7, "category": "qa", "turns": ["the cat the cat the cat the"]},
-    {"question_id": 9, "category": "qa", "turns": ["Who wrote hello hello?"]},
-    {"question_id": 12, "category": "roleplay", "turns": ["Be a storm.", "Stop."]},
-]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llm_dir(tmp_path_factory.mktemp("bench") / "model")
-
-
-def write_questions(path: Path, rows: list[dict] = QUESTIONS) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def specbench(model_dir: Path, tmp_path: Path, *extra: str) -> tuple[int, dict, str]:

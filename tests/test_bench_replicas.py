@@ -14,7 +14,7 @@ import pytest
 from quickdraft.bench.serve import RequestRecord, against, replicas_report, serve_command, summarize_level
 from quickdraft.cli import main
 from quickdraft.cluster.load import ONE_PROCESS
-from test_bench import model_dir, write_questions  # noqa: F401 - model_dir is a fixture
+from support.bench import write_questions
 
 
 def _run(texts: dict[int, str], walls: list[float], tokens: int = 10) -> dict:
@@ -63,7 +63,7 @@ def test_bad_replica_flags_are_one_line(flags: list[str], message: str, tmp_path
     assert rc != 0 and message in capsys.readouterr().err
 
 
-def test_bench_serve_on_one_process_reports_its_load(model_dir, tmp_path, capsys) -> None:  # noqa: F811
+def test_bench_serve_on_one_process_reports_its_load(model_dir, tmp_path, capsys) -> None:
     """--replicas 1: `quickdraft serve` in a process of its own (no Ray); the load after the warm-up is
     exactly the waves' requests and tokens."""
     questions = write_questions(tmp_path / "q.jsonl")

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -33,7 +32,8 @@ from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
 from quickdraft.weights.tokenizers import load_hf_tokenizer
 from support.models import tiny
-from test_prefix_cache import MODEL, prefix_for, random_cache, tokens
+from support.prefix import MODEL, prefix_for, random_cache, tokens
+from support.routes import CONTEXT, FakeReplicas, ask, body, start
 from tiny_tokenizer import save_tokenizer
 
 # -- digests: the router's names for what a prefix cache holds -----------------------------------------
@@ -123,50 +123,10 @@ def test_what_a_replica_holds_is_its_word_or_a_recent_route() -> None:
 
 # -- the front: relaying, retries, /health and /metrics over fake replicas -----------------------------
 
-def start(status: int = 200, sse: bool = False, replica: str = "r1") -> dict[str, Any]:
-    kind = b"text/event-stream" if sse else b"application/json"
-    return {"type": "http.response.start", "status": status,
-            "headers": [(b"content-type", kind), (REPLICA_HEADER.encode(), replica.encode())]}
-
-
-def body(data: bytes, more: bool = False) -> dict[str, Any]:
-    return {"type": "http.response.body", "body": data, "more_body": more}
-
-
-class FakeReplicas:
-    """Replicas answering from scripts, one per call: messages, and a ReplicaLost where the replica dies."""
-
-    def __init__(self, scripts: list[list[Any]], reports: list[dict[str, Any]] = (), wanted: int = 2) -> None:
-        self.scripts, self._reports, self._wanted = list(scripts), list(reports), wanted
-        self.calls: list[tuple[HttpCall, list[int]]] = []
-
-    async def stream(self, call: HttpCall, digests: list[int]) -> AsyncIterator[dict[str, Any]]:
-        self.calls.append((call, digests))
-        for item in self.scripts.pop(0):
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    async def reports(self) -> list[dict[str, Any]]:
-        return self._reports
-
-    def wanted(self) -> int:
-        return self._wanted
-
-
 def tiny_prompts(tmp_path: Path) -> Prompts:
     return Prompts(load_hf_tokenizer(save_tokenizer(tmp_path / "tok")))
 
 
-def ask(ingress: Ingress, method: str, path: str, payload: Any = None, content: bytes | None = None) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=ingress)
-        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
-            return await client.request(method, path, json=payload, content=content)
-    return asyncio.run(go())
-
-
-CONTEXT = 4096  # the replicas' context, as the front learns it at start-up
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "a question long enough to fill two blocks of ids"}]}
 
 

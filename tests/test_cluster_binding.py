@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil  # the test extra's accelerate requires it
 import pytest
 
-from test_cluster_ray import serve_replicas, stop
+from support.replicas import serve_replicas, stop
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,9 +28,9 @@ from quickdraft.kv.prefix_cache import BLOCK
 from quickdraft.proposers import SpecConfig
 from quickdraft.server import ServerConfig, listen
 from quickdraft.spec.sampling import SamplingParams
+from support.replicas import MODEL, free_port, serve_replicas, stop
 
 pytestmark = pytest.mark.slow
-MODEL = "smollm2-135m"
 TOKENS = 24
 RETRIED = 400  # tokens of the request that is on the replica killed: still running when it dies
 
@@ -41,48 +40,6 @@ RETRIED = 400  # tokens of the request that is on the replica killed: still runn
 SHUTDOWN_S = 15.0  # --shutdown-timeout: the short chats finish within it (loaded too), the long ones do not
 EXIT_BOUND_S = 60.0  # from SIGTERM to the process gone, Ray's processes with it
 SHORT = 24  # tokens of the chats that finish within --shutdown-timeout
-
-
-def free_port() -> int:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
-def serve_replicas(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`quickdraft serve --replicas 2 --threads 1` of SmolLM2 on a free port, /health ok (both replicas up)."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "quickdraft", "serve", "--model", MODEL, "--replicas", "2",
-                             "--threads", "1", "--port", str(port), "--served-model-name", "smollm2", "--spec", "none",
-                             "--no-measure-cost", "--max-batch", "4", "--log-level", "warning", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300  # two model loads beside Ray's start; minutes on a loaded machine
-    try:
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "the cluster did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok":
-                    return proc, url
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.5)
-    except BaseException:
-        stop(proc)
-        raise
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM (the server stops the Ray cluster it started), SIGKILL if it is still there after a minute."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def stream_lines(url: str, route: str, fields: dict, began: threading.Event, out: dict) -> None:

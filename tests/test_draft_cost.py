@@ -14,8 +14,8 @@ from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.base import PassCost
 from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
 from quickdraft.proposers.draft_model import DraftModelProposer
+from support.drafts import Counted
 from support.engine import Job, draft_state, greedy, run_batched, target
-from test_batched_draft import Counted
 
 
 def test_calibration_starts_at_the_confidence_and_learns_acceptance() -> None:

@@ -22,7 +22,7 @@ from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.sampling import SamplingParams
 from support.engine import draft_state, greedy, target
 from support.models import tiny
-from test_prefix_cache import random_cache, tokens
+from support.prefix import random_cache, tokens
 from tiny_tokenizer import tiny_llm_dir
 
 MB = 1 << 20

@@ -17,12 +17,13 @@ import pytest
 from quickdraft.engine.batch import EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.proposers import draft_tree
-from quickdraft.proposers.base import Committed, Draft, Proposer, SpecConfig, SpecConfigError
+from quickdraft.proposers.base import Draft, Proposer, SpecConfig, SpecConfigError
 from quickdraft.proposers.draft_cost import ForwardTimes
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.sampling import SamplingParams
-from support.engine import Job, draft_state, first_tokens_in_batches, greedy, run_batched, target
+from support.drafts import Counted, Watched, members, noisy_draft, watch
+from support.engine import Job, first_tokens_in_batches, greedy, run_batched, target
 from support.laws import (
     ALPHA,
     N_SAMPLES,
@@ -34,52 +35,7 @@ from support.laws import (
     chi_square_p_value,
     plain_law,
 )
-from support.models import KV_TOL, kv_mismatch, tiny16, tiny16_draft
-from test_batched_draft import Counted, noisy_draft
-
-
-class Watched(DraftModelProposer):
-    """A member whose draft-cache row is checked after every commit and whose trees are counted,
-    of a watched drafter (watch)."""
-    log: dict[str, int]
-    violations: list[str]
-
-
-def watch(drafter: Drafter) -> Drafter:
-    """The drafter, its commits checking each Watched member's row after keeping its step."""
-    keep = drafter.keep
-
-    def watched(member: DraftModelProposer, step: Committed) -> None:
-        if not isinstance(member, Watched):
-            return keep(member, step)
-        # its last draft, however it was asked for (alone or in its drafter's group call): a tree
-        # where a node's parent is not the node before it
-        state = draft_state(member)
-        member.log["trees"] += any(parent != i - 1 for i, (_, parent, _) in enumerate(state.nodes))
-        before = state.cached
-        keep(member, step)
-        state = draft_state(member)
-        member.log["kept"] += state.cached - before > 1  # K/V kept from drafted nodes, not only caught up
-        seq = member.tokens[:state.cached]
-        if member.cache.lengths[0] != state.cached:
-            member.violations.append(f"row {state.row}: length {member.cache.lengths[0]} != {state.cached}")
-        if (diff := kv_mismatch(member.model, member.cache, seq)) > KV_TOL:
-            member.violations.append(f"row {state.row}: K/V of {len(seq)} tokens differ by {diff:.3g}")
-    drafter.keep = watched  # type: ignore[method-assign] - this drafter's commits only
-    return drafter
-
-
-def members(drafter: Drafter, widths: Sequence[int], violations: list[str], log: dict[str, int]):
-    """Proposers of the drafter (watched), their widths taken in turn (1: a chain)."""
-    turn = iter(range(10 ** 6))
-    watch(drafter)
-
-    def make(prompt: Sequence[int], params: SamplingParams) -> Proposer:
-        width = widths[next(turn) % len(widths)]
-        proposer = Watched(drafter, prompt, params, len(prompt) + params.max_new_tokens + (width + 1) * 8 + 1, width)
-        proposer.log, proposer.violations = log, violations
-        return proposer
-    return make
+from support.models import tiny16, tiny16_draft
 
 
 @pytest.mark.parametrize("widths, policy", [((3,), "fixed"), ((2, 1, 4), "goodput")])

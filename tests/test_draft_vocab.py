@@ -25,11 +25,10 @@ from quickdraft.proposers.draft_vocab import VocabHead, draft_vocabulary
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.weights.tokenizers import load_hf_tokenizer
+from support.drafts import first_tokens, members, noisy_draft
 from support.engine import Job, greedy, run_batched, target
 from support.laws import ALPHA, N_TOKENS, PROMPT16, assert_plain_sampling_law, chi_square_p_value, plain_law
 from support.models import tiny16, tiny16_draft
-from test_batched_draft import first_tokens, noisy_draft
-from test_draft_tree import members
 from tiny_tokenizer import save_tokenizer
 
 

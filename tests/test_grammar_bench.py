@@ -22,7 +22,7 @@ from quickdraft.bench.specbench import _quickdraft_turn, response_format, run_co
 from quickdraft.cli import main
 from quickdraft.proposers import SpecConfig
 from quickdraft.structured.grammar import constrain, grammar_text
-from test_grammar import vocabulary
+from support.grammar import vocabulary
 from tiny_tokenizer import tiny_llm_dir
 
 GROUP = "json_extraction"

@@ -22,9 +22,9 @@ from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.grammar import Constraint
 from support.engine import first_tokens_in_batches
+from support.grammar import LETTERS, letters
 from support.laws import ALPHA, chi_square_p_value, plain_law
 from support.models import V16, tiny16
-from test_grammar import LETTERS, letters
 
 # a-f, then a pair whose second letter's set depends on the first: a-c then d-f, or d-f then a-c
 GRAMMAR = "start: /[a-f]([a-c][d-f]|[d-f][a-c])/"

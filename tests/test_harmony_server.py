@@ -30,10 +30,10 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.server.routes import chat, completions, messages, responses_api
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured import harmony
+from support.messages_api import sse as anthropic_sse
+from support.responses_api import sse as responses_sse
+from support.routes import StandInWorker, bare_app
 from support.server import NAME, Server
-from test_messages_api import sse as anthropic_sse
-from test_responses_api import sse as responses_sse
-from test_server_routes import StandInWorker, bare_app
 from tiny_harmony import harmony_gguf, harmony_llm_dir, token
 from tiny_tokenizer import tiny_llm_dir
 

@@ -12,7 +12,6 @@ import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from quickdraft.proposers.head import DraftHead, HeadProposer, head_config, load
 from quickdraft.proposers.hybrid import HybridProposer
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
+from support.heads import random_head
 from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, SAMPLE_K, SAMPLE_NEW, assert_plain_sampling_law
 from support.models import KV_TOL, V16, tiny, tiny16
 from tiny_tokenizer import tiny_llm_dir
@@ -39,12 +39,6 @@ PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
 
 def target() -> Transformer:
     return tiny("llama-gqa-untied", init=0.1)  # varied text with loops in it
-
-
-def random_head(model: Transformer, seed: int = 0, vocab: Sequence[int] | None = None) -> DraftHead:
-    torch.manual_seed(seed)
-    return DraftHead(head_config(model.config), None if vocab is None else torch.tensor(vocab)
-                     ).requires_grad_(False).eval()
 
 
 def fused(model: Transformer, seed: int = 0) -> tuple[Transformer, DraftHead]:

@@ -26,8 +26,9 @@ from quickdraft.server.messages_answer import AnthropicErrors, Events, matched_s
 from quickdraft.server.messages_api import CountTokensRequest, MessagesRequest, chat_request, messages_param
 from quickdraft.server.schemas import MAX_MESSAGES
 from quickdraft.structured.conversation import template_message
+from support.http import unbounded
+from support.messages_api import sse
 from support.server import NAME, Server
-from test_server_hostile import unbounded
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -148,16 +149,6 @@ def test_a_whole_answer_is_a_message() -> None:
                                  ("stop", "END", "stop_sequence")):
         m = message(completion("", [], finish), stop)
         assert (m["content"], m["stop_reason"], m["stop_sequence"]) == ([], reason, stop)
-
-
-def sse(events: list[str]) -> list[dict]:
-    """Server-sent events -> their data, each checked to be named by its type."""
-    parsed = []
-    for e in events:
-        name, data = e.removesuffix("\n\n").split("\n")
-        parsed.append(json.loads(data.removeprefix("data: ")))
-        assert name == f"event: {parsed[-1]['type']}"
-    return parsed
 
 
 def chunk(content: str | None = None, calls: list | None = None, finish: str | None = None) -> dict:

@@ -20,12 +20,11 @@ import torch
 from gguf import GGMLQuantizationType
 
 import quickdraft
-from quickdraft import SamplingParams
-from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.kernels import QuantizedWeight
 from quickdraft.model.build import build_transformer
 from quickdraft.model.llama import RMSNorm
 from quickdraft.proposers import SpecConfig
+from support.families import GREEDY, N, run_engine
 from tiny_models import (
     BASE,
     CONFIGS,
@@ -47,8 +46,6 @@ from tiny_tokenizer import (
 
 PROMPT = "the cat sat on the mat; the cat sat on the"
 PROMPTS = [PROMPT, "hello world, hello", "STOP the cat"]
-N = 16
-GREEDY = SamplingParams(max_new_tokens=N, ignore_eos=True)
 
 
 def window_of(name: str) -> int | None:
@@ -91,23 +88,6 @@ def test_every_proposer_without_a_trained_head_gives_plain_greedy_tokens(files, 
     drafting with a model take the target itself) commits transformers' greedy tokens."""
     name, directory, _ = files
     assert_every_proposer(quickdraft.load(directory), directory, PROMPT, N, expected[PROMPT])
-
-
-def run_engine(llm, prompts: list[str], spec: SpecConfig) -> dict[str, list[int]]:
-    """Every prompt a request of one engine of up to 3 rows, drafting with `spec`."""
-    engine = Engine(llm.model, EngineConfig(max_batch=3, policy="fixed"))
-    out: dict[str, list[int]] = {}
-    for p in prompts:
-        ids = llm.tokenizer.encode(p)
-        engine.add(Request(ids, GREEDY, frozenset(), llm.proposer(ids, GREEDY, spec), spec.k, adaptive=False, id=p))
-        out[p] = []
-    steps = 0
-    while engine.has_work():
-        for rid, event in engine.step():
-            out[rid] += event.token_ids
-        steps += 1
-        assert steps < 200
-    return out
 
 
 def test_the_engines_batch_gives_each_request_transformers_tokens(files, expected):

@@ -35,6 +35,7 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.weights.gguf_file import config_from_metadata, open_reader, read_metadata
+from support.families import run_engine
 from support.laws import (
     ALPHA,
     N_SAMPLES,
@@ -47,7 +48,6 @@ from support.laws import (
     plain_law,
 )
 from support.models import V16
-from test_model_families import run_engine
 from tiny_models import (
     BASE,
     MOE_CONFIGS,

@@ -18,23 +18,14 @@ from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.policy import StepCost
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME, STALL, next_admitted, step_allowance
 from quickdraft.kv.blocks import BlockPool
-from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import BLOCK, PrefixCache
-from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Committed, Draft
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.spec.sampling import SamplingParams
 from support.engine import Job, draft_random, draft_same, drive, greedy, ngram
 from support.laws import ALPHA, N_SAMPLES, SAMPLE_K, chi_square_p_value, plain_law
 from support.models import KV_TOL, kv_mismatch, tiny, tiny16
-
-MODEL = "llama-gqa-untied"
-MB = 1 << 20
-
-
-def prefix_for(model: Transformer, budget: int = 64 * MB) -> PrefixCache:
-    return PrefixCache(budget, model.config, model.compute_dtype,
-                       pool=BlockPool(model.config, model.compute_dtype, model.device))
+from support.prefix import MB, MODEL, prefix_for, random_cache, tokens
 
 
 def test_an_engine_refuses_a_prefix_cache_whose_blocks_are_not_its_models() -> None:
@@ -47,20 +38,7 @@ def test_an_engine_refuses_a_prefix_cache_whose_blocks_are_not_its_models() -> N
         Engine(model, EngineConfig(max_batch=2), prefix=other)
 
 
-def tokens(seed: int, n: int, vocab: int = 96) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 # -- the trie of blocks ----------------------------------------------------------------------------------
-
-def random_cache(model: Transformer, rows: int, length: int, seed: int) -> KVCache:
-    cache = model.new_cache(rows, length)
-    g = torch.Generator().manual_seed(seed)
-    c = model.config
-    for row in range(rows):
-        cache.write_rows(row, 0, torch.randn(c.num_layers, 2, c.num_kv_heads, length, c.head_dim, generator=g))
-    return cache
-
 
 def test_scopes_find_only_their_own_blocks_and_evict_from_the_largest() -> None:
     """A client's prompt cached in its scope: another scope's request finds nothing of it (neither

@@ -23,8 +23,8 @@ from quickdraft import kernels
 from quickdraft.proposers import SpecConfig
 from quickdraft.spec.logprobs import TokenLogprob
 from quickdraft.spec.sampling import SamplingParams
+from support.http import token_bytes
 from support.server import MAX_SEQ, NAME, Server
-from test_sampling_options_server import token_bytes
 from tiny_tokenizer import tiny_model, write_llama_gguf
 
 EXACT = kernels.active_library() is not None  # else torch's kernels: each pass's sums by its own shape

@@ -17,6 +17,7 @@ from quickdraft import SamplingParams
 from quickdraft.bench.hf_reference import hf_greedy, load_hf_model
 from quickdraft.cli import main
 from quickdraft.proposers import SpecConfig
+from support.real_model import SPEC_PROMPTS, chat
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +27,6 @@ PROMPTS = [
     "List three primary colors.",
 ]
 N = 32
-
-
-def chat(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
 
 
 @pytest.fixture(scope="module")
@@ -132,14 +129,6 @@ def test_cli_json_on_the_default_model(llm: quickdraft.LLM, capsys: pytest.Captu
     assert "Paris" in obj["text"]
     assert obj["prompt_tokens"] == len(llm.prompt_ids(messages=chat(question)))
     assert obj["new_tokens"] == len(obj["token_ids"])
-
-
-SPEC_PROMPTS = [
-    "Fix the spelling in this sentence and return it only: The quick brown fox jumpd over the lazy dogg.",
-    "Write a haiku about the sea.",
-    "Explain in three sentences why the sky is blue.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-]
 
 
 @pytest.mark.parametrize("method", ["ngram", "ngram-tree", "head", "hybrid"])

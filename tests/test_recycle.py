@@ -5,16 +5,14 @@ object per target, shared by its requests, of fixed size; the commit record's to
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import pytest
 import torch
 
 import quickdraft
 from quickdraft.engine.batch import EngineConfig, Request
-from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import Committed, ProposerContext, SpecConfig
 from quickdraft.proposers.ngram import NgramProposer
 from quickdraft.proposers.recycle import (
@@ -30,20 +28,9 @@ from quickdraft.spec.sampling import SamplingParams
 from support.engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, assert_plain_sampling_law
 from support.models import V16, tiny16
+from support.shared_state import Home, assert_alone_greedy_equals_plain, assert_batched_greedy_equals_plain
 
 VOCAB = 96  # the tiny target's
-
-
-class Home:
-    """A Target around a tiny model: its shared state, as quickdraft.LLM keeps it (LLM.shared)."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model, self.name, self.state = model, None, {}
-
-    def shared(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        if key not in self.state:
-            self.state[key] = make()
-        return self.state[key]
 
 
 def recycling(recycled: Recycled, lookup: bool = False):
@@ -52,38 +39,10 @@ def recycling(recycled: Recycled, lookup: bool = False):
     return make
 
 
-def assert_alone_greedy_equals_plain(make: Callable, k: int) -> None:
-    """Each of JOBS alone, twice through one shared state (cold, then warm), the K/V checked every
-    step: its tokens are plain greedy's; drafts were accepted."""
-    model = target()
-    accepted = 0
-    for _ in range(2):
-        for job in JOBS:
-            out, last, violations = run_batched(model, [replace(job, make=make, k=k, join_at=0)],
-                                                EngineConfig(max_batch=1, policy="fixed"))
-            assert violations == []
-            assert out["0"] == replace(job, make=None, k=0).alone(model)
-            accepted += last["0"].stats.accepted_tokens
-    assert accepted > 0
-
-
 @pytest.mark.parametrize("lookup", [False, True])
 @pytest.mark.parametrize("k", [1, 4, 8, 16])
 def test_greedy_equals_plain_alone(k: int, lookup: bool) -> None:
     assert_alone_greedy_equals_plain(recycling(Recycled(VOCAB, 8), lookup), k)
-
-
-def assert_batched_greedy_equals_plain(make: Callable, k: int, policy: str) -> None:
-    """JOBS in a batch of 3 (rows join, finish, wait, stop), twice through one shared state (cold,
-    then warm): every request's tokens are plain greedy's; drafts were accepted."""
-    model = target()
-    jobs = [replace(job, make=make, k=k) for job in JOBS]
-    plain = [replace(job, make=None, k=0).alone(model) for job in JOBS]
-    for _ in range(2):
-        out, last, violations = run_batched(model, jobs, EngineConfig(max_batch=3, policy=policy))
-        assert violations == []
-        assert [out[str(i)] for i in range(len(jobs))] == plain
-    assert sum(ev.stats.accepted_tokens for ev in last.values()) > 0
 
 
 @pytest.mark.parametrize("lookup", [False, True])
@@ -191,7 +150,7 @@ def test_lookup_recycle_tries_the_text_first_then_the_table_along_its_own_paths(
 @pytest.mark.parametrize("method", ["recycle", "lookup-recycle", "suffix"])
 def test_greedy_equals_plain_on_the_default_model(method: str) -> None:
     """SmolLM2: each prompt twice, the second time with the shared table / corpus the first left."""
-    from test_real_model import SPEC_PROMPTS, chat
+    from support.real_model import SPEC_PROMPTS, chat
     llm = quickdraft.load()
     params = SamplingParams(max_new_tokens=64)
     accepted = []

@@ -17,8 +17,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from openai.types.responses import Response
+from pydantic import BaseModel, Field, ValidationError
 
 import quickdraft
 from quickdraft.server.errors import BadRequest
@@ -27,9 +27,9 @@ from quickdraft.server.responses_answer import Events, output_of
 from quickdraft.server.responses_api import ResponsesRequest, chat_request, renamed, responses_param
 from quickdraft.server.schemas import MAX_MESSAGES
 from quickdraft.structured.conversation import template_message
+from support.responses_api import sse
 from support.server import NAME, Server
 
-EVENTS = TypeAdapter(ResponseStreamEvent)
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
            "additionalProperties": False}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city, now",
@@ -42,19 +42,6 @@ SHORT = "What is 2+2? Answer with one number."  # SmolLM2 answers it in a few to
 
 def request(**fields: Any) -> ResponsesRequest:
     return ResponsesRequest.model_validate({"model": NAME, "input": "hi", **fields})
-
-
-def sse(text: str) -> list[dict[str, Any]]:
-    """A Responses stream's events, each checked against the openai package's type of its name."""
-    events = []
-    for block in text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}"
-        EVENTS.validate_python(event)
-        events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    return events
 
 
 # -- the translation, without a model --------------------------------------------------------------------------

@@ -182,9 +182,9 @@ def test_sampling_with_penalties_through_a_draft_follows_the_penalized_law(width
 @pytest.mark.parametrize("method", ["ngram", "ngram-tree", "draft-same", "draft-random", "draft-tree"])
 def test_under_a_json_schema_tokens_and_logprobs_equal_constrained_plain_decodings(method: str) -> None:
     """Issue 36's acceptance: under a grammar's masks (and penalties), every proposer, batch 1 and N."""
-    from test_grammar import EOS_ID, SCHEMAS, prompt_for, schema_constraint
-    from test_grammar import PROPOSERS as GRAMMAR_PROPOSERS
-    from test_grammar import target as grammar_target
+    from support.grammar import EOS_ID, SCHEMAS, prompt_for, schema_constraint
+    from support.grammar import PROPOSERS as GRAMMAR_PROPOSERS
+    from support.grammar import target as grammar_target
     params = SamplingParams(max_new_tokens=60, logprobs=4, presence_penalty=0.3, frequency_penalty=0.2)
 
     def constrained(jobs: list[tuple[dict, str]], max_batch: int) -> list[tuple[list[int], list]]:

@@ -16,8 +16,8 @@ from quickdraft.proposers.base import SpecConfig
 from quickdraft.server.guards import ADMIT, Admission, QueueFull
 from quickdraft.server.schemas import MAX_CHOICES
 from quickdraft.spec.sampling import SamplingParams
+from support.http import token_bytes
 from support.server import NAME, Server
-from tiny_tokenizer import byte_symbols
 
 NGRAM = {"speculative": {"method": "ngram", "k": 4}}
 PLAIN = SpecConfig("none")
@@ -30,14 +30,6 @@ def server(llm) -> Server:  # noqa: F811
     s = Server(llm, max_batch=4, max_waiting=MAX_WAITING)
     yield s
     s.stop()
-
-
-def token_bytes(llm, ids: list[int]) -> list[bytes]:  # noqa: F811
-    """Each token's bytes by the tiny tokenizer's own table (ids past its vocabulary, which the model's
-    embedding rows still have, are no text: b"")."""
-    value = {symbol: b for b, symbol in enumerate(byte_symbols())}
-    return [b"" if piece is None else bytes(value[c] for c in piece)
-            for piece in llm.tokenizer.hf.convert_ids_to_tokens(ids)]
 
 
 def test_chat_logprobs_are_openais_shape_and_plain_decodings(server: Server, llm) -> None:  # noqa: F811

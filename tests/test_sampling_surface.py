@@ -124,7 +124,7 @@ def test_a_heads_q_on_its_draft_vocabulary_takes_the_bias_by_the_targets_ids() -
     """A head drafts on a vocabulary of its own (draft index i is target token vocab[i]): the bias
     names target ids, so token 3 (draft index 2) gets its bias and token 4 (not drafted) none."""
     from quickdraft.proposers.head import HeadProposer
-    from test_head import random_head
+    from support.heads import random_head
 
     vocab = [0, 2, 3, 5, 7, 8, 11, 13, 14]
     model = tiny16()

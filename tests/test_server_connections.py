@@ -17,9 +17,8 @@ import pytest
 
 from quickdraft.cli import main
 from quickdraft.server.connections import MAX_HEADER_BYTES, ConnectionLimits, peer_of
+from support.http import KEY, address, answer, closed_within, error_of, status_and_error
 from support.server import NAME, PROMPTS, Server, alone
-from test_server_hardening import KEY, error_of
-from test_server_hostile import address, answer, closed_within, status_and_error
 
 BODY_TIMEOUT_S = 3.0  # short, so that "closed within the body timeout" is quick to check
 

@@ -29,6 +29,7 @@ from quickdraft.server.guards import answered_hosts
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.conversation import conversation
 from quickdraft.structured.tools import GENERIC
+from support.http import KEY, error_of
 from support.server import (
     MAX_SEQ,
     NAME,
@@ -46,14 +47,6 @@ def server(llm) -> Iterator[Server]:  # noqa: F811
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
-
-
-def error_of(r: httpx.Response, status: int) -> dict:
-    """The OpenAI error body of a response that must have `status`."""
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    return error
 
 
 class Bystander:
@@ -554,9 +547,6 @@ def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None
 
 
 # -- item 11: API keys, a bounded queue, loopback Host names, latency in /metrics ---------------------------
-
-KEY = "qd-test-key"
-
 
 def test_an_api_key_guards_the_v1_routes(llm) -> None:  # noqa: F811
     s = Server(llm, max_batch=4, api_keys=(KEY,))

@@ -25,6 +25,7 @@ from quickdraft.server.config import MAX_BODY_BYTES
 from quickdraft.server.connections import ConnectionLimits
 from quickdraft.server.prompts import LONG_CHARS
 from quickdraft.server.schemas import MAX_PROMPTS, MAX_TOOL_CALLS
+from support.http import address, answer, closed_within, status_and_error, unbounded
 from support.process import vm_rss_mb
 from support.server import MAX_SEQ, NAME, PROMPTS, Server, alone, stream_text
 
@@ -97,43 +98,6 @@ def server(llm):  # noqa: F811
     s = Server(llm, max_batch=2)
     yield s
     s.stop()
-
-
-def address(server: Server) -> tuple[str, int]:
-    host, port = server.url.removeprefix("http://").rsplit(":", 1)
-    return host, int(port)
-
-
-def closed_within(sock: socket.socket, timeout: float) -> bytes | None:
-    """What the server writes until it closes the connection, or None if it is still open after
-    `timeout` seconds."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except TimeoutError:
-        return None
-    except ConnectionResetError:
-        pass
-    return data
-
-
-def answer(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
-    """closed_within, and when it closed (seconds from now); still open fails the test."""
-    start = time.monotonic()
-    data = closed_within(sock, timeout)
-    assert data is not None, f"the connection was still open after {timeout} s"
-    return data, time.monotonic() - start
-
-
-def status_and_error(data: bytes) -> tuple[int, dict, dict]:
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    return int(lines[0].split()[1]), headers, error
 
 
 # -- item 1: a slow body holds no place in the queue ------------------------------------------------------
@@ -387,32 +351,6 @@ def test_connections_past_the_cap_are_refused_at_once(llm) -> None:  # noqa: F81
 
 
 # -- item 4: every list and string bounded, the bounds published --------------------------------------------
-
-def unbounded(schema: dict, components: dict, path: str = "", seen: frozenset = frozenset()) -> list[str]:
-    """The places in a request schema where a string, array or object has no bound."""
-    if "$ref" in schema:
-        name = schema["$ref"].rsplit("/", 1)[1]
-        return [] if name in seen else unbounded(components[name], components, path, seen | {name})
-    if "enum" in schema or "const" in schema:
-        return []
-    found = []
-    kind = schema.get("type")
-    if kind == "string" and "maxLength" not in schema:
-        found.append(path)
-    if kind == "array" and "maxItems" not in schema:
-        found.append(path)
-    if kind == "object" and schema.get("additionalProperties", False) is not False and "maxProperties" not in schema:
-        found.append(path)
-    for key in ("anyOf", "oneOf", "allOf"):
-        for i, form in enumerate(schema.get(key, [])):
-            found += unbounded(form, components, f"{path}|{i}", seen)
-    for name, field in schema.get("properties", {}).items():
-        found += unbounded(field, components, f"{path}.{name}", seen)
-    for key in ("items", "additionalProperties"):
-        if isinstance(schema.get(key), dict):
-            found += unbounded(schema[key], components, f"{path}[]", seen)
-    return found
-
 
 def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> None:  # noqa: F811
     """10,000 tool calls in one assistant message were accepted; now a 400 naming the field, as are

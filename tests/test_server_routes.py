@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -25,61 +24,23 @@ import quickdraft
 from quickdraft.cluster.asgi import call_app
 from quickdraft.cluster.digests import prompt_digests
 from quickdraft.cluster.ingress import Ingress
-from quickdraft.engine.batch import EngineConfig, Request
+from quickdraft.engine.batch import Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
 from quickdraft.errors import ContextTooLong
 from quickdraft.requests.text import TextAssembler
 from quickdraft.server import responses as out
-from quickdraft.server.app import GENERATION_PATHS
 from quickdraft.server.choices import Choice
-from quickdraft.server.config import ServerConfig
-from quickdraft.server.errors import install_error_handlers
-from quickdraft.server.guards import Admission
-from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.routes import chat, completions, health, messages, models, responses_api
-from quickdraft.server.state import Served
 from quickdraft.server.streaming import Answer, stream, whole
 from quickdraft.spec.sampling import SamplingParams
-from test_cluster import CONTEXT, FakeReplicas, ask, body, start
+from support.routes import CONTEXT, NAME, FakeReplicas, ask, bare_app, body, start
 from tiny_tokenizer import tiny_llm_dir
 
-NAME = "tiny"
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "today's weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
 USER = [{"role": "user", "content": "what is the weather in Paris?"}]
-
-
-class StandInWorker:
-    """The engine worker's two doors: each request submitted is recorded and ends at once (no
-    token, finish reason length, its prompt counted), as an engine would end a zero budget."""
-
-    def __init__(self, context: int) -> None:
-        self.engine = SimpleNamespace(max_seq_len=context)
-        self.submitted: list[Request] = []
-        self.cancelled: list[str] = []
-
-    def submit(self, request: Request, sink, make_proposer=None) -> None:
-        self.submitted.append(request)
-        sink(TokenEvent([], "length", GenerationStats(prompt_tokens=len(request.prompt_ids))))
-
-    def cancel(self, request_id: str) -> None:
-        self.cancelled.append(request_id)
-
-
-def bare_app(llm: quickdraft.LLM, *routes: Any, context: int = 512, api_keys: tuple[str, ...] = ()) -> FastAPI:
-    """Only `routes` (route modules), the error bodies and the queue places, over a stand-in worker."""
-    config = ServerConfig(NAME, engine=EngineConfig(max_batch=2), max_waiting=2, api_keys=api_keys)
-    served = Served(llm, config, StandInWorker(context), Metrics(llm.prefix), Prompts(llm.tokenizer),
-                    ThreadPoolExecutor(1))
-    app = FastAPI()
-    app.state.served = served
-    app.add_middleware(Admission, paths=GENERATION_PATHS, rows=config.engine.max_batch, waiting=config.max_waiting)
-    install_error_handlers(app, config.max_body_bytes)
-    for module in routes:
-        module.install(app, config)
-    return app
 
 
 def call(app: FastAPI, path: str, payload: dict[str, Any] | None = None) -> httpx.Response:

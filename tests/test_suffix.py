@@ -18,7 +18,7 @@ from quickdraft.spec.sampling import SamplingParams
 from support.engine import JOBS, Job, first_tokens_in_batches, run_batched, target
 from support.laws import N_SAMPLES, N_TOKENS, PROMPT16, assert_plain_sampling_law
 from support.models import tiny16
-from test_recycle import (
+from support.shared_state import (
     Home,
     assert_alone_greedy_equals_plain,
     assert_batched_greedy_equals_plain,

@@ -19,8 +19,9 @@ from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.conversation import conversation, instructions
 from quickdraft.structured.grammar import constrain, lark_grammar
 from quickdraft.structured.tool_reply import Call, CallPiece, Reader, calls_of, read
-from quickdraft.structured.tools import GENERIC, HERMES, MISTRAL, Function, Tools, grammar, syntax_of
-from test_grammar import PROPOSERS, run, text, tokenizer, vocabulary
+from quickdraft.structured.tools import GENERIC, HERMES, MISTRAL, Tools, grammar, syntax_of
+from support.grammar import PROPOSERS, run, text, tokenizer, vocabulary
+from support.tools import FUNCTIONS, HISTORY, OSLO, UTC, WEATHER, call_json
 from tiny_tokenizer import CHATML, EOS, build_tokenizer
 
 # a Hermes-style template (as Qwen2.5's writes tools, calls and results), written for these tests
@@ -35,20 +36,6 @@ HERMES_TEMPLATE = (
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-WEATHER = Function("get_weather", {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}, "The weather in a city")
-TIME = Function("get_time", {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                             "required": ["zone"], "additionalProperties": False})
-# pydantic's shape for a nested model: references into the function's own $defs
-NESTED = Function("book", {"$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string",
-                                                                                          "maxLength": 8}},
-                                               "required": ["name"], "additionalProperties": False}},
-                           "type": "object", "properties": {"guests": {"type": "array", "maxItems": 2,
-                                                                       "items": {"$ref": "#/$defs/Guest"}}},
-                           "required": ["guests"], "additionalProperties": False})
-FUNCTIONS = (WEATHER, TIME, NESTED)
-
 
 def template_tokenizer(template: str) -> Tokenizer:
     return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), eos_token=EOS, chat_template=template))
@@ -57,10 +44,6 @@ def template_tokenizer(template: str) -> Tokenizer:
 def render(template: str):
     tok = template_tokenizer(template)
     return lambda messages, tools: tok.chat_text(messages, tools=tools)
-
-
-def call_json(name: str, arguments: dict) -> str:
-    return json.dumps({"name": name, "arguments": arguments})
 
 
 def generic_reply(*calls: tuple[str, dict]) -> str:
@@ -82,13 +65,6 @@ def test_a_template_that_writes_hermes_calls_is_native_and_chatml_is_generic() -
     def broken(messages, tools):
         raise RuntimeError("a template that raises")
     assert syntax_of(broken) is GENERIC
-
-
-HISTORY = [{"role": "user", "content": "Weather in Oslo?"},
-           {"role": "assistant", "content": "", "tool_calls": [
-               {"id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
-           {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snow"}]
 
 
 def test_generic_prompt_lists_the_tools_in_the_system_turn_and_writes_the_history_as_json() -> None:
@@ -132,8 +108,6 @@ def accepts(tools: Tools, syntax, reply: str) -> bool:
         matcher.is_accepting()
 
 
-OSLO = ("get_weather", {"city": "Oslo", "unit": "c"})
-UTC = ("get_time", {"zone": "UTC"})
 GUESTS = ("book", {"guests": [{"name": "Ada"}, {"name": "Bo"}]})
 
 

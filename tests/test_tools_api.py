@@ -19,7 +19,7 @@ from quickdraft.proposers import SpecConfig
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.structured.grammar import GrammarError
 from quickdraft.structured.tools import GENERIC, ToolsError
-from test_tools import TIME, WEATHER
+from support.tools import TIME, WEATHER
 from tiny_tokenizer import tiny_llm_dir
 
 TOOLS = [f.as_tool() for f in (WEATHER, TIME)]

@@ -27,7 +27,7 @@ from quickdraft.structured.grammar import Vocabulary, constrain, lark_grammar
 from quickdraft.structured.tool_reply import Call, read
 from quickdraft.structured.tools import HERMES, LLAMA3, MISTRAL, Tools, grammar, syntax_of
 from support.server import NAME, Server
-from test_tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
+from support.tools import FUNCTIONS, HISTORY, OSLO, TIME, UTC, WEATHER, call_json
 from tiny_models import save_hf_dir
 from tiny_tokenizer import VOCAB_SIZE, build_tokenizer, tiny_model
 
