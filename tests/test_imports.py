@@ -139,6 +139,18 @@ def test_no_runtime_package_imports_the_benchmarks() -> None:
                   if part(d) == "bench" and part(m) not in ("bench", "cli")) == []
 
 
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in tests/support (by theme), so a test module can move or go alone."""
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in [*tests.glob("*.py"), *tests.glob("support/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert offenders == []
+
+
 @pytest.mark.parametrize("graph, expected", [
     ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c"]]),
     ({"a": {"b"}, "b": set(), "c": {"b"}}, []),
