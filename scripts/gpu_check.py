@@ -227,7 +227,8 @@ def exactness(report: Report, scale: Scale, device: str, deadline: float) -> Non
 
 def parity(report: Report, scale: Scale, device: str) -> None:
     """Our logits against transformers' on the same tiny weights, on the device (float32)."""
-    from test_spec_exactness import PROMPT_REPEAT, tiny
+    from support.models import tiny
+    from test_spec_exactness import PROMPT_REPEAT
     from tiny_models import hf_model
     for name in scale.models + scale.moe:
         hf = hf_model(name, seed=0, initializer_range=0.1).to(device)

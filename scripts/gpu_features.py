@@ -22,8 +22,7 @@ def cached_prefixes(device: str, batch: int, chunk: int | None) -> dict[str, Any
     from quickdraft.proposers.drafter import Drafter
     from support.engine import Job, drive, greedy, ngram
     from support.models import tiny
-    from support.prefix import MODEL, prefix_for
-    from test_prefix_cache import CONVERSATION
+    from support.prefix import CONVERSATION, MODEL, prefix_for
     model = tiny(MODEL, init=0.1, device=device)
     drafters = {"draft_same": Drafter(model), "draft_random": Drafter(tiny(MODEL, seed=1, device=device))}
 

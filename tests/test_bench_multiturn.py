@@ -77,7 +77,7 @@ def test_each_turn_resends_the_history_with_the_servers_answers() -> None:
 
 
 def test_the_shared_system_prompt_is_the_most_words_within_n_tokens() -> None:
-    count = lambda text: len(text.split())  # noqa: E731  (a word a token)
+    count = lambda text: len(text.split())
     texts = [" ".join(f"w{i}" for i in range(50)), " ".join(f"v{i}" for i in range(50))]
     prompt = shared_system_prompt(texts, 40, count)
     assert prompt.startswith(multiturn.SYSTEM_PREAMBLE.split()[0]) and count(prompt) == 40
@@ -236,7 +236,7 @@ def test_the_guard_refuses_the_amx_tile_state_to_the_program_it_becomes() -> Non
     granted to a plain process (the control), refused with EPERM after the guard's exec."""
     probe = ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
              "print(libc.syscall(158, 0x1023, 18), ctypes.get_errno())")
-    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()  # noqa: E731
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
     assert run([sys.executable, "-c", probe]) == ["0", "0"]
     assert run([sys.executable, str(llama_server.AMX_GUARD), sys.executable, "-c", probe]) == ["-1", str(errno.EPERM)]
 
@@ -295,7 +295,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 ''')
     target = Target("stand-in", "quickdraft")
     settings = ServerSettings("m", None, threads=1, sessions=1, max_seq_len=64)
-    command = lambda s, t, port: [sys.executable, str(script), str(port)]  # noqa: E731
+    command = lambda s, t, port: [sys.executable, str(script), str(port)]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mt, "quickdraft_command", command)
         with pytest.raises(QuickdraftError, match=r"(?s)stand-in: .*dying mid-answer"):

@@ -293,7 +293,7 @@ def test_a_request_keeps_its_turn_however_often_ray_asks_to_rank_for_it() -> Non
     from types import SimpleNamespace
 
     from quickdraft.cluster.router import Turns
-    request = lambda rid: SimpleNamespace(metadata=SimpleNamespace(request_id=rid))  # noqa: E731
+    request = lambda rid: SimpleNamespace(metadata=SimpleNamespace(request_id=rid))
     turns = Turns(remembered=2)
     a, b = request("a"), request("b")
     assert [turns.of(a), turns.of(a), turns.of(b), turns.of(a), turns.of(b)] == [1, 1, 2, 1, 2]

@@ -41,7 +41,7 @@ def widest_batch(llm: quickdraft.LLM) -> tuple[list[int], callable]:
     """Rows running after each step of the model's engine, from now until the returned call."""
     service = llm.engine_service()
     seen: list[int] = []
-    observe = lambda _s: seen.append(service.engine.num_running)  # noqa: E731
+    observe = lambda _s: seen.append(service.engine.num_running)
     service.step_observers.append(observe)
     return seen, lambda: service.step_observers.remove(observe)
 

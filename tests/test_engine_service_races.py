@@ -53,7 +53,7 @@ def within(call: Callable[[], T], seconds: float = DEADLINE_S) -> T:
     def run() -> None:
         try:
             out["value"] = call()
-        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+        except BaseException as e:
             out["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
@@ -220,7 +220,7 @@ def test_stopping_a_server_lets_generate_calls_in_flight_finish(llm: quickdraft.
     config = ServerConfig("tiny", engine=EngineConfig(max_batch=4, max_seq_len=256))
     server = BackgroundServer(llm, config, shutdown_timeout_s=20)
     service = llm.engine_service()
-    slow = lambda _s: time.sleep(0.01)  # noqa: E731 - steps long enough for the stop to come mid-way
+    slow = lambda _s: time.sleep(0.01)
     service.step_observers.append(slow)
     params = SamplingParams(max_new_tokens=200, ignore_eos=True)
     body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 40, "temperature": 0}

@@ -109,7 +109,7 @@ def test_forced_tokens_are_drafted_and_accepted() -> None:
 
 def test_shape_cuts_a_draft_at_its_first_forbidden_token_and_walks_trees_per_path() -> None:
     c = schema_constraint(SCHEMAS[2])  # an array of small integers
-    enc = lambda s: tokenizer().encode(s, add_special_tokens=False)  # noqa: E731
+    enc = lambda s: tokenizer().encode(s, add_special_tokens=False)
     forced = enc("[")
     assert c.shape(Draft([]), 8).tokens == forced
     # a chain: '[' forced (the draft's own '[' stands for it), '1', ',', then 'x' is forbidden (a space

@@ -30,7 +30,7 @@ USER = [{"role": "user", "content": "The weather in Paris, as JSON"}]
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[Server]:  # noqa: F811
+def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
@@ -38,7 +38,7 @@ def server(llm) -> Iterator[Server]:  # noqa: F811
 
 @pytest.mark.parametrize("speculative", [{"method": "none"}, {"method": "ngram", "k": 6},
                                          {"method": "ngram-tree", "k": 8}, {"method": "draft", "k": 3}])
-def test_chat_json_schema_validates_and_equals_the_python_api(server: Server, llm, speculative) -> None:  # noqa: F811
+def test_chat_json_schema_validates_and_equals_the_python_api(server: Server, llm, speculative) -> None:
     r = server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=200, temperature=0,
                                               response_format=FORMAT, extra_body={"speculative": speculative})
     content = r.choices[0].message.content
@@ -91,7 +91,7 @@ def test_a_bad_response_format_is_a_400_naming_it(server: Server, fmt: dict, say
         assert error["code"] == ("invalid_response_format" if error["param"] == "response_format" else None), error
 
 
-def test_a_schema_slow_to_compile_is_a_400_and_stalls_no_one(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+def test_a_schema_slow_to_compile_is_a_400_and_stalls_no_one(server: Server, llm, monkeypatch) -> None:
     """Compiling runs on the server's grammar threads under a time limit: a request whose schema
     takes too long gets a 400, and a plain request sent meanwhile is answered before it."""
     real = requests_module.constraint_of

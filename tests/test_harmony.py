@@ -260,7 +260,7 @@ def test_reasoning_tokens_are_the_analysis_bodies_and_a_message_to_a_tool_not_of
     """Token by token: the analysis body's tokens; a message to functions.NAME is a call where tools are
     offered and reasoning where not (as Reader reads it); headers, markers and the answer are not."""
     tok = harmony_tokenizer()
-    words = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    words = lambda text: len(tok.encode(text, add_special_tokens=False))
     reply = ("<|channel|>analysis<|message|>think it over<|end|><|start|>assistant to=functions.f"
              "<|channel|>commentary json<|message|>{\"a\": 1}<|call|>")
     counter = harmony.ReasoningTokens(calls)

@@ -20,7 +20,7 @@ import quickdraft.bench
 
 # the worker runs by path and imports amx_guard as its sibling; in this process it needs the folder
 sys.path.insert(0, str(Path(quickdraft.bench.__file__).parent))
-from quickdraft.bench.llamacpp_worker import LlamaCppEngine  # noqa: E402  in this process: the test reads its internals
+from quickdraft.bench.llamacpp_worker import LlamaCppEngine
 from quickdraft.cli import main
 from quickdraft.weights.resolve import resolve_model
 

@@ -236,7 +236,7 @@ def test_error_bodies_leave_in_anthropic_s_envelope() -> None:
 # -- the live server, with the anthropic SDK -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[Server]:  # noqa: F811
+def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0)
     yield s
@@ -344,7 +344,7 @@ def test_errors_are_anthropic_s_envelope_with_the_routes_statuses(server: Server
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_the_key_is_taken_as_x_api_key_too(llm) -> None:  # noqa: F811
+def test_the_key_is_taken_as_x_api_key_too(llm) -> None:
     s = Server(llm, max_batch=4, api_keys=(KEY,))  # the module server's engine settings: one engine
     try:
         by_header = anthropic.Anthropic(base_url=s.url, api_key=None, default_headers={"X-Api-Key": KEY}, max_retries=0)

@@ -32,14 +32,14 @@ CALL_ID = re.compile(r"call_[A-Za-z0-9-]+_0")
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[Server]:  # noqa: F811
+def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=2)
     yield s
     s.stop()
 
 
 @pytest.fixture
-def handed(llm, monkeypatch) -> list[list[int]]:  # noqa: F811
+def handed(llm, monkeypatch) -> list[list[int]]:
     """The prompt ids of every request either door hands the engine, in order."""
     seen: list[list[int]] = []
     request = llm.request
@@ -67,14 +67,14 @@ ASKS = {  # name: (the Python API's arguments, the server's route and body)
 
 
 @pytest.mark.parametrize("name", sorted(ASKS))
-def test_both_doors_hand_the_engine_the_same_prompt_ids(llm, server: Server, handed, name: str) -> None:  # noqa: F811
+def test_both_doors_hand_the_engine_the_same_prompt_ids(llm, server: Server, handed, name: str) -> None:
     kwargs, (route, body) = ASKS[name]
     llm.generate(**kwargs, params=SamplingParams(max_new_tokens=2, temperature=0.0))
     assert post(server, route, {**body, "max_tokens": 2, "temperature": 0}).status_code == 200
     assert len(handed) == 2 and handed[0] == handed[1] and len(handed[0]) > 3
 
 
-def test_a_forced_call_has_an_id_of_the_same_form_through_both_doors(llm, server: Server) -> None:  # noqa: F811
+def test_a_forced_call_has_an_id_of_the_same_form_through_both_doors(llm, server: Server) -> None:
     choice = {"type": "function", "function": {"name": "get_time"}}
     api = llm.generate(messages=HISTORY, tools=TOOLS, tool_choice=choice,
                        params=SamplingParams(max_new_tokens=120, temperature=0.0))
@@ -115,7 +115,7 @@ REFUSALS = {  # name: (the Python API's arguments, the server's route and body, 
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
-def test_both_doors_refuse_alike(llm, server: Server, name: str) -> None:  # noqa: F811
+def test_both_doors_refuse_alike(llm, server: Server, name: str) -> None:
     kwargs, (route, body), param = REFUSALS[name]
     with pytest.raises(RequestError) as refused:
         llm.generate(**kwargs, params=SamplingParams(max_new_tokens=2))
@@ -127,7 +127,7 @@ def test_both_doors_refuse_alike(llm, server: Server, name: str) -> None:  # noq
     assert refused.value.param == param and refused.value.code is not None
 
 
-def test_a_prompt_its_length_refuses_is_refused_alike(llm, server: Server) -> None:  # noqa: F811
+def test_a_prompt_its_length_refuses_is_refused_alike(llm, server: Server) -> None:
     """A text so long that its length alone says it cannot fit: refused before any tokenizer work,
     with the same message through both doors."""
     per_token = llm.tokenizer.bytes_per_token

@@ -14,6 +14,7 @@ from quickdraft.kv import blocks as blocks_module
 from quickdraft.kv.blocks import BLOCK, BlockPool, physical_memory
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
+from quickdraft.model.llama import Transformer
 from quickdraft.spec.sampling import SamplingParams
 from support.process import vm_rss_mb
 from tiny_models import BASE, hf_model, ours_from_hf
@@ -188,7 +189,7 @@ def until_decoding(engine: Engine, n: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def long_model():
+def long_model() -> Transformer:
     return ours_from_hf(hf_model("llama-gqa-untied", max_position_embeddings=2048))
 
 

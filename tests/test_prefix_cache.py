@@ -25,7 +25,7 @@ from quickdraft.spec.sampling import SamplingParams
 from support.engine import Job, draft_random, draft_same, drive, greedy, ngram
 from support.laws import ALPHA, N_SAMPLES, SAMPLE_K, chi_square_p_value, plain_law
 from support.models import KV_TOL, kv_mismatch, tiny, tiny16
-from support.prefix import MB, MODEL, prefix_for, random_cache, tokens
+from support.prefix import CONVERSATION, MB, MODEL, prefix_for, random_cache, tokens
 
 
 def test_an_engine_refuses_a_prefix_cache_whose_blocks_are_not_its_models() -> None:
@@ -181,17 +181,6 @@ def test_a_prefix_hit_gives_bitwise_what_a_full_prefill_gives(model_name: str) -
 
 # -- every output as without the cache, rows joining and leaving ------------------------------------------
 
-SYSTEM = tokens(6, 37)  # a "system prompt" several sessions share
-CONVERSATION = [
-    # (prompt, proposer, k, join at step): sessions sharing SYSTEM, then their next turns resent whole
-    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8], None, 0, 0),
-    (SYSTEM + [9, 2, 9, 2, 9, 2], "ngram", 4, 0),
-    (SYSTEM + [44, 12, 19, 44, 12], "draft_same", 3, 1),
-    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8] + tokens(7, 20), "draft_random", 2, 6),
-    (SYSTEM + [9, 2, 9, 2, 9, 2] + tokens(8, 30), "ngram", 8, 9),
-    (tokens(9, 50), "ngram", 1, 12),  # shares nothing
-    (SYSTEM + [44, 12, 19, 44, 12] + tokens(10, 17), None, 0, 14),
-]
 PROPOSERS = {None: None, "ngram": ngram, "draft_same": draft_same, "draft_random": draft_random}
 
 

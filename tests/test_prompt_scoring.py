@@ -41,14 +41,14 @@ def gguf_llm(tmp_path_factory: pytest.TempPathFactory) -> quickdraft.LLM:
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Server:  # noqa: F811
+def server(llm) -> Server:
     s = Server(llm, max_batch=4, max_waiting=4)  # 8 places: a batch of 3 prompts with n = 3 is too many
     yield s
     s.stop()
 
 
 @torch.inference_mode()
-def plain(llm: quickdraft.LLM, ids: list[int], top: int) -> list[TokenLogprob]:  # noqa: F811
+def plain(llm: quickdraft.LLM, ids: list[int], top: int) -> list[TokenLogprob]:
     """Each token's after the first: one forward over the whole prompt, log_softmax at each position."""
     model = llm.model
     logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], model.new_cache(1, len(ids))).logits[0]
@@ -72,7 +72,7 @@ def assert_same(got: list[TokenLogprob], expected: list[TokenLogprob]) -> None:
 # -- LLM.score ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("which", ["float", "gguf"])
-def test_scores_are_a_plain_forwards_log_softmax_cold_and_cached(which: str, llm, gguf_llm) -> None:  # noqa: F811
+def test_scores_are_a_plain_forwards_log_softmax_cold_and_cached(which: str, llm, gguf_llm) -> None:
     model = llm if which == "float" else gguf_llm
     ids = model.tokenizer.encode(PROMPT)
     assert 32 < len(ids) <= 64 and (which == "float") != model.model.quantized  # the premises
@@ -90,7 +90,7 @@ def test_scores_are_a_plain_forwards_log_softmax_cold_and_cached(which: str, llm
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_a_speculative_answer_scored_again_is_the_plain_forwards(method: str, llm, dirs) -> None:  # noqa: F811
+def test_a_speculative_answer_scored_again_is_the_plain_forwards(method: str, llm, dirs) -> None:
     """The answer's K/V and features come from the verify passes that accepted its drafts."""
     spec = SpecConfig(method, k=4, adaptive=False, draft_model=str(dirs[0]))  # the target as its own draft
     prompt = "abc abc abc abd abc"
@@ -102,7 +102,7 @@ def test_a_speculative_answer_scored_again_is_the_plain_forwards(method: str, ll
     assert_same(scored.logprobs, plain(llm, ids, 2))
 
 
-def test_scoring_refuses_what_it_cannot_score(llm) -> None:  # noqa: F811
+def test_scoring_refuses_what_it_cannot_score(llm) -> None:
     with pytest.raises(quickdraft.QuickdraftError, match="token ids must be in 0..299"):
         llm.score([5, 300])
     with pytest.raises(quickdraft.ContextTooLong, match="empty"):
@@ -120,11 +120,11 @@ def post(server: Server, **body) -> dict:
     return r.json()
 
 
-def spelled(llm, ids: list[int]) -> list[str]:  # noqa: F811
+def spelled(llm, ids: list[int]) -> list[str]:
     return [b.decode("utf-8", errors="replace") for b in token_bytes(llm, ids)]
 
 
-def legacy_top(llm, lp: TokenLogprob) -> dict[str, float]:  # noqa: F811
+def legacy_top(llm, lp: TokenLogprob) -> dict[str, float]:
     """OpenAI's top_logprobs entry: keyed by text, of alternatives that spell alike the likeliest."""
     top: dict[str, float] = {}
     for text, (_, value) in zip(spelled(llm, [i for i, _ in lp.top]), lp.top):
@@ -133,7 +133,7 @@ def legacy_top(llm, lp: TokenLogprob) -> dict[str, float]:  # noqa: F811
 
 
 @pytest.mark.parametrize("form", ["text", "ids", "batch of ids"])
-def test_echo_with_max_tokens_0_answers_the_prompt_and_its_scores(server: Server, llm, form: str) -> None:  # noqa: F811
+def test_echo_with_max_tokens_0_answers_the_prompt_and_its_scores(server: Server, llm, form: str) -> None:
     ids = llm.tokenizer.encode(PROMPT)
     prompt = {"text": PROMPT, "ids": ids, "batch of ids": [ids]}[form]
     r = post(server, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
@@ -152,7 +152,7 @@ def test_echo_with_max_tokens_0_answers_the_prompt_and_its_scores(server: Server
 
 
 @pytest.mark.parametrize("speculative", [{"method": "none"}, {"method": "ngram", "k": 4, "adaptive": False}])
-def test_echo_puts_the_prompt_before_the_new_tokens(server: Server, llm, speculative: dict) -> None:  # noqa: F811
+def test_echo_puts_the_prompt_before_the_new_tokens(server: Server, llm, speculative: dict) -> None:
     prompt = "abc abc abc abd abc"
     ids = llm.tokenizer.encode(prompt)
     alone = llm.generate(prompt, params=SamplingParams(max_new_tokens=16, logprobs=2), spec=PLAIN)
@@ -172,7 +172,7 @@ def test_echo_puts_the_prompt_before_the_new_tokens(server: Server, llm, specula
     assert first["choices"][0]["logprobs"] == again["choices"][0]["logprobs"]
 
 
-def test_a_batch_of_prompts_answers_each_with_its_choices(server: Server, llm) -> None:  # noqa: F811
+def test_a_batch_of_prompts_answers_each_with_its_choices(server: Server, llm) -> None:
     prompts = ["Once upon a time", "1 2 3 4", "Dear diary, today"]
     sampling = dict(temperature=1.0, seed=7, max_tokens=6, speculative={"method": "none"})
     r = post(server, prompt=prompts, n=2, **sampling)
@@ -191,7 +191,7 @@ def test_a_batch_of_prompts_answers_each_with_its_choices(server: Server, llm) -
     assert [c["text"] for c in ids["choices"]] == texts and ids["usage"]["prompt_tokens"] == sum(lengths)
 
 
-def test_a_streamed_echo_sends_the_prompt_first(server: Server, llm) -> None:  # noqa: F811
+def test_a_streamed_echo_sends_the_prompt_first(server: Server, llm) -> None:
     body = dict(prompt=["abc abc", "xyz"], echo=True, logprobs=1, max_tokens=5, temperature=0)
     whole = post(server, **body)
     events = []
@@ -230,7 +230,7 @@ def test_what_stays_refused_is_a_400_naming_the_field(server: Server) -> None:
     assert error_of(server, prompt="hi", max_tokens=-1)["param"] == "max_tokens"
 
 
-def test_the_published_schema_takes_batches_and_max_tokens_0(server: Server, llm) -> None:  # noqa: F811
+def test_the_published_schema_takes_batches_and_max_tokens_0(server: Server, llm) -> None:
     schema = httpx.get(f"{server.url}/openapi.json").json()["components"]["schemas"]
     fields = schema["CompletionRequest"]["properties"]
     forms = fields["prompt"]["anyOf"]
@@ -264,7 +264,7 @@ DOCS = [{"question": "What does the fox do?", "choices": ["jumps", "sleeps", "ru
         {"question": "Dear diary, today", "choices": ["I ate", "we sang a song"], "answer": 1}]
 
 
-def test_lm_eval_loglikelihoods_are_the_python_apis(server: Server, llm, dirs,  # noqa: F811
+def test_lm_eval_loglikelihoods_are_the_python_apis(server: Server, llm, dirs,
                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lm_eval = pytest.importorskip("lm_eval")  # the clients extra: lm-eval[api]
     from lm_eval.tasks import TaskManager

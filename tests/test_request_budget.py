@@ -16,14 +16,14 @@ BOUND = 64
 
 
 @pytest.fixture(scope="module")
-def small(llm) -> Iterator[Server]:  # noqa: F811
+def small(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4, max_request_tokens=BOUND)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def default(llm) -> Iterator[Server]:  # noqa: F811
+def default(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()

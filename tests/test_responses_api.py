@@ -239,7 +239,7 @@ def test_the_store_drops_the_least_recently_used_by_count_and_by_bytes_and_keeps
 # -- the route, on the tiny random model -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(llm) -> Iterator[Server]:  # noqa: F811
+def tiny(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=2)
     yield s
     s.stop()

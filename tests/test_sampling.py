@@ -210,7 +210,7 @@ def test_sample_shape_and_one_hot_rows() -> None:
 
 def test_seeded_generators_reproduce_and_seeds_differ() -> None:
     p = torch.full((200, 50), 1 / 50)
-    draws = lambda seed: sample(p, params(temperature=1.0, seed=seed).make_generator())  # noqa: E731
+    draws = lambda seed: sample(p, params(temperature=1.0, seed=seed).make_generator())
     assert torch.equal(draws(7), draws(7))
     # 200 uniform draws over 50 tokens agreeing by chance: probability 50**-200.
     assert not torch.equal(draws(7), draws(8))

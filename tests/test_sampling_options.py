@@ -60,9 +60,9 @@ def test_each_tree_node_counts_its_own_path() -> None:
     expected[:, 6] += 2
     expected[:, 2] += 1
     expected[1, 5] += 1                          # after node 0: a
-    expected[2, 5] += 1; expected[2, 6] += 1     # after node 1: a b  # noqa: E702
+    expected[2, 5] += 1; expected[2, 6] += 1     # after node 1: a b
     expected[3, 7] += 1                          # after node 2: c
-    expected[4, 5] += 2; expected[4, 6] += 1     # after node 3: a b a  # noqa: E702
+    expected[4, 5] += 2; expected[4, 6] += 1     # after node 3: a b a
     assert torch.equal(counts, expected)
 
 

@@ -26,13 +26,13 @@ MAX_WAITING = 8  # with max_batch 4: the server holds 12 requests at once
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Server:  # noqa: F811
+def server(llm) -> Server:
     s = Server(llm, max_batch=4, max_waiting=MAX_WAITING)
     yield s
     s.stop()
 
 
-def test_chat_logprobs_are_openais_shape_and_plain_decodings(server: Server, llm) -> None:  # noqa: F811
+def test_chat_logprobs_are_openais_shape_and_plain_decodings(server: Server, llm) -> None:
     r = server.client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=12, temperature=0,
                                               logprobs=True, top_logprobs=3, extra_body=NGRAM)
     alone = llm.generate(messages=MESSAGES, params=SamplingParams(max_new_tokens=12, logprobs=3), spec=PLAIN)
@@ -53,7 +53,7 @@ def test_chat_logprobs_are_openais_shape_and_plain_decodings(server: Server, llm
     assert plain.choices[0].logprobs is None
 
 
-def test_completion_logprobs_are_the_legacy_lists(server: Server, llm) -> None:  # noqa: F811
+def test_completion_logprobs_are_the_legacy_lists(server: Server, llm) -> None:
     r = server.client.completions.create(model=NAME, prompt="abc abc abd", max_tokens=10, temperature=0.7, seed=5,
                                          logprobs=2, extra_body=NGRAM)
     alone = llm.generate("abc abc abd", params=SamplingParams(temperature=0.7, seed=5, max_new_tokens=10, logprobs=2),
@@ -72,7 +72,7 @@ def test_completion_logprobs_are_the_legacy_lists(server: Server, llm) -> None: 
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(alone.text)
 
 
-def test_penalties_are_exact_under_speculation_through_the_server(server: Server, llm) -> None:  # noqa: F811
+def test_penalties_are_exact_under_speculation_through_the_server(server: Server, llm) -> None:
     penalties = {"presence_penalty": -2.0, "frequency_penalty": -0.5}  # negative: the text repeats, drafts hit
     r = server.client.completions.create(model=NAME, prompt="hello hello hello", max_tokens=24, temperature=0,
                                          extra_body=NGRAM, **penalties)
@@ -82,7 +82,7 @@ def test_penalties_are_exact_under_speculation_through_the_server(server: Server
     assert r.model_extra["stats"]["accepted_tokens"] > 0  # drafts were verified and accepted
 
 
-def test_n_choices_are_seeded_requests_sharing_the_prompts_prefill(server: Server, llm) -> None:  # noqa: F811
+def test_n_choices_are_seeded_requests_sharing_the_prompts_prefill(server: Server, llm) -> None:
     prompt = "n choices: a prompt of its own, long enough to fill two of the prefix cache's blocks " * 2
     body = {"model": NAME, "prompt": prompt, "max_tokens": 10, "temperature": 1.0, "seed": 11, "n": 3, **NGRAM}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()

@@ -99,13 +99,13 @@ def test_the_published_bound_on_logit_bias_ids_holds_exactly_the_vocabulary(m: i
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Server:  # noqa: F811
+def server(llm) -> Server:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
 
 
-def test_the_server_takes_logit_bias(server: Server, llm) -> None:  # noqa: F811
+def test_the_server_takes_logit_bias(server: Server, llm) -> None:
     bias = {"100": 5.0, "101": 4.0, "3": -100}
     r = server.client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=0, logit_bias=bias,
                                          extra_body={"speculative": {"method": "ngram", "k": 4}})
@@ -160,7 +160,7 @@ def test_sampling_with_min_p_follows_its_law_and_not_the_plain_one() -> None:
     assert chi_square_p_value(counts, plain_law(tiny16(), PROMPT16, SamplingParams(temperature=1.0), 3)) < ALPHA
 
 
-def test_the_server_takes_min_p(server: Server, llm) -> None:  # noqa: F811
+def test_the_server_takes_min_p(server: Server, llm) -> None:
     r = server.client.completions.create(model=NAME, prompt="abc", max_tokens=16, temperature=1.0, seed=7,
                                          extra_body={"min_p": 0.3, "speculative": {"method": "ngram", "k": 4}})
     alone = llm.generate("abc", params=SamplingParams(max_new_tokens=16, temperature=1.0, seed=7, min_p=0.3),

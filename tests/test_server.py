@@ -268,7 +268,7 @@ def test_extreme_sampling_values_are_served_and_harm_no_one(server: Server, llm)
     failed the engine step: a 500 for the sender, "generation failed" for the whole batch. Sent
     while a greedy stream runs: every request gets a 200, the extreme ones decode as greedy (one
     token is left possible) and the stream gets exactly what it gets alone."""
-    errors = lambda: server.metrics().get('quickdraft_requests_total{finish_reason="error"}', 0.0)  # noqa: E731
+    errors = lambda: server.metrics().get('quickdraft_requests_total{finish_reason="error"}', 0.0)
     errors_before = errors()
     expected = alone(llm, PROMPTS[6], 200, {"method": "none"})
     expected_extreme = alone(llm, PROMPTS[2], 30, {"method": "none"})

@@ -42,7 +42,7 @@ def send_in_background(sock: socket.socket, data: bytes) -> threading.Thread:
 
 # -- item 3: a 413 closes its connection -------------------------------------------------------------------
 
-def test_a_413_is_answered_with_close_and_closed_within_the_body_timeout(llm) -> None:  # noqa: F811
+def test_a_413_is_answered_with_close_and_closed_within_the_body_timeout(llm) -> None:
     """A declared 3 MiB body (limit 1 MiB): the 413 says Connection: close, and the connection is
     closed once the body is in (sent at once) or at the body timeout (never sent). It stayed open
     for good once the body had come (an idle connection with no timer); a client sending the body at
@@ -72,7 +72,7 @@ def test_a_413_is_answered_with_close_and_closed_within_the_body_timeout(llm) ->
         s.stop()
 
 
-def test_an_early_answer_leaves_no_idle_connection_behind(llm) -> None:  # noqa: F811
+def test_an_early_answer_leaves_no_idle_connection_behind(llm) -> None:
     """A 401 (given before the body is read) keeps the connection, as HTTP allows; once the body is
     in, the connection idles and is closed by the keep-alive timeout (5 s), not kept for good."""
     s = Server(llm, max_batch=2, api_keys=(KEY,))
@@ -91,7 +91,7 @@ def test_an_early_answer_leaves_no_idle_connection_behind(llm) -> None:  # noqa:
 
 # -- item 4: one peer, and a body slower than the minimum rate ----------------------------------------------
 
-def test_one_peer_holds_at_most_its_share_of_the_connections(llm) -> None:  # noqa: F811
+def test_one_peer_holds_at_most_its_share_of_the_connections(llm) -> None:
     """Cap 8, 4 a peer: 8 connections from 127.0.0.1 sending a body a byte at a time: 4 are held,
     4 refused at once (429, Retry-After); a chat from 127.0.0.2 still gets its 200 and its text.
     Without the per-peer cap the 8 took every place and the chat got a 503."""
@@ -156,7 +156,7 @@ def test_the_new_flags_are_checked_before_the_model_loads(flags: list[str], expe
     assert capsys.readouterr().err == f"quickdraft: error: {expected}\n"
 
 
-def test_a_body_slower_than_the_minimum_rate_is_cut(llm) -> None:  # noqa: F811
+def test_a_body_slower_than_the_minimum_rate_is_cut(llm) -> None:
     """100 bytes/s after a grace of 1 s (body timeout 20 s): a body trickled at ~10 bytes/s is a 408
     within ~1.5 s, its connection closed; one sent at ~300 bytes/s, twice as long, is served."""
     s = Server(llm, max_batch=2, connections=ConnectionLimits(body_timeout_s=20, min_body_rate=100,
@@ -201,7 +201,7 @@ def test_a_body_slower_than_the_minimum_rate_is_cut(llm) -> None:  # noqa: F811
 
 # -- item 6: the request head's bound whatever the reads; what the API key guards ---------------------------
 
-def test_a_request_head_past_16_kib_is_refused_even_in_one_read(llm) -> None:  # noqa: F811
+def test_a_request_head_past_16_kib_is_refused_even_in_one_read(llm) -> None:
     """A 20 KiB header block in one write: 400 invalid_http, closed (h11 alone checks only a head
     still incomplete, so one read of up to ~70 KB passed). One just under the bound is served."""
     s = Server(llm, max_batch=2)
@@ -223,7 +223,7 @@ def test_a_request_head_past_16_kib_is_refused_even_in_one_read(llm) -> None:  #
         s.stop()
 
 
-def test_the_interactive_docs_need_the_key(llm) -> None:  # noqa: F811
+def test_the_interactive_docs_need_the_key(llm) -> None:
     """With a key, only /health, /metrics, /openapi.json and the playground's page, files and config
     (read before a key is typed; no more than the schema publishes) are open."""
     s = Server(llm, max_batch=2, api_keys=(KEY,))

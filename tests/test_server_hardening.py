@@ -43,7 +43,7 @@ from support.server import (
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[Server]:  # noqa: F811
+def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
@@ -57,7 +57,7 @@ class Bystander:
         self.future = self.pool.submit(stream_text, server.client, prompt, n, {"method": "none"}, temperature=0)
         self.prompt, self.n = prompt, n
 
-    def check(self, llm: quickdraft.LLM) -> None:  # noqa: F811
+    def check(self, llm: quickdraft.LLM) -> None:
         text = self.future.result(timeout=60)[0]
         self.pool.shutdown()
         assert text == alone(llm, self.prompt, self.n, {"method": "none"})
@@ -65,7 +65,7 @@ class Bystander:
 
 # -- item 2: body size, the model checked first, tokenization off the event loop ---------------------------
 
-def test_an_oversized_body_is_a_413_and_harms_no_one(server: Server, llm) -> None:  # noqa: F811
+def test_an_oversized_body_is_a_413_and_harms_no_one(server: Server, llm) -> None:
     """With a Content-Length past the limit the body is refused before it is read; a chunked body
     without one is cut off as soon as it passes the limit."""
     big = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * MAX_BODY_BYTES + b'"}]}'
@@ -86,7 +86,7 @@ def test_an_oversized_body_is_a_413_and_harms_no_one(server: Server, llm) -> Non
     assert error_of(just_under, 400)["code"] == "context_length_exceeded"  # read, tokenized, refused
 
 
-def test_unknown_model_is_refused_before_the_prompt_is_tokenized(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+def test_unknown_model_is_refused_before_the_prompt_is_tokenized(server: Server, llm, monkeypatch) -> None:
     calls = []
     for name in ("encode", "apply_chat_template"):
         original = getattr(llm.tokenizer, name)
@@ -102,7 +102,7 @@ def test_unknown_model_is_refused_before_the_prompt_is_tokenized(server: Server,
     assert len(calls) == 1  # the counting wrapper does see a served request
 
 
-def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) -> None:
     """A prompt whose tokenization hangs (held here until released) leaves /health and other
     requests answering."""
     started, release = threading.Event(), threading.Event()
@@ -131,7 +131,7 @@ def test_tokenization_runs_off_the_event_loop(server: Server, llm, monkeypatch) 
 
 # -- item 3: stop strings bounded and matched incrementally ------------------------------------------------
 
-def test_long_stop_strings_are_bounded_and_cheap(server: Server, llm) -> None:  # noqa: F811
+def test_long_stop_strings_are_bounded_and_cheap(server: Server, llm) -> None:
     """16 stop strings of the largest allowed length cost next to nothing while a stream runs; one
     character more, or a 17th string, is a 400 naming `stop`."""
     bystander = Bystander(server)
@@ -168,12 +168,12 @@ def raw_post(server: Server, path: str, body: dict, headers: str = "") -> socket
     return sock
 
 
-def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server: Server, llm) -> None:  # noqa: F811
+def test_a_non_streaming_request_is_cancelled_when_its_client_leaves(server: Server, llm) -> None:
     """The request's tokens arrive without pause, so the disconnect must be noticed while they do
     (it was checked only when no token came for 0.5 s: the row ran on to max_tokens)."""
     m = server.metrics
-    cancelled = lambda: m().get('quickdraft_requests_total{finish_reason="cancelled"}', 0.0)  # noqa: E731
-    finished = lambda: sum(v for k, v in m().items() if k.startswith("quickdraft_requests_total"))  # noqa: E731
+    cancelled = lambda: m().get('quickdraft_requests_total{finish_reason="cancelled"}', 0.0)
+    finished = lambda: sum(v for k, v in m().items() if k.startswith("quickdraft_requests_total"))
     before, generated_before = cancelled(), m()["quickdraft_generated_tokens_total"]
     bystander = Bystander(server, n=120)
     sock = raw_post(server, "/v1/completions", LONG)
@@ -210,7 +210,7 @@ def check_final_answers(rest: list[str], whole: httpx.Response) -> None:
     assert error["code"] == "server_shutting_down" and "--shutdown-timeout" in error["message"]
 
 
-def test_requests_past_the_shutdown_timeout_get_a_final_answer(llm) -> None:  # noqa: F811
+def test_requests_past_the_shutdown_timeout_get_a_final_answer(llm) -> None:
     s = Server(llm, max_batch=4, shutdown_timeout_s=0.3)
     start = time.monotonic()
     rest, whole = stop_with_requests_in_flight(s.url, s.request_stop)
@@ -220,7 +220,7 @@ def test_requests_past_the_shutdown_timeout_get_a_final_answer(llm) -> None:  # 
     assert s.worker.engine.num_running == 0 and not s.worker.engine.waiting
 
 
-def test_serve_command_exits_0_after_cancelling_at_the_shutdown_timeout(dirs) -> None:  # noqa: F811
+def test_serve_command_exits_0_after_cancelling_at_the_shutdown_timeout(dirs) -> None:
     """The engine runs on the main thread there: it must not raise once the event loop is closed."""
     with serve_process(dirs, "--shutdown-timeout", "0.3") as (proc, url):
         rest, whole = stop_with_requests_in_flight(url, lambda: proc.send_signal(signal.SIGTERM))
@@ -243,7 +243,7 @@ SURROGATES = [  # (route, body, param)
 ]
 
 
-def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None:  # noqa: F811
+def test_lone_surrogates_are_a_400_naming_the_field(server: Server, llm) -> None:
     """JSON can spell a lone surrogate ("\\ud800"; the openai client cannot send one); it reached the
     tokenizer, which raised: a plain-text 500."""
     bystander = Bystander(server)
@@ -280,7 +280,7 @@ FIELD_ERRORS = [  # (body fields, param, the message exactly)
 ]
 
 
-def test_errors_name_their_field_without_validator_noise(server: Server, llm) -> None:  # noqa: F811
+def test_errors_name_their_field_without_validator_noise(server: Server, llm) -> None:
     """Checks made by model-level validators had param null and messages starting "Value error, ";
     a 404 echoed a 100k-character model name."""
     bystander = Bystander(server)
@@ -324,7 +324,7 @@ REFUSED = [  # (route, fields, param)
 ]
 
 
-def test_unimplemented_fields_are_a_400_naming_the_field(server: Server, llm) -> None:  # noqa: F811
+def test_unimplemented_fields_are_a_400_naming_the_field(server: Server, llm) -> None:
     """They were accepted and silently ignored."""
     bystander = Bystander(server)
     for route, fields, param in REFUSED:
@@ -340,7 +340,7 @@ def test_unimplemented_fields_are_a_400_naming_the_field(server: Server, llm) ->
     bystander.check(llm)
 
 
-def test_fields_accepted_without_effect_change_nothing(server: Server, llm) -> None:  # noqa: F811
+def test_fields_accepted_without_effect_change_nothing(server: Server, llm) -> None:
     expected = llm.generate(messages=USER, params=SamplingParams(max_new_tokens=12)).text
     r = server.client.chat.completions.create(
         model=NAME, messages=USER, max_tokens=12, temperature=0, user="u-1", metadata={"team": "a"}, store=False,
@@ -352,7 +352,7 @@ def test_fields_accepted_without_effect_change_nothing(server: Server, llm) -> N
     assert r.choices[0].text == alone(llm, PROMPTS[2], 8, {"method": "none"})
 
 
-def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage(server: Server, llm) -> None:  # noqa: F811
+def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage(server: Server, llm) -> None:
     """As OpenAI does: after the chunk with finish_reason, one with empty choices and the usage."""
     whole = server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=12, temperature=0)
     chunks = list(server.client.chat.completions.create(model=NAME, messages=USER, max_tokens=12, temperature=0,
@@ -368,7 +368,7 @@ def test_stream_options_include_usage_sends_a_last_chunk_with_the_usage(server: 
     assert completion_chunks[-1].choices == [] and completion_chunks[-1].usage.completion_tokens > 0
 
 
-def test_earlier_tool_calls_in_the_conversation_are_history(server: Server, llm) -> None:  # noqa: F811
+def test_earlier_tool_calls_in_the_conversation_are_history(server: Server, llm) -> None:
     """A conversation holding an assistant's tool call (content null) and the tool's result: a template
     without tool syntax (the tiny model's ChatML) gets them as JSON turns (conversation.conversation's
     generic format, the calls as the model is told to write them)."""
@@ -389,7 +389,7 @@ def test_earlier_tool_calls_in_the_conversation_are_history(server: Server, llm)
 # -- item 8: the published schema is the server's truth ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def no_draft(dirs) -> Iterator[Server]:  # noqa: F811
+def no_draft(dirs) -> Iterator[Server]:
     """A server whose target has no draft model (none named, none packaged for it)."""
     target_only = quickdraft.load(str(dirs[0]), spec=SpecConfig("ngram", k=4))
     s = Server(target_only, max_batch=4)
@@ -428,7 +428,7 @@ def test_the_schema_offers_what_this_server_can_run(server: Server) -> None:
         assert r.status_code == 200, (method, r.text)
 
 
-def test_integral_numbers_are_integers_as_the_schema_says(server: Server, llm) -> None:  # noqa: F811
+def test_integral_numbers_are_integers_as_the_schema_says(server: Server, llm) -> None:
     """JSON Schema's integer holds 1.0; the server refused it. A string or a fraction still is refused."""
     r = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
         "model": NAME, "prompt": PROMPTS[2], "n": 1.0, "max_tokens": 6.0, "seed": 3.0, "top_k": 0.0})
@@ -516,7 +516,7 @@ def test_schemathesis_finds_no_failure(server: Server, tmp_path) -> None:
 
 # -- item 10: at a stop string, text and usage agree --------------------------------------------------------
 
-def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None:  # noqa: F811
+def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None:
     """The draft is the target itself, so every step commits k + 1 = 9 tokens and a stop string
     mostly ends mid-step: usage counted the whole step while the text was cut. Expected: the
     shortest prefix of the greedy tokens whose text holds the stop string."""
@@ -548,7 +548,7 @@ def test_usage_ends_at_the_stop_string_when_a_step_commits_several(dirs) -> None
 
 # -- item 11: API keys, a bounded queue, loopback Host names, latency in /metrics ---------------------------
 
-def test_an_api_key_guards_the_v1_routes(llm) -> None:  # noqa: F811
+def test_an_api_key_guards_the_v1_routes(llm) -> None:
     s = Server(llm, max_batch=4, api_keys=(KEY,))
     try:
         s.client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0)
@@ -576,7 +576,7 @@ def test_an_api_key_guards_the_v1_routes(llm) -> None:  # noqa: F811
         s.stop()
 
 
-def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None:  # noqa: F811
+def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None:
     monkeypatch.setenv("QUICKDRAFT_API_KEY", KEY)
     with serve_process(dirs) as (_, url):
         body = {"model": NAME, "prompt": "hi", "max_tokens": 3}
@@ -589,7 +589,7 @@ def test_serve_takes_the_api_key_from_the_environment(dirs, monkeypatch) -> None
     assert run.returncode == 1 and "an API key is empty" in run.stderr, run.stderr
 
 
-def test_a_full_queue_is_a_429_with_retry_after(llm, dirs) -> None:  # noqa: F811
+def test_a_full_queue_is_a_429_with_retry_after(llm, dirs) -> None:
     """One row and one waiting place: with both taken a third request is refused at once, the two
     get what they get alone, and once they are done requests are admitted again. (A model of its
     own: the module's server runs `llm`'s one engine with four rows.)"""
@@ -630,7 +630,7 @@ def raw_get(server: Server, path: str, host: str) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
-def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server, llm) -> None:  # noqa: F811
+def test_bound_to_loopback_only_loopback_host_names_are_answered(server: Server, llm) -> None:
     """DNS rebinding: a web page whose name now points at 127.0.0.1 sends its own name as Host."""
     bystander = Bystander(server)
     port = server.url.rsplit(":", 1)[1]

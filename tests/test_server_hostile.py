@@ -47,7 +47,7 @@ class Steady:
     do (the sync openai client stops reading at [DONE] and closes the connection, so each of its
     streams opens a new one: between two, the connection cap's test would find a free place)."""
 
-    def __init__(self, server: Server, llm, prompt: str = PROMPTS[3], n: int = 24) -> None:  # noqa: F811
+    def __init__(self, server: Server, llm, prompt: str = PROMPTS[3], n: int = 24) -> None:
         self.server, self.prompt, self.n = server, prompt, n
         self.client = httpx.Client(base_url=server.url, timeout=30)
         self.expected = alone(llm, prompt, n, {"method": "none"})
@@ -73,7 +73,7 @@ class Steady:
         try:
             while not self.stopping.is_set():
                 self.runs.append(self._one())
-        except Exception as e:  # noqa: BLE001 - a failure for check() to report (or the test ended early)
+        except Exception as e:
             self.error = e
 
     def stop(self) -> None:
@@ -94,7 +94,7 @@ class Steady:
 
 
 @pytest.fixture(scope="module")
-def server(llm):  # noqa: F811
+def server(llm):
     s = Server(llm, max_batch=2)
     yield s
     s.stop()
@@ -102,7 +102,7 @@ def server(llm):  # noqa: F811
 
 # -- item 1: a slow body holds no place in the queue ------------------------------------------------------
 
-def test_slow_bodies_hold_no_place_in_the_queue(llm) -> None:  # noqa: F811
+def test_slow_bodies_hold_no_place_in_the_queue(llm) -> None:
     """100 connections send a generation body a byte at a time; a request beside them gets its 200
     in about its usual time (they took every place in the queue, and it got a 429)."""
     # four places (two rows, two waiting): the steady stream's and the timed request's, and room for a
@@ -146,7 +146,7 @@ def test_slow_bodies_hold_no_place_in_the_queue(llm) -> None:  # noqa: F811
 
 # -- item 2: a prompt too long for the context is refused from its length -----------------------------------
 
-def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> None:  # noqa: F811
+def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> None:
     """64 bodies of 1 MiB at once (half completions, half chats), each a prompt of ~1M tokens: all 400
     context_length_exceeded within 8 s, /health under 0.5 s throughout, and the process's memory
     back within 200 MB of where it started. They were tokenized whole first, 40 at a time."""
@@ -200,7 +200,7 @@ def test_huge_prompts_are_refused_at_once_and_their_memory_given_back(llm) -> No
         s.stop()
 
 
-def test_long_tokenizations_never_hold_up_a_short_one(server: Server, llm, monkeypatch) -> None:  # noqa: F811
+def test_long_tokenizations_never_hold_up_a_short_one(server: Server, llm, monkeypatch) -> None:
     """Three long prompts whose tokenization hangs (held here): two fill the long texts' threads and
     one waits; a short request and the steady stream are served meanwhile (one pool of two threads
     made them wait behind the long ones)."""
@@ -234,7 +234,7 @@ def test_long_tokenizations_never_hold_up_a_short_one(server: Server, llm, monke
 
 # -- item 3: half-open connections, and more connections than the cap ----------------------------------------
 
-def test_partial_requests_are_closed_within_the_timeouts(llm) -> None:  # noqa: F811
+def test_partial_requests_are_closed_within_the_timeouts(llm) -> None:
     """Header and body timeouts of 1 s: a request whose headers or body stop (or trickle) is answered
     408 and closed within them; a connection that sends nothing is closed; an odd but valid
     Content-Length, or a request h11 cannot parse, is answered at once."""
@@ -313,7 +313,7 @@ def test_partial_requests_are_closed_within_the_timeouts(llm) -> None:  # noqa: 
         s.stop()
 
 
-def test_connections_past_the_cap_are_refused_at_once(llm) -> None:  # noqa: F811
+def test_connections_past_the_cap_are_refused_at_once(llm) -> None:
     """With a cap of 12, of 40 more connections held open the ones past it get a 503 at once, each
     closed; the steady stream's connection, opened before, goes on; once they close, a request is
     served again."""
@@ -352,7 +352,7 @@ def test_connections_past_the_cap_are_refused_at_once(llm) -> None:  # noqa: F81
 
 # -- item 4: every list and string bounded, the bounds published --------------------------------------------
 
-def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> None:  # noqa: F811
+def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> None:
     """10,000 tool calls in one assistant message were accepted; now a 400 naming the field, as are
     a name or a list past its bound. /openapi.json states a bound on every string, list and map of
     both request bodies, the text's being the body limit and a prompt's token ids the context."""
@@ -394,7 +394,7 @@ def test_every_list_and_string_is_bounded_and_published(server: Server, llm) -> 
 
 # -- item 5: start-up errors are one line ------------------------------------------------------------------
 
-def test_serve_on_a_port_in_use_is_one_error_line(dirs, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+def test_serve_on_a_port_in_use_is_one_error_line(dirs, capsys: pytest.CaptureFixture) -> None:
     """It died with OSError's traceback, after loading the model; now at once, naming the port and --port."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -171,8 +171,8 @@ def assert_submitted_as_forwarded(llm: quickdraft.LLM, route: Any, forwarded: An
     with pytest.MonkeyPatch.context() as patch:
         for name in ("encode", "chat_text"):
             patch.setattr(served.prompts, name, lambda *a, **k: (_ for _ in ()).throw(refuse))
-        messages = asyncio.run(collect(call_app(replica, forwarded)))
-    assert messages[0]["status"] == 200 and served.worker.submitted[0].prompt_ids == ids
+        sent = asyncio.run(collect(call_app(replica, forwarded)))
+    assert sent[0]["status"] == 200 and served.worker.submitted[0].prompt_ids == ids
 
 
 WEATHER = TOOLS[0]["function"]
@@ -188,10 +188,12 @@ WEATHER = TOOLS[0]["function"]
     ("/v1/responses", {"model": NAME, "max_output_tokens": 2, "input": USER[0]["content"],
                        "tools": [{"type": "function", **WEATHER}]}, responses_api),
 ], ids=["messages-system", "messages-tools", "responses-instructions", "responses-tools"])
-def test_the_front_tokenizes_a_messages_or_responses_request_once_for_its_replica(llm, path, payload, route) -> None:
+def test_the_front_tokenizes_a_messages_or_responses_request_once_for_its_replica(llm, path: str, payload: dict,
+                                                                                  route: Any) -> None:
     """The Messages and Responses routes answer as chats: the front renders their prompt (system
-    text or tools included; both at once pass the tiny model's context) as the route does, routes by it and forwards its ids; a response that
-    continues a stored one is rendered where the store is, on the replica."""
+    text or tools included; both at once pass the tiny model's context) as the route does, routes
+    by it and forwards its ids; a response that continues a stored one is rendered where the store
+    is, on the replica."""
     app = bare_app(llm, route)
     assert call(app, path, payload).status_code == 200
     [request] = app.state.served.worker.submitted

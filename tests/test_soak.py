@@ -15,7 +15,7 @@ from quickdraft.server.connections import ConnectionLimits
 from support.server import NAME, Server
 
 
-def test_a_short_soak_passes_and_sends_every_kind(dirs, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
+def test_a_short_soak_passes_and_sends_every_kind(dirs, capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "soak", "--model", str(dirs[0]), "--duration", "6", "--concurrency", "4", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["failures"] == 0 and report["server_errors"] == 0, report
@@ -25,7 +25,7 @@ def test_a_short_soak_passes_and_sends_every_kind(dirs, capsys: pytest.CaptureFi
     assert report["left_running"] == 0 and len(report["rss_mb"]) >= 3 and report["prefix_over_budget"] == 0
 
 
-def test_the_soak_reports_an_answer_it_did_not_expect(llm) -> None:  # noqa: F811
+def test_the_soak_reports_an_answer_it_did_not_expect(llm) -> None:
     """Told the limit is half what it is, its "oversized" bodies are read (and refused for the
     context instead): every one is a failure, and the run fails."""
     s = Server(llm, max_batch=4, connections=ConnectionLimits(header_timeout_s=1.0, body_timeout_s=1.0))
@@ -57,7 +57,7 @@ def test_memory_is_judged_less_the_prefix_cache_filling_to_its_budget() -> None:
     """Issue 45: RSS 601 -> 2,289 MiB as the default 2 GiB cache fills, the rest flat. Under the old
     rule (RSS alone) that is +170% and a failure; less the cache's bytes it is flat and passes. A
     leak beside the same cache (the rest +10%) still fails, and so does a cache past its budget."""
-    filling = lambda t: min(1700.0, 3.0 * t)  # noqa: E731 - MiB held at t s, full (below the budget) by ~570 s
+    filling = lambda t: min(1700.0, 3.0 * t)
     flat = _run_of(lambda t: 600.0 + min(t, 50) + (3.0 if t % 10 else 0.0), filling)  # warms up, then noise alone
     assert flat.rss_growth > 1.0 and not flat.rss_growth < MAX_RSS_GROWTH  # the old rule: a failure
     assert abs(flat.rest_growth) < 0.01 and flat.memory_flat and flat.passed, flat.as_dict()

@@ -34,7 +34,7 @@ SPECS = [{"method": "none"}, {"method": "ngram", "k": 6}, {"method": "ngram-tree
 
 
 @pytest.fixture(scope="module")
-def server(llm) -> Iterator[Server]:  # noqa: F811
+def server(llm) -> Iterator[Server]:
     s = Server(llm, max_batch=4)
     yield s
     s.stop()
@@ -135,7 +135,7 @@ def test_tools_with_a_response_format_answer_calls_or_json_under_the_schema(serv
     assert forced.finish_reason == "tool_calls", forced  # required: calls, whatever the format
 
 
-def test_a_tool_result_continues_the_conversation(server: Server, llm) -> None:  # noqa: F811
+def test_a_tool_result_continues_the_conversation(server: Server, llm) -> None:
     first = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice="required",
                                                   max_tokens=300, temperature=0).choices[0].message
     call = first.tool_calls[0]
@@ -153,7 +153,7 @@ def test_a_tool_result_continues_the_conversation(server: Server, llm) -> None: 
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}, "auto"])
-def test_the_python_api_gives_the_server_s_reply(server: Server, llm, tool_choice) -> None:  # noqa: F811
+def test_the_python_api_gives_the_server_s_reply(server: Server, llm, tool_choice) -> None:
     """LLM.generate builds the server's prompt and grammar and reads the reply as the server does."""
     r = server.client.chat.completions.create(model=NAME, messages=USER, tools=TOOLS, tool_choice=tool_choice,
                                               max_tokens=300, temperature=0, extra_body={"speculative": {"method": "none"}})

@@ -28,11 +28,20 @@ from quickdraft.train import data, features, responses, trainer
 from quickdraft.train.data import chat_prompts, iter_sharegpt, without_benchmark
 from quickdraft.train.features import FEATURES, Example, training_examples
 from quickdraft.train.responses import RESPONSES, generate_responses
-from quickdraft.train.trainer import TrainConfig, acceptance, loss_positions, step_rate, train_head, training_dtype
+from quickdraft.train.trainer import (
+    CE_WEIGHT,
+    TrainConfig,
+    acceptance,
+    loss_positions,
+    step_rate,
+    train_head,
+    training_dtype,
+)
 from support.models import tiny
 from tiny_tokenizer import tiny_llm_dir
 
-CONFIG = TrainConfig(steps=80, batch_size=8, max_len=48, lr=3e-3, warmup=5, checkpoint_every=40, dtype="float32")
+CONFIG = TrainConfig(steps=80, batch_size=8, max_len=48, lr=3e-3, warmup=5, checkpoint_every=40, dtype="float32",
+                     ce_weight=CE_WEIGHT)
 
 
 def target(name: str = "llama-gqa-untied"):
@@ -291,19 +300,23 @@ def test_resume_continues_exactly(trained, tmp_path: Path, monkeypatch) -> None:
         train_head(target(), data, dataclasses.replace(CONFIG, lr=1e-4), tmp_path, "tiny", progress=False)
 
 
-def test_a_resumed_run_may_weigh_the_cross_entropy_otherwise(trained, tmp_path: Path, monkeypatch) -> None:
-    """--ce-weight on a resume: the same head, data and moments go on under the other objective (the
-    history says which weight each step had); its parts are the uninterrupted run's at step 41, the
-    updates from there differ."""
+def test_a_resumed_run_may_weigh_the_cross_entropy_otherwise(trained, tmp_path: Path, monkeypatch, capsys) -> None:
+    """--ce-weight on a resume: the same head, data and moments go on under the other objective (said,
+    and each step's weight is in the history); its parts are the uninterrupted run's at step 41, the
+    updates from there differ. Resumed again without the flag, the run keeps the weight it had."""
     _, record = trained
     data = corpus(48, 0)
     killed_after_step_40(data, tmp_path, monkeypatch)
+    capsys.readouterr()
     resumed = train_head(target(), data, dataclasses.replace(CONFIG, ce_weight=1.0), tmp_path, "tiny", progress=False)
+    assert f"weighs 1.0 from here on ({tmp_path / trainer.CHECKPOINT}'s steps: {CE_WEIGHT})" in capsys.readouterr().err
     history, uninterrupted = resumed["history"], record["history"]
-    assert [h["ce_weight"] for h in history] == [CONFIG.ce_weight] * 40 + [1.0] * 40
+    assert [h["ce_weight"] for h in history] == [CE_WEIGHT] * 40 + [1.0] * 40
     assert history[40]["ce"] == pytest.approx(uninterrupted[40]["ce"], rel=1e-5)
     assert history[40]["loss"] != pytest.approx(uninterrupted[40]["loss"], rel=1e-3)  # weighed otherwise
     assert [h["ce"] for h in history[41:]] != pytest.approx([h["ce"] for h in uninterrupted[41:]], rel=1e-3)
+    more = train_head(target(), data, dataclasses.replace(CONFIG, steps=90, ce_weight=None), tmp_path, "tiny", progress=False)
+    assert [h["ce_weight"] for h in more["history"][80:]] == [1.0] * 10 and "weighs" not in capsys.readouterr().err
 
 
 def test_a_checkpoint_from_before_the_newer_settings_resumes(trained, tmp_path: Path, monkeypatch) -> None:

@@ -123,7 +123,7 @@ def test_deterministic_q_none_equals_explicit_one_hot(params: SamplingParams) ->
     draft = torch.where(torch.rand(B, k, generator=g) < 0.5, logits[:, :k].argmax(-1),
                         torch.randint(0, V, (B, k), generator=g))
     lens = torch.randint(0, k + 1, (B,), generator=g).tolist()
-    run = lambda q: verify_chains(draft, lens, q, logits, [params] * B,  # noqa: E731
+    run = lambda q: verify_chains(draft, lens, q, logits, [params] * B,
                            [torch.Generator().manual_seed(100 + b) for b in range(B)])
     none, explicit = run(None), run(one_hot_q(draft, V))
     assert (none.accepted, none.tokens) == (explicit.accepted, explicit.tokens)
@@ -206,7 +206,7 @@ def test_k1_negative_controls_are_rejected(biased: Verifier) -> None:
 
 # Logit processing is applied to p: (params, logits, the processed p written out by hand).
 LOGITS = torch.tensor([2.0, 1.2, 0.8, 0.3, -0.5, 0.1])
-_e = lambda xs, t: [math.exp(x / t) for x in xs]  # noqa: E731
+_e = lambda xs, t: [math.exp(x / t) for x in xs]
 TOPK2 = torch.tensor(_e([2.0, 1.2], 0.7) + [0.0] * 4)
 # T = 1.3: softmax = [.387, .209, .154, .105, .057, .090] (sorted: 0,1,2,3,5,4); the mass before
 # tokens 0, 1, 2 is 0, .387, .596 < 0.7 and before token 3 it is .749 >= 0.7: top_p 0.7 keeps {0,1,2}.

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from quickdraft.cli.common import add_model_args, load_llm
 from quickdraft.cluster import ROUTER_NAMES
-from quickdraft.engine.startup import set_threads, started
+from quickdraft.engine.startup import set_threads, start_serving
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 from quickdraft.proposers import DEFAULT_K, DEFAULT_METHOD
@@ -239,7 +239,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         return cmd_bench_serve_replicas(args, levels, questions)
     # a draft model loads now, not in a timed wave; every round resends the same requests, so no prefix
     # cache (it would time later rounds' prompts cached against the first's)
-    llm, cost = started(args.threads, lambda: load_llm(args, spec, progress=not args.no_progress, prefix_cache=False),
+    llm, cost = start_serving(args.threads, lambda: load_llm(args, spec, progress=not args.no_progress, prefix_cache=False),
                         args.policy, measure=True)
     engine = EngineConfig(max_batch=max(levels), max_seq_len=args.max_seq_len, policy=args.policy)
     server = BackgroundServer(llm, ServerConfig("bench", spec, engine), cost, engine_thread=False)

@@ -11,7 +11,7 @@ from quickdraft.cli.common import add_model_args, add_spec_args, load_kwargs, lo
 from quickdraft.cluster import ROUTER_NAMES
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import POLICIES
-from quickdraft.engine.startup import started
+from quickdraft.engine.startup import start_serving
 from quickdraft.errors import QuickdraftError
 from quickdraft.extras import require
 
@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != 1 or args.ray_address is not None:
         return serve_replicas(args, ServerConfig(name, spec, engine, **limits))
     sock = listen(args.host, args.port)  # before the model loads: a port in use is an error at once
-    llm, cost = started(args.threads, lambda: load_llm(args, spec, progress=sys.stderr.isatty()), args.policy,
+    llm, cost = start_serving(args.threads, lambda: load_llm(args, spec, progress=sys.stderr.isatty()), args.policy,
                         measure=not args.no_measure_cost)
     print(f"quickdraft: serving {name!r} on http://{args.host}:{args.port}/v1, a playground on "
           f"http://{args.host}:{args.port}/ (max batch {engine.max_batch}, "

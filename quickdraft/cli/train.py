@@ -126,9 +126,9 @@ def add_train_head(sub) -> None:
     tr.add_argument("--unroll", type=int, default=3,
                     help="head passes per step: the first on the target's features, then on its own")
     tr.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head may draft")
-    tr.add_argument("--ce-weight", type=float, default=0.1,
-                    help="weight of the next-token cross-entropy beside the feature regression (EAGLE's 0.1); "
-                         "a resumed run may change it")
+    tr.add_argument("--ce-weight", type=float,
+                    help="weight of the next-token cross-entropy beside the feature regression (default: a resumed "
+                         "run's own, else EAGLE's 0.1); a resumed run may change it")
     tr.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     tr.add_argument("--feature-layers", default="last",
                     help="the target's layers the head reads: 'last', or indices ending with the last layer, e.g. "
@@ -138,7 +138,7 @@ def add_train_head(sub) -> None:
                          "as a large target's 8,960 makes a head of ~60M weights)")
     tr.add_argument("--init-from", metavar="CHECKPOINT",
                     help="start a head that fuses layers from the checkpoint.pt of one that read the last layer "
-                         "alone (same settings otherwise): its step, its history, its weights, the fuse passing "
+                         "alone (same settings otherwise, --ce-weight aside): its step, its history, its weights, the fuse passing "
                          "the last layer's output at first")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--train-dtype", choices=DTYPES, default="auto",

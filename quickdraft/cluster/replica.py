@@ -68,10 +68,10 @@ class EngineReplica:
 
     def _run(self, setup: ReplicaSetup, loaded: threading.Event) -> None:
         from quickdraft.api import load
-        from quickdraft.engine.startup import started
+        from quickdraft.engine.startup import start_serving
         from quickdraft.server import create_app
         try:
-            llm, cost = started(setup.threads, lambda: load(**setup.model), setup.policy, setup.measure_cost)
+            llm, cost = start_serving(setup.threads, lambda: load(**setup.model), setup.policy, setup.measure_cost)
             self.app = create_app(llm, setup.server, cost, engine_thread=False, bind=setup.bind)
             self.prefix = llm.prefix
             self.runtime = {"weights": llm.model.weight_format, "threads": setup.threads,

@@ -6,7 +6,8 @@ goodput policy's step-time model seeded with this machine's forward-cost curve.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from quickdraft.engine.policy import StepCost
 from quickdraft.errors import QuickdraftError
@@ -37,7 +38,7 @@ def startup_cost(llm: LLM, policy: str, measure: bool) -> StepCost:
     return cost
 
 
-def started(threads: int | None, load: Callable[[], LLM], policy: str, measure: bool) -> tuple[LLM, StepCost]:
+def start_serving(threads: int | None, load: Callable[[], LLM], policy: str, measure: bool) -> tuple[LLM, StepCost]:
     """A serving process's start (`quickdraft serve`, a cluster's replica, `bench serve`), in its
     order: the threads, then the model (`load`), then its step-time model."""
     set_threads(threads)

@@ -47,6 +47,7 @@ from quickdraft.train.features import Example
 
 CHECKPOINT, OPTIMIZER = "checkpoint.pt", "optimizer.pt"
 DTYPES = ("auto", "float32", "bfloat16")
+CE_WEIGHT = 0.1  # EAGLE's weighting of the classification loss beside the feature regression
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo's names of native bfloat16 matmuls
 
 
@@ -57,7 +58,7 @@ class TrainConfig:
     max_len: int = 384           # positions per example at most
     lr: float = 1e-3
     warmup: int = 20             # linear warm-up steps, then cosine decay to 10%
-    ce_weight: float = 0.1       # EAGLE's weighting of the classification loss
+    ce_weight: float | None = None  # of the classification loss; None: a resumed run's, else CE_WEIGHT
     unroll: int = 3              # passes per step: 1 on the target's features, then on the head's own
     unroll_decay: float = 0.8    # weight of pass j: decay^j
     draft_vocab: int = 8192      # the most frequent tokens of the data the head may draft
@@ -72,7 +73,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "max_len", "checkpoint_every", "unroll", "length_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, found {getattr(self, name)}")
-        if not self.lr > 0 or self.warmup < 0 or self.ce_weight < 0 or not 0 < self.unroll_decay <= 1:
+        if not self.lr > 0 or self.warmup < 0 or (self.ce_weight or 0) < 0 or not 0 < self.unroll_decay <= 1:
             raise ValueError("lr must be > 0, warmup and ce_weight >= 0, unroll_decay in (0, 1]")
         if self.mlp_width < 0:
             raise ValueError(f"mlp_width must be >= 0 (0: the target's), found {self.mlp_width}")
@@ -83,7 +84,7 @@ class TrainConfig:
 def _resumable(config: dict) -> dict:
     """The settings a resumed run must share with the checkpoint: more steps may be asked for,
     another dtype (the weights and the optimizer's state are float32 in either), and another weight
-    of the loss's parts (the same head and data, another objective from here on). A checkpoint
+    on the cross-entropy (`ce_weight`: the same head and data, another objective from here on). A checkpoint
     written before heads could fuse layers read the last layer alone."""
     config = {"feature_layers": (), "mlp_width": 0, **config}
     return {k: tuple(v) if k == "feature_layers" else v for k, v in config.items()
@@ -253,6 +254,7 @@ def train_steps(target: Transformer, head: DraftHead, optimizer: torch.optim.Opt
                 examples: Sequence[Example], config: TrainConfig, step: int = 0) -> Iterator[dict]:
     """Training steps `step` + 1 .. config.steps, each yielding its history entry (with its wall
     seconds and step_flops: the learning curve's hours and operations)."""
+    config = with_ce_weight(config, None)  # a fresh run's where none is decided (step_rate's)
     dtype = training_dtype(config.dtype, target.device)
     while step < config.steps:
         start = time.perf_counter()
@@ -295,6 +297,17 @@ def save_checkpoint(out: Path, head: DraftHead, optimizer: torch.optim.Optimizer
                                       "config": dataclasses.asdict(config)})):
         torch.save(state, out / f"{name}.partial")
         os.replace(out / f"{name}.partial", out / name)
+
+
+def with_ce_weight(config: TrainConfig, state: dict | None, source: Path | None = None) -> TrainConfig:
+    """`config` with its cross-entropy weight decided: as asked, else the checkpoint's it goes on from
+    (`state`, written at `source`), else CE_WEIGHT; a change from the checkpoint's is said."""
+    theirs = None if state is None else state["config"].get("ce_weight", CE_WEIGHT)
+    weight = config.ce_weight if config.ce_weight is not None else CE_WEIGHT if theirs is None else theirs
+    if theirs is not None and weight != theirs:
+        print(f"quickdraft: the cross-entropy weighs {weight} from here on ({source}'s steps: {theirs})",
+              file=sys.stderr)
+    return dataclasses.replace(config, ce_weight=weight)
 
 
 def grown_from(head: DraftHead, state: dict, config: TrainConfig, path: Path) -> None:
@@ -346,6 +359,7 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
     if init is not None and not checkpoint.is_file():
         state = torch.load(init, map_location=target.device, weights_only=False)
         grown_from(head, state, config, init)
+        config = with_ce_weight(config, state, init)
         step, history = state["step"], state["history"]
         moments = init.parent / OPTIMIZER
         kept = torch.load(moments, map_location=target.device, weights_only=False) if moments.is_file() else None
@@ -360,6 +374,7 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
             raise ValueError(f"{checkpoint} was written with other settings ({state['config']}); use another "
                              f"--out or delete it")
         head.load_state_dict(state["head"])
+        config = with_ce_weight(config, state, checkpoint)
         step, history = state["step"], state["history"]
         moments = out / OPTIMIZER
         kept = torch.load(moments, map_location=target.device, weights_only=False) if moments.is_file() else None
@@ -369,6 +384,8 @@ def train_head(target: Transformer, examples: Sequence[Example], config: TrainCo
             found = "missing" if kept is None else f"of step {kept['step']}"
             print(f"quickdraft: resuming at step {step} with the optimizer's moments afresh ({moments} is {found})",
                   file=sys.stderr)
+    else:
+        config = with_ce_weight(config, None)
     bar = tqdm(total=config.steps, initial=step, desc="train-head", unit="step", disable=not progress,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_noinv_fmt}{postfix}]")
     for entry in train_steps(target, head, optimizer, examples, config, step):

@@ -87,7 +87,7 @@ def error_of(r: httpx.Response, status: int) -> dict:
 KEY = "qd-test-key"
 
 
-def token_bytes(llm, ids: list[int]) -> list[bytes]:  # noqa: F811
+def token_bytes(llm, ids: list[int]) -> list[bytes]:
     """Each token's bytes by the tiny tokenizer's own table (ids past its vocabulary, which the model's
     embedding rows still have, are no text: b"")."""
     value = {symbol: b for b, symbol in enumerate(byte_symbols())}

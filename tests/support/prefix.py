@@ -28,3 +28,16 @@ def random_cache(model: Transformer, rows: int, length: int, seed: int) -> KVCac
     for row in range(rows):
         cache.write_rows(row, 0, torch.randn(c.num_layers, 2, c.num_kv_heads, length, c.head_dim, generator=g))
     return cache
+
+
+SYSTEM = tokens(6, 37)  # a "system prompt" several sessions share
+CONVERSATION = [
+    # (prompt, proposer, k, join at step): sessions sharing SYSTEM, then their next turns resent whole
+    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8], None, 0, 0),
+    (SYSTEM + [9, 2, 9, 2, 9, 2], "ngram", 4, 0),
+    (SYSTEM + [44, 12, 19, 44, 12], "draft_same", 3, 1),
+    (SYSTEM + [5, 6, 7, 8, 5, 6, 7, 8] + tokens(7, 20), "draft_random", 2, 6),
+    (SYSTEM + [9, 2, 9, 2, 9, 2] + tokens(8, 30), "ngram", 8, 9),
+    (tokens(9, 50), "ngram", 1, 12),  # shares nothing
+    (SYSTEM + [44, 12, 19, 44, 12] + tokens(10, 17), None, 0, 14),
+]

@@ -23,8 +23,7 @@ from quickdraft.server.guards import Admission
 from quickdraft.server.metrics import Metrics
 from quickdraft.server.prompts import Prompts
 from quickdraft.server.state import Served
-
-NAME = "tiny"
+from support.server import NAME
 
 
 class StandInWorker:
