@@ -83,5 +83,6 @@ def training_examples(target: Transformer, responses: Sequence[Response], folder
             partial = folder / f"{i:05d}.pt.partial"
             torch.save({"key": key, "features": features[i]}, partial)
             os.replace(partial, folder / f"{i:05d}.pt")  # whole or absent: a killed run recomputes the shard
+            features[i] = _cached(folder / f"{i:05d}.pt", key)  # mapped as a kept shard is, its memory freed
     bar.close()
     return [Example(r.tokens, f, r.prompt_len) for s, fs in zip(shards, features) for r, f in zip(s, fs)]
