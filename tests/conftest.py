@@ -16,7 +16,7 @@ collect_ignore = [] if importlib.util.find_spec("llama_cpp") else ["test_llamacp
 # server process (test_request_budget's servers run in a thread), listed so that a module joins by name.
 UNIT = {"test_cache", "test_docs_links", "test_draft_contract", "test_draft_cost", "test_engine_stats", "test_extras",
         "test_family_specs", "test_goodput", "test_imports", "test_ngram", "test_proposer_shape", "test_registry",
-        "test_request_budget", "test_rope_scaling", "test_sampling", "test_scheduler", "test_schema_validity",
+        "test_request_budget", "test_rope_scaling", "test_sampling", "test_scheduler", "test_schema_validity", "test_scores",
         "test_spec_errors", "test_token_bound", "test_token_origins", "test_tokenizer", "test_harmony"}
 
 

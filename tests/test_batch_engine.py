@@ -547,3 +547,34 @@ def test_proposers_are_told_what_the_pass_they_draft_for_costs() -> None:
     seen.clear()
     engine.step()
     assert sorted(seen) == [("a", 4), ("b", 4), ("c", 4), ("d", 4)]
+
+
+def test_the_lm_head_scores_only_what_verification_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verification stops scoring at the first rejection (engine/scores.py): the head scores fewer
+    positions than the passes feed, and every request's tokens stay those of its run alone."""
+    model = target()
+    head, fed, scored = model.logits, [0], [0]
+
+    def counting(features: torch.Tensor) -> torch.Tensor:
+        scored[0] += features[..., 0].numel()
+        return head(features)
+
+    def watch(engine: Engine, step: int) -> None:
+        plan = engine.scheduler.plan_decode
+        if not hasattr(plan, "watched"):
+            def planned(*args, **kw):
+                p = plan(*args, **kw)
+                fed[0] += 0 if p is None else sum(1 + n for n in p.lengths)
+                return p
+            planned.watched = True
+            engine.scheduler.plan_decode = planned
+
+    monkeypatch.setattr(model, "logits", counting)
+    out, _, violations = run_batched(model, JOBS, EngineConfig(max_batch=4, policy="fixed"), check_kv=False,
+                                     on_step=watch)
+    monkeypatch.undo()
+    assert violations == []
+    for i, job in enumerate(JOBS):
+        assert out[str(i)] == job.alone(model), f"request {i} differs from its run alone"
+    # the head also scores each prompt's last position; scoring every fed position it would score more
+    assert scored[0] < fed[0], (scored[0], fed[0])

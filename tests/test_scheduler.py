@@ -91,13 +91,22 @@ def test_rows_untimed_for_retime_steps_get_a_step_of_their_own() -> None:
 def test_a_pass_past_the_invariant_rows_splits_and_a_chunk_rides_in_the_room_left() -> None:
     s = scheduler(invariant_rows=16, policy="fixed")
     six = RowDraft(5, None, True)
-    assert s.plan_decode([six, six]) == DecodePlan((5, 5), 0)
+    assert s.plan_decode([six, six]) == DecodePlan((5, 5), (6, 6), 0)
     assert s.plan_decode([six, six, six]) is None  # 18 tokens: halves instead
-    assert s.plan_decode([RowDraft(20, None, True)]) == DecodePlan((20,), 0)  # one row is never split
-    assert s.plan_decode([six], ride=(100, 40)) == DecodePlan((5,), 10)  # 16 - 6 tokens of room
-    assert s.plan_decode([six], ride=(4, 40)) == DecodePlan((5,), 4)  # the prompt's last 4
+    assert s.plan_decode([RowDraft(20, None, True)]) == DecodePlan((20,), (21,), 0)  # one row is never split
+    assert s.plan_decode([six], ride=(100, 40)) == DecodePlan((5,), (6,), 10)  # 16 - 6 tokens of room
+    assert s.plan_decode([six], ride=(4, 40)) == DecodePlan((5,), (6,), 4)  # the prompt's last 4
     padded = scheduler(invariant_rows=16, ragged=False, policy="fixed")
     assert padded.plan_decode([six, RowDraft(0, None, True), RowDraft(0, None, True)]) is None  # 3 x 6 fed
+
+
+def test_the_head_scores_first_what_the_walk_likely_reads_where_passes_are_ragged() -> None:
+    doubtful, sure = RowDraft(8, [0.3] * 8, True), RowDraft(8, [1.0] * 8, True)
+    plan = scheduler(policy="fixed").plan_decode([doubtful, sure, RowDraft(8, None, True)])
+    assert plan.lengths == (8, 8, 8)
+    assert 1 <= plan.scored[0] < 9 and plan.scored[1:] == (9, 9)  # no estimate: every position
+    # padded passes run the head where a host sync costs more than the rows it saves: all of them
+    assert scheduler(policy="fixed", ragged=False).plan_decode([doubtful]).scored == (9,)
 
 
 def test_the_goodput_policy_drafts_where_verifying_is_cheap() -> None:

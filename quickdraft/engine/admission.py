@@ -155,7 +155,7 @@ class Admission:
         row.features = [features] if place.prefix is not None else []
         place.offer(row, len(place.rows) - 1, features)  # sessions that share this prompt need not wait for its end
         row.tokens += verdict.tokens[0]
-        step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(logits, [1]).row(0))
+        step = Committed(verdict.tokens[0], 0, 0, features, TopTokens(lambda: logits, [1]).row(0))
         events = self.emit([row], [step], seconds, [[TokenOrigin("target", 0)]],
                            [step_logprobs(row, logits[0], [], verdict.tokens[0])])
         events[0][1].prompt_logprobs = row.scored  # the prompt's scores go in its first event

@@ -40,13 +40,13 @@ from quickdraft.engine.rows import (
     step_logprobs,
 )
 from quickdraft.engine.scheduler import EngineConfig, Scheduler
+from quickdraft.engine.scores import Scores, verify_scored
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, Outcome, TopTokens, together
 from quickdraft.spec.draft_contract import MAX_K, NO_DRAFT, Committed, ProposerGroup, attempt
 from quickdraft.spec.logprobs import TokenLogprob
-from quickdraft.spec.verify import verify
 
 __all__ = ["Engine", "EngineConfig", "Request", "check_context", "cut_at_stop"]
 
@@ -211,10 +211,11 @@ class Engine:
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)
-            logits, features, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
-            verdict = verify(drafts, logits, [r.request.params for r in rows], [r.generator for r in rows],
-                             [grammar_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)],
-                             [generated_tokens(r) for r in rows])
+            scores, features, chunk = self._pass(lo, hi, inputs, sizes, ride)  # ONE pass
+            scores.score({b: range(m) for b, m in enumerate(plan.scored)})
+            verdict = verify_scored(drafts, scores, [r.request.params for r in rows], [r.generator for r in rows],
+                                    [grammar_masks(r, len(d.tokens)) for r, d in zip(rows, drafts)],
+                                    [generated_tokens(r) for r in rows])
         except Exception as e:  # noqa: BLE001 - found and reported per row below
             for row, state in zip(rows, rng):
                 if state is not None:
@@ -228,7 +229,7 @@ class Engine:
         if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
             self.scheduler.decoded(len(rows), sum(sizes), step_s)
         steps, origins, logprobs = [], [], []
-        top = TopTokens(logits, sizes)  # made only if a proposer asks
+        top = TopTokens(scores.complete, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):
             # commit: the accepted path's K/V move into place; the rest is evicted (a length change)
             self.cache.compact(lo + b, row.length + 1, [row.length + 1 + i for i in kept])
@@ -240,31 +241,34 @@ class Engine:
             if self.prefix is not None:
                 row.features.append(steps[-1].features)
             origins.append(token_origins(draft.tree, kept, draft.source))
-            logprobs.append(step_logprobs(row, logits[b], kept, tokens))
+            logprobs.append(step_logprobs(row, scores.logits[b], kept, tokens))
         events = self._emit(rows, steps, step_s, origins, logprobs)
         if ride is None:
             return events
         return events + self.admission.prefilled(ride[0], ride[1], chunk, self.scheduler.ride_share(sum(sizes), step_s))
 
     def _pass(self, lo: int, hi: int, inputs: StepInputs, sizes: list[int], ride: tuple[Row, int] | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The target's pass over rows lo..hi-1 -> logits [B, 1+W, V], features [B, 1+W, F] (padding's
-        are junk) and the riding chunk's features [n, F] (None: no chunk). Ragged where the model
-        feeds them: each row's tokens only, and the chunk's, in one sequence (inputs.ragged)."""
+              ) -> tuple[Scores, torch.Tensor, torch.Tensor | None]:
+        """The target's layers over rows lo..hi-1 -> the rows' logits, scored as verification asks
+        (engine/scores.py), features [B, 1+W, F] (padding's are junk) and the riding chunk's features
+        [n, F] (None: no chunk). Ragged where the model feeds them: each row's tokens only, and the
+        chunk's, in one sequence (inputs.ragged)."""
+        vocab = self.model.config.vocab_size
         if not self.model.ragged:
-            out = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask, inputs.width,
-                             inputs.slots)
-            return out.logits, out.features, None
+            features = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask, 0,
+                                  inputs.slots).features
+            return Scores(self.model.logits, features.flatten(0, 1), None, sizes, vocab), features, None
         chunk = None if ride is None else (ride[0].length, ride[0].tokens[ride[0].length:ride[0].length + ride[1]])
         flat = ragged(inputs, sizes, chunk)
         out = self.model(flat.ids, flat.positions, self.cache.rows(lo, hi + (ride is not None)), flat.mask,
                          last_n=0, slots=flat.slots, rows=flat.rows)
         features = out.features[0]  # [M, F]
-        logits = self.model.logits(features[:flat.decoded])  # the chunk's only where it ends a prompt: _prefilled
-        chunk = None if ride is None else features[flat.decoded:]
+        chunk = None if ride is None else features[flat.decoded:]  # its logits only where it ends a prompt: _prefilled
+        decoded = features[:flat.decoded]
         if len(set(sizes)) == 1:  # no padding: the rows' tokens are already in StepInputs' places
-            return logits.view(len(sizes), sizes[0], -1), features[:flat.decoded].view(len(sizes), sizes[0], -1), chunk
-        return logits[flat.index], features[flat.index], chunk
+            return (Scores(self.model.logits, decoded, None, sizes, vocab),
+                    decoded.view(len(sizes), sizes[0], -1), chunk)
+        return Scores(self.model.logits, decoded, flat.index, sizes, vocab), features[flat.index], chunk
 
     def _fail(self, row: Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 from quickdraft.spec.draft_contract import Draft
 from quickdraft.spec.goodput import best_extension, smoothed
@@ -23,6 +23,9 @@ MIN_GAIN = 0.05      # draft only when it promises 5% more tokens/s than not dra
                      # and acceptance estimates are noisy, and picking the best-looking option
                      # favours the underestimated ones
 PRIOR_SLOPE = 0.1    # t(N) / t(1) = 1 + 0.1 (N - 1) until measured
+HEAD_PRIOR = 6.0     # an LM head call scoring n positions costs as n + 6 of them until measured: its
+                     # weights' read is a fixed cost (bench forward-cost, head(q) for q = 1..9: 5-6 times
+                     # each further position's on SmolLM2 and Qwen2.5-Coder-1.5B, AMD EPYC Zen 4)
 PolicyName = Literal["goodput", "fixed"]
 POLICIES: tuple[str, ...] = ("goodput", "fixed")
 
@@ -37,25 +40,17 @@ class StepCost:
     cheaper than they are.
     """
 
-    def __init__(self, prior_slope: float = PRIOR_SLOPE, shape_of: "StepCost | None" = None) -> None:
+    def __init__(self, prior_slope: float = PRIOR_SLOPE) -> None:
         self.prior_slope = prior_slope
         self.step_s: dict[int, float] = {}   # N -> smoothed seconds of this engine's steps
         self.curve: dict[int, float] = {}    # N -> seconds of a one-row forward (shape only)
-        self.shape_of = shape_of             # the StepCost whose curve shapes this one's (one per model)
+        self.head: dict[int, float] = {}     # n -> seconds of the final norm and LM head over n positions
 
     def shape(self, n: int) -> float:
         """The cost curve at n, linear between its points and beyond its ends."""
-        if self.shape_of is not None:
-            return self.shape_of.shape(n)
         if len(self.curve) < 2:
             return 1.0 + self.prior_slope * (n - 1)
-        points = sorted(self.curve)
-        lo = max([p for p in points if p <= n] or points[:1])
-        hi = min([p for p in points if p > lo] or points[-1:])
-        if hi == lo:  # past the last point: continue the last segment
-            lo, hi = points[-2], points[-1]
-        slope = (self.curve[hi] - self.curve[lo]) / (hi - lo)
-        return max(self.curve[lo] + slope * (n - lo), 1e-9)
+        return _along(self.curve, n)
 
     def estimate(self, n: int) -> float:
         """t(n): measured, else interpolated along the curve's shape between the measured sizes
@@ -88,13 +83,34 @@ class StepCost:
         context has grown since), where observe() would move it a fifth of the way."""
         self.step_s[n] = seconds
 
-    def seed(self, median_s: dict[int, float]) -> None:
+    def seed(self, median_s: dict[int, float], head_s: dict[int, float] | None = None) -> None:
         """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost), never
         falling as q grows: a pass that feeds more tokens does no less work (estimate's rule), and a
         dip in the measurement (a mixture of experts' curve can show t(5) < t(4)) would otherwise
-        price the longer draft as the cheaper one."""
-        qs = sorted(median_s)
-        self.curve = dict(zip(qs, accumulate((median_s[q] for q in qs), max)))
+        price the longer draft as the cheaper one. head_s: the LM head's part of it, by the same rule."""
+        self.curve = _rising(median_s)
+        self.head = _rising(head_s or {})
+
+    def head_cost(self, n: int) -> float:
+        """The LM head over n positions, in any unit (only ratios are read): linear between the
+        measured points and beyond their ends, else HEAD_PRIOR + n."""
+        return HEAD_PRIOR + n if len(self.head) < 2 else _along(self.head, n)
+
+
+def _along(curve: dict[int, float], n: int) -> float:
+    """A curve of at least two points at n: linear between them, its end segments continued."""
+    points = sorted(curve)
+    lo = max([p for p in points if p <= n] or points[:1])
+    hi = min([p for p in points if p > lo] or points[-1:])
+    if hi == lo:  # past the last point: continue the last segment
+        lo, hi = points[-2], points[-1]
+    return max(curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo), 1e-9)
+
+
+def _rising(measured: dict[int, float]) -> dict[int, float]:
+    """A measured curve by its points in order, each at least the one before."""
+    points = sorted(measured)
+    return dict(zip(points, accumulate((measured[p] for p in points), max)))
 
 
 @dataclass(frozen=True)
@@ -148,3 +164,12 @@ def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: Polic
     for _, b in candidates[:best]:
         lengths[b] += 1
     return lengths
+
+
+def first_scored(reach: Sequence[float], head_cost: Callable[[int], float]) -> int:
+    """How many of a row's positions (the root, then its nodes in order) the LM head scores before
+    verifying it (engine/scores.py), m of the n+1: the one that minimizes the expected head cost
+    head(m) + reach[m-1] * head(n+1-m), where reach[i] is the chance the walk accepts node i (then
+    it needs node i's position; with the first m scored, node m-1's is the first it lacks)."""
+    n = len(reach)
+    return min(range(1, n + 2), key=lambda m: head_cost(m) + (reach[m - 1] * head_cost(n + 1 - m) if m <= n else 0.0))

@@ -1,16 +1,19 @@
 """The engine's decisions, from numbers alone: which waiting request is admitted next, how many
 prompt tokens a step may prefill (riding in the decode pass, or in passes of their own), how many
-draft tokens each row verifies and whether the rows fit one batch-invariant pass, what verifying
-costs the proposers that pay to draft; and the timing they are made from (t(N) of decode passes,
+draft tokens each row verifies and whether the rows fit one batch-invariant pass, how many of each
+row's positions the LM head scores before verifying, what verifying costs the proposers that pay
+to draft; and the timing they are made from (t(N) of decode passes,
 the last prefill pass). The engine (engine/batch.py) asks, then runs the passes and reports their
 times back. No model, no tensors: tests/test_scheduler.py drives it with numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.policy import POLICIES, PolicyName, RowDraft, StepCost, choose_draft_lengths, first_scored
 from quickdraft.engine.prefill import RETIME, next_admitted, step_allowance
 from quickdraft.spec.draft_contract import MAX_K, PassCost
 
@@ -43,10 +46,12 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One decode pass over a set of rows: each row's draft tokens to verify, and the filling
-    prompt's tokens that ride along (0: none). None from `plan_decode`: the rows do not fit one
-    batch-invariant pass and go in halves, each planned anew."""
+    """One decode pass over a set of rows: each row's draft tokens to verify, the positions of each
+    the LM head scores before verifying (engine/scores.py: the rest as the walk reaches them), and
+    the filling prompt's tokens that ride along (0: none). None from `plan_decode`: the rows do not
+    fit one batch-invariant pass and go in halves, each planned anew."""
     lengths: tuple[int, ...]
+    scored: tuple[int, ...]
     ride: int = 0
 
 
@@ -121,7 +126,16 @@ class Scheduler:
         if len(sizes) > 1 and fed > room:
             return None
         riding = 0 if ride is None else max(min(ride[0], ride[1], room - fed), 0)
-        return DecodePlan(tuple(lengths), riding)
+        return DecodePlan(tuple(lengths), tuple(self._scored(r, n) for r, n in zip(offered, lengths)), riding)
+
+    def _scored(self, row: RowDraft, n: int) -> int:
+        """Positions of a row verifying n draft tokens to score first: all where passes are not
+        ragged (there the head runs on an accelerator, where a host sync costs more than the rows
+        it saves, or in torch's GEMM, whose bits depend on the rows), else the expected cheapest
+        (policy.first_scored), every one where the proposer gives no estimates."""
+        if not self.ragged or row.accept_probs is None:
+            return 1 + n
+        return first_scored(list(accumulate(row.accept_probs[:n], mul)), self.cost.head_cost)
 
     def pass_cost(self, ks: Sequence[int]) -> PassCost | None:
         """What verification will cost the next step of rows whose requests draft up to ks tokens,

@@ -1,7 +1,8 @@
 """What a process that runs a model's engine sets up first, the same for `quickdraft serve`, each
 replica of a cluster (cluster/replica.py), `bench serve` and every other command: torch's CPU
 threads before the model loads (the kernels and the engine read them from then on), and the
-goodput policy's step-time model seeded with this machine's forward-cost curve.
+goodput policy's step-time model seeded with this machine's forward-cost curve (and its LM head's,
+which says how many positions verification scores first: engine/scores.py).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def startup_cost(llm: LLM, policy: str, measure: bool) -> StepCost:
     context = min(256, llm.model.config.max_position_embeddings - max(COST_Q))
     if policy == "goodput" and measure and context > 0:
         print("quickdraft: measuring the forward-cost curve for the draft-length policy...", file=sys.stderr)
-        cost.seed(measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3).median_s)
+        measured = measure_forward_cost(llm.model, COST_Q, context_len=context, repeats=3)
+        cost.seed(measured.median_s, measured.head_s)
     return cost
 
 

@@ -41,7 +41,8 @@ class TopTokens:
     made on the first ask (`Committed.top`) for every row at once, so a step costs one top-k and one
     host sync when some proposer asks, nothing when none does."""
 
-    def __init__(self, logits: torch.Tensor, scored: Sequence[int]) -> None:  # logits [B, W, V]
+    def __init__(self, logits: Callable[[], torch.Tensor], scored: Sequence[int]) -> None:
+        # logits() -> [B, W, V] (the engine scores the positions verification left out only if asked);
         self.logits, self.scored = logits, scored  # scored[b]: row b's positions (1 + verified nodes)
         self.ids: dict[int, list[list[list[int]]]] = {}  # n -> [B][W][n]
 
@@ -50,7 +51,7 @@ class TopTokens:
 
     def _top(self, n: int) -> list[list[list[int]]]:
         if n not in self.ids:
-            self.ids[n] = topk_indices(self.logits, n).tolist()  # the one host sync for it this step
+            self.ids[n] = topk_indices(self.logits(), n).tolist()  # the one host sync for it this step
         return self.ids[n]
 
 
