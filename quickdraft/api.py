@@ -214,7 +214,7 @@ class LLM:
                     raise QuickdraftError("this model's engine is running requests; it can be set up anew "
                                           "(another server's rows or context) only while idle")
                 if service is not None:  # its rows' blocks, in the prefix cache's pool, go back
-                    service.engine.cache.release_all()
+                    service.engine.close()
                 self._service = EngineService(Engine(self.model, config or ENGINE, cost, prefix=self.prefix))
             return self._service
 

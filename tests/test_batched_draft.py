@@ -192,7 +192,7 @@ def test_rows_return_to_the_pool() -> None:
     assert drafter.rows.of(first) is None  # a row from the first proposal on
     drafter.propose([first, second], [2, 2])
     assert (draft_state(first).row, draft_state(second).row) == (0, 1) and draft_state(second).cached == 4
-    del first
+    drafter.release([first])  # (drafting outside an engine: its user releases it)
     third = DraftModelProposer(drafter, [4, 5], params, 40)  # longer: the cache grows, rows keep
     third.propose(1)
     assert draft_state(third).row == 0 and drafter.rows.cache.batch_size == 2 and drafter.rows.cache.max_len >= 40
@@ -258,3 +258,46 @@ def test_a_targets_requests_draft_with_one_drafter(tmp_path, monkeypatch: pytest
     assert violations == [] and max(rows_per_forward) == 3
     for i, job in enumerate(batch):
         assert out[str(i)] == Job(job.prompt, job.params, None, 0).alone(llm.model), f"request {i} differs"
+
+
+def test_a_closed_engine_releases_its_requests_draft_rows() -> None:
+    """A generation left early (its engine closed with requests in it): the draft rows go back when
+    the call ends, not when the proposers become garbage (they are kept alive here)."""
+    drafter = Drafter(noisy_draft())
+    kept = [DraftModelProposer(drafter, [1, 2, 3], greedy(30), 40) for _ in range(2)]
+    for member in kept:
+        stream = generate_tokens(target(), [1, 2, 3], greedy(30), frozenset(), member, 3)
+        next(stream), next(stream)  # it has drafted: it holds a row
+        assert drafter.rows.of(member) is not None
+        stream.close()
+        assert drafter.rows.of(member) is None
+    drafter.rows.reclaim()
+    assert drafter.rows.taken == [False]  # the second reused the first's row
+    engine = Engine(target(), EngineConfig(max_batch=2))
+    for i, member in enumerate(DraftModelProposer(drafter, [1, 2, 3], greedy(30), 40) for _ in range(2)):
+        engine.add(Request([1, 2, 3], greedy(30), frozenset(), member, 3, id=str(i)))
+        kept.append(member)
+    for _ in range(4):
+        engine.step()
+    assert all(drafter.rows.of(m) is not None for m in kept[2:])
+    engine.close()
+    assert all(drafter.rows.of(m) is None for m in kept) and engine.cache.held.sum() == 0
+
+
+def test_a_hybrid_releases_the_draft_model_it_drafts_through() -> None:
+    """Prompt lookup with a draft model (lookup-draft): the request's end releases the draft model's
+    member too (base.Each.release of the hybrid's parts), with the collector off and the hybrid kept."""
+    from quickdraft.proposers.hybrid import HybridProposer
+    drafter = Drafter(noisy_draft())
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        inner = DraftModelProposer(drafter, [1, 2, 3], greedy(12), 40)
+        hybrid = HybridProposer(NgramProposer([1, 2, 3], 4, 1), inner, "draft")
+        hybrid.me = hybrid  # a cycle: only the collector could free it
+        list(generate_tokens(target(), [1, 2, 3], greedy(12), frozenset(), hybrid, 3))
+        assert drafter.rows.cache is not None, "the premise: the draft model drafted"
+        assert drafter.rows.of(inner) is None and list(drafter.rows.released) == [0]
+    finally:
+        if enabled:
+            gc.enable()

@@ -112,6 +112,15 @@ class Engine:
             raise ValueError(f"k must be an integer in 0..{MAX_K}, found {request.k!r}")
         self.scheduler.add(request)
 
+    def close(self, blocks: bool = True) -> None:
+        """The engine goes (a caller left early, a model's engine set up anew): every request it
+        holds lets go of its proposer's state now (a draft model's row), and with `blocks` its rows'
+        blocks go back to the pool (else the cache stays as it is, for a caller that reads it)."""
+        for row in [*self.rows, *([self.filling] if self.filling is not None else [])]:
+            release_proposer(row)  # (a row released before, at its end, holds nothing: a no-op)
+        if blocks:
+            self.cache.release_all()
+
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (its row is freed now); False if it is not here."""
         if self.scheduler.cancel(request_id):

@@ -43,5 +43,4 @@ def generate_tokens(model: Transformer, prompt_ids: Sequence[int], params: Sampl
                     raise event.error
                 yield event
     finally:  # the engine goes with this call: its rows' blocks (in the prefix cache's pool) go back
-        if cache is None:
-            engine.cache.release_all()
+        engine.close(blocks=cache is None)

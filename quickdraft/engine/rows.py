@@ -111,7 +111,7 @@ def grammar_masks(row: Row, n: int) -> torch.Tensor | None:
 
 def release_proposer(row: Row) -> None:
     """The row's proposer group lets go of what it holds for it (a draft model's cache row) now;
-    a group that fails to costs only that memory, until the proposer is garbage."""
+    a group that fails to keeps that memory (logged); nothing else ends its state."""
     proposer = row.request.proposer
     if proposer is not None:
         try:

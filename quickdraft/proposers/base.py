@@ -66,7 +66,12 @@ class Each:
         return [attempt(partial(member.propose, k)) for member, k in zip(members, budgets, strict=True)]
 
     def release(self, members: Sequence[Proposer]) -> None:
-        """Nothing is held for them beyond the members themselves."""
+        """Nothing is held for them beyond the members themselves, but by the groups of the
+        proposers a member drafts through (its `parts`, where it has them: the hybrid's), which
+        are released with it."""
+        for member in members:
+            for part in getattr(member, "parts", ()):
+                (part.group or EACH).release([part])
 
 
 EACH = Each()

@@ -1,14 +1,15 @@
 """The drafter's row pool: one KV cache with a row per live draft-model proposer (a member), rows
-handed out on a member's first draft and taken back when its request ends (the engine's `release`;
-a member used outside an engine: when it is garbage), and the drafter's own state of each member
-(DraftRow: its row, what the row holds, its last draft).
+handed out on a member's first draft and taken back when it is released (ProposerGroup.release:
+the engine releases a request's proposer when the request ends, is cancelled or fails, and every
+one it holds when it is closed; a member drafting outside an engine is released by its user), and
+the drafter's own state of each member (DraftRow: its row, what the row holds, its last draft).
+Nothing waits for the garbage collector: a member's row lives exactly until its release.
 
 Knows the cache, the members' committed tokens and the draft's prefix cache (a gone member's K/V
 are offered to it before its row is reused); nothing of drafting, costs or the engine.
 """
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -42,10 +43,8 @@ class Member(Protocol):
 @dataclass(eq=False)
 class DraftRow:
     """The drafter's own state of a member: its cache row and its last draft, made on the member's
-    first draft; the member never sees it (it must not refer to the member: the pool's map of
-    them is keyed weakly by the member)."""
+    first draft; the member never sees it."""
     row: int                  # its row of the drafter's cache
-    finalizer: weakref.finalize | None = None  # returns the row when the member is garbage (none released it)
     cached: int = 0           # the member's tokens[:cached] have K/V in the row
     idle: int = 0             # proposals in a row it drafted nothing for
     offered: list[int] = field(default_factory=list)        # its last draft's tokens (a tree's: its likeliest path)
@@ -74,9 +73,8 @@ class RowPool:
                                              # own list, read for the prefix cache once the member is gone)
         self.scopes: list[str] = []          # per cache row: its member's prefix-cache scope
         self.free_from: list[int] = []       # per cache row: the first slot its owner does not need
-        self.released: deque[int] = deque()  # rows of members gone (appended from any thread)
-        # per live member its state, dropped when the member is garbage (its row then in `released`)
-        self.members: weakref.WeakKeyDictionary[Member, DraftRow] = weakref.WeakKeyDictionary()
+        self.released: deque[int] = deque()  # rows of members released, freed at the next reclaim
+        self.members: dict[Member, DraftRow] = {}  # per member that drafted and is not released: its state
         self.longest, self.slack = 0, CATCH_UP  # the cache's length: the largest capacity + the widest forward
 
     def of(self, member: Member) -> DraftRow | None:
@@ -86,7 +84,7 @@ class RowPool:
     def join(self, member: Member) -> DraftRow:
         """A cache row for a member drafting for the first time (not before: a waiting request
         holds none), in the state made for it; the row returns to the pool when the member is
-        released, or else when it is garbage."""
+        released."""
         row = self.taken.index(False) if False in self.taken else len(self.taken)
         rows = max(row + 1, len(self.taken))
         # past every member's capacity, room for the throwaway tokens a row runs while others draft:
@@ -104,19 +102,18 @@ class RowPool:
         self.scopes[row] = member.scope
         self.cache.release(row)  # its last member's blocks: some may be the prefix cache's now
         self.members[member] = state = DraftRow(row)
-        state.finalizer = weakref.finalize(member, self.released.append, row)
         return state
 
     def release(self, member: Member) -> None:
         """The member's request ended: its row returns to the pool at the next reclaim (its K/V
         offered to the prefix cache first); a member that never drafted holds none."""
         state = self.members.pop(member, None)
-        if state is not None and state.finalizer.detach() is not None:
+        if state is not None:
             self.released.append(state.row)
 
     def reclaim(self) -> None:
-        """Free the rows of members gone, first offering the K/V of their committed tokens to the
-        prefix cache (here, on the drafter's thread: a member's finalizer may run on any)."""
+        """Free the rows of members released, first offering the K/V of their committed tokens to the
+        prefix cache."""
         while self.released:
             row = self.released.popleft()
             if self.prefix is not None:

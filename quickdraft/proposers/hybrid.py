@@ -59,6 +59,12 @@ class HybridProposer:
         self.offered: dict[str, list[int]] = {}  # per part asked this step, its draft's tokens
         self.chosen: str | None = None
 
+    @property
+    def parts(self) -> tuple[Proposer, Proposer]:
+        """The proposers it drafts through, each released with it (base.Each.release): a draft
+        model's holds a row of its drafter's cache."""
+        return self.ngram, self.drafter
+
     def commit(self, step: Committed) -> None:
         if self.source in self.offered:
             self.agreement.judge(self.offered[self.source], step.tokens)
