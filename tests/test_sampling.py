@@ -295,3 +295,22 @@ def test_sample_never_draws_a_zero_weight_and_flags_a_non_distribution() -> None
     draws = torch.stack([sample(weights, torch.Generator().manual_seed(s)) for s in range(300)])  # [300, 4]
     assert set(draws[:, 0].tolist()) == {1, 3} and (draws[:, 1] == 3).all()
     assert (draws[:, 2:] == -1).all()  # NaN or all zero: no token
+
+
+def test_top_p_gives_each_row_the_result_it_has_alone() -> None:
+    """A row's kept tokens never depend on the rows beside it (verification scores positions only as
+    far as its walk reaches, engine/scores.py): rows of tied probabilities straddling the cut, beside
+    a flat row whose candidates hold less than top_p (its whole vocabulary is sorted), each as alone."""
+    V = 1000
+    tied = torch.full((V,), -20.0)
+    tied[:300] = 2.0  # 300 equal tokens: the cut falls among them, which ones stay depends on the order
+    rows = torch.stack([tied, torch.zeros(V), tied.roll(7)])
+    probs = torch.softmax(rows, dim=-1)
+    together = sampling_top_p(probs, 0.5)
+    for i in range(len(rows)):
+        assert torch.equal(together[i], sampling_top_p(probs[i:i + 1], 0.5)[0]), i
+
+
+def sampling_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    import quickdraft.spec.sampling as sampling
+    return sampling._top_p(probs, top_p)

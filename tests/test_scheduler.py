@@ -18,6 +18,7 @@ from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME
 from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Scheduler
 from quickdraft.engine.startup import COST_Q
+from quickdraft.spec.draft_contract import Draft
 
 
 def request(name: str, n: int) -> SimpleNamespace:
@@ -107,6 +108,14 @@ def test_the_head_scores_first_what_the_walk_likely_reads_where_passes_are_ragge
     assert 1 <= plan.scored[0] < 9 and plan.scored[1:] == (9, 9)  # no estimate: every position
     # padded passes run the head where a host sync costs more than the rows it saves: all of them
     assert scheduler(policy="fixed", ragged=False).plan_decode([doubtful]).scored == (9,)
+    # a tree (its walk leaves the first positions by any branch), or a proposer reading every
+    # position's top tokens (recycle): scored whole
+    chain = Draft([1, 2, 3, 4], accept_probs=[0.3] * 4)
+    tree = Draft([1, 2, 3, 4], accept_probs=[0.3] * 4, parents=[-1, -1, 0, 1])
+    reads_top = Draft([1, 2, 3, 4], accept_probs=[0.3] * 4, scored_whole=True)
+    assert [RowDraft.of(d, True).as_walked for d in (chain, tree, reads_top)] == [True, False, False]
+    assert scheduler(policy="fixed").plan_decode([RowDraft.of(d, True) for d in (chain, tree, reads_top)]).scored[1:] \
+        == (5, 5)
 
 
 def test_the_goodput_policy_drafts_where_verifying_is_cheap() -> None:

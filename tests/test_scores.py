@@ -21,7 +21,9 @@ from quickdraft.spec.verify import verify
 
 V, F = 12, 8
 PARAMS = [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
-          SamplingParams(temperature=1.3, top_p=0.9, presence_penalty=0.5, seed=2)]
+          SamplingParams(temperature=1.3, top_p=0.9, presence_penalty=0.5, seed=2),
+          SamplingParams(temperature=3.0, top_p=0.5, seed=3)]  # (a wide vocabulary: positions left out
+                                                                # are flat, their top 256 under top_p)
 
 
 def integers(*shape: int, seed: int) -> torch.Tensor:
@@ -33,8 +35,8 @@ def integers(*shape: int, seed: int) -> torch.Tensor:
 class CountingHead:
     """A fixed linear head [F] -> [V] that counts the positions it scores."""
 
-    def __init__(self, seed: int) -> None:
-        self.weight = integers(V, F, seed=seed)
+    def __init__(self, seed: int, vocab: int = V) -> None:
+        self.weight = integers(vocab, F, seed=seed)
         self.rows = self.calls = 0
 
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
@@ -49,7 +51,8 @@ def a_draft(rng: random.Random, head: CountingHead, root: torch.Tensor, n: int, 
     (features [1+n, F], position 0 the root): walks go deep, and sometimes stop."""
     parents = [(rng.randrange(-1, i) if tree and i else i - 1) for i in range(n)]
     logits = features @ head.weight.T
-    tokens = [int(logits[p + 1].argmax()) if rng.random() < 0.75 else rng.randrange(V) for p in parents]
+    tokens = [int(logits[p + 1].argmax()) if rng.random() < 0.75 else rng.randrange(logits.shape[-1])
+              for p in parents]
     return Draft(tokens, None, [0.7] * n, parents if tree else None)
 
 
@@ -57,32 +60,33 @@ def scores_of(head: CountingHead, features: torch.Tensor, sizes: list[int], ragg
     """Scores over features [B, 1+W, F] as a padded pass gives them, or as a ragged pass does (each
     row's fed positions only, one after another, and where each row's position is)."""
     if not ragged:
-        return Scores(head, features.flatten(0, 1), None, sizes, V)
+        return Scores(head, features.flatten(0, 1), None, sizes)
     flat = torch.cat([features[b, :n] for b, n in enumerate(sizes)])
     starts = [sum(sizes[:b]) for b in range(len(sizes))]
     index = torch.tensor([[start + (j if j < n else 0) for j in range(features.shape[1])]
                           for start, n in zip(starts, sizes)])
-    return Scores(head, flat, index, sizes, V)
+    return Scores(head, flat, index, sizes)
 
 
 def generators(seeds: list[int]) -> list[torch.Generator]:
     return [torch.Generator().manual_seed(s) for s in seeds]
 
 
+@pytest.mark.parametrize("vocab", [V, 600])
 @pytest.mark.parametrize("tree", [False, True])
-def test_scoring_a_prefix_first_gives_bitwise_the_full_verdict(tree: bool) -> None:
+def test_scoring_a_prefix_first_gives_bitwise_the_full_verdict(tree: bool, vocab: int) -> None:
     rng = random.Random(0)
     checked = saved = redone = 0
     for trial in range(60):
-        head = CountingHead(trial)
+        head = CountingHead(trial, vocab)
         B = 3
         sizes = [rng.randrange(0, 7) for _ in range(B)]
         W = max(sizes)
         features = integers(B, W + 1, F, seed=trial)
         drafts = [a_draft(rng, head, features[b, 0], n, tree, features[b]) for b, n in enumerate(sizes)]
         params = [PARAMS[(trial + b) % len(PARAMS)] for b in range(B)]
-        masks = [None if rng.random() < 0.5 else torch.rand(1 + n, V, generator=torch.Generator().manual_seed(b)) > 0.2
-                 for b, n in enumerate(sizes)]
+        masks = [None if rng.random() < 0.5 else torch.rand(1 + n, vocab, generator=torch.Generator().manual_seed(b))
+                 > 0.2 for b, n in enumerate(sizes)]
         for mask in masks:
             if mask is not None:
                 mask[:, 0] = True  # every position allows a token
@@ -129,7 +133,7 @@ def test_top_tokens_see_every_position_once_asked() -> None:
 def test_unpadded_rows_scored_whole_take_one_head_call_and_no_copy() -> None:
     head = CountingHead(0)  # (the engine's case wherever the policy expects every position read)
     features = integers(2, 3, F, seed=2)
-    scores = Scores(head, features.flatten(0, 1), None, [3, 3], V)
+    scores = Scores(head, features.flatten(0, 1), None, [3, 3])
     scores.score({0: range(3), 1: range(3)})
     assert head.rows == 6 and torch.equal(scores.logits, features @ head.weight.T)
 

@@ -132,6 +132,7 @@ class Engine:
                 self.placement.free(i)
                 return True
         if self.filling is not None and self.filling.request.id == request_id:
+            release_proposer(self.filling)  # (it has drafted nothing yet: for the contract's sake)
             self.placement.filling = None
             self.cache.release(len(self.rows))
             return True
@@ -262,11 +263,10 @@ class Engine:
         (engine/scores.py), features [B, 1+W, F] (padding's are junk) and the riding chunk's features
         [n, F] (None: no chunk). Ragged where the model feeds them: each row's tokens only, and the
         chunk's, in one sequence (inputs.ragged)."""
-        vocab = self.model.config.vocab_size
         if not self.model.ragged:
             features = self.model(inputs.ids, inputs.positions, self.cache.rows(lo, hi), inputs.mask, 0,
                                   inputs.slots).features
-            return Scores(self.model.logits, features.flatten(0, 1), None, sizes, vocab), features, None
+            return Scores(self.model.logits, features.flatten(0, 1), None, sizes), features, None
         chunk = None if ride is None else (ride[0].length, ride[0].tokens[ride[0].length:ride[0].length + ride[1]])
         flat = ragged(inputs, sizes, chunk)
         out = self.model(flat.ids, flat.positions, self.cache.rows(lo, hi + (ride is not None)), flat.mask,
@@ -275,9 +275,9 @@ class Engine:
         chunk = None if ride is None else features[flat.decoded:]  # its logits only where it ends a prompt: _prefilled
         decoded = features[:flat.decoded]
         if len(set(sizes)) == 1:  # no padding: the rows' tokens are already in StepInputs' places
-            return (Scores(self.model.logits, decoded, None, sizes, vocab),
+            return (Scores(self.model.logits, decoded, None, sizes),
                     decoded.view(len(sizes), sizes[0], -1), chunk)
-        return Scores(self.model.logits, decoded, flat.index, sizes, vocab), features[flat.index], chunk
+        return Scores(self.model.logits, decoded, flat.index, sizes), features[flat.index], chunk
 
     def _fail(self, row: Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

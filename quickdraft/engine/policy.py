@@ -120,6 +120,8 @@ class RowDraft:
                                           # before are; None = no estimate
     pinned: bool                # verify all `available`: the row's draft lengths must not depend
                                 # on timing or on other rows (seeded sampling, adaptive off)
+    as_walked: bool = True      # its positions may be scored only as far as the walk reaches
+                                # (engine/scores.py): a chain whose proposer reads no top tokens
 
     @classmethod
     def of(cls, draft: Draft, pinned: bool) -> RowDraft:
@@ -128,7 +130,7 @@ class RowDraft:
         capped by node i-1's (so the chances fall along the node order, as along a chain)."""
         probs = draft.accept_probs
         if probs is None or draft.is_chain:
-            return cls(len(draft.tokens), probs, pinned)
+            return cls(len(draft.tokens), probs, pinned, draft.is_chain and not draft.scored_whole)
         path: list[float] = []  # per node, the product along its path
         chained, before = [], 1.0
         for parent, a in zip(draft.tree, probs):
@@ -136,7 +138,8 @@ class RowDraft:
             reach = min(path[-1], before)
             chained.append(reach / before if before > 0 else 0.0)
             before = reach
-        return cls(len(draft.tokens), chained, pinned)
+        # a tree's walk can leave its first positions through any branch: it is scored whole
+        return cls(len(draft.tokens), chained, pinned, False)
 
 
 def choose_draft_lengths(rows: Sequence[RowDraft], cost: StepCost, policy: PolicyName = "goodput",

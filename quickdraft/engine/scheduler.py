@@ -131,9 +131,10 @@ class Scheduler:
     def _scored(self, row: RowDraft, n: int) -> int:
         """Positions of a row verifying n draft tokens to score first: all where passes are not
         ragged (there the head runs on an accelerator, where a host sync costs more than the rows
-        it saves, or in torch's GEMM, whose bits depend on the rows), else the expected cheapest
-        (policy.first_scored), every one where the proposer gives no estimates."""
-        if not self.ragged or row.accept_probs is None:
+        it saves, or in torch's GEMM, whose bits depend on the rows) and for a row scored whole (a
+        tree, a proposer that reads every position's top tokens: RowDraft.as_walked), else the
+        expected cheapest (policy.first_scored), every one where the proposer gives no estimates."""
+        if not self.ragged or row.accept_probs is None or not row.as_walked:
             return 1 + n
         return first_scored(list(accumulate(row.accept_probs[:n], mul)), self.cost.head_cost)
 

@@ -5,7 +5,8 @@ positions are scored before verifying (how many: policy.first_scored); a row who
 a node past them has that node's subtree scored and is verified again, its generator rewound.
 
 Exact: every position's logits are the numbers a head over all positions gives (the head's
-kernels give each row the same bits whatever rows share the call: Transformer.invariant_rows),
+kernels give each row the same bits whatever rows share a call of at most kernels.MAX_ROWS rows,
+and no call here scores more),
 the walk reads only the positions on its path, and a sampled row's generator draws the same
 numbers whatever positions hold (verify.py draws by shape), so the verdict is bitwise the one
 full scoring gives. Positions never scored hold zeros, which no walk reads.
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from quickdraft.kernels import MAX_ROWS
 from quickdraft.spec.draft_contract import Draft
 from quickdraft.spec.sampling import SamplingParams
 from quickdraft.spec.verify import Verdict, verify
@@ -25,11 +27,11 @@ class Scores:
     """Row b's logits at its fed positions (0: the root, 1+i: node i), scored on demand."""
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], features: torch.Tensor,
-                 index: torch.Tensor | None, sizes: Sequence[int], vocab: int) -> None:
+                 index: torch.Tensor | None, sizes: Sequence[int]) -> None:
         """head: [R, F] features -> [R, V] logits (the final norm and LM head); features [M, F]: the
         pass's fed positions; index [B, 1+W]: the one at each row's position (padding: any), None
         where the M positions are [B, 1+W] as they are; sizes[b]: row b's fed positions."""
-        self.head, self.features, self.sizes, self.vocab = head, features, list(sizes), vocab
+        self.head, self.features, self.sizes = head, features, list(sizes)
         self.index = index
         self.width = features.shape[0] // len(self.sizes) if index is None else index.shape[1]
         self.scored = [[False] * n for n in self.sizes]
@@ -42,18 +44,26 @@ class Scores:
         if not rows:
             return
         self._logits = None
-        if self.flat is None and len(rows) == sum(self.sizes):  # all of them: one call, nothing copied
-            self.flat = self.head(self.features)                # (padded passes: the padding's too)
+        if self.flat is None and len(rows) == sum(self.sizes):  # all of them: nothing copied
+            self.flat = self._head(self.features)               # (padded passes: the padding's too)
             self.scored = [[True] * n for n in self.sizes]
             return
-        if self.flat is None:
-            self.flat = self.features.new_zeros(self.features.shape[0], self.vocab)
         where = None if self.index is None else self.index.tolist()  # [B][1+W]
         at = torch.tensor([b * self.width + j if where is None else where[b][j] for b, j in rows],
                           device=self.features.device)
-        self.flat[at] = self.head(self.features[at])
+        logits = self._head(self.features[at])
+        if self.flat is None:
+            self.flat = logits.new_zeros(self.features.shape[0], logits.shape[-1])
+        self.flat[at] = logits
         for b, j in rows:
             self.scored[b][j] = True
+
+    def _head(self, features: torch.Tensor) -> torch.Tensor:
+        """[R, F] -> [R, V], at most MAX_ROWS rows a call: past them a float head goes to torch's
+        GEMM, whose bits depend on the row count."""
+        if features.shape[0] <= MAX_ROWS:
+            return self.head(features)
+        return torch.cat([self.head(part) for part in features.split(MAX_ROWS)])
 
     @property
     def logits(self) -> torch.Tensor:
@@ -104,5 +114,6 @@ def verify_scored(drafts: Sequence[Draft], scores: Scores, params: Sequence[Samp
                     [generators[b] for b in rows], [masks[b] for b in rows], [generated[b] for b in rows])
     kept, tokens = list(verdict.kept), list(verdict.tokens)
     for b, k, t in zip(rows, redone.kept, redone.tokens):
+        assert scores.unscored_on(b, k) is None, "a node's subtree holds the rest of any walk through it"
         kept[b], tokens[b] = k, t
     return Verdict(kept, tokens)

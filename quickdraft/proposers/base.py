@@ -37,9 +37,10 @@ class SpecConfigError(QuickdraftError, ValueError):
 
 
 class TopTokens:
-    """The target's likeliest next tokens at the positions one pass scored, for each of its rows:
+    """The target's likeliest next tokens at the positions one pass verified, for each of its rows:
     made on the first ask (`Committed.top`) for every row at once, so a step costs one top-k and one
-    host sync when some proposer asks, nothing when none does."""
+    host sync when some proposer asks (and the LM head over the positions verification did not
+    score: a proposer that asks every step marks its drafts `scored_whole`), nothing when none does."""
 
     def __init__(self, logits: Callable[[], torch.Tensor], scored: Sequence[int]) -> None:
         # logits() -> [B, W, V] (the engine scores the positions verification left out only if asked);
@@ -69,9 +70,10 @@ class Each:
         """Nothing is held for them beyond the members themselves, but by the groups of the
         proposers a member drafts through (its `parts`, where it has them: the hybrid's), which
         are released with it."""
-        for member in members:
-            for part in getattr(member, "parts", ()):
-                (part.group or EACH).release([part])
+        failures = [attempt(partial((part.group or EACH).release, [part]))
+                    for member in members for part in getattr(member, "parts", ())]
+        if error := next((f for f in failures if isinstance(f, Exception)), None):
+            raise error  # after every part had its turn
 
 
 EACH = Each()

@@ -117,7 +117,7 @@ class RecycleProposer:
                 heapq.heappush(frontier, (-reach * self.rate(rows[node][0][1]), node, 0, reach))
             if i + 1 < len(rows[parent]):
                 heapq.heappush(frontier, (-above * self.rate(rows[parent][i + 1][1]), parent, i + 1, above))
-        self.pending = Draft(tokens, None, estimates, parents)
+        self.pending = Draft(tokens, None, estimates, parents, scored_whole=True)  # commit reads every top
         return self.pending
 
     def commit(self, step: Committed) -> None:

@@ -47,6 +47,9 @@ class Draft:
     parents: list[int] | None = None  # [n] parent node per node, -1 = the root; None = a chain
     source: str | None = None  # which part drafted it, where a proposer has several (the hybrid's
                                # "ngram", "head", "draft"); token origins carry it
+    scored_whole: bool = False  # the target scores every verified node's position, not only as far
+                                # as the walk reaches (engine/scores.py): its proposer reads the
+                                # target's top tokens at each of them, rejected ones too (Committed.top)
 
     def __post_init__(self) -> None:
         assert self.parents is None or (len(self.parents) == len(self.tokens) and
@@ -74,7 +77,7 @@ class Draft:
             return self
         return Draft(self.tokens[:n], None if self.q is None else self.q[:n],
                      None if self.accept_probs is None else self.accept_probs[:n],
-                     None if self.parents is None else self.parents[:n], self.source)
+                     None if self.parents is None else self.parents[:n], self.source, self.scored_whole)
 
 
 NO_DRAFT = Draft([])

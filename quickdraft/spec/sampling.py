@@ -177,18 +177,29 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest most-probable prefix whose mass reaches top_p (the first token always
-    stays), renormalized. The prefix is looked for among the TOP_P_CANDIDATES most probable tokens
-    and only if they hold less than top_p among all of them: the same result as a full sort,
-    without sorting the whole vocabulary on every step."""
-    n = min(probs.shape[-1], TOP_P_CANDIDATES)
-    cand_p, cand_i = probs.topk(n, dim=-1)  # sorted, descending
-    if n < probs.shape[-1] and bool((cand_p.sum(-1) < top_p).any()):
-        cand_p, cand_i = probs.sort(dim=-1, descending=True)
+    stays), renormalized. The prefix is looked for among the TOP_P_CANDIDATES most probable tokens,
+    and among all of them only in the rows whose candidates hold less than top_p: the same result
+    as a full sort up to the order of equal probabilities, without sorting the whole vocabulary on
+    every step. Each row's result is its own (never decided by another row's mass): verification
+    scores positions only as far as its walk reaches (engine/scores.py)."""
+    flat = probs.reshape(-1, probs.shape[-1])  # [R, V]
+    n = min(flat.shape[-1], TOP_P_CANDIDATES)
+    cand_p, cand_i = flat.topk(n, dim=-1)  # sorted, descending
+    kept = _prefix(flat, cand_p, cand_i, top_p)
+    if n < flat.shape[-1]:
+        short = (cand_p.sum(-1) < top_p).nonzero()[:, 0]  # the rows whose prefix may go past them
+        if len(short):
+            kept[short] = _prefix(flat[short], *flat[short].sort(dim=-1, descending=True), top_p)
+    return (kept / kept.sum(-1, keepdim=True)).reshape(probs.shape)
+
+
+def _prefix(probs: torch.Tensor, cand_p: torch.Tensor, cand_i: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [R, V] with only the smallest prefix of each row's candidates (cand_p, cand_i: sorted
+    descending) whose mass reaches top_p kept."""
     outside = (cand_p.cumsum(-1) - cand_p) >= top_p
     # A top_p that is 0 in float32 (under 1.4e-45) would cut even the first token: 0 >= 0.
     outside[..., 0] = False
-    kept = torch.zeros_like(probs).scatter_(-1, cand_i, cand_p.masked_fill(outside, 0.0))
-    return kept / kept.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, cand_i, cand_p.masked_fill(outside, 0.0))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
