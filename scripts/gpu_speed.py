@@ -27,7 +27,7 @@ from unittest import mock
 import torch
 
 from quickdraft.bench.hf_reference import hf_greedy
-from quickdraft.engine import batch
+from quickdraft.engine import scores
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.engine.loop import generate_tokens
 from quickdraft.model.build import build_transformer
@@ -121,7 +121,7 @@ class Free:
 @contextmanager
 def forced_acceptance() -> Iterator[None]:
     """The engine's verify, then every draft node of each (chain) row kept: see the module docstring."""
-    real = batch.verify
+    real = scores.verify
 
     def forced(drafts: Sequence[Draft], logits: torch.Tensor, params: Any, generators: Any, masks: Any = None,
                generated: Any = None) -> Verdict:
@@ -130,7 +130,7 @@ def forced_acceptance() -> Iterator[None]:
         return Verdict([list(range(len(d.tokens))) for d in drafts],
                        [d.tokens + tokens[-1:] for d, tokens in zip(drafts, verdict.tokens)])
 
-    with mock.patch.object(batch, "verify", forced):
+    with mock.patch.object(scores, "verify", forced):
         yield
 
 
@@ -171,7 +171,7 @@ def spec(report: Any, shapes: Shapes, ours: Transformer, draft: Transformer, pro
                     continue
                 m = medians([timed(ours, prompt, shapes.new, make(k), k) for _ in range(shapes.repeats)])
                 m["decode_speedup_vs_plain"] = m["decode_tok_s"] / plain_decode
-                m["forced"] = m["acceptance"] == 1.0  # else the engine no longer verifies through batch.verify
+                m["forced"] = m["acceptance"] == 1.0  # else the engine no longer verifies through scores.verify
                 report.put("speed", f"spec_{kind}_k{k}", m)
                 report.say(f"  spec {kind} k={k}: {m['decode_tok_s']:.1f} tok/s decode, "
                            f"{m['decode_speedup_vs_plain']:.2f}x plain, {m['tokens_per_pass']:.2f} tokens/pass")

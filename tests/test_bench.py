@@ -32,7 +32,7 @@ from quickdraft.bench.questions import (
 from quickdraft.bench.report import summarize
 from quickdraft.bench.specbench import parse_methods, run_questions
 from quickdraft.cli import main
-from quickdraft.engine import batch
+from quickdraft.engine import scores
 from quickdraft.engine.cost import measure_forward_cost
 from quickdraft.errors import QuickdraftError
 from quickdraft.proposers import EACH, Committed, Draft
@@ -265,7 +265,7 @@ def test_identity_check_catches_a_broken_engine(model_dir: Path, tmp_path: Path,
     assert rc == 0 and res["failures"] == []  # the real verifier makes even this proposer exact
     assert res["summary"]["overall"]["repeat7 k=4"]["identical_pct"] == 100.0
 
-    monkeypatch.setattr(batch, "verify", accept_everything)  # raising=True: fails loudly if renamed
+    monkeypatch.setattr(scores, "verify", accept_everything)  # raising=True: fails loudly if renamed
     rc, res, report = specbench(model_dir, tmp_path, "--methods", "plain,repeat7")
     assert rc == 1
     broken = res["summary"]["overall"]["repeat7 k=4"]
