@@ -274,10 +274,10 @@ class Engine:
         features = out.features[0]  # [M, F]
         chunk = None if ride is None else features[flat.decoded:]  # its logits only where it ends a prompt: _prefilled
         decoded = features[:flat.decoded]
-        if len(set(sizes)) == 1:  # no padding: the rows' tokens are already in StepInputs' places
-            return (Scores(self.model.logits, decoded, None, sizes),
-                    decoded.view(len(sizes), sizes[0], -1), chunk)
-        return Scores(self.model.logits, decoded, flat.index, sizes), features[flat.index], chunk
+        # no padding: the rows' tokens are already in StepInputs' places
+        index = None if len(set(sizes)) == 1 else flat.index
+        rows = decoded.view(len(sizes), sizes[0], -1) if index is None else features[index]
+        return Scores(self.model.logits, decoded, index, sizes), rows, chunk
 
     def _fail(self, row: Row, error: Exception) -> Events:
         """End one request with the error its own pass raised; its row is freed at the next step."""

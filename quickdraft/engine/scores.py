@@ -6,10 +6,9 @@ a node past them has that node's subtree scored and is verified again, its gener
 
 Exact: every position's logits are the numbers a head over all positions gives (the head's
 kernels give each row the same bits whatever rows share a call of at most kernels.MAX_ROWS rows,
-and no call here scores more),
-the walk reads only the positions on its path, and a sampled row's generator draws the same
-numbers whatever positions hold (verify.py draws by shape), so the verdict is bitwise the one
-full scoring gives. Positions never scored hold zeros, which no walk reads.
+and no call here scores more), the walk reads only the positions on its path, and a sampled
+row's generator draws the same numbers whatever positions hold (verify.py draws by shape), so
+the verdict is bitwise the one full scoring gives. Positions never scored hold zeros, which no walk reads.
 """
 from __future__ import annotations
 
