@@ -122,6 +122,42 @@ def test_generation_resumes_where_it_stopped(tmp_path: Path, monkeypatch) -> Non
         generate_responses(model, prompts(10, 5), frozenset({41}), 12, path, progress=False)
 
 
+def test_sampled_answers_are_each_prompts_seeded_sample_alone_and_resume_the_same(tmp_path: Path, monkeypatch) -> None:
+    """Sampled answers (more text than the prompts' greedy answers): each is what its prompt's own
+    seeded request gives decoded alone, whatever shared its batch, so a killed run's rerun ends with
+    the same answers; another temperature or round is another file's."""
+    model, asked = target(), prompts(6, 8)
+    path = tmp_path / responses.sampled_file(1)
+
+    def run(batch_size: int = 4):
+        return generate_responses(model, asked, frozenset({41}), 12, path, batch_size=batch_size, progress=False,
+                                  shard=2, temperature=0.9, seed=1)
+
+    real_save, saves = responses.save_responses, []
+
+    def dies_at_second_save(*args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(responses, "save_responses", dies_at_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(responses, "save_responses", real_save)
+    answers = run(batch_size=3)  # the rest, beside other rows than the first run's
+    greedy = generate_responses(model, asked, frozenset({41}), 12, tmp_path / RESPONSES, progress=False)
+    for i, (prompt, r) in enumerate(zip(asked, answers)):
+        params = SamplingParams(temperature=0.9, seed=(1 << 32) + i, max_new_tokens=12, stop_token_ids=(41,))
+        alone = [t for ev in generate_tokens(model, prompt, params) for t in ev.token_ids]
+        assert r.tokens == prompt + alone and r.prompt_len == len(prompt)
+    assert [r.tokens for r in answers] != [r.tokens for r in greedy]  # sampled, not greedy text
+    with pytest.raises(ValueError, match="other settings"):
+        generate_responses(model, asked, frozenset({41}), 12, path, progress=False, temperature=0.8, seed=1)
+    with pytest.raises(ValueError, match="other settings"):
+        generate_responses(model, asked, frozenset({41}), 12, path, progress=False, temperature=0.9, seed=2)
+
+
 class FeatureRecorder:
     """A proposer that proposes nothing and records the features the engine commits (its steps are
     plain decoding steps)."""
@@ -575,8 +611,18 @@ def test_train_head_command_on_a_tiny_model(tmp_path: Path, monkeypatch, capsys)
     history = json.loads((out / "history.json").read_text())
     assert info["training"]["steps"] == 5 and len(history) == 5 and all(math.isfinite(h["loss"]) for h in history)
     assert info["feature_layers"] == [1]
-    # a head that fuses both layers: its own run (the checkpoint's settings differ), its features cached apart
+    # sampled answers too: the greedy ones (and their features) kept, a round of sampled ones after them
     monkeypatch.undo()
+    greedy = (out / RESPONSES).read_bytes()
+    assert main(args + ["--steps", "6", "--sampled-answers", "1"]) == 0
+    assert (out / RESPONSES).read_bytes() == greedy and (out / responses.sampled_file(1)).is_file()
+    assert json.loads((out / "head.json").read_text())["training"]["examples"] == 12
+    capsys.readouterr()
+    for flags, error in ((["--sampled-answers", "-1"], "--sampled-answers must be >= 0"),
+                         (["--sample-temperature", "0"], "--sample-temperature must be in (0, 2]")):
+        assert main(args + ["--steps", "6", *flags]) == 1
+        assert error in capsys.readouterr().err
+    # a head that fuses both layers: its own run (the checkpoint's settings differ), its features cached apart
     fused = tmp_path / "fused"  # (and half its prompts code to complete: the standard library's functions)
     assert main([*args, "--out", str(fused), "--steps", "3", "--feature-layers", "0,1", "--code-share", "0.5"]) == 0
     assert json.loads((fused / "head.json").read_text())["feature_layers"] == [0, 1]

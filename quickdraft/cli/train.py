@@ -31,7 +31,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         without_benchmark,
     )
     from quickdraft.train.features import FEATURES, training_examples
-    from quickdraft.train.responses import RESPONSES, generate_responses
+    from quickdraft.train.responses import RESPONSES, generate_responses, sampled_file
     from quickdraft.train.trainer import TrainConfig, acceptance, train_head, training_dtype
 
     try:
@@ -48,6 +48,10 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     for flag in ("conversations", "max_prompt_len", "max_new_tokens", "gen_batch"):
         if getattr(args, flag) < 1:
             raise QuickdraftError(f"--{flag.replace('_', '-')} must be >= 1, found {getattr(args, flag)}")
+    if args.sampled_answers < 0:
+        raise QuickdraftError(f"--sampled-answers must be >= 0, found {args.sampled_answers}")
+    if not 0 < args.sample_temperature <= 2:
+        raise QuickdraftError(f"--sample-temperature must be in (0, 2], found {args.sample_temperature}")
     data = sharegpt_path("train")
     set_threads(args.threads)
     llm = load_llm(args, progress=not args.no_progress, prefix_cache=False)
@@ -74,11 +78,18 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     code = f" and the standard library's code ({args.code_share:.0%})" if args.code_share else ""
-    print(f"quickdraft: the target answers {len(prompts)} prompts from {data.name}{code} (greedy, up to "
-          f"{args.max_new_tokens} tokens each; those in {out / RESPONSES} are kept)", file=sys.stderr)
+    sampled = (f", then {args.sampled_answers} sampled answer{'s' * (args.sampled_answers > 1)} to each at "
+               f"temperature {args.sample_temperature:g}" if args.sampled_answers else "")
+    print(f"quickdraft: the target answers {len(prompts)} prompts from {data.name}{code} (greedy{sampled}; up to "
+          f"{args.max_new_tokens} tokens each; those in {out} are kept)", file=sys.stderr)
     try:
-        responses = generate_responses(llm.model, prompts, llm.tokenizer.eos_token_ids, args.max_new_tokens,
-                                       out / RESPONSES, args.gen_batch, progress)
+        # the greedy answers first, then each round of sampled ones (seeded by its round)
+        rounds = [(RESPONSES, 0.0)] + [(sampled_file(r), args.sample_temperature)
+                                       for r in range(1, args.sampled_answers + 1)]
+        responses = []
+        for seed, (name, temperature) in enumerate(rounds):
+            responses += generate_responses(llm.model, prompts, llm.tokenizer.eos_token_ids, args.max_new_tokens,
+                                            out / name, args.gen_batch, progress, temperature=temperature, seed=seed)
         examples = training_examples(llm.model, responses, out / FEATURES, progress)
         print(f"quickdraft: {len(examples)} examples, {sum(len(e.tokens) for e in examples)} tokens; training "
               f"in {str(training_dtype(config.dtype, llm.model.device)).removeprefix('torch.')}", file=sys.stderr)
@@ -119,6 +130,11 @@ def add_train_head(sub) -> None:
     tr.add_argument("--max-prompt-len", type=int, default=256, help="longer prompts (a later turn: with its history) are skipped")
     tr.add_argument("--max-new-tokens", type=int, default=160, help="tokens per generated response at most")
     tr.add_argument("--gen-batch", type=int, default=32, help="responses generated together")
+    tr.add_argument("--sampled-answers", type=int, default=0,
+                    help="after the greedy answers, this many sampled answers to each prompt (seeded; more text "
+                         "to learn from than the prompts alone give: a head that memorizes its data generalizes "
+                         "less)")
+    tr.add_argument("--sample-temperature", type=float, default=0.7, help="temperature of --sampled-answers")
     tr.add_argument("--steps", type=int, default=1000)
     tr.add_argument("--batch-size", type=int, default=8, help="examples per step")
     tr.add_argument("--max-len", type=int, default=384, help="positions per example at most")

@@ -1,6 +1,6 @@
-"""The text a draft head trains on: the target's own greedy responses to conversation prompts,
-kept as token ids with the settings that made them (train/features.py rebuilds the target's
-features over them by prefill).
+"""The text a draft head trains on: the target's own responses to conversation prompts, greedy
+and, for more text than the prompts' greedy answers alone, sampled, kept as token ids with the
+settings that made them (train/features.py rebuilds the target's features over them by prefill).
 
 A head is used on the target's own output, so that is what it learns from (self-distillation, as
 Medusa-2 does): ShareGPT's answers were written by other models, and a 135M target agrees with
@@ -25,7 +25,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.proposers.head import target_probe
 from quickdraft.spec.sampling import SamplingParams
 
-RESPONSES = "responses.json.gz"
+RESPONSES = "responses.json.gz"  # the greedy answers; sampled_file(r) round r's sampled ones
 SHARD = 64  # responses saved together: what a killed run loses at most, besides those running
 
 
@@ -33,6 +33,11 @@ SHARD = 64  # responses saved together: what a killed run loses at most, besides
 class Response:
     tokens: list[int]  # s_0 .. s_n: prompt and response (a stop token ends it, not part of it)
     prompt_len: int    # s_0 .. s_{prompt_len-1} are the prompt
+
+
+def sampled_file(round_: int) -> str:
+    """The file of the r-th round of sampled answers (r >= 1), beside the greedy ones' RESPONSES."""
+    return f"responses-sampled-{round_}.json.gz"
 
 
 def target_settings(target: Transformer) -> dict:
@@ -71,22 +76,27 @@ def load_responses(path: Path, settings: dict, prompts: Sequence[list[int]]) -> 
 
 def generate_responses(target: Transformer, prompts: Sequence[list[int]], eos_token_ids: frozenset[int],
                        max_new_tokens: int, path: Path, batch_size: int = 32, progress: bool = True,
-                       shard: int = SHARD) -> list[Response]:
-    """Greedy responses to `prompts` (batched, plain decoding), in prompt order: those saved at
-    `path` and the rest, generated and saved there in order every `shard` prompts."""
-    settings = {**target_settings(target), "max_new_tokens": max_new_tokens, "stop": sorted(eos_token_ids)}
+                       shard: int = SHARD, temperature: float = 0.0, seed: int = 0) -> list[Response]:
+    """Responses to `prompts` (batched, plain decoding), in prompt order: those saved at `path` and
+    the rest, generated and saved there in order every `shard` prompts. Greedy, or sampled at
+    `temperature` with prompt i's generator seeded by (seed, i): a seeded row's tokens do not depend
+    on the rows beside it (engine/batch.py), so a killed run's rerun makes the same answers."""
+    settings = {**target_settings(target), "max_new_tokens": max_new_tokens, "stop": sorted(eos_token_ids),
+                **({"temperature": temperature, "seed": seed} if temperature else {})}
     done = load_responses(path, settings, prompts)
     todo = range(len(done), len(prompts))
     if not todo:
         return done
     engine = Engine(target, EngineConfig(max_batch=batch_size,
                                          max_seq_len=max(len(prompts[i]) for i in todo) + max_new_tokens))
-    params = SamplingParams(max_new_tokens=max_new_tokens)
     for i in todo:
+        params = SamplingParams(temperature=temperature, seed=(seed << 32) + i if temperature else None,
+                                max_new_tokens=max_new_tokens)
         engine.add(Request(list(prompts[i]), params, eos_token_ids, id=str(i)))
+    bar_name = "responses" if not temperature else f"sampled {seed}"
     new: dict[int, list[int]] = {i: [] for i in todo}
     finished: set[int] = set()
-    bar = tqdm(total=len(prompts), initial=len(done), desc="responses", unit="resp", disable=not progress)
+    bar = tqdm(total=len(prompts), initial=len(done), desc=bar_name, unit="resp", disable=not progress)
     while engine.has_work():
         for request_id, event in engine.step():
             if event.error is not None:
