@@ -20,7 +20,7 @@ import quickdraft.proposers.draft_chain as draft_chain
 import quickdraft.proposers.draft_cost as draft_cost
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.loop import generate_tokens
-from quickdraft.proposers.base import Committed, Proposer, SpecConfig
+from quickdraft.proposers.base import NO_DRAFT, Committed, Draft, Each, Proposer, SpecConfig
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.ngram import NgramProposer
@@ -301,3 +301,80 @@ def test_a_hybrid_releases_the_draft_model_it_drafts_through() -> None:
     finally:
         if enabled:
             gc.enable()
+
+
+class Releases(Each):
+    """A group that records the members it is told to release (they draft nothing)."""
+
+    def __init__(self) -> None:
+        self.released: list[Proposer] = []
+
+    def release(self, members: Sequence[Proposer]) -> None:
+        self.released += members
+
+
+class Quiet:
+    """A proposer that drafts nothing, in a group of its own."""
+
+    def __init__(self, group: Releases) -> None:
+        self.group = group
+
+    def commit(self, step: Committed) -> None:
+        pass
+
+    def propose(self, k: int) -> Draft:
+        return NO_DRAFT
+
+
+def test_a_failed_prompt_gives_back_its_blocks_and_proposer_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt whose prefill fails (here its first token's verification), riding beside a decoding
+    row: its request ends alone, its cache row's blocks go back in that step (not at some later
+    admission that lands on its row) and its proposer is released; the decoding row goes on."""
+    import quickdraft.engine.admission as admission
+    group = Releases()
+    engine = Engine(target(), EngineConfig(max_batch=2))
+    engine.add(Request([1, 2, 3, 4], greedy(20), frozenset(), id="runs"))
+    engine.step()
+    failing = Quiet(group)
+    engine.add(Request(list(range(5, 30)), greedy(20), frozenset(), failing, 3, id="fails"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken first token")
+
+    monkeypatch.setattr(admission, "verify", broken)
+    events = []
+    while not any(rid == "fails" for rid, _ in events):
+        events += engine.step()
+    assert [e.finish_reason for rid, e in events if rid == "fails"] == ["error"]
+    assert group.released == [failing] and engine.filling is None
+    assert engine.cache.held[1:].sum() == 0 and engine.cache.held[0] > 0  # the runner's alone
+    monkeypatch.undo()
+    while engine.has_work():
+        engine.step()
+    engine.step()  # (a row that ended is freed at the next step)
+    assert engine.cache.held.sum() == 0
+
+
+def test_every_end_of_a_request_releases_its_proposer() -> None:
+    """A request cancelled while waiting, one only scored (max_new_tokens 0), those waiting when the
+    engine closes, and one the engine refuses after the service made its proposer: each proposer's
+    group is told to let go of it."""
+    from quickdraft.engine.service import EngineService
+    group = Releases()
+    engine = Engine(target(), EngineConfig(max_batch=1))
+    members = [Quiet(group) for _ in range(4)]
+    engine.add(Request([1, 2, 3], greedy(5), frozenset(), id="first"))
+    engine.add(Request([1, 2, 3], greedy(5), frozenset(), members[0], 3, id="cancelled"))
+    assert engine.cancel("cancelled") and group.released == members[:1]
+    engine.add(Request([4, 5, 6], SamplingParams(max_new_tokens=0), frozenset(), members[1], 3, id="scored"))
+    while engine.has_work():
+        engine.step()
+    assert group.released == members[:2]
+    engine.add(Request([1, 2, 3], greedy(5), frozenset(), members[2], 3, id="left"))
+    engine.close()
+    assert group.released == members[:3]
+    service, told = EngineService(Engine(target(), EngineConfig(max_batch=1, max_seq_len=8))), []
+    service.submit(Request(list(range(1, 20)), greedy(5), frozenset(), None, 3, id="long"), told.append,
+                   lambda: members[3])
+    service.drive(blocking=False)
+    assert told[-1].finish_reason == "error" and group.released == members

@@ -13,7 +13,7 @@ import torch
 
 from quickdraft.engine.events import GenerationStats, TokenEvent, TokenOrigin
 from quickdraft.engine.placement import Placement
-from quickdraft.engine.rows import Events, Request, Row, grammar_masks, step_logprobs
+from quickdraft.engine.rows import Events, Request, Row, grammar_masks, release_proposer, step_logprobs
 from quickdraft.engine.scheduler import Scheduler
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import TopTokens
@@ -61,7 +61,9 @@ class Admission:
         request = self._next_waiting()
         try:
             self.placement.filling = self._admit(request)
-        except Exception as e:  # noqa: BLE001 - growing the cache (out of memory): this request ends
+        except Exception as e:  # noqa: BLE001 - growing the cache (out of memory), scoring a cached prefix: this request ends
+            self.placement.drop_filling()  # (a cached prefix may have been shared into its row)
+            release_proposer(request)
             return [(request.id, TokenEvent([], "error", GenerationStats(prompt_tokens=len(request.prompt_ids)), e))]
         return []
 
@@ -181,17 +183,19 @@ class Admission:
         scores in its one event; its K/V go to the prefix cache as an ended row's, and its cache row
         (past the running ones) gives its blocks back."""
         place = self.placement
-        place.filling = None
         stats = row.stats
         stats.target_passes += 1
         stats.verify_s += seconds
         stats.total_s = time.perf_counter() - row.start
         place.leave(row, len(place.rows))
-        place.cache.release(len(place.rows))
+        place.drop_filling()
+        release_proposer(row.request)
         return [(row.request.id, TokenEvent([], "length", stats.snapshot(), prompt_logprobs=row.scored))]
 
     def _fill_failed(self, row: Row, error: Exception) -> Events:
-        """The filling row's prompt pass raised: only its request ends."""
-        self.placement.filling = None
+        """The filling row's prompt pass raised: only its request ends, its blocks and its proposer's
+        state given back."""
+        self.placement.drop_filling()
+        release_proposer(row.request)
         row.stats.total_s = time.perf_counter() - row.start
         return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]

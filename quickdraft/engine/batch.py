@@ -1,8 +1,9 @@
 """The batched engine: the only place that knows the order of a decoding step. Each step runs, as
 phases over every running row: the proposers told what the last step committed and asked for
-their drafts -> rows that ended freed -> choose draft lengths -> build inputs -> ONE target pass
-(a waiting prompt's chunk may ride in it) -> verify -> commit (the cache keeps the accepted path)
--> emit; then waiting requests are admitted and prefilled into free rows. Requests join and leave
+their drafts -> rows that ended freed -> where passes are ragged, a waiting request admitted into
+the free row so that its prompt's next chunk rides along -> choose draft lengths -> build inputs ->
+ONE target pass -> verify -> commit (the cache keeps the accepted path) -> emit; then what the
+step's prefill allowance leaves goes to prompts in passes of their own. Requests join and leave
 between steps (continuous batching); each row has its own draft tree, sampling settings and seeded
 generator. Plain decoding is the same step with empty drafts, batch 1 the same step with one row.
 
@@ -83,7 +84,6 @@ class Engine:
             self.max_seq_len = min(self.max_seq_len, cache.max_len - self.pad)
         self.cache = cache
         self.prefix = prefix
-        self.invariant_rows = model.invariant_rows  # rows a pass may feed, each row's bits its own (None: any)
         self.placement = Placement(cache, prefix, grows, self.pad, config.max_batch, self.max_seq_len)
         self.admission = Admission(model, self.placement, self.scheduler, self._emit)
         self.finished: list[Row] = []       # rows that ended in the last step, freed at the next
@@ -116,32 +116,42 @@ class Engine:
         """The engine goes (a caller left early, a model's engine set up anew): every request it
         holds lets go of its proposer's state now (a draft model's row), and with `blocks` its rows'
         blocks go back to the pool (else the cache stays as it is, for a caller that reads it)."""
-        for row in [*self.rows, *([self.filling] if self.filling is not None else [])]:
-            release_proposer(row)  # (a row released before, at its end, holds nothing: a no-op)
+        for request in [*(row.request for row in self.held()), *self.waiting]:
+            release_proposer(request)  # (one released before, at its end, holds nothing: a no-op)
         if blocks:
             self.cache.release_all()
 
     def cancel(self, request_id: str) -> bool:
         """Drop a waiting or running request (its row is freed now); False if it is not here."""
-        if self.scheduler.cancel(request_id):
+        waiting = self.scheduler.cancel(request_id)
+        if waiting is not None:
+            release_proposer(waiting)
             return True
-        for i, row in enumerate(self.rows):
-            if row.request.id == request_id and row not in self.finished:
-                release_proposer(row)
-                self.placement.leave(row, i)
-                self.placement.free(i)
-                return True
-        if self.filling is not None and self.filling.request.id == request_id:
-            release_proposer(self.filling)  # (it has drafted nothing yet: for the contract's sake)
-            self.placement.filling = None
-            self.cache.release(len(self.rows))
-            return True
-        return False
+        row = self.row_of(request_id)
+        if row is None:
+            return False
+        release_proposer(row.request)
+        if row is self.filling:
+            self.placement.drop_filling()
+        else:
+            i = self.rows.index(row)
+            self.placement.leave(row, i)
+            self.placement.free(i)
+        return True
+
+    def held(self) -> list[Row]:
+        """The rows requests hold: the decoding ones (not those that ended in the last step), then
+        the filling one."""
+        return [*(r for r in self.rows if r not in self.finished), *([self.filling] if self.filling else [])]
+
+    def row_of(self, request_id: str) -> Row | None:
+        """The row request `request_id` holds, None where it holds none (waiting, ended, unknown)."""
+        return next((r for r in self.held() if r.request.id == request_id), None)
 
     @property
     def num_running(self) -> int:
         """Requests holding a row: decoding, or having their prompt prefilled."""
-        return len(self.rows) - len(self.finished) + (self.filling is not None)
+        return len(self.held())
 
     @property
     def waiting(self) -> list[Request]:
@@ -160,8 +170,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> Events:
         """Give the running rows their drafts (the proposers told what the last step committed),
-        decode every running row once (one target pass), then admit and prefill waiting requests
-        into free rows. Returns (request id, event) pairs; finished rows are gone. A request whose
+        decode every running row once (one target pass, a prompt's chunk riding in it where passes
+        are ragged: its request admitted first), then admit and prefill waiting requests into free
+        rows in passes of their own, as far as the step's allowance goes. Returns (request id, event) pairs; finished rows are gone. A request whose
         proposer or pass fails ends with finish reason "error"; the others go on (_decode)."""
         self.scheduler.begin_step()
         events: Events = []
@@ -179,7 +190,7 @@ class Engine:
         for row in self.finished:
             self.placement.free(self.rows.index(row))
         self.finished = []
-        left = None  # prompt tokens this step may still prefill (None: _fill decides)
+        left = None  # prompt tokens this step may still prefill (None: Admission.fill asks the scheduler)
         if self.rows:
             admitted, ride = self.admission.rider()
             events += admitted
@@ -198,7 +209,7 @@ class Engine:
     def _decode(self, lo: int, hi: int, ride: tuple[Row, int] | None = None) -> Events:
         """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe. `ride`: the
         filling row (cache row hi) and at most how many of its prompt tokens ride along in the pass
-        (ragged passes only; _rider).
+        (ragged passes only; Admission.rider).
 
         A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
         rows' generators are rewound), so each half of the rows is decoded again on its own, down
@@ -212,7 +223,7 @@ class Engine:
                                           None if ride is None else (len(ride[0].tokens) - ride[0].length, ride[1]))
         if plan is None:
             # wider, the pass would give each row other bits than it has alone (and leave them to the
-            # prefix cache): halves, each with drafts of its own (the prompt's chunk waits: _fill)
+            # prefix cache): halves, each with drafts of its own (the prompt's chunk waits: Admission.fill)
             mid = (lo + hi) // 2
             return self._decode(lo, mid) + self._decode(mid, hi)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, plan.lengths)]
@@ -272,7 +283,7 @@ class Engine:
         out = self.model(flat.ids, flat.positions, self.cache.rows(lo, hi + (ride is not None)), flat.mask,
                          last_n=0, slots=flat.slots, rows=flat.rows)
         features = out.features[0]  # [M, F]
-        chunk = None if ride is None else features[flat.decoded:]  # its logits only where it ends a prompt: _prefilled
+        chunk = None if ride is None else features[flat.decoded:]  # its logits only where it ends a prompt: Admission.prefilled
         decoded = features[:flat.decoded]
         # no padding: the rows' tokens are already in StepInputs' places
         index = None if len(set(sizes)) == 1 else flat.index
@@ -284,7 +295,7 @@ class Engine:
         row.stats.total_s = time.perf_counter() - row.start
         row.failed = True
         self.finished.append(row)
-        release_proposer(row)
+        release_proposer(row.request)
         return [(row.request.id, TokenEvent([], "error", row.stats.snapshot(), error))]
 
     def _emit(self, rows: list[Row], steps: Sequence[Committed], step_s: float,
@@ -305,7 +316,7 @@ class Engine:
                                                       origin[:len(emitted)], logprob[:len(emitted)])))
             if finish:
                 finished.append(row)
-                release_proposer(row)  # asked for no draft again: its group's state for it goes now
+                release_proposer(row.request)  # asked for no draft again: its group's state for it goes now
                 self.placement.leave(row, self.rows.index(row))
         self.finished += finished  # freed at the next step: until then the cache shows their tokens
         self.placement.sync_lengths()
@@ -334,7 +345,7 @@ class Engine:
         request, t0 = row.request, time.perf_counter()
         offered = row.draft if request.proposer is not None and request.k else NO_DRAFT
         try:
-            row.draft = request.constraint.shape(offered, min(request.k, row.budget - row.stats.new_tokens - 1))
+            row.draft = request.constraint.shape(offered, row.draft_budget)
         except Exception as e:  # noqa: BLE001 - ends that request only
             return e
         finally:
@@ -379,8 +390,7 @@ class Engine:
             if not members:
                 continue
             rows = [going[i][0] for i in members]
-            budgets = [min(row.request.k, row.budget - row.stats.new_tokens - 1) for row in rows]
-            for row, outcome in zip(rows, call(group, members, "propose", budgets)):
+            for row, outcome in zip(rows, call(group, members, "propose", [row.draft_budget for row in rows])):
                 row.draft = NO_DRAFT if outcome.error is not None else outcome.value
         return errors
 

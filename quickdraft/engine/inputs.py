@@ -24,10 +24,6 @@ class StepInputs:
     slots: torch.Tensor | None  # [B, 1+W] cache slots; None = the positions (every row a chain)
     mask: torch.Tensor | None   # [B, 1+W, kv_len] True = may attend; None = causal (every row a chain)
 
-    @property
-    def width(self) -> int:
-        return self.ids.shape[1]
-
 
 def _visible(lengths: Sequence[int], drafts: Sequence[Draft], width: int, device: torch.device) -> torch.Tensor:
     """[B, width, kv_len]: each fed token sees the row's committed slots and its ancestors' (itself included)."""

@@ -3,8 +3,8 @@ prefilled in row n; the cache grown as they need, a prompt's cached prefix share
 their K/V left to the prefix cache (a prompt's as it starts decoding, a row's as it ends) and
 their blocks given back as rows are freed, the rows kept packed. Leaving K/V takes a row's full
 blocks by reference and copies only a last partial block (kv/prefix_cache.py), so it is done whole
-at once: a 4,000-token row's 250 blocks took 8 ms (SmolLM2, Intel Xeon, 2 cores), a tenth of a
-decode step at that context. Knows rows and caches; not the model or the step.
+at once (a tenth of a decode step at 4,000 tokens: docs/notes/paged-kv.md). Knows rows and caches;
+not the model or the step.
 """
 from __future__ import annotations
 
@@ -64,6 +64,14 @@ class Placement:
             self.prefix.store(row.tokens, self.cache, i, features, scope=row.request.cache_scope)
         except Exception:  # noqa: BLE001
             log.warning("the prefix cache failed to keep a request's K/V; going on without", exc_info=True)
+
+    def drop_filling(self) -> None:
+        """The filling row is gone (its prompt failed, was only scored, or its request cancelled),
+        or its admission failed: cache row n gives its blocks back now, not at the next admission
+        (which may never land on n). (A cache that failed to grow has no row n.)"""
+        self.filling = None
+        if len(self.rows) < self.cache.batch_size:
+            self.cache.release(len(self.rows))
 
     def leave(self, row: Row, i: int) -> None:
         """A row that ends (in cache row i) leaves its K/V to the prefix cache."""

@@ -64,6 +64,12 @@ class Row:
         p = self.request.params
         return not self.request.adaptive or (not p.greedy and p.seed is not None)
 
+    @property
+    def draft_budget(self) -> int:
+        """Draft tokens the next step may verify: the request's k, less where its budget ends (a
+        step commits the accepted drafts and one token of the target's)."""
+        return min(self.request.k, self.budget - self.stats.new_tokens - 1)
+
 
 def check_context(prompt_len: int, context: int, note: str = "") -> None:
     """`note`: why the context ends there, where the model says (ModelConfig.context_note)."""
@@ -109,10 +115,12 @@ def grammar_masks(row: Row, n: int) -> torch.Tensor | None:
     return None if constraint is None else constraint.masks(n, row.generator.device)
 
 
-def release_proposer(row: Row) -> None:
-    """The row's proposer group lets go of what it holds for it (a draft model's cache row) now;
-    a group that fails to keeps that memory (logged); nothing else ends its state."""
-    proposer = row.request.proposer
+def release_proposer(request: Request) -> None:
+    """The request's proposer group lets go of what it holds for it (a draft model's cache row) now,
+    wherever the request ends (its last step, a failed prompt, a cancel, an engine closed; a
+    proposer that holds nothing yet: a no-op); a group that fails to keeps that memory (logged);
+    nothing else ends its state."""
+    proposer = request.proposer
     if proposer is not None:
         try:
             (proposer.group or EACH).release([proposer])

@@ -72,14 +72,14 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def cancel(self, request_id: str) -> bool:
-        """Drop a waiting request; False if none has that id."""
+    def cancel(self, request_id: str) -> Request | None:
+        """Drop the waiting request with that id and return it; None if none waits."""
         for i, request in enumerate(self.waiting):
             if request.id == request_id:
                 del self.waiting[i]
                 self.passed.pop(request_id, None)
-                return True
-        return False
+                return request
+        return None
 
     def admits(self, holding: int) -> bool:
         """Whether a waiting request may take a row now that `holding` rows are held."""

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 from quickdraft.engine.batch import Engine, Request
 from quickdraft.engine.events import GenerationStats, TokenEvent
+from quickdraft.engine.rows import release_proposer
 from quickdraft.spec.draft_contract import Proposer
 
 log = logging.getLogger("quickdraft.engine")
@@ -153,11 +154,9 @@ class EngineService:
                 del self._sinks[item]
             elif kind == "end" and item[0] in self._sinks:
                 request_id, error = item
-                stats = next((r.stats for r in self.engine.rows if r.request.id == request_id), None)
-                if stats is None and self.engine.filling is not None and self.engine.filling.request.id == request_id:
-                    stats = self.engine.filling.stats
+                row = self.engine.row_of(request_id)
                 self.engine.cancel(request_id)
-                event = TokenEvent([], "error", stats or GenerationStats(), error)
+                event = TokenEvent([], "error", row.stats if row is not None else GenerationStats(), error)
                 self._tell(request_id, self._sinks.pop(request_id), event)
 
     def _add(self, request: Request, sink: Sink, make_proposer: MakeProposer | None) -> None:
@@ -166,6 +165,7 @@ class EngineService:
                 request.proposer = make_proposer()
             self.engine.add(request)
         except Exception as e:  # noqa: BLE001 - the caller's to report, never the engine's
+            release_proposer(request)  # (refused by the engine after its proposer was made)
             self._tell(request.id, sink, TokenEvent([], "error", error=e))
             return
         self._sinks[request.id] = sink
@@ -176,8 +176,8 @@ class EngineService:
             events = self.engine.step()
         except Exception as e:  # noqa: BLE001 - a broken step must not take every caller down
             log.exception("engine step failed outside any request's pass; ending the requests it held")
-            held = list(self.engine.rows) + ([self.engine.filling] if self.engine.filling is not None else [])
-            for row in held:
+            # every row, those that ended in the failed step too: their last events went with it
+            for row in [*self.engine.rows, *([self.engine.filling] if self.engine.filling is not None else [])]:
                 self.engine.cancel(row.request.id)
                 if (sink := self._sinks.pop(row.request.id, None)) is not None:
                     self._tell(row.request.id, sink, TokenEvent([], "error", row.stats, e))
