@@ -66,25 +66,45 @@ def test_a_cancelled_request_leaves_the_queue_and_its_count() -> None:
     assert s.admits(0) and not s.admits(1)  # max_batch rows held: no admission
 
 
+def room(s: Scheduler, decoding: int, riding: bool = False) -> int | None:
+    """The prefill room of a fresh step."""
+    s.begin_step()
+    return s.prefill_room(decoding, riding)
+
+
 def test_the_allowance_is_the_chunk_asked_for_or_what_stalls_the_rows_little() -> None:
-    assert scheduler(prefill_chunk=48).ride_allowance(3) == 48
+    assert room(scheduler(prefill_chunk=48), 3, riding=True) == 48
     s = scheduler()
-    assert s.fill_allowance(0) is None  # no row decodes: whole prompts
-    assert s.ride_allowance(1) == MIN_CHUNK  # no prefill measured yet
+    assert room(s, 0) is None  # no row decodes: whole prompts
+    assert room(s, 1, riding=True) == MIN_CHUNK  # no prefill measured yet
     s.prefilled(100, 0.010)  # 100 tokens cost one decode step: a chunk may grow to twice the last
-    assert s.ride_allowance(1) == s.fill_allowance(1) == 75  # STALL of a step's worth, 0.75 x 100
+    assert room(s, 1, riding=True) == room(s, 1) == 75  # STALL of a step's worth, 0.75 x 100
+
+
+def test_a_steps_room_is_spent_by_what_it_prefills_and_closed_by_a_chunk_that_rode() -> None:
+    s = scheduler()
+    s.prefilled(100, 0.010)
+    assert room(s, 1, riding=True) == 75
+    s.prefilled(30, 0.003)  # a prompt's last 30 tokens rode: the rest of the room goes to the next prompt
+    assert s.prefill_room(2) == 45
+    s.rode()  # a chunk rode and its prompt goes on: nothing more this step
+    assert s.prefill_room(2) == 0 and room(s, 2) > 0
+    assert room(s, 0) is None  # no row decodes: no limit, while none does
+    s.prefilled(400, 0.040)  # a whole prompt, which then decodes: the next prompt gets a chunk
+    assert s.prefill_room(1) == 75 and s.prefill_room(1) == 75  # (set once, then spent only)
+    s.prefilled(75, 0.0075)
+    assert s.prefill_room(1) == 0
 
 
 def test_rows_untimed_for_retime_steps_get_a_step_of_their_own() -> None:
     s = scheduler()
     s.prefilled(100, 0.010)
-    s.begin_step()
-    assert s.ride_allowance(2) > 0  # first asked: their clock starts
-    for _ in range(RETIME):
+    assert room(s, 2, riding=True) > 0  # first asked: their clock starts
+    for _ in range(RETIME - 1):
         s.begin_step()
-    assert s.ride_allowance(2) == 0 and s.fill_allowance(2) > 0  # this step times them alone
+    assert room(s, 2, riding=True) == 0 and room(s, 2) > 0  # this step times them alone (a chunk rides in none)
     s.decoded(2, 2, 0.030)  # and the time replaces the estimate outright
-    assert s.cost.estimate(2) == pytest.approx(0.030) and s.ride_allowance(2) > 0
+    assert s.cost.estimate(2) == pytest.approx(0.030) and room(s, 2, riding=True) > 0
     s.decoded(2, 2, 0.060)  # timed again soon: smoothed, not replaced
     assert 0.030 < s.cost.estimate(2) < 0.060
 

@@ -44,8 +44,9 @@ class Admission:
 
     def rider(self) -> tuple[Events, tuple[Row, int] | None]:
         """The prompt whose next tokens ride along with this step's decode pass (ragged passes
-        only), admitted now if none is being prefilled, and at most how many tokens: as many as
-        stall the decoding rows little (engine/prefill.py). Events: admissions that failed."""
+        only), admitted now if none is being prefilled, and at most how many tokens: the step's
+        prefill room (the scheduler's: as many as stall the decoding rows little). Events:
+        admissions that failed."""
         if not self.model.ragged:
             return [], None
         events: Events = []
@@ -54,7 +55,9 @@ class Admission:
             events += self._take_waiting()
         if place.filling is None:
             return events, None
-        return events, (place.filling, self.scheduler.ride_allowance(len(place.rows)))
+        room = self.scheduler.prefill_room(len(place.rows), riding=True)
+        assert room is not None, "rows decode, so the room has a limit"
+        return events, (place.filling, room)
 
     def _take_waiting(self) -> Events:
         """Admit the next waiting request into the filling row; its error event if that fails."""
@@ -67,27 +70,23 @@ class Admission:
             return [(request.id, TokenEvent([], "error", GenerationStats(prompt_tokens=len(request.prompt_ids)), e))]
         return []
 
-    def fill(self, allowance: int | None = None) -> Events:
-        """Admit waiting requests into free rows and prefill their prompts, one row at a time: while
-        rows decode, only as many prompt tokens a step as stall them little (engine/prefill.py), in
-        the decode pass where they can ride along (`allowance`: what that left), else in passes of
-        their own; while none decodes, whole prompts. A prompt's passes draft nothing, exactly like
-        plain decoding."""
+    def fill(self) -> Events:
+        """Admit waiting requests into free rows and prefill their prompts in passes of their own,
+        one row at a time, as far as the step's prefill room goes (the scheduler's: while rows
+        decode, as many prompt tokens as stall them little, less what rode in the decode pass;
+        while none decodes, whole prompts). A prompt's passes draft nothing, exactly like plain
+        decoding."""
         events: Events = []
         place = self.placement
-        # allowance: prompt tokens this step may still feed (None: as yet unlimited)
-        while allowance != 0:
+        while (room := self.scheduler.prefill_room(len(place.rows))) != 0:
             if place.filling is None:
                 if not self.scheduler.admits(len(place.rows)):
                     break
                 events += self._take_waiting()
                 continue
-            if allowance is None:
-                allowance = self.scheduler.fill_allowance(len(place.rows))
             row = place.filling
-            size = min(len(row.tokens) - row.length, allowance or 1 << 62, self.invariant_rows or 1 << 62)
+            size = min(len(row.tokens) - row.length, room or 1 << 62, self.invariant_rows or 1 << 62)
             events += self.prefill_chunk(row, size)
-            allowance = None if allowance is None else allowance - size
         return events
 
     def _next_waiting(self) -> Request:

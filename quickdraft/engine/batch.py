@@ -190,21 +190,14 @@ class Engine:
         for row in self.finished:
             self.placement.free(self.rows.index(row))
         self.finished = []
-        left = None  # prompt tokens this step may still prefill (None: Admission.fill asks the scheduler)
         if self.rows:
             admitted, ride = self.admission.rider()
             events += admitted
-            if ride is not None:
-                row, most = ride
-                before = row.length
-                events += self._decode(0, len(self.rows), ride)
-                if self.filling is not row:  # its prompt is in: the rest of the allowance to the next
-                    left = max(most - (len(row.request.prompt_ids) - before), 0) if row in self.rows else 0
-                elif row.length != before or most == 0:  # it rode (its chunk was the step's allowance),
-                    left = 0                                  # or waited while the rows were timed alone
-            else:
-                events += self._decode(0, len(self.rows))
-        return events + self.admission.fill(left)
+            before = None if ride is None else ride[0].length
+            events += self._decode(0, len(self.rows), ride)
+            if ride is not None and self.filling is ride[0] and ride[0].length != before:
+                self.scheduler.rode()  # its prompt goes on at the next step; one done leaves the room to the next
+        return events + self.admission.fill()
 
     def _decode(self, lo: int, hi: int, ride: tuple[Row, int] | None = None) -> Events:
         """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe. `ride`: the

@@ -66,6 +66,8 @@ class Scheduler:
         self.steps = 0                    # steps begun
         self.timed: dict[int, int] = {}   # rows -> the last step they decoded in a pass of their own
         self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
+        self.room: int | None = 0     # prompt tokens this step may still prefill (None: no limit)
+        self.room_set = False         # whether this step's allowance was asked for yet
 
     # -- the queue ------------------------------------------------------------------------------------
 
@@ -101,19 +103,23 @@ class Scheduler:
 
     def begin_step(self) -> None:
         self.steps += 1
+        self.room_set = False
 
-    def ride_allowance(self, decoding: int) -> int:
-        """Prompt tokens that may ride in the pass of `decoding` rows: as many as stall them little,
-        none in a step that times them alone (every RETIME steps)."""
-        allowance = step_allowance(decoding, self.cost, self.last_prefill, self.config.prefill_chunk,
-                                   self.untimed(decoding))
-        assert allowance is not None, "rows decode, so an allowance is set"
-        return allowance
+    def prefill_room(self, decoding: int, riding: bool = False) -> int | None:
+        """Prompt tokens this step may still prefill while `decoding` rows decode; None: no limit (no
+        row decodes, and no chunk size is asked for). The step's allowance (engine/prefill.py) is set
+        at its first ask (`riding`: for a chunk riding in the decode pass, so none in a step that
+        times the rows alone, every RETIME steps) and every prefilled token spends it; one without
+        limit is set anew once rows decode (a prompt that joined them: the next gets a chunk)."""
+        if not self.room_set or (self.room is None and decoding > 0):
+            self.room = step_allowance(decoding, self.cost, self.last_prefill, self.config.prefill_chunk,
+                                       self.untimed(decoding) if riding else 0)
+            self.room_set = True
+        return self.room
 
-    def fill_allowance(self, decoding: int) -> int | None:
-        """Prompt tokens the passes of their own after the decode pass may feed; None: no limit (no
-        row decodes, and no chunk size is asked for)."""
-        return step_allowance(decoding, self.cost, self.last_prefill, self.config.prefill_chunk)
+    def rode(self) -> None:
+        """A chunk rode in the decode pass and its prompt goes on: that was the step's prefill."""
+        self.room, self.room_set = 0, True
 
     def plan_decode(self, offered: Sequence[RowDraft], ride: tuple[int, int] | None = None) -> DecodePlan | None:
         """The pass of rows offering `offered` drafts: the lengths to verify (engine/policy.py) and,
@@ -162,9 +168,11 @@ class Scheduler:
         self.timed[rows] = self.steps
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        """A prefill pass (or a chunk's share of a decode pass) of `tokens` took `seconds`: the next
-        chunk is sized from it (engine/prefill.py)."""
+        """A prefill pass (or a chunk's share of a decode pass) of `tokens` took `seconds`: they are
+        spent from the step's room, and the next chunk is sized from it (engine/prefill.py)."""
         self.last_prefill = (tokens, seconds)
+        if self.room is not None:
+            self.room = max(self.room - tokens, 0)
 
     def ride_share(self, tokens: int, seconds: float) -> float:
         """A riding chunk's share of a decode pass feeding `tokens` tokens that took `seconds`:
