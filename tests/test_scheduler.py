@@ -16,7 +16,7 @@ import pytest
 
 from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
 from quickdraft.engine.prefill import MIN_CHUNK, PASSED_OVER, RETIME
-from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Scheduler
+from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Pass, Scheduler
 from quickdraft.engine.startup import COST_Q
 from quickdraft.spec.draft_contract import Draft
 
@@ -119,6 +119,12 @@ def test_a_pass_past_the_invariant_rows_splits_and_a_chunk_rides_in_the_room_lef
     assert s.plan_decode([six], ride=(4, 40)) == DecodePlan((5,), (6,), 4)  # the prompt's last 4
     padded = scheduler(invariant_rows=16, ragged=False, policy="fixed")
     assert padded.plan_decode([six, RowDraft(0, None, True), RowDraft(0, None, True)]) is None  # 3 x 6 fed
+    # a step's passes: one where the rows fit, else halves planned apart, the chunk riding in neither
+    assert s.plan_step([six, six], ride=(100, 40)) == (Pass(0, 2, DecodePlan((5, 5), (6, 6), 4)),)
+    assert s.plan_step([six, six, six], ride=(100, 40)) == (Pass(0, 1, DecodePlan((5,), (6,), 0)),
+                                                            Pass(1, 3, DecodePlan((5, 5), (6, 6), 0)))
+    assert s.plan_step([six] * 5) == (Pass(0, 2, DecodePlan((5, 5), (6, 6))), Pass(2, 3, DecodePlan((5,), (6,))),
+                                      Pass(3, 5, DecodePlan((5, 5), (6, 6))))
 
 
 def test_the_head_scores_first_what_the_walk_likely_reads_where_passes_are_ragged() -> None:

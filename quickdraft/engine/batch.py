@@ -40,7 +40,7 @@ from quickdraft.engine.rows import (
     release_proposer,
     step_logprobs,
 )
-from quickdraft.engine.scheduler import EngineConfig, Scheduler
+from quickdraft.engine.scheduler import DecodePlan, EngineConfig, Scheduler
 from quickdraft.engine.scores import Scores, verify_scored
 from quickdraft.kv.cache import KVCache
 from quickdraft.kv.prefix_cache import PrefixCache
@@ -200,9 +200,20 @@ class Engine:
         return events + self.admission.fill()
 
     def _decode(self, lo: int, hi: int, ride: tuple[Row, int] | None = None) -> Events:
-        """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1): the recipe. `ride`: the
-        filling row (cache row hi) and at most how many of its prompt tokens ride along in the pass
-        (ragged passes only; Admission.rider).
+        """One step of rows lo..hi-1 (they sit in cache rows lo..hi-1), in the passes the scheduler
+        plans: one, or halves where the rows would not fit a batch-invariant pass (wider, it would
+        give each row other bits than it has alone, and leave them to the prefix cache). `ride`: the
+        filling row (cache row hi) and at most how many of its prompt tokens ride along (ragged
+        passes only; Admission.rider)."""
+        rows = self.rows[lo:hi]
+        passes = self.scheduler.plan_step([RowDraft.of(r.draft, r.pinned) for r in rows],
+                                          None if ride is None else (len(ride[0].tokens) - ride[0].length, ride[1]))
+        return [e for p in passes for e in self._run(lo + p.lo, lo + p.hi, p.plan,
+                                                     (ride[0], p.plan.ride) if ride and p.plan.ride else None)]
+
+    def _run(self, lo: int, hi: int, plan: DecodePlan, ride: tuple[Row, int] | None) -> Events:
+        """One pass over rows lo..hi-1 as `plan` says, the recipe: inputs, the pass, verify, commit,
+        emit. `ride`: the filling row and the prompt tokens that ride along.
 
         A pass that raises has committed nothing (its K/V lie past the rows' lengths, the sampled
         rows' generators are rewound), so each half of the rows is decoded again on its own, down
@@ -212,16 +223,8 @@ class Engine:
         row's tokens nor a seeded one's (its draft sizes are pinned, its generator rewound)."""
         rows = self.rows[lo:hi]
         t0 = time.perf_counter()
-        plan = self.scheduler.plan_decode([RowDraft.of(r.draft, r.pinned) for r in rows],
-                                          None if ride is None else (len(ride[0].tokens) - ride[0].length, ride[1]))
-        if plan is None:
-            # wider, the pass would give each row other bits than it has alone (and leave them to the
-            # prefix cache): halves, each with drafts of its own (the prompt's chunk waits: Admission.fill)
-            mid = (lo + hi) // 2
-            return self._decode(lo, mid) + self._decode(mid, hi)
         drafts = [r.draft.prefix(n) for r, n in zip(rows, plan.lengths)]
         sizes = [1 + n for n in plan.lengths]
-        ride = (ride[0], plan.ride) if ride is not None and plan.ride > 0 else None
         rng = [None if r.request.params.greedy else r.generator.get_state() for r in rows]  # greedy: no draws
         try:
             inputs = build_inputs([r.length for r in rows], [r.last for r in rows], drafts, self.model.device)

@@ -55,6 +55,14 @@ class DecodePlan:
     ride: int = 0
 
 
+@dataclass(frozen=True)
+class Pass:
+    """Rows lo..hi-1 (of those a step plans) decoded together, as `plan` says."""
+    lo: int
+    hi: int
+    plan: DecodePlan
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, cost: StepCost, invariant_rows: int | None, ragged: bool) -> None:
         """invariant_rows: the tokens one pass may feed with each row's bits its own (None: any);
@@ -133,6 +141,20 @@ class Scheduler:
             return None
         riding = 0 if ride is None else max(min(ride[0], ride[1], room - fed), 0)
         return DecodePlan(tuple(lengths), tuple(self._scored(r, n) for r, n in zip(offered, lengths)), riding)
+
+    def plan_step(self, offered: Sequence[RowDraft], ride: tuple[int, int] | None = None) -> tuple[Pass, ...]:
+        """The decode passes of a step whose rows offer `offered` drafts, in order: one pass where
+        they fit a batch-invariant one (the chunk riding as plan_decode says), else halves, each
+        planned on its own (its draft lengths chosen for its own rows), down to single rows; a
+        chunk rides only where every row fits one pass (split, the prompt waits for the passes of
+        its own after them)."""
+        def passes(lo: int, hi: int, ride: tuple[int, int] | None) -> list[Pass]:
+            plan = self.plan_decode(offered[lo:hi], ride)
+            if plan is not None:
+                return [Pass(lo, hi, plan)]
+            mid = (lo + hi) // 2
+            return passes(lo, mid, None) + passes(mid, hi, None)
+        return tuple(passes(0, len(offered), ride))
 
     def _scored(self, row: RowDraft, n: int) -> int:
         """Positions of a row verifying n draft tokens to score first: all where passes are not
