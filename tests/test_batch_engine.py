@@ -16,7 +16,7 @@ import torch
 import quickdraft.spec.verify as verify_module
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.engine.loop import generate_tokens
-from quickdraft.engine.policy import RowDraft, StepCost, choose_draft_lengths
+from quickdraft.engine.policy import STALE, RowDraft, StepCost, choose_draft_lengths
 from quickdraft.errors import ContextTooLong
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft
 from quickdraft.proposers.draft_model import DraftModelProposer
@@ -322,7 +322,7 @@ def sampled_in_batches(kind: str, device: str = "cpu") -> tuple[torch.Tensor, in
 def flat_then_steep(knee: int) -> StepCost:
     """A machine whose step time is flat up to `knee` tokens, then grows by one t(1) per token."""
     cost = StepCost()
-    for n in range(1, 80):
+    for n in range(1, 65):  # (every size timed within STALE steps: each counts as measured)
         cost.observe(n, 1.0 + max(0, n - knee))
     return cost
 
@@ -333,6 +333,29 @@ def test_policy_one_row_verifies_what_pays() -> None:
     assert choose_draft_lengths([row], cheap) == [8]       # free verification: all of it
     assert choose_draft_lengths([row], steep) == [0]       # each token costs a step: none
     assert choose_draft_lengths([RowDraft(8, [0.0] * 8, False)], cheap) == [0]  # nothing would be accepted
+
+
+def test_one_slow_step_does_not_turn_drafting_off_for_good() -> None:
+    """A size is timed only when the policy picks it: one slow step at t(2) (a new shape's first, a
+    hiccup of the host) made every draft look dear, so t(2) was never timed again. Unmeasured for
+    STALE steps it counts as unknown (the curve's shape from the fresh sizes), the policy drafts
+    again, and the next time replaces the stale one."""
+    cost = StepCost()
+    cost.seed({1: 1.0, 2: 1.1, 3: 1.2})
+    for _ in range(3):
+        cost.observe(1, 0.010)
+    cost.observe(2, 0.030)  # a slow first step at 2 tokens
+    row = RowDraft(available=1, accept_probs=[0.5], pinned=False)
+    assert choose_draft_lengths([row], cost) == [0]  # 1.5 tokens for 3x the time: declined
+    for _ in range(STALE - 1):
+        cost.observe(1, 0.010)  # plain steps only: t(2) is never timed
+    assert choose_draft_lengths([row], cost) == [0]  # (still fresh)
+    cost.observe(1, 0.010)
+    assert cost.estimate(2) == pytest.approx(0.011) and choose_draft_lengths([row], cost) == [1]
+    cost.observe(2, 0.0115)
+    assert cost.estimate(2) == pytest.approx(0.0115)  # replaced, not smoothed from the stale 0.030
+    cost.observe(2, 0.0125)
+    assert 0.0115 < cost.estimate(2) < 0.0125  # fresh: smoothed
 
 
 def test_policy_follows_per_token_estimates() -> None:

@@ -324,13 +324,13 @@ def test_rows_decoding_beside_a_filling_prompt_are_timed_alone_now_and_then(monk
     and its time replaces the estimate (which said what they cost at a shorter context)."""
     model = tiny(MODEL, init=0.1)
     engine = Engine(model, EngineConfig(max_batch=2))
-    retimed: list[tuple[int, float]] = []
-    real = engine.cost.retime
-    monkeypatch.setattr(engine.cost, "retime", lambda n, s: (retimed.append((n, s)), real(n, s)))
     stream, long = Job([1, 17, 42, 8], greedy(200), None, 0), Job(tokens(12, 200), greedy(2), None, 0)
     engine.add(stream.request("s"))
     engine.step()
-    engine.cost.step_s[1] = 1e-6  # stale: a decode step far cheaper than it is, so chunks look dear
+    engine.cost.retime(1, 1e-6)  # stale: a decode step far cheaper than it is, so chunks look dear
+    retimed: list[tuple[int, float]] = []
+    real = engine.cost.retime
+    monkeypatch.setattr(engine.cost, "retime", lambda n, s: (retimed.append((n, s)), real(n, s)))
     engine.add(long.request("l"))
     fed = []  # prompt tokens each step fed while the prompt filled
     while engine.filling is not None or engine.waiting:

@@ -26,6 +26,12 @@ PRIOR_SLOPE = 0.1    # t(N) / t(1) = 1 + 0.1 (N - 1) until measured
 HEAD_PRIOR = 6.0     # an LM head call scoring n positions costs as n + 6 of them until measured: its
                      # weights' read is a fixed cost (bench forward-cost, head(q) for q = 1..9: 5-6 times
                      # each further position's on SmolLM2 and Qwen2.5-Coder-1.5B, AMD EPYC Zen 4)
+STALE = 64           # steps timed: a size not timed in this many is no longer taken as measured
+                     # (estimate falls back to the curve's shape from the fresh sizes) and its next
+                     # time replaces the old. A size is timed only when the policy picks it, so one slow
+                     # step (a new shape's first, the host's hiccup) at t(2) had made every draft look
+                     # dear for the engine's life: drafts were declined, t(2) never timed again, and
+                     # a run's tokens per pass fell by a third (docs/notes/smollm2.md)
 PolicyName = Literal["goodput", "fixed"]
 POLICIES: tuple[str, ...] = ("goodput", "fixed")
 
@@ -43,6 +49,9 @@ class StepCost:
     def __init__(self, prior_slope: float = PRIOR_SLOPE) -> None:
         self.prior_slope = prior_slope
         self.step_s: dict[int, float] = {}   # N -> smoothed seconds of this engine's steps
+        self.timed = 0                       # steps timed so far
+        self.when: dict[int, int] = {}       # N -> `timed` at its last time
+        self._fresh: tuple[int, dict[int, float]] = (-1, {})  # (timed, fresh()) as last made
         self.curve: dict[int, float] = {}    # N -> seconds of a one-row forward (shape only)
         self.head: dict[int, float] = {}     # n -> seconds of the final norm and LM head over n positions
 
@@ -58,30 +67,45 @@ class StepCost:
         m < n: a pass that feeds more tokens does no less work, so a longer step timed faster than
         a shorter one is noise. t therefore never falls as n grows (scaling from the nearest size
         alone fell at the midpoint between two: t(4) > t(5) from t(1) and t(8)), which, once an
-        engine has measured many sizes, would make drafts with no expected gain look free."""
-        if not self.step_s:
+        engine has measured many sizes, would make drafts with no expected gain look free. Only
+        sizes timed in the last STALE steps count as measured."""
+        measured = self.fresh()
+        if not measured:
             return self.shape(n)
-        if n in self.step_s:
-            value = self.step_s[n]
+        if n in measured:
+            value = measured[n]
         else:
-            lo = max((m for m in self.step_s if m < n), default=None)
-            hi = min((m for m in self.step_s if m > n), default=None)
+            lo = max((m for m in measured if m < n), default=None)
+            hi = min((m for m in measured if m > n), default=None)
             if lo is None or hi is None:
                 near = hi if lo is None else lo
-                value = self.step_s[near] * self.shape(n) / self.shape(near)
+                value = measured[near] * self.shape(n) / self.shape(near)
             else:
                 s_lo, s_hi = self.shape(lo), self.shape(hi)
                 w = (self.shape(n) - s_lo) / (s_hi - s_lo) if s_hi != s_lo else (n - lo) / (hi - lo)
-                value = self.step_s[lo] + (self.step_s[hi] - self.step_s[lo]) * min(max(w, 0.0), 1.0)
-        return max([value, *(t for m, t in self.step_s.items() if m < n)])
+                value = measured[lo] + (measured[hi] - measured[lo]) * min(max(w, 0.0), 1.0)
+        return max([value, *(t for m, t in measured.items() if m < n)])
+
+    def fresh(self) -> dict[int, float]:
+        """The sizes timed in the last STALE steps, and their times (made once per step timed: the
+        policy asks for many estimates a step)."""
+        if self._fresh[0] != self.timed:
+            self._fresh = (self.timed, {n: t for n, t in self.step_s.items() if self.timed - self.when[n] < STALE})
+        return self._fresh[1]
 
     def observe(self, n: int, seconds: float) -> None:
-        self.step_s[n] = smoothed(self.step_s.get(n), seconds)
+        """A step feeding n tokens took `seconds`: smoothed into t(n), or in its place where t(n)
+        is stale (not timed in STALE steps) or new."""
+        self.step_s[n] = smoothed(self.step_s.get(n) if n in self.fresh() else None, seconds)
+        self.timed += 1
+        self.when[n] = self.timed
 
     def retime(self, n: int, seconds: float) -> None:
         """t(n) measured again after long unmeasured: the new time replaces what was (the rows'
         context has grown since), where observe() would move it a fifth of the way."""
         self.step_s[n] = seconds
+        self.timed += 1
+        self.when[n] = self.timed
 
     def seed(self, median_s: dict[int, float], head_s: dict[int, float] | None = None) -> None:
         """Take the shape of a measured forward-cost curve (engine.cost.measure_forward_cost), never
