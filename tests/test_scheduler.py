@@ -103,6 +103,8 @@ def test_rows_untimed_for_retime_steps_get_a_step_of_their_own() -> None:
     for _ in range(RETIME - 1):
         s.begin_step()
     assert room(s, 2, riding=True) == 0 and room(s, 2) > 0  # this step times them alone (a chunk rides in none)
+    s.decoded(2, 2, 0.5)  # (an engine's first decode pass, cold: not timed)
+    assert s.cost.step_s == {1: 0.010}
     s.decoded(2, 2, 0.030)  # and the time replaces the estimate outright
     assert s.cost.estimate(2) == pytest.approx(0.030) and room(s, 2, riding=True) > 0
     s.decoded(2, 2, 0.060)  # timed again soon: smoothed, not replaced

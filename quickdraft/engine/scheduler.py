@@ -76,6 +76,7 @@ class Scheduler:
         self.last_prefill: tuple[int, float] | None = None  # (tokens, seconds) of the last prefill pass
         self.room: int | None = 0     # prompt tokens this step may still prefill (None: no limit)
         self.room_set = False         # whether this step's allowance was asked for yet
+        self.warm = False             # an engine's first decode pass is behind it
 
     # -- the queue ------------------------------------------------------------------------------------
 
@@ -182,7 +183,13 @@ class Scheduler:
 
     def decoded(self, rows: int, tokens: int, seconds: float) -> None:
         """A decode pass of `rows` rows feeding `tokens` tokens, no prompt riding, took `seconds`:
-        t(tokens) learns it (replaced outright after long untimed: what it was is stale)."""
+        t(tokens) learns it (replaced outright after long untimed: what it was is stale). Not the
+        engine's first: it pays one-time costs (first calls down the verifier's and the kernels'
+        decode paths), twice a usual step's time, and taken as t(2) it had the policy decline drafts
+        (engine/policy.py, STALE)."""
+        if not self.warm:
+            self.warm = True
+            return
         if self.untimed(rows) >= RETIME:
             self.cost.retime(tokens, seconds)
         else:
