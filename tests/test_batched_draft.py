@@ -378,3 +378,32 @@ def test_every_end_of_a_request_releases_its_proposer() -> None:
                    lambda: members[3])
     service.drive(blocking=False)
     assert told[-1].finish_reason == "error" and group.released == members
+
+
+@pytest.mark.parametrize("fails", ["rider", "none"])
+def test_a_prompt_that_fails_riding_ends_the_steps_prefill(monkeypatch: pytest.MonkeyPatch, fails: str) -> None:
+    """A prompt whose chunk rode in the decode pass and then failed (its first token's verification
+    here) took the step's prefill: the next waiting prompt is not prefilled in that step as well
+    (the step already paid for the failed pass). The control: the rider succeeds, its prompt done,
+    and the rest of the step's room goes to the next prompt in a pass of its own."""
+    import quickdraft.engine.admission as admission
+    engine = Engine(target(), EngineConfig(max_batch=3, prefill_chunk=16))
+    engine.add(Request([1, 2, 3, 4], greedy(20), frozenset(), id="runs"))
+    engine.step()
+    engine.add(Request([5, 6, 7, 8, 9, 10], greedy(5), frozenset(), id="rides"))
+    engine.add(Request([11, 12, 13, 14, 15, 16], greedy(5), frozenset(), id="next"))
+    real, calls = admission.verify, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(1)
+        if fails == "rider" and len(calls) == 1:
+            raise RuntimeError("broken first token")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(admission, "verify", first_fails)
+    events = engine.step()  # "rides" rides in the pass of "runs" (6 of the 16 tokens of room)
+    finished = {rid: e.finish_reason for rid, e in events if rid != "runs"}
+    if fails == "rider":
+        assert finished == {"rides": "error"} and [r.id for r in engine.waiting] == ["next"]
+    else:  # both prompts in this step: 6 rode, 6 in a pass of their own
+        assert set(finished) == {"rides", "next"} and not engine.waiting and engine.filling is None

@@ -85,14 +85,15 @@ def test_a_steps_room_is_spent_by_what_it_prefills_and_closed_by_a_chunk_that_ro
     s = scheduler()
     s.prefilled(100, 0.010)
     assert room(s, 1, riding=True) == 75
-    s.prefilled(30, 0.003)  # a prompt's last 30 tokens rode: the rest of the room goes to the next prompt
+    s.spend(30)  # a prompt's last 30 tokens rode: the rest of the room goes to the next prompt
     assert s.prefill_room(2) == 45
-    s.rode()  # a chunk rode and its prompt goes on: nothing more this step
+    s.close()  # a chunk rode and its prompt goes on (or the prompt failed): nothing more this step
     assert s.prefill_room(2) == 0 and room(s, 2) > 0
     assert room(s, 0) is None  # no row decodes: no limit, while none does
-    s.prefilled(400, 0.040)  # a whole prompt, which then decodes: the next prompt gets a chunk
+    s.spend(400)  # a whole prompt, which then decodes: the next prompt gets a chunk
+    s.prefilled(400, 0.040)
     assert s.prefill_room(1) == 75 and s.prefill_room(1) == 75  # (set once, then spent only)
-    s.prefilled(75, 0.0075)
+    s.spend(75)
     assert s.prefill_room(1) == 0
 
 

@@ -87,6 +87,7 @@ class Admission:
             row = place.filling
             size = min(len(row.tokens) - row.length, room or 1 << 62, self.invariant_rows or 1 << 62)
             events += self.prefill_chunk(row, size)
+            self.scheduler.spend(size)  # (a failed pass's tokens too: the step paid for them)
         return events
 
     def _next_waiting(self) -> Request:

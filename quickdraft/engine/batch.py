@@ -195,8 +195,12 @@ class Engine:
             events += admitted
             before = None if ride is None else ride[0].length
             events += self._decode(0, len(self.rows), ride)
-            if ride is not None and self.filling is ride[0] and ride[0].length != before:
-                self.scheduler.rode()  # its prompt goes on at the next step; one done leaves the room to the next
+            if ride is not None:
+                row = ride[0]
+                if any(r is row for r in self.rows):  # its prompt is in: the rest of the room to the next
+                    self.scheduler.spend(len(row.request.prompt_ids) - before)
+                elif row is not self.filling or row.length != before:  # it failed, or it rode and goes on
+                    self.scheduler.close()
         return events + self.admission.fill()
 
     def _decode(self, lo: int, hi: int, ride: tuple[Row, int] | None = None) -> Events:
@@ -243,8 +247,7 @@ class Engine:
                 return self._fail(rows[0], e)
             return self._decode(lo, (lo + hi) // 2) + self._decode((lo + hi) // 2, hi)
         step_s = time.perf_counter() - t0
-        if ride is None:  # t(N) of decode passes: a chunk's tokens cost by their context too (prefill.py)
-            self.scheduler.decoded(len(rows), sum(sizes), step_s)
+        self.scheduler.decoded(len(rows), sum(sizes), step_s, riding=ride is not None)
         steps, origins, logprobs = [], [], []
         top = TopTokens(scores.complete, sizes)  # made only if a proposer asks
         for b, (row, draft, kept, tokens) in enumerate(zip(rows, drafts, verdict.kept, verdict.tokens)):

@@ -126,8 +126,15 @@ class Scheduler:
             self.room_set = True
         return self.room
 
-    def rode(self) -> None:
-        """A chunk rode in the decode pass and its prompt goes on: that was the step's prefill."""
+    def spend(self, tokens: int) -> None:
+        """`tokens` prompt tokens went to a prefill pass (or rode in the decode pass to a prompt's
+        end) this step, the pass failing or not: the room left is less by them."""
+        if self.room is not None:
+            self.room = max(self.room - tokens, 0)
+
+    def close(self) -> None:
+        """No more prefill this step: a chunk rode and its prompt goes on at the next, or the
+        prompt that rode failed."""
         self.room, self.room_set = 0, True
 
     def plan_decode(self, offered: Sequence[RowDraft], ride: tuple[int, int] | None = None) -> DecodePlan | None:
@@ -181,13 +188,13 @@ class Scheduler:
 
     # -- what passes took -----------------------------------------------------------------------------
 
-    def decoded(self, rows: int, tokens: int, seconds: float) -> None:
-        """A decode pass of `rows` rows feeding `tokens` tokens, no prompt riding, took `seconds`:
-        t(tokens) learns it (replaced outright after long untimed: what it was is stale). Not the
-        engine's first: it pays one-time costs (first calls down the verifier's and the kernels'
-        decode paths), twice a usual step's time, and taken as t(2) it had the policy decline drafts
-        (engine/policy.py, STALE)."""
-        if not self.warm:
+    def decoded(self, rows: int, tokens: int, seconds: float, riding: bool = False) -> None:
+        """A decode pass of `rows` rows feeding `tokens` tokens took `seconds`: t(tokens) learns it
+        (replaced outright after long untimed: what it was is stale), unless a prompt's chunk rode
+        in it (its tokens cost by their context too: prefill.py). Not the engine's first: it pays
+        one-time costs (first calls down the verifier's and the kernels' decode paths), twice a
+        usual step's time, and taken as t(2) it had the policy decline drafts (policy.py, STALE)."""
+        if not self.warm or riding:
             self.warm = True
             return
         if self.untimed(rows) >= RETIME:
@@ -197,11 +204,9 @@ class Scheduler:
         self.timed[rows] = self.steps
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        """A prefill pass (or a chunk's share of a decode pass) of `tokens` took `seconds`: they are
-        spent from the step's room, and the next chunk is sized from it (engine/prefill.py)."""
+        """A prefill pass (or a chunk's share of a decode pass) of `tokens` took `seconds`: the next
+        chunk is sized from it (engine/prefill.py)."""
         self.last_prefill = (tokens, seconds)
-        if self.room is not None:
-            self.room = max(self.room - tokens, 0)
 
     def ride_share(self, tokens: int, seconds: float) -> float:
         """A riding chunk's share of a decode pass feeding `tokens` tokens that took `seconds`:
