@@ -456,3 +456,24 @@ def test_threads_share_the_work_without_changing_a_bit():
         torch.set_num_threads(before)
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_an_embedding_keeps_recent_rows_bitwise_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized embedding's lookups of a few tokens (a decode step's, a draft head's) come from
+    the rows it keeps: the same bits as dequantizing them, at most ROW_CACHE_BYTES of them, none
+    from a weight it no longer holds; a long lookup (a prompt's) dequantizes at once."""
+    from quickdraft.model import llama
+    embed = llama.Embedding(48, 64)
+    del embed.weight  # as a model's loading holds blocks: a plain attribute, no Parameter (model/build.py)
+    embed.weight = weight(Q.Q8_0, N=48, K=64)
+    monkeypatch.setattr(llama, "ROW_CACHE_BYTES", 10 * 64 * 4)  # 10 rows
+    for ids in ([[3]], [[3, 7, 3]], [[5], [9]], [list(range(40))]):
+        tokens = torch.tensor(ids)
+        assert torch.equal(embed(tokens), embed.weight.rows_of(tokens).view(*tokens.shape, -1))
+    held, rows = embed._rows
+    assert held is embed.weight and list(rows) == [7, 3, 5, 9]  # the long lookup kept none
+    for t in range(20, 35):
+        embed(torch.tensor([[t]]))
+    assert list(embed._rows[1]) == list(range(25, 35))  # the 10 most recent
+    embed.weight = weight(Q.Q8_0, N=48, K=64, seed=1)
+    assert torch.equal(embed(torch.tensor([[30]]))[0], embed.weight.rows_of([30]))

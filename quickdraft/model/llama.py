@@ -10,6 +10,7 @@ gate|up) so a decode step runs few, large matmuls. A matrix is a float tensor or
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -121,17 +122,42 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
+ROW_CACHE_BYTES = 8 << 20  # dequantized rows a quantized embedding keeps for lookups of a few tokens
+FEW = 16                   # tokens a lookup takes from those kept (a prompt's are dequantized at once)
+
+
 class Embedding(nn.Module):
-    """Token embeddings; quantized tables dequantize only the rows a forward looks up."""
+    """Token embeddings; quantized tables dequantize only the rows a forward looks up, and keep the
+    most recently used ones for the lookups of a few tokens that every decode step and draft-head
+    forward makes (a row's dequantization through numpy took ~46 us on SmolLM2, more than a head
+    forward's attention inputs; a kept row is the same bits)."""
 
     def __init__(self, num: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num, dim), requires_grad=False)
+        self._rows: tuple[object, OrderedDict[int, torch.Tensor]] = (None, OrderedDict())  # (weight, id -> row)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, QuantizedWeight):
+        if not isinstance(self.weight, QuantizedWeight):
+            return F.embedding(tokens, self.weight)
+        if tokens.numel() > FEW:
             return self.weight.rows_of(tokens).view(*tokens.shape, -1).to(tokens.device)
-        return F.embedding(tokens, self.weight)
+        return torch.stack([self._row(t) for t in tokens.reshape(-1).tolist()]).view(*tokens.shape, -1).to(tokens.device)
+
+    def _row(self, token: int) -> torch.Tensor:
+        """Row `token` dequantized [D], kept (least recently used dropped past ROW_CACHE_BYTES)."""
+        weight, rows = self._rows
+        if weight is not self.weight:
+            rows = OrderedDict()
+            self._rows = (self.weight, rows)
+        row = rows.get(token)
+        if row is None:
+            row = rows[token] = self.weight.rows_of([token])[0]
+            if len(rows) * row.numel() * row.element_size() > ROW_CACHE_BYTES:
+                rows.popitem(last=False)
+        else:
+            rows.move_to_end(token)
+        return row
 
 
 class Block(nn.Module):
