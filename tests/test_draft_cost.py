@@ -8,12 +8,24 @@ of E / C for `Plan`; counts of drafted tokens and draft forwards against what th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from quickdraft.engine.batch import EngineConfig
 from quickdraft.engine.policy import StepCost
 from quickdraft.proposers.base import PassCost
-from quickdraft.proposers.draft_cost import BINS, EXPLORE, Calibration, ForwardTimes, Plan, catch_up_pays
+from quickdraft.proposers.draft_cost import (
+    BINS,
+    EXPLORE,
+    OWN_WEIGHT,
+    Calibration,
+    ForwardTimes,
+    Plan,
+    catch_up_pays,
+    expected,
+)
 from quickdraft.proposers.draft_model import DraftModelProposer
+from quickdraft.proposers.draft_rows import DraftRow
+from quickdraft.spec.draft_contract import Committed
 from support.drafts import Counted
 from support.engine import Job, draft_state, greedy, run_batched, target
 
@@ -47,6 +59,46 @@ def test_calibration_ignores_tokens_after_the_first_rejection() -> None:
     assert c.estimate(0.55) == before and c.estimate(0.31) < (int(0.31 * BINS) + 0.5) / BINS
     c.record([0.55, 0.55], verified=1, accepted=1)  # only one was verified (the engine cut the draft)
     assert c.bins[int(0.55 * BINS)].trials == 2 + 1
+
+
+def test_a_requests_own_record_outweighs_the_mean_of_all_as_it_grows() -> None:
+    c = Calibration()
+    c.record([0.9] * 40, verified=40, accepted=40)  # every request's drafts so far: accepted
+    fresh, missing = DraftRow(0), DraftRow(1)
+    assert expected(c, fresh) == pytest.approx(c.mean)  # no record of its own: the mean of all
+    missing.record.record(0.0, OWN_WEIGHT)  # as many rejected tokens of its own as the mean weighs
+    assert expected(c, missing) == pytest.approx(c.mean / 2)
+
+
+def test_a_request_whose_drafts_miss_stops_drafting_where_another_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests of one drafter whose every earlier draft token was accepted: one request's own
+    tokens are all rejected, the other's accepted. A level pays only for a token accepted more than
+    half the time, so the first stops drafting once its own record outweighs the mean of all
+    (priced at that mean it would draft at a loss to the end: the 0.5B in translation); the second
+    goes on. (The drafts are committed by hand: what is drafted is the point, not the output.)"""
+    costly_drafts(monkeypatch, 0.004)  # a level alone in a 10 ms step: (1 + g) / 15 ms > 1 / 10 ms for g > 0.5
+    drafter = Counted(target())
+    drafter.calibration[True].record([0.9] * 400, verified=400, accepted=400)
+    cost = PassCost(seconds=0.01, per_token=0.001, rows=1)
+    V = drafter.model.config.vocab_size
+    members = [DraftModelProposer(drafter, p, greedy(60), len(p) + 80) for p in ([1, 17, 42, 8], [44, 12, 19, 5])]
+    drafted = {0: [], 1: []}
+    for _ in range(EXPLORE - 2):  # short of an exploration
+        for b, m in enumerate(members):  # each alone in its step
+            m.cost = cost
+            d = drafter.propose([m], [1])[0]
+            drafted[b].append(bool(d.tokens))
+            if not d.tokens:
+                step = Committed([3], 0, 0, torch.empty(0))
+            elif b == 0:  # rejected: the target's token differs
+                step = Committed([(d.tokens[0] + 1) % V], 0, 1, torch.empty(0))
+            else:
+                step = Committed([d.tokens[0], 3], 1, 1, torch.empty(0))
+            drafter.commit([m], [step])
+    assert all(drafted[1])  # the mean of all stays high
+    stop = drafted[0].index(False)
+    assert stop == int(OWN_WEIGHT) and not any(drafted[0][stop:])  # after 8 rejected: 0.98 x 8 / (8 + 8) < 0.5
+    assert drafter.calibration[True].mean > 0.95
 
 
 def test_a_level_runs_only_where_it_raises_tokens_per_second() -> None:

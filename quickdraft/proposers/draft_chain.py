@@ -38,7 +38,7 @@ def grow(drafter: Drafter, proposal: Proposal, going: list[int], logits: torch.T
             # chain cut short or a hybrid's choice made by it would keep a token for its own
             # q(x) and bias the law; greedy rows are exact whatever is verified
             estimates[b].append(calibration[b].estimate(confidence) if members[b].params.greedy
-                                else calibration[b].mean)
+                                else draft_cost.expected(calibration[b], states[b]))
             gains[b] *= estimates[b][-1]
         drafter.times.observe("first" if i == 0 else "later", time.perf_counter() - t0)
         drafting = draft_cost.worth([b for b in drafting if ks[b] > i + 1], members, states, gains, calibration,

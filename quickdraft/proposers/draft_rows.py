@@ -21,6 +21,7 @@ from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.draft_cost import CATCH_UP
 from quickdraft.spec.draft_contract import Committed, PassCost
+from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams
 
 
@@ -51,6 +52,8 @@ class DraftRow:
     confidences: list[float] = field(default_factory=list)  # the draft's probability of each of them
     nodes: list[tuple[int, int, int | None]] = field(default_factory=list)  # its last draft's nodes: token,
                                               # parent (-1: the root), the cache slot of its K/V (None: not run)
+    record: Acceptance = field(default_factory=lambda: Acceptance(0.0, 0.0))  # its own drafts' verdicts
+                                              # (draft_cost.expected), no pseudo-counts
 
     def run_path(self, accepted: Sequence[int]) -> list[int]:
         """The cache slots of the accepted draft nodes that were run, root first (the last node of

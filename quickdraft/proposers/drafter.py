@@ -188,8 +188,9 @@ class Drafter:
         engine chose not to verify), the first that differs as rejected."""
         if not state.offered:
             return
-        self.calibration[member.params.greedy].record(state.confidences, min(len(state.offered), len(committed)),
-                                                      common_prefix(state.offered, committed))
+        verified, accepted = min(len(state.offered), len(committed)), common_prefix(state.offered, committed)
+        self.calibration[member.params.greedy].record(state.confidences, verified, accepted)
+        state.record.record(accepted, min(verified, accepted + 1))  # as the calibration counts them
         state.offered, state.confidences = [], []  # judged once: a step it did not draft for must not judge it again
 
     def forward(self, states: Sequence[DraftRow], feeds: Sequence[list[int]], starts: Sequence[int],
