@@ -17,6 +17,7 @@ from quickdraft.proposers.draft_cost import (
     BINS,
     EXPLORE,
     OWN_WEIGHT,
+    OWN_WINDOW,
     Calibration,
     ForwardTimes,
     Plan,
@@ -68,6 +69,28 @@ def test_a_requests_own_record_outweighs_the_mean_of_all_as_it_grows() -> None:
     assert expected(c, fresh) == pytest.approx(c.mean)  # no record of its own: the mean of all
     missing.record.record(0.0, OWN_WEIGHT)  # as many rejected tokens of its own as the mean weighs
     assert expected(c, missing) == pytest.approx(c.mean / 2)
+    for _ in range(100):  # a long run of rejections fades to the last OWN_WINDOW tokens' worth
+        missing.record.record(0.0)
+        missing.record.recent(OWN_WINDOW)
+    assert missing.record.trials == OWN_WINDOW
+    for _ in range(16):  # so that half as many accepted ones bring it back above half
+        missing.record.record(1.0)
+        missing.record.recent(OWN_WINDOW)
+    assert expected(c, missing) > 0.5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_sampled_rows_record_counts_only_verified_tokens(temperature: float) -> None:
+    """A draft of 3 tokens that the committed text repeats, of which the engine verified 1: for a
+    greedy row the text is the verifier's verdict on all 3; for a sampled row it is a draw of the
+    target's, which matches a draft token less often than verification accepts it: 1 counts."""
+    drafter = Counted(target())
+    member = DraftModelProposer(drafter, [1, 17, 42, 8], greedy(8, temperature=temperature, seed=3), 20)
+    state = drafter.rows.join(member)
+    state.offered, state.confidences = [5, 6, 7], [0.9, 0.9, 0.9]
+    drafter.learn(member, state, Committed([5, 6, 7, 8], 3, 1, torch.empty(0)))
+    assert (state.record.hits, state.record.trials) == ((3.0, 3.0) if temperature == 0 else (1.0, 1.0))
+    assert drafter.calibration[temperature == 0].verified == state.record.trials
 
 
 def test_a_request_whose_drafts_miss_stops_drafting_where_another_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,8 @@ EXPLORE = 16       # steps a row may go without drafting before it drafts once a
                    # could pay at the best acceptance measured): acceptance changes with the text,
                    # and a row that never drafts never learns it has
 OWN_WEIGHT = 8.0   # a request's verified draft tokens that weigh as much as the mean of all requests
+OWN_WINDOW = 32.0  # the draft tokens a request's own record holds, older ones fading (Acceptance.recent):
+                   # after a run of rejections a few accepted explorations let it draft again
 
 
 class Calibration:
@@ -59,7 +61,7 @@ class Calibration:
 
     @property
     def mean(self) -> float:
-        """Acceptance over all confidences, the estimate for a token not drafted yet: what was
+        """Acceptance over all confidences, what a request's own record starts from (`expected`): what was
         recorded, after one prior of PRIOR_WEIGHT trials at 1/2. (Summing the bins counted their 20
         priors, 40 trials, against the evidence: 11 accepted tokens of 11 read 0.61, and a draft
         model priced just above that stopped drafting for good, learning nothing more: the 0.5B
@@ -153,7 +155,7 @@ class ForwardTimes:
 def explores(s: DraftRow) -> bool:
     """Whether the member of state s drafts on the hope of the best acceptance measured: after
     EXPLORE idle steps, once the draft has its prompt (a prompt is prefilled only where drafting
-    pays by the mean: explorations that prefilled chat prompts cost a server with the Qwen pair 3%
+    pays at the expected acceptance: explorations that prefilled chat prompts cost a server with the Qwen pair 3%
     at one request at a time, and found nothing to draft)."""
     return s.idle >= EXPLORE and s.cached > 0
 
@@ -162,8 +164,8 @@ def catching_up_pays(m: Member, s: DraftRow, k: int, calibration: Calibration, t
                      reusable: Callable[[], int]) -> bool:
     """A row behind by more than CATCH_UP tokens (its prompt, or text committed while it did
     not draft) drafts only if drafting can repay the catch-up over the rest of its request
-    (catch_up_pays) at the acceptance that let it draft: the mean, or for a row exploring the
-    best measured (explores). The catch-up is what the prefix cache cannot give (a resent
+    (catch_up_pays) at the acceptance that let it draft: its expected one (`expected`), or for a
+    row exploring the best measured (explores). The catch-up is what the prefix cache cannot give (a resent
     chat history: the new turn; `reusable()`: how many of its tokens the row can hold without
     running them). Rows whose lengths must not depend on timing, and rows before anything is
     timed, always do."""

@@ -36,7 +36,7 @@ import torch
 from quickdraft.kv.prefix_cache import PrefixCache
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers import draft_chain, draft_cost, draft_tree
-from quickdraft.proposers.draft_cost import CATCH_UP, Calibration, ForwardTimes, Plan
+from quickdraft.proposers.draft_cost import CATCH_UP, OWN_WINDOW, Calibration, ForwardTimes, Plan
 from quickdraft.proposers.draft_rows import DraftRow, Member, RowPool
 from quickdraft.proposers.draft_vocab import VocabHead
 from quickdraft.spec.draft_contract import NO_DRAFT, Committed, Draft, attempt
@@ -95,7 +95,7 @@ class Drafter:
             if run:
                 self.rows.cache.compact(state.row, state.cached, run)
             state.cached += len(run)
-            self.learn(member, state, step.tokens)
+            self.learn(member, state, step)
             state.nodes = []
             self.rows.settle(state)
         member.took(step)
@@ -182,15 +182,21 @@ class Drafter:
             return s.cached
         return max(s.cached, self.prefix.hit(m.tokens, len(m.tokens) - 1, m.scope))
 
-    def learn(self, member: Member, state: DraftRow, committed: Sequence[int]) -> None:
+    def learn(self, member: Member, state: DraftRow, step: Committed) -> None:
         """Calibrate on the member's last draft: a token counts as accepted where the committed
-        text has it (for a greedy row exactly the verifier's verdict; also judges tokens the
-        engine chose not to verify), the first that differs as rejected."""
+        text has it, the first that differs as rejected. For a greedy row that is exactly the
+        verifier's verdict, and it judges tokens the engine chose not to verify too; a sampled
+        row's text is a draw of the target's, which agrees with a draft token less often than
+        verification accepts it, so there only the verified tokens count."""
         if not state.offered:
             return
-        verified, accepted = min(len(state.offered), len(committed)), common_prefix(state.offered, committed)
+        verified = min(len(state.offered), len(step.tokens))
+        if not member.params.greedy:
+            verified = min(verified, step.verified)
+        accepted = min(common_prefix(state.offered, step.tokens), verified)
         self.calibration[member.params.greedy].record(state.confidences, verified, accepted)
         state.record.record(accepted, min(verified, accepted + 1))  # as the calibration counts them
+        state.record.recent(OWN_WINDOW)
         state.offered, state.confidences = [], []  # judged once: a step it did not draft for must not judge it again
 
     def forward(self, states: Sequence[DraftRow], feeds: Sequence[list[int]], starts: Sequence[int],

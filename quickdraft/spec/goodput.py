@@ -61,6 +61,12 @@ class Acceptance:
         self.hits += hits
         self.trials += trials
 
+    def recent(self, window: float) -> None:
+        """Scale the record down to `window` trials where it holds more: older verdicts fade, as a
+        text's acceptance changes while it goes on."""
+        if self.trials > window:
+            self.hits, self.trials = self.hits * window / self.trials, window
+
     def judge(self, proposal: Sequence[int], committed: Sequence[int]) -> None:
         """Count a proposal's tokens against the committed text (`agreement`)."""
         self.record(*agreement(proposal, committed))
