@@ -6,8 +6,9 @@ traceback; a failing section is recorded and the next one runs). On CUDA: the te
 models in float32, three of them mixtures of experts (logits against transformers', the HF-directory
 and GGUF loaders, every registered proposer with chains and trees in batch 1 and in a batch rows join and leave, the
 sampling law through the engine, cached prefixes with chunked prefill, a chat through the prefix
-cache, a JSON schema's grammar and the sampling surface under speculation: gpu_features.py), then a random Qwen2.5-1.5B-shaped model in bfloat16 timed
-against transformers' `generate` (speed.py). `--tiny`, or a machine without CUDA, runs the same
+cache, a JSON schema's grammar and the sampling surface under speculation: gpu_features.py; a draft
+head's training steps fusing two layers in the dtype `auto` picks, and a run resumed after a kill:
+gpu_training.py), then a random Qwen2.5-1.5B-shaped model in bfloat16 timed against transformers' `generate` (speed.py). `--tiny`, or a machine without CUDA, runs the same
 code on CPU with tiny shapes (tests/test_gpu_check.py). The models and oracles are the tests'.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Scale:
 FULL = Scale(("llama-gqa-untied", "qwen2-qkv-bias"), (2, 8), ("qwen3moe", "mixtral", "gptoss"), 4, (1, 4),
              ("batch-draft", "alone-draft-topp0.9", "batch-ngram"), 480.0)
 TINY = Scale(("llama-gqa-untied",), (4,), ("mixtral",), 2, (1,), ("batch-ngram",), 150.0)
-CHECKED = ("parity", "api", "exactness", "sampling", "features")  # sections whose cases are pass/fail checks
+CHECKED = ("parity", "api", "exactness", "sampling", "features", "training")  # sections whose cases are pass/fail checks
 SHARES = {"exactness": 0.5, "sampling": 0.2}  # of the budget, at most
 DRAFT_VOCAB = 64  # the draft proposers' vocabulary: 64 of the tiny models' 96 tokens (draft_vocab.py)
 ALPHA = 1e-6      # the tests' chi-square false-failure probability (test_verify.py)
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.setdefault("QUICKDRAFT_KERNEL", "torch")
     import gpu_features
     import gpu_speed as speed
+    import gpu_training
     scale = TINY if tiny_run else FULL
     start = time.perf_counter()
     report = Report(args.out, {"device": device, "tiny": tiny_run, "env": environment(device)})
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         section(report, "parity", lambda: parity(report, scale, device))
         section(report, "api", lambda: api(report, device, Path(tmp)))
         section(report, "features", lambda: gpu_features.run(report, device, Path(tmp), case))
+        section(report, "training", lambda: gpu_training.run(report, device, Path(tmp), case))
     section(report, "exactness", lambda: exactness(report, scale, device, until(SHARES["exactness"])))
     section(report, "sampling", lambda: sampling(report, scale, device, until(SHARES["sampling"])))
     section(report, "speed", lambda: speed.run(report, speed.TINY if tiny_run else speed.FULL, device,

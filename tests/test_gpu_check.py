@@ -30,11 +30,13 @@ def test_tiny_run_passes_and_records_every_section(tmp_path: Path, monkeypatch: 
     assert {c["model"] for c in cases} == {c["model"] for c in sections["parity"]["cases"]} == \
         {"llama-gqa-untied", "mixtral"}  # a mixture of experts among them
     assert all(c["ok"] and c["drafted"] > 0 for c in cases)
-    assert all(c["ok"] for name in ("parity", "api", "sampling", "features") for c in sections[name]["cases"])
+    assert all(c["ok"] for name in ("parity", "api", "sampling", "features", "training") for c in sections[name]["cases"])
     features = sections["features"]["cases"]
     assert {c["case"] for c in features} == {"prefix cache", "chat, prefix cache", "json schema",
                                              "penalties, bias, logprobs"}
     assert {c.get("spec") for c in features} == {None, "plain", "ngram", "draft"}
+    assert {c["case"] for c in sections["training"]["cases"]} == {"fused layers, loss and acceptance",
+                                                                  "killed at step 41, resumed"}
     speed = sections["speed"]
     assert {"quickdraft", "transformers", "decode_ratio"} <= set(speed["plain"])
     assert list(speed["forward_cost"]["ratios"]) == ["1", "2", "3", "4", "5"]
