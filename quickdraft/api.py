@@ -25,6 +25,7 @@ from quickdraft.kv.prefix_cache import PrefixCache, default_budget_mb
 from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Message, Tokenizer
 from quickdraft.proposers import PROPOSERS, Proposer, ProposerContext, SpecConfig, SpecConfigError
+from quickdraft.proposers.datastore import Datastore, find_datastore, load_datastore
 from quickdraft.proposers.draft_model import check_compatible
 from quickdraft.proposers.head import DraftHead, load_head, packaged_head, packaged_reads
 from quickdraft.proposers.registry import runs
@@ -96,6 +97,7 @@ class LLM:
         self.spec = spec or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
+        self._datastores: dict[str, Datastore | SpecConfigError] = {}
         # the layers the packaged head reads (`auto` may pick it), before the prefix cache: it keeps them too
         self.model.keep_features(packaged_reads(self.model))
         self.prefix = make_prefix_cache(self.model, prefix_cache_mb)
@@ -111,6 +113,8 @@ class LLM:
             self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
         if self.spec.needs_head:
             self.draft_head(self.spec.head)
+        if self.spec.needs_datastore:
+            self.datastore(self.spec.datastore)
 
     @property
     def name(self) -> str | None:
@@ -157,6 +161,19 @@ class LLM:
             raise SpecConfigError(str(self._heads[key]))
         self.keep_features_of(self._heads[key], path)
         return self._heads[key]
+
+    def datastore(self, path: str | None = None) -> Datastore:
+        """The datastore of this model's answers (proposers/datastore.py), its table built once;
+        None: the one that ships for this model."""
+        key = path or ""
+        if key not in self._datastores:
+            try:
+                self._datastores[key] = load_datastore(find_datastore(path, self.model))
+            except SpecConfigError as e:
+                self._datastores[key] = e  # asked again per request: fail fast, no file reads
+        if isinstance(self._datastores[key], SpecConfigError):
+            raise SpecConfigError(str(self._datastores[key]))
+        return self._datastores[key]
 
     def keep_features_of(self, head: "DraftHead", path: str | Path | None = None) -> None:
         """Have the model keep the layers `head` reads besides those it keeps (a head reads its own

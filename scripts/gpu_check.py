@@ -14,6 +14,7 @@ code on CPU with tiny shapes (tests/test_gpu_check.py). The models and oracles a
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -28,6 +29,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +131,8 @@ def environment(device: str) -> dict[str, Any]:
 class Home:
     """A proposer factory's Target (proposers/base.py) around a tiny model: its draft model (the
     target with noise: right part of the time), its draft head (test_head.identity_head: loops
-    accepted) and the state its requests share, as quickdraft.LLM keeps them."""
+    accepted), its datastore (own_datastore) and the state its requests share, as quickdraft.LLM
+    keeps them."""
     name = None  # loaded from no packaged name
     prefix = None  # no prefix cache (nor then a draft's): each case decodes from scratch
     tokenizer = SimpleNamespace(hf=SimpleNamespace(added_tokens_decoder={}), eos_token_ids=(2,))  # draft_vocab.py
@@ -139,7 +142,7 @@ class Home:
         from support.models import tiny
         from test_head import identity_head
         from test_lookup_draft import noisy
-        self.model = tiny(model_name, init=0.1, device=device)
+        self.model_name, self.model = model_name, tiny(model_name, init=0.1, device=device)
         self.draft = noisy(model_name, 0.3, device)
         self.head = on_target(identity_head(self.model), self.model).requires_grad_(False).eval()
         self.state: dict[Any, Any] = {}
@@ -150,10 +153,30 @@ class Home:
     def draft_head(self, path: str | None = None) -> Any:
         return self.head
 
+    def datastore(self, path: str | None = None) -> Any:
+        return own_datastore(self.model_name, str(self.model.device))
+
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
         if key not in self.state:
             self.state[key] = make()
         return self.state[key]
+
+
+@functools.lru_cache(maxsize=None)
+def own_datastore(model_name: str, device: str) -> Any:
+    """A datastore of the tiny model's own greedy answers to the exactness jobs' prompts and to as
+    many random ones: its drafts are accepted often, and not always."""
+    from quickdraft.proposers.datastore import Datastore
+    from quickdraft.train.responses import generate_responses
+    from support.engine import JOBS
+    from support.models import tiny
+    g = torch.Generator().manual_seed(3)
+    prompts = [list(job.prompt) for job in JOBS] + [torch.randint(3, 96, (6,), generator=g).tolist() for _ in JOBS]
+    with tempfile.TemporaryDirectory() as tmp:
+        answers = generate_responses(tiny(model_name, init=0.1, device=device), prompts, frozenset(), 40,
+                                     Path(tmp) / "answers.json.gz", batch_size=8, progress=False)
+    docs = [r.tokens[r.prompt_len:] for r in answers]
+    return Datastore(np.array([t for d in docs for t in d]), np.array([len(d) for d in docs]))
 
 
 def divergence(model: Any, prompt: list[int], ref: list[int], got: list[int]) -> dict[str, Any]:

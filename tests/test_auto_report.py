@@ -43,23 +43,30 @@ def test_the_name_reported_is_the_proposer_built(tiny) -> None:
 
 
 class _Target:
-    def __init__(self, name: str | None, head: bool) -> None:
-        self.name, self.head = name, head
+    def __init__(self, name: str | None, head: bool, datastore: bool = True) -> None:
+        self.name, self.head, self.has_datastore = name, head, datastore
 
     def draft_head(self, path: str | None = None) -> object:
         if not self.head:
             raise SpecConfigError("no head")
         return object()
 
+    def datastore(self, path: str | None = None) -> object:
+        if not self.has_datastore:
+            raise SpecConfigError("no datastore")
+        return object()
 
-@pytest.mark.parametrize("name, head, named, expected", [
-    ("qwen2.5-coder-1.5b", False, None, "ngram"),  # measured (AUTO_MEASURED)
-    ("smollm2-135m", True, None, "hybrid"),         # a head ships for it
-    (None, False, None, "ngram"),                   # neither
-    ("qwen2.5-coder-1.5b", True, "/a/head", "hybrid"),  # a head named wins over the measurement
+
+@pytest.mark.parametrize("name, head, datastore, named, expected", [
+    ("qwen2.5-coder-1.5b", False, True, None, "lookup-store"),  # measured (AUTO_MEASURED)
+    ("smollm2-135m", True, True, None, "lookup-store"),         # measured, though a head ships for it
+    ("smollm2-135m", True, False, None, "hybrid"),              # its datastore missing: the head it has
+    ("qwen2.5-coder-1.5b", False, False, None, "ngram"),        # neither
+    (None, False, True, None, "ngram"),                         # no measurement, no head
+    ("qwen2.5-coder-1.5b", True, True, "/a/head", "hybrid"),    # a head named wins over the measurement
 ])
-def test_what_auto_picks(name: str | None, head: bool, named: str | None, expected: str) -> None:
-    assert runs("auto", _Target(name, head), SpecConfig("auto", head=named)) == expected
+def test_what_auto_picks(name: str | None, head: bool, datastore: bool, named: str | None, expected: str) -> None:
+    assert runs("auto", _Target(name, head, datastore), SpecConfig("auto", head=named)) == expected
 
 
 def test_generate_says_what_auto_ran(tiny, capsys: pytest.CaptureFixture) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -21,6 +22,7 @@ from quickdraft.model.llama import Transformer
 from quickdraft.model.tokenizer import Tokenizer
 from quickdraft.proposers import Committed, Draft, SpecConfig, SpecConfigError
 from quickdraft.proposers.base import EACH, ProposerContext
+from quickdraft.proposers.datastore import Datastore
 from quickdraft.proposers.draft_model import DraftModelProposer
 from quickdraft.proposers.drafter import Drafter
 from quickdraft.proposers.hybrid import (
@@ -220,7 +222,7 @@ def test_sampling_law_through_lookup_then_draft_model() -> None:
 
 
 class FakeTarget:
-    """A Target (proposers/base.py) by packaged name, with a draft model and no head."""
+    """A Target (proposers/base.py) by packaged name, with a draft model, a datastore and no head."""
 
     def __init__(self, name: str | None, model: Transformer, draft: Transformer, tokenizer: Tokenizer) -> None:
         self.name, self.model, self._draft, self._tokenizer = name, model, draft, tokenizer
@@ -231,6 +233,9 @@ class FakeTarget:
 
     def draft_head(self, path: str | None = None):
         raise SpecConfigError("no draft head ships for this model")
+
+    def datastore(self, path: str | None = None) -> Datastore:
+        return Datastore(np.array([5, 6, 7]), np.array([3]))  # a datastore of one answer
 
     def shared(self, key, make):
         return make()  # nothing shared: each request alone
@@ -252,7 +257,9 @@ def test_auto_runs_the_measured_proposer_of_a_packaged_target(tmp_path) -> None:
     for name, measured in AUTO_MEASURED.items():
         assert measured.method in PROPOSERS and documented(measured.evidence), measured.evidence
         proposer = make_auto(ctx(name))
-        assert type(proposer) is type(PROPOSERS[measured.method].factory(ctx(name)))
+        itself = ctx(name)
+        itself.config = SpecConfig(measured.method, k=4)
+        assert type(proposer) is type(PROPOSERS[measured.method].factory(itself))
     assert isinstance(make_auto(ctx(None)), NgramProposer)  # no record, no head: prompt lookup
     assert isinstance(make_auto(ctx("unmeasured")), NgramProposer)
     AUTO_MEASURED["tiny"] = Measured("lookup-draft", "a test")

@@ -69,4 +69,4 @@ def test_options_are_validated_by_their_dataclass() -> None:
 def test_every_proposer_says_what_it_is() -> None:
     for name, entry in PROPOSERS.items():
         assert entry.name == name and entry.about
-        assert entry.loads in (None, "draft_model", "head")
+        assert entry.loads in (None, "draft_model", "head", "datastore")

@@ -159,12 +159,12 @@ def assert_plain_and_speculative(llm, path: Path, prompt: str, n: int, expected:
 
 def assert_every_proposer(llm, path: Path, prompt: str, n: int, expected: list[int]) -> None:
     """n greedy tokens of `prompt` are `expected` under every registered proposer that needs no
-    trained head (those drafting with a model take the one at `path`, the target itself)."""
+    trained head or datastore (those drafting with a model take the one at `path`, the target itself)."""
     from quickdraft import SamplingParams
     from quickdraft.proposers import PROPOSERS, SpecConfig
 
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    methods = sorted(m for m, p in PROPOSERS.items() if p.loads != "head")
+    methods = sorted(m for m, p in PROPOSERS.items() if p.loads not in ("head", "datastore"))  # test_datastore.py
     assert {"ngram", "ngram-tree", "recycle", "lookup-recycle", "suffix", "draft", "draft-tree",
             "lookup-draft"} <= set(methods)
     for method in methods:

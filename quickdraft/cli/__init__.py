@@ -24,7 +24,7 @@ from quickdraft.cli.random_gguf import add_bench_random_gguf
 from quickdraft.cli.serve import add_serve
 from quickdraft.cli.soak import add_bench_soak
 from quickdraft.cli.stall import add_bench_stall
-from quickdraft.cli.train import add_train_head
+from quickdraft.cli.train import add_build_datastore, add_train_head
 from quickdraft.errors import QuickdraftError
 
 
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve(sub)
     add_train_head(sub)
+    add_build_datastore(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (speed ratios measured side by side)")
     bsub = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)

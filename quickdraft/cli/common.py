@@ -89,6 +89,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                                          "packaged draft of a packaged target (qwen2.5-coder-1.5b: qwen2.5-coder-0.5b)")
     p.add_argument("--head", help="trained draft head directory for --spec head|hybrid|auto (quickdraft train-head); "
                                   "default: the head that ships for the model")
+    p.add_argument("--datastore", help="datastore file of the target's answers for --spec store|lookup-store "
+                                       "(quickdraft build-datastore); default: the one that ships for the model")
     add_option_args(p)
 
 
@@ -105,7 +107,7 @@ def options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def spec_from_args(args: argparse.Namespace) -> SpecConfig:
     return SpecConfig(method=args.spec, k=args.k, draft_model=args.draft_model, head=args.head,
-                      options=options_from_args(args))
+                      options=options_from_args(args), datastore=args.datastore)
 
 
 def stats_line(stats: GenerationStats, finish: str | None, proposer: str | None = None, asked: str | None = None) -> str:

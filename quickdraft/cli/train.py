@@ -164,3 +164,42 @@ def add_train_head(sub) -> None:
     tr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     tr.add_argument("--no-progress", action="store_true")
     tr.set_defaults(func=cmd_train_head)
+
+
+def cmd_build_datastore(args: argparse.Namespace) -> int:
+    import gzip
+    import json
+
+    from quickdraft.proposers.datastore import load_datastore, save
+    from quickdraft.train.responses import target_settings
+
+    llm = load_llm(args, progress=not args.no_progress, prefix_cache=False)
+    probe = target_settings(llm.model)["target_probe"]
+    docs: list[list[int]] = []
+    for path in args.answers:
+        try:
+            saved = json.loads(gzip.decompress(Path(path).read_bytes()))
+            answers = [r["tokens"][r["prompt_len"]:] for r in saved["responses"]]
+            theirs = saved["settings"]["target_probe"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise QuickdraftError(f"--answers {path}: not a file of `train-head`'s answers ({e})") from None
+        if theirs != probe:
+            raise QuickdraftError(f"--answers {path}: the answers of another model (its probe differs from "
+                                  f"{args.model}'s)")
+        docs += answers
+    out = save(Path(args.out), docs, llm.model, {"sources": [Path(p).name for p in args.answers]})
+    store = load_datastore(out)  # the table a proposer builds from it, once: says it loads, and its size
+    print(f"quickdraft: {len(docs)} answers, {store.size} tokens, {len(store.keys)} contexts written to {out} "
+          f"({out.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
+def add_build_datastore(sub) -> None:
+    p = sub.add_parser("build-datastore", help="a datastore of the target's own answers for --spec store|lookup-store")
+    add_model_args(p)
+    p.add_argument("--answers", nargs="+", required=True,
+                   help="files of the target's answers: `train-head` writes them (its --out folder's "
+                        "responses.json.gz); made by this model, never from a benchmark's prompts")
+    p.add_argument("--out", required=True, help="the datastore file to write (.npz); pass it with --datastore FILE")
+    p.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+    p.set_defaults(func=cmd_build_datastore)

@@ -1,6 +1,6 @@
 """Proposers behind one protocol, found by name in a registry."""
 # importing registers them
-from quickdraft.proposers import draft_model, head, hybrid, ngram, recycle, suffix  # noqa: F401
+from quickdraft.proposers import datastore, draft_model, head, hybrid, ngram, recycle, suffix  # noqa: F401
 from quickdraft.proposers.base import (
                                   DEFAULT_K,
                                   DEFAULT_METHOD,

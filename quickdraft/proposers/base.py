@@ -112,6 +112,8 @@ class SpecConfig:
     adaptive: bool = True         # verify only the part of a draft expected to pay for itself
     options: Mapping[str, Any] = field(default_factory=dict)  # proposers' own settings by name (as
                                   # their options dataclasses spell them); unset ones keep defaults
+    datastore: str | None = None  # a datastore file of the target's answers (proposers/datastore.py;
+                                  # None = the one that ships for the target, if one does)
 
     def __post_init__(self) -> None:
         if self.method not in PROPOSERS and self.method != "none":
@@ -151,6 +153,11 @@ class SpecConfig:
         entry = registration(self.method)
         return entry.loads == "head" and (entry.needs_file or bool(self.head))
 
+    @property
+    def needs_datastore(self) -> bool:
+        """The proposer drafts from a datastore (which must load)."""
+        return self.enabled and registration(self.method).loads == "datastore"
+
 
 class Target(Protocol):
     """What a proposer factory may draw on (quickdraft.api.LLM is one): the target model, and the
@@ -165,6 +172,9 @@ class Target(Protocol):
 
     def draft_head(self, path: str | None = None) -> Any:
         """A DraftHead trained for the target; None: the one that ships for it."""
+
+    def datastore(self, path: str | None = None) -> Any:
+        """A Datastore of the target's answers (proposers/datastore.py); None: the one that ships for it."""
 
     def shared(self, key: Hashable, make: Callable[[], T]) -> T:
         """State that proposers share across the requests of this target (a draft model's batched

@@ -156,14 +156,20 @@ def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
                for k, v in head.state_dict().items()}, str(path / WEIGHTS))
-    info = {"format": HEAD_FORMAT, "target": target_name, "target_probe": target_probe(target),
-            "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
-                              "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
-                              "num_kv_heads": target.config.num_kv_heads},
+    info = {"format": HEAD_FORMAT, "target": target_name, **target_identity(target),
             "feature_layers": list(head.reads(target)), "mlp_width": head.config.intermediate_size,
             "training": training or {}}
     (path / CONFIG).write_text(json.dumps(info, indent=1))
     return path
+
+
+def target_identity(target: Transformer) -> dict:
+    """What a file made for `target` records of it (`trained_for` checks): its shape and an
+    embedding probe."""
+    return {"target_probe": target_probe(target),
+            "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
+                              "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
+                              "num_kv_heads": target.config.num_kv_heads}}
 
 
 def trained_for(info: dict, target: Transformer) -> bool:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-FileKind = Literal["draft_model", "head"]  # the SpecConfig field naming a file a proposer drafts with
+FileKind = Literal["draft_model", "head", "datastore"]  # the SpecConfig field naming a file a proposer drafts with
 
 
 def option(default: Any, help: str, lo: float | None = None, hi: float | None = None) -> Any:

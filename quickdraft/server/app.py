@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI
 
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
-from quickdraft.proposers import SpecConfig, SpecConfigError
+from quickdraft.proposers import SpecConfigError
 from quickdraft.server import openapi
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import install_error_handlers
@@ -52,7 +52,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     metrics = Metrics(llm.prefix)
     served = Served(llm, config, EngineWorker(service, metrics), metrics, Prompts(llm.tokenizer),
                     ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="quickdraft-grammar"),
-                    _head_error(llm, config.spec))
+                    _load_error(llm.draft_head, config.spec.head), _load_error(llm.datastore, config.spec.datastore))
     app = FastAPI(title="quickdraft", lifespan=functools.partial(_lifespan, engine_thread=engine_thread))
     app.state.served = served
     app.state.worker, app.state.metrics = served.worker, served.metrics  # what the HTTP front and replicas drive
@@ -66,11 +66,11 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     return app
 
 
-def _head_error(llm: LLM, spec: SpecConfig) -> str | None:
-    """Why the server's draft head cannot load, or None. Loaded here, on the model's thread: a
-    request asking for the head then only reuses it."""
+def _load_error(load: Callable[[str | None], object], path: str | None) -> str | None:
+    """Why the server's draft head (or datastore) cannot load, or None. Loaded here, before the
+    engine runs: a request asking for it then only reuses it (a datastore's table takes seconds)."""
     try:
-        llm.draft_head(spec.head)
+        load(path)
     except SpecConfigError as e:
         return str(e)
     return None

@@ -81,6 +81,8 @@ def unusable(served: Served, spec: SpecConfig) -> str | None:
     """Why this server cannot run `spec`, or None: what it can run depends on the models it has."""
     if spec.needs_head and served.head_error:
         return served.head_error
+    if spec.needs_datastore and served.datastore_error:
+        return served.datastore_error
     try:
         if spec.needs_draft_model:
             served.llm.draft_name(spec.draft_model)  # loads nothing; an error names the missing flag

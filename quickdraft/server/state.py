@@ -26,6 +26,7 @@ class Served:
     prompts: Prompts              # the tokenizer's threads, and how the chat template takes tools
     grammars: ThreadPoolExecutor  # compiles response formats and tools' grammars off the event loop
     head_error: str | None = None  # why the server's draft head did not load: a request that needs it gets this
+    datastore_error: str | None = None  # likewise for its datastore of the target's answers
 
     @property
     def context(self) -> int:
