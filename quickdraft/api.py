@@ -168,7 +168,7 @@ class LLM:
         key = path or ""
         if key not in self._datastores:
             try:
-                self._datastores[key] = load_datastore(find_datastore(path, self.model))
+                self._datastores[key] = load_datastore(find_datastore(path, self.model), self.model.config.vocab_size)
             except SpecConfigError as e:
                 self._datastores[key] = e  # asked again per request: fail fast, no file reads
         if isinstance(self._datastores[key], SpecConfigError):

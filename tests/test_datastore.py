@@ -71,6 +71,12 @@ def test_a_chain_follows_the_longest_known_context_and_stops_where_none_is() -> 
     assert [t for t, _, _ in store.chain([7], 3)] == [8]
 
 
+def test_answers_too_short_for_any_context_make_an_empty_table_that_drafts_nothing() -> None:
+    store = table([[4], [5], []])
+    assert len(store.keys) == 0 and store.chain([4, 5], 4) == []
+    assert StoreProposer(store, [4, 5]).propose(4).tokens == []
+
+
 def storing(store: Datastore):
     return lambda prompt, params: StoreProposer(store, prompt)
 
@@ -126,23 +132,31 @@ class Target:
         self.model = model
 
     def datastore(self, path: str | None = None) -> Datastore:
-        return load_datastore(find_datastore(path, self.model))
+        return load_datastore(find_datastore(path, self.model), self.model.config.vocab_size)
 
 
 def test_files_name_their_model_and_are_found_for_it_alone(tmp_path: Path, monkeypatch) -> None:
     model, other = target(), tiny16()
     path = save(tmp_path / "answers.npz", [[5, 6, 7], [5, 6, 8]], model, {"about": "a test"})
     assert json.loads(str(np.load(path)["meta"]))["answers"] == 2
-    assert follower(load_datastore(find_datastore(str(path), model)), [5, 6]) == (7, 1, 2)
+    assert follower(load_datastore(find_datastore(str(path), model), 96), [5, 6]) == (7, 1, 2)
     with pytest.raises(SpecConfigError, match="another model's answers"):
         find_datastore(str(path), other)
     monkeypatch.setattr(datastore, "PACKAGED", tmp_path)
     assert find_datastore(None, model) == path
     with pytest.raises(SpecConfigError, match="no datastore ships .* build-datastore"):
         find_datastore(None, other)
-    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    for bad, content in (("bad.npz", b"not a zip"), ("truncated.npz", path.read_bytes()[:200])):
+        (tmp_path / bad).write_bytes(content)
+        with pytest.raises(SpecConfigError, match="cannot read the datastore"):
+            find_datastore(str(tmp_path / bad), model)
+        with pytest.raises(SpecConfigError, match="cannot read the datastore"):
+            load_datastore(tmp_path / bad, 96)
+    with pytest.raises(SpecConfigError, match="token 8, outside the model's 8"):
+        load_datastore(path, 8)
+    np.save(tmp_path / "array.npy", np.arange(3))
     with pytest.raises(SpecConfigError, match="cannot read the datastore"):
-        find_datastore(str(tmp_path / "bad.npz"), model)
+        load_datastore(tmp_path / "array.npy", 96)
     ctx = ProposerContext([5, 6], SamplingParams(), SpecConfig("lookup-store", k=4, datastore=str(path)),
                           Target(model))
     proposer = make_lookup_store(ctx)
@@ -174,3 +188,31 @@ def test_build_datastore_writes_what_datastore_reads(tmp_path: Path, capsys) -> 
     other.write_bytes(gzip.compress(json.dumps(saved).encode()))
     assert main(["build-datastore", "-m", str(path), "--answers", str(other), "--out", str(out)]) == 1
     assert "answers of another model" in capsys.readouterr().err
+
+
+def test_a_server_builds_the_table_only_where_its_speculation_drafts_from_one(tmp_path: Path) -> None:
+    """A datastore's table costs seconds and memory to build: a server builds it at start where its
+    own speculation (or a named file) needs it, and elsewhere refuses requests that ask for one
+    with a 400 rather than build it on the engine's thread."""
+    import httpx
+
+    import quickdraft
+    from quickdraft.engine.batch import EngineConfig
+    from quickdraft.server import BackgroundServer, ServerConfig
+    from tiny_tokenizer import tiny_llm_dir
+    path = tiny_llm_dir(tmp_path / "model")
+    stored = save(tmp_path / "store.npz", [[5, 6, 7, 8]], quickdraft.load(path).model, {})
+    body = {"model": "tiny", "prompt": "the sea", "max_tokens": 4, "temperature": 0,
+            "speculative": {"method": "lookup-store"}}
+    for spec, status in ((SpecConfig("ngram"), 400), (SpecConfig("ngram", datastore=str(stored)), 200),
+                         (SpecConfig("store", datastore=str(stored)), 200)):
+        llm = quickdraft.load(path)
+        server = BackgroundServer(llm, ServerConfig("tiny", spec=spec, engine=EngineConfig(max_batch=2)))
+        try:
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert answer.status_code == status, (spec, answer.text)
+            assert (str(stored) in llm._datastores) == (status == 200)
+            if status == 400:
+                assert "started without a datastore" in answer.text
+        finally:
+            server.stop()

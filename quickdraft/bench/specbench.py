@@ -58,9 +58,9 @@ def parse_methods(text: str, k: int, options: Mapping[str, Any] | None = None, c
     """`plain,ngram,ngram:8,draft,draft:8,draft:PATH,draft:PATH:2,head,head:8,head:DIR:8,hybrid:DIR,
     draft:4@draft-vocab=32768` -> methods, plain first (always run: it is the baseline). NAME:K sets
     k for one method, @OPTION=VALUE one of its proposer options (repeatable); the file
-    a proposer drafts with (registry `loads`: a draft model, a head's folder) may follow NAME: (a
-    draft model's default: `default_draft`, the target's packaged draft; a head's: the packaged
-    one), then :K. `options` are proposer options (SpecConfig.options); unset ones keep their
+    a proposer drafts with (registry `loads`: a draft model, a head's folder, a datastore file) may
+    follow NAME: (a draft model's default: `default_draft`, the target's packaged draft; a head's
+    and a datastore's: the packaged one), then :K. `options` are proposer options (SpecConfig.options); unset ones keep their
     defaults. `verify_all` adds beside each speculative method the same one with the draft-length
     policy off (every offered draft token verified, label ending in "all"): what its drafts could
     commit per pass, the ceiling of its speedup, measured in the same run as what the policy makes

@@ -171,10 +171,9 @@ def cmd_build_datastore(args: argparse.Namespace) -> int:
     import json
 
     from quickdraft.proposers.datastore import load_datastore, save
-    from quickdraft.train.responses import target_settings
+    from quickdraft.proposers.head import trained_for
 
     llm = load_llm(args, progress=not args.no_progress, prefix_cache=False)
-    probe = target_settings(llm.model)["target_probe"]
     docs: list[list[int]] = []
     for path in args.answers:
         try:
@@ -183,12 +182,12 @@ def cmd_build_datastore(args: argparse.Namespace) -> int:
             theirs = saved["settings"]["target_probe"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise QuickdraftError(f"--answers {path}: not a file of `train-head`'s answers ({e})") from None
-        if theirs != probe:
+        if not trained_for({"target_probe": theirs, "target_config": {}}, llm.model):  # the probe, to its tolerance
             raise QuickdraftError(f"--answers {path}: the answers of another model (its probe differs from "
                                   f"{args.model}'s)")
         docs += answers
     out = save(Path(args.out), docs, llm.model, {"sources": [Path(p).name for p in args.answers]})
-    store = load_datastore(out)  # the table a proposer builds from it, once: says it loads, and its size
+    store = load_datastore(out, llm.model.config.vocab_size)  # the table a proposer builds: that it loads, its size
     print(f"quickdraft: {len(docs)} answers, {store.size} tokens, {len(store.keys)} contexts written to {out} "
           f"({out.stat().st_size / 1e6:.1f} MB)", file=sys.stderr)
     return 0

@@ -18,6 +18,7 @@ wins where the answer copies its prompt or itself, and the store elsewhere.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -39,7 +40,8 @@ MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class StoreOptions:
-    store_min_n: int = option(1, "store: shortest context of the text's end looked up in the datastore", 1, TABLE_N)
+    store_min_n: int = option(1, "store, lookup-store: shortest context of the text's end looked up in the "
+                                     "datastore", 1, TABLE_N)
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -59,55 +61,52 @@ def save(path: Path, docs: Sequence[Sequence[int]], target: Transformer, about: 
     return path
 
 
-def hashes(tokens: np.ndarray, max_n: int) -> list[np.ndarray]:
-    """Per order n = 1..max_n, the hash of the n tokens before each position (its context: the same
-    number `Datastore.contexts` computes for a text's end; meaningless at the first n positions)."""
-    out, h = [], np.zeros(len(tokens), dtype=np.uint64)
-    for n in range(1, max_n + 1):
-        before = np.zeros(len(tokens), dtype=np.uint64)
-        before[n:] = tokens[:-n].astype(np.uint64) + np.uint64(1)
-        h = h * np.uint64(MULT) + before  # wraps modulo 2**64, as MASK does in Python
-        out.append(h.copy())
-    return out
-
-
 class Datastore:
     """Context hash -> the follower seen most often after it, and how often (of how many). Read-only
     once built: the requests of a target share one."""
 
     def __init__(self, tokens: np.ndarray, lengths: np.ndarray, max_n: int = TABLE_N) -> None:
-        if lengths.sum() != len(tokens):
-            raise ValueError(f"a datastore's answer lengths sum to {lengths.sum()}, not its {len(tokens)} tokens")
+        if (lengths < 0).any() or lengths.sum() != len(tokens):
+            raise ValueError(f"a datastore's answer lengths must be >= 0 and sum to its {len(tokens)} tokens")
         self.max_n, self.size = max_n, len(tokens)
         tokens = tokens.astype(np.int64)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        position = np.arange(len(tokens)) - starts  # index within its own answer
-        keys, followers = [], []
-        for n, h in enumerate(hashes(tokens, max_n), start=1):
-            seen = position >= n  # the n tokens before lie in the same answer
-            keys.append(h[seen])
-            followers.append(tokens[seen])
-        key, follower = np.concatenate(keys), np.concatenate(followers)
+        position = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # within its answer
+        # every (context of n tokens, follower) pair in one array each: filled order by order, in place,
+        # as the build's memory is a few times these (~350 MB at SmolLM2's 1.28M tokens)
+        seen = [position >= n for n in range(1, max_n + 1)]  # the n tokens before lie in the same answer
+        key = np.empty(sum(int(m.sum()) for m in seen), dtype=np.uint64)
+        follower = np.empty(len(key), dtype=np.int32)
+        h, at = np.zeros(len(tokens), dtype=np.uint64), 0
+        for n, mask in enumerate(seen, start=1):
+            # the hash of the n tokens before each position, as `contexts` computes it for a text's end
+            # (it wraps modulo 2**64, as MASK does there)
+            h *= np.uint64(MULT)
+            h[n:] += tokens[:-n].astype(np.uint64) + np.uint64(1)
+            m = int(mask.sum())
+            key[at:at + m], follower[at:at + m] = h[mask], tokens[mask]
+            at += m
+        del seen, h, position
         order = np.lexsort((follower, key))
         key, follower = key[order], follower[order]
+        del order
         # runs of one (context, follower) pair, then per context the pair with the longest run
         # (the smallest token among equals: lexsort is stable)
-        pair_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (follower[1:] != follower[:-1])])
+        pair_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (follower[1:] != follower[:-1])])[:len(key)]
         pair_count = np.diff(np.r_[pair_start, len(key)])
         pair_key, pair_follower = key[pair_start], follower[pair_start]
         best = np.lexsort((-pair_count, pair_key))
-        chosen = best[np.r_[True, pair_key[best][1:] != pair_key[best][:-1]]]
+        chosen = best[np.r_[True, pair_key[best][1:] != pair_key[best][:-1]][:len(best)]]
         self.keys = pair_key[chosen]                                  # sorted, unique
-        self.follower = pair_follower[chosen].astype(np.int32)
+        self.follower = pair_follower[chosen]
         self.count = pair_count[chosen].astype(np.int32)
-        context_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        context_start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])[:len(key)]
         self.total = np.diff(np.r_[context_start, len(key)]).astype(np.int32)  # the same contexts, same order
 
     def contexts(self, text: Sequence[int]) -> list[int]:
-        """The hashes of the text's last 1..max_n tokens (as `hashes` computes them)."""
+        """The hashes of the text's last 1..max_n tokens (as the table's are computed)."""
         out, h = [], 0
         for n in range(1, min(self.max_n, len(text)) + 1):
-            h = (h * MULT + text[-n] + 1) & MASK
+            h = (h * MULT + int(text[-n]) + 1) & MASK
             out.append(h)
         return out
 
@@ -135,7 +134,7 @@ def meta_of(path: Path) -> dict:
     try:
         with np.load(path) as f:
             meta = json.loads(str(f["meta"]))
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, AttributeError) as e:
         raise SpecConfigError(f"cannot read the datastore {path}: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise SpecConfigError(f"{path} is not a quickdraft datastore ({FORMAT})")
@@ -157,10 +156,17 @@ def find_datastore(path: str | Path | None, target: Transformer) -> Path:
                           "with `quickdraft build-datastore` and pass it with --datastore FILE")
 
 
-def load_datastore(path: Path) -> Datastore:
-    """The table over a datastore file's answers (a few seconds for a million tokens)."""
-    with np.load(path) as f:
-        return Datastore(f["tokens"], f["lengths"])
+def load_datastore(path: Path, vocab_size: int) -> Datastore:
+    """The table over a datastore file's answers (a few seconds for a million tokens); a file
+    that is not one, or holds a token outside the vocabulary, is a clear error."""
+    try:
+        with np.load(path) as f:
+            tokens, lengths = f["tokens"], f["lengths"]
+        if len(tokens) and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"it holds token {int(tokens.max())}, outside the model's {vocab_size}")
+        return Datastore(tokens, lengths)
+    except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, AttributeError) as e:
+        raise SpecConfigError(f"cannot read the datastore {path}: {e}") from None
 
 
 def share_bucket(share: float) -> int:

@@ -173,7 +173,8 @@ def target_identity(target: Transformer) -> dict:
 
 
 def trained_for(info: dict, target: Transformer) -> bool:
-    """Whether a head's head.json names `target`: same shape, same embedding probe."""
+    """Whether a file made for a target (a head's head.json, a datastore's description) names
+    `target`: same shape (the keys it records), same embedding probe."""
     ours = target_probe(target)
     theirs = info.get("target_probe", [])
     shape = {k: getattr(target.config, k, None) for k in info.get("target_config", {})}

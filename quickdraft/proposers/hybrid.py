@@ -119,11 +119,7 @@ def make_lookup_draft(ctx: ProposerContext) -> HybridProposer:
 
 @dataclass(frozen=True)
 class LookupStoreOptions(NgramOptions, StoreOptions):
-    """Prompt lookup's n-gram sizes and the datastore's shortest context."""
-
-    def __post_init__(self) -> None:
-        NgramOptions.__post_init__(self)
-        StoreOptions.__post_init__(self)
+    """Prompt lookup's n-gram sizes and the datastore's shortest context (NgramOptions checks both)."""
 
 
 @register("lookup-store", LookupStoreOptions, loads="datastore", needs_file=True,
@@ -154,9 +150,9 @@ AUTO_MEASURED: dict[str, Measured] = {
 
 
 def usable(method: str, target: Target, config: SpecConfig) -> bool:
-    """Whether the file `method` drafts from loads for this target (a datastore; the others are
-    loaded where they are run)."""
-    if registration(method).loads != "datastore":
+    """Whether the file `method` drafts from loads for this target: a datastore that ships for it
+    (one named must load, or its error says why; other files are loaded where they are run)."""
+    if registration(method).loads != "datastore" or config.datastore:
         return True
     try:
         target.datastore(config.datastore)
@@ -179,7 +175,7 @@ def auto_pick(target: Target, config: SpecConfig) -> str:
     return "hybrid"
 
 
-@register("auto", NgramOptions, loads="head", picks=auto_pick,
+@register("auto", LookupStoreOptions, loads="head", picks=auto_pick,
           about="the proposer measured best for the model (docs/results.md); else the hybrid where a "
                 "draft head ships for it (or one is named), else prompt lookup")
 def make_auto(ctx: ProposerContext) -> Proposer:

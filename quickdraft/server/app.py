@@ -17,7 +17,8 @@ from fastapi import FastAPI
 
 from quickdraft.api import LLM
 from quickdraft.engine.policy import StepCost
-from quickdraft.proposers import SpecConfigError
+from quickdraft.proposers import SpecConfig, SpecConfigError
+from quickdraft.proposers.registry import registration, runs
 from quickdraft.server import openapi
 from quickdraft.server.config import ServerConfig
 from quickdraft.server.errors import install_error_handlers
@@ -52,7 +53,7 @@ def create_app(llm: LLM, config: ServerConfig, cost: StepCost | None = None, eng
     metrics = Metrics(llm.prefix)
     served = Served(llm, config, EngineWorker(service, metrics), metrics, Prompts(llm.tokenizer),
                     ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="quickdraft-grammar"),
-                    _load_error(llm.draft_head, config.spec.head), _load_error(llm.datastore, config.spec.datastore))
+                    _load_error(llm.draft_head, config.spec.head), _datastore_error(llm, config.spec))
     app = FastAPI(title="quickdraft", lifespan=functools.partial(_lifespan, engine_thread=engine_thread))
     app.state.served = served
     app.state.worker, app.state.metrics = served.worker, served.metrics  # what the HTTP front and replicas drive
@@ -74,6 +75,16 @@ def _load_error(load: Callable[[str | None], object], path: str | None) -> str |
     except SpecConfigError as e:
         return str(e)
     return None
+
+
+def _datastore_error(llm: LLM, spec: SpecConfig) -> str | None:
+    """Why requests here cannot draft from a datastore, or None. Its table is built at start (seconds,
+    ~350 MB while it is built, ~50 MB kept for SmolLM2's) only where the server's own speculation
+    drafts from it or one is named: a request asking for one then only reuses it."""
+    if not spec.datastore and not (spec.enabled and registration(runs(spec.method, llm, spec)).loads == "datastore"):
+        return ("this server was started without a datastore: start it with --spec store or lookup-store (or auto, "
+                "where it picks one), or name one with --datastore FILE")
+    return _load_error(llm.datastore, spec.datastore)
 
 
 @contextlib.asynccontextmanager
