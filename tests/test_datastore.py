@@ -182,6 +182,9 @@ def test_build_datastore_writes_what_datastore_reads(tmp_path: Path, capsys) -> 
     got = llm.generate(prompt=texts[0], params=params, spec=SpecConfig("store", k=4, datastore=str(out), adaptive=False))
     assert got.token_ids == llm.generate(prompt=texts[0], params=params, spec=SpecConfig("none")).token_ids
     assert got.stats.accepted_tokens > 0
+    spec = SpecConfig("lookup-store", k=4, datastore=str(out), adaptive=False)
+    origins = [o for chunk in llm.stream(prompt=texts[0], params=params, spec=spec) for o in chunk.origins]
+    assert "store" in {o.source for o in origins if o.kind == "accepted"}  # token origins name the part
     other = tmp_path / "other.json.gz"  # answers whose settings name another model
     saved = json.loads(gzip.decompress((tmp_path / RESPONSES).read_bytes()))
     saved["settings"] = {**saved["settings"], "target_probe": target_settings(tiny16())["target_probe"]}

@@ -65,7 +65,7 @@ TOKEN_ORIGINS = {
                 "depth": {"type": "integer", "minimum": 0, "description": "position in the draft (0: none)"},
                 "source": {"anyOf": [{"type": "string"}, {"type": "null"}],
                            "description": "for a draft token, the part of the proposer that drafted it "
-                                          "(ngram, head, draft) where the proposer has several; else null"}}}},
+                                          "(ngram, head, draft, store) where the proposer has several; else null"}}}},
         "new_tokens": {"type": "integer", "minimum": 0},
         "committed_tokens": {"type": "integer", "minimum": 0,
                              "description": "tokens the passes committed: new_tokens and a stop token's"},
