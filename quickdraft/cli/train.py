@@ -171,7 +171,7 @@ def cmd_build_datastore(args: argparse.Namespace) -> int:
     import json
 
     from quickdraft.proposers.datastore import load_datastore, save
-    from quickdraft.proposers.head import trained_for
+    from quickdraft.proposers.identity import trained_for
 
     llm = load_llm(args, progress=not args.no_progress, prefix_cache=False)
     docs: list[list[int]] = []

@@ -27,7 +27,7 @@ import numpy as np
 
 from quickdraft.model.llama import Transformer
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
-from quickdraft.proposers.head import target_identity, trained_for
+from quickdraft.proposers.identity import target_identity, trained_for
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.spec.goodput import Acceptance
 

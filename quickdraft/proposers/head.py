@@ -43,6 +43,7 @@ from quickdraft.model.llama import Block, Transformer, attention_inputs
 from quickdraft.model.rope import RotaryTable, inverse_frequencies
 from quickdraft.proposers.base import EACH, NO_DRAFT, Committed, Draft, ProposerContext, SpecConfigError, register
 from quickdraft.proposers.growing_tree import GrowingTree
+from quickdraft.proposers.identity import target_identity, trained_for
 from quickdraft.proposers.registry import check_ranges, option
 from quickdraft.spec.goodput import Acceptance
 from quickdraft.spec.sampling import SamplingParams, probabilities
@@ -51,8 +52,6 @@ from quickdraft.weights.quantize import as_blocks
 
 HEAD_FORMAT = "quickdraft-head-v1"
 WEIGHTS, CONFIG = "head.safetensors", "head.json"
-PROBE_ROWS = (0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89)  # embedding rows that identify a target
-PROBE_TOLERANCE = 0.02       # relative: a bfloat16 or re-quantized copy of the target still matches
 HEAD_SEED_SALT = 0x4EAD_5EED  # the head's RNG must not replay the verifier's draws
 HEAD_BLOCKS = GGMLQuantizationType.Q8_0  # the head's matrices over a target run as GGUF blocks
 PACKAGED_HEADS = Path(__file__).resolve().parent.parent / "heads"  # one folder per model
@@ -70,12 +69,6 @@ def head_config(target: ModelConfig, mlp_width: int = 0) -> ModelConfig:
     return dataclasses.replace(target, num_layers=1, num_experts=0, experts_per_token=0, attn_sinks=False,
                                layer_windows=target.layer_windows[:1],
                                intermediate_size=mlp_width or target.intermediate_size)
-
-
-def target_probe(target: Transformer) -> list[float]:
-    """A few embedding values: enough to tell one target's weights from another's."""
-    rows = [r for r in PROBE_ROWS if r < target.config.vocab_size]
-    return target.embed.weight[rows, :4].float().flatten().tolist()
 
 
 class DraftHead(nn.Module):
@@ -161,26 +154,6 @@ def save_head(head: DraftHead, target: Transformer, path: Path, target_name: str
             "training": training or {}}
     (path / CONFIG).write_text(json.dumps(info, indent=1))
     return path
-
-
-def target_identity(target: Transformer) -> dict:
-    """What a file made for `target` records of it (`trained_for` checks): its shape and an
-    embedding probe."""
-    return {"target_probe": target_probe(target),
-            "target_config": {"vocab_size": target.config.vocab_size, "hidden_size": target.config.hidden_size,
-                              "num_layers": target.config.num_layers, "num_heads": target.config.num_heads,
-                              "num_kv_heads": target.config.num_kv_heads}}
-
-
-def trained_for(info: dict, target: Transformer) -> bool:
-    """Whether a file made for a target (a head's head.json, a datastore's description) names
-    `target`: same shape (the keys it records), same embedding probe."""
-    ours = target_probe(target)
-    theirs = info.get("target_probe", [])
-    shape = {k: getattr(target.config, k, None) for k in info.get("target_config", {})}
-    scale = max(max((abs(v) for v in ours), default=0.0), 1e-6)
-    return shape == info.get("target_config") and len(theirs) == len(ours) and \
-        all(abs(a - b) <= PROBE_TOLERANCE * scale for a, b in zip(ours, theirs))
 
 
 def packaged_reads(target: Transformer) -> tuple[int, ...]:

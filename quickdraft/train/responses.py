@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from quickdraft.engine.batch import Engine, EngineConfig, Request
 from quickdraft.model.llama import Transformer
-from quickdraft.proposers.head import target_probe
+from quickdraft.proposers.identity import target_probe
 from quickdraft.spec.sampling import SamplingParams
 
 RESPONSES = "responses.json.gz"  # the greedy answers; sampled_file(r) round r's sampled ones
