@@ -85,6 +85,19 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def once(loaded: dict[str, Any], key: str, load: Callable[[], T]) -> T:
+    """`load()` once per key; its SpecConfigError is kept too, so a file asked for again per request
+    ("auto") fails fast, with no file reads."""
+    if key not in loaded:
+        try:
+            loaded[key] = load()
+        except SpecConfigError as e:
+            loaded[key] = e
+    if isinstance(loaded[key], SpecConfigError):
+        raise SpecConfigError(str(loaded[key]))
+    return loaded[key]
+
+
 class LLM:
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None,
                  prefix_cache_mb: int | None = None) -> None:
@@ -151,29 +164,15 @@ class LLM:
     def draft_head(self, path: str | None = None) -> "DraftHead":
         """A trained draft head for this model, loaded once (a head for another model is an error);
         None: the head that ships for this model."""
-        key = path or ""
-        if key not in self._heads:
-            try:
-                self._heads[key] = load_head(path or packaged_head(self.model), self.model)
-            except SpecConfigError as e:
-                self._heads[key] = e  # asked again per request ("auto"): fail fast, no file reads
-        if isinstance(self._heads[key], SpecConfigError):
-            raise SpecConfigError(str(self._heads[key]))
-        self.keep_features_of(self._heads[key], path)
-        return self._heads[key]
+        head = once(self._heads, path or "", lambda: load_head(path or packaged_head(self.model), self.model))
+        self.keep_features_of(head, path)
+        return head
 
     def datastore(self, path: str | None = None) -> Datastore:
         """The datastore of this model's answers (proposers/datastore.py), its table built once;
         None: the one that ships for this model."""
-        key = path or ""
-        if key not in self._datastores:
-            try:
-                self._datastores[key] = load_datastore(find_datastore(path, self.model), self.model.config.vocab_size)
-            except SpecConfigError as e:
-                self._datastores[key] = e  # asked again per request: fail fast, no file reads
-        if isinstance(self._datastores[key], SpecConfigError):
-            raise SpecConfigError(str(self._datastores[key]))
-        return self._datastores[key]
+        return once(self._datastores, path or "",
+                    lambda: load_datastore(find_datastore(path, self.model), self.model.config.vocab_size))
 
     def keep_features_of(self, head: "DraftHead", path: str | Path | None = None) -> None:
         """Have the model keep the layers `head` reads besides those it keeps (a head reads its own
