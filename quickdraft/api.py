@@ -299,12 +299,13 @@ class LLM:
                      self.model.config.context_note(context), param)
         return bounded(self.tokenizer, text, messages is None, context, param)
 
-    def stream(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
+    def stream(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None,
                params: SamplingParams | None = None, spec: SpecConfig | None = None,
                response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                tool_choice: str | Mapping[str, Any] | None = None,
                parallel_tool_calls: bool | None = None, reasoning_effort: str | None = None) -> Iterator[Chunk]:
-        """Text chunks as tokens are committed; `spec` overrides the model's default speculation;
+        """Text chunks as tokens are committed; `prompt`: a text, or its token ids as they are (no
+        chat template, no special tokens added); `spec` overrides the model's default speculation;
         `response_format` (OpenAI's: json_object or json_schema) constrains the text to JSON (its
         finish reason "stop" once the JSON is complete, "grammar_dead_end" where no token can go on).
         `tools`, `tool_choice`, `parallel_tool_calls`: OpenAI's (docs/tools.md), with chat messages;
@@ -318,7 +319,7 @@ class LLM:
         chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
         return read_stream(chunks, self.tool_syntax(), chosen, messages is not None)
 
-    def _prepared(self, prompt: str | None, messages: Sequence[Message] | None,
+    def _prepared(self, prompt: str | Sequence[int] | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
                   tool_choice: str | Mapping[str, Any] | None, parallel_tool_calls: bool | None,
                   reasoning_effort: str | None) -> tuple[list[int], Constraint | None, Tools | None]:
@@ -327,8 +328,15 @@ class LLM:
         shape = shape_of(tools, tool_choice, parallel_tool_calls, response_format, chat=messages is not None)
         # the grammar vocabulary (~1 s on first use) only where there is a grammar
         constraint = None if shape.free else constraint_of(shape, self.grammar_vocabulary(), self.tool_syntax())
-        return self.prompt_ids(prompt, messages, shape.tools, self.engine_service().engine.max_seq_len,
-                               reasoning_effort), constraint, shape.tools
+        if prompt is None or isinstance(prompt, str):
+            ids = self.prompt_ids(prompt, messages, shape.tools, self.engine_service().engine.max_seq_len,
+                                  reasoning_effort)
+        elif messages is not None or reasoning_effort is not None:
+            raise RequestError("give exactly one of a prompt or chat messages (reasoning_effort is a chat's)",
+                               "prompt" if messages is not None else "reasoning_effort")
+        else:  # token ids, as score() and the server's completions take them (the engine checks the context)
+            ids = given(prompt, self.model.config.vocab_size)
+        return ids, constraint, shape.tools
 
     def _chunks(self, ids: list[int], params: SamplingParams, spec: SpecConfig, constraint: Constraint | None,
                 tools: Tools | None, chat: bool) -> Iterator[Chunk]:
@@ -344,7 +352,7 @@ class LLM:
                 if chunk.finish_reason is not None:
                     return
 
-    def generate(self, prompt: str | None = None, messages: Sequence[Message] | None = None,
+    def generate(self, prompt: str | Sequence[int] | None = None, messages: Sequence[Message] | None = None,
                  params: SamplingParams | None = None, spec: SpecConfig | None = None,
                  response_format: Mapping[str, Any] | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
                  tool_choice: str | Mapping[str, Any] | None = None,

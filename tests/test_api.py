@@ -260,6 +260,26 @@ def test_chat_messages_go_through_the_chat_template(llm: quickdraft.LLM, model_d
     assert out.token_ids == manual_greedy(llm, expected, 10)
 
 
+def test_a_prompt_given_as_token_ids_decodes_as_its_text(llm: quickdraft.LLM) -> None:
+    ids = llm.prompt_ids(PROMPT)
+    from_ids = llm.generate(ids, params=greedy(12, ignore_eos=True))
+    assert from_ids.token_ids == llm.generate(PROMPT, params=greedy(12, ignore_eos=True)).token_ids
+    assert from_ids.token_ids == manual_greedy(llm, ids, 12)
+    assert "".join(c.text for c in llm.stream(ids, params=greedy(12, ignore_eos=True))) == from_ids.text
+
+
+@pytest.mark.parametrize("call, says", [
+    (lambda llm: llm.generate([1, 10 ** 9]), "prompt token ids must be in 0.."),
+    (lambda llm: llm.generate([1.5, 2]), "prompt token ids must be in 0.."),
+    (lambda llm: llm.generate([]), "the prompt is empty"),
+    (lambda llm: llm.generate([1, 2], messages=MESSAGES), "exactly one of a prompt or chat messages"),
+    (lambda llm: llm.generate([1, 2], reasoning_effort="low"), "reasoning_effort is a chat's"),
+])
+def test_bad_token_id_prompts_are_refused_by_name(llm: quickdraft.LLM, call, says: str) -> None:
+    with pytest.raises(quickdraft.QuickdraftError, match=re.escape(says)):
+        call(llm)
+
+
 def test_stats_are_consistent(llm: quickdraft.LLM) -> None:
     n_prompt = len(llm.tokenizer.encode(PROMPT))
     # finish by length: prefill gives the first token, every later token costs one more pass.
