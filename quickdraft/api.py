@@ -68,12 +68,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise QuickdraftError(f"dtype {dtype} is not supported; expected one of {', '.join(DTYPES)}")
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise QuickdraftError(f"dtype {dtype!r} is not supported; expected one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
 
 
 def parse_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise QuickdraftError(f"device: expected a name such as 'cpu' or 'cuda', found {type(device).__name__}")
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -98,6 +100,13 @@ def once(loaded: dict[str, Any], key: str, load: Callable[[], T]) -> T:
     return loaded[key]
 
 
+def checked_spec(spec: SpecConfig | None) -> SpecConfig | None:
+    """A SpecConfig or None as given; anything else refused by name."""
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise SpecConfigError(f"spec: expected a quickdraft.SpecConfig, found {type(spec).__name__}")
+    return spec
+
+
 class LLM:
     def __init__(self, loaded: LoadedModel, spec: SpecConfig | None = None,
                  prefix_cache_mb: int | None = None) -> None:
@@ -107,7 +116,7 @@ class LLM:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer: Tokenizer = loaded.tokenizer
-        self.spec = spec or SpecConfig()
+        self.spec = checked_spec(spec) or SpecConfig()
         self._drafts: dict[str, LLM] = {}
         self._heads: dict[str, DraftHead | SpecConfigError] = {}
         self._datastores: dict[str, Datastore | SpecConfigError] = {}
@@ -290,6 +299,13 @@ class LLM:
         if messages is None and reasoning_effort is not None:
             raise RequestError("reasoning_effort: a chat's (the template writes it); give messages, not a prompt",
                                "reasoning_effort")
+        if messages is None and not isinstance(prompt, str):
+            raise RequestError(f"prompt: expected a text, found {type(prompt).__name__} (generate() and stream() "
+                               f"take token ids as they are)", "prompt")
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise RequestError(f"context: expected a number of tokens >= 1, found {context!r}", "context")
+        if tools is not None and not isinstance(tools, Tools):  # OpenAI's list, as generate() takes it
+            tools = shape_of(tools, None, None, None, chat=messages is not None).tools
         text = prompt if messages is None else text_of(self.tokenizer, self.tool_syntax(), messages, tools,
                                                        reasoning_effort)
         if context is None:
@@ -314,10 +330,18 @@ class LLM:
         as it streams, as generate reads it whole: `content`, `reasoning` and `tool_calls` (the calls'
         pieces, each call's name on its first), the last chunk's finish reason "tool_calls" where
         the calls are whole."""
+        params, spec = self._settings(params, spec)
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls, reasoning_effort)
-        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
+        chunks = self._chunks(ids, params, spec, constraint, chosen, messages is not None)
         return read_stream(chunks, self.tool_syntax(), chosen, messages is not None)
+
+    def _settings(self, params: SamplingParams | None, spec: SpecConfig | None) -> tuple[SamplingParams, SpecConfig]:
+        """A request's sampling and speculation settings (None: the defaults, the model's speculation),
+        each of its kind or refused by name."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise RequestError(f"params: expected a quickdraft.SamplingParams, found {type(params).__name__}", "params")
+        return params or SamplingParams(), checked_spec(spec) or self.spec
 
     def _prepared(self, prompt: str | Sequence[int] | None, messages: Sequence[Message] | None,
                   response_format: Mapping[str, Any] | None, tools: Sequence[Mapping[str, Any]] | None,
@@ -361,9 +385,10 @@ class LLM:
         (requests/reply.py): with tools, its calls (tool_calls, their arguments parsed); on a harmony
         model, its reasoning; the rest is its content; finish_reason "tool_calls" once the calls are
         whole."""
+        params, spec = self._settings(params, spec)
         ids, constraint, chosen = self._prepared(prompt, messages, response_format, tools, tool_choice,
                                                  parallel_tool_calls, reasoning_effort)
-        chunks = self._chunks(ids, params or SamplingParams(), spec or self.spec, constraint, chosen, messages is not None)
+        chunks = self._chunks(ids, params, spec, constraint, chosen, messages is not None)
         return completion(chunks, self.tool_syntax(), chosen, chat=messages is not None)
 
 
@@ -407,6 +432,7 @@ def load(model: str | Path | None = None, device: str | torch.device = "cpu",
     `activations` ('int16', 'int8') is the precision the integer kernel rounds activations to
     (default: the model's measured choice, weights/activations.py); `prefix_cache_mb`: the
     budget of the prefix cache its generations share (None: default_budget_mb(); 0: none)."""
+    checked_spec(spec)  # before the weights load, as device and dtype are
     loaded = load_model(model, parse_device(device), parse_dtype(dtype), progress=progress,
                         dequantize=dequantize, quantize=quantize, activations=activations)
     if activations is not None and not loaded.model.quantized:  # asked for: not a silent no-op

@@ -269,8 +269,8 @@ def test_a_prompt_given_as_token_ids_decodes_as_its_text(llm: quickdraft.LLM) ->
 
 
 @pytest.mark.parametrize("call, says", [
-    (lambda llm: llm.generate([1, 10 ** 9]), "prompt token ids must be in 0.."),
-    (lambda llm: llm.generate([1.5, 2]), "prompt token ids must be in 0.."),
+    (lambda llm: llm.generate([1, 10 ** 9]), "prompt token ids must be integers in 0.."),
+    (lambda llm: llm.generate([1.5, 2]), "prompt token ids must be integers in 0.."),
     (lambda llm: llm.generate([]), "the prompt is empty"),
     (lambda llm: llm.generate([1, 2], messages=MESSAGES), "exactly one of a prompt or chat messages"),
     (lambda llm: llm.generate([1, 2], reasoning_effort="low"), "reasoning_effort is a chat's"),

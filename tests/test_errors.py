@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -386,9 +387,16 @@ def test_bad_dtype_through_load(good_dir: Path) -> None:
         quickdraft.load(good_dir, dtype="float64")
 
 
+@pytest.mark.parametrize("dtype", [["float32"], None, 32])
+def test_dtype_of_another_kind(dtype: object) -> None:
+    with pytest.raises(QuickdraftError, match="is not supported; expected one of"):
+        parse_dtype(dtype)
+
+
 @pytest.mark.parametrize("device, message", [
     ("tpu", "is not valid"), ("cuda:x", "is not valid"), ("", "is not valid"),
     ("meta", "not supported; expected 'cpu' or 'cuda'"),
+    (None, "expected a name such as 'cpu' or 'cuda', found NoneType"), (["cpu"], "found list"),
 ])
 def test_bad_device(device: str, message: str) -> None:
     with pytest.raises(QuickdraftError, match=message):
@@ -412,6 +420,75 @@ def test_malformed_chat_messages(short_context: quickdraft.LLM) -> None:
     with pytest.raises(RequestError, match="'role' and 'content'") as e:
         short_context.generate(messages=[{"role": "user"}])
     assert e.value.param == "messages"
+
+
+USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([None], "chat messages are objects with a role and content, found None"),
+    ([USER, None], "found None"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function"}]}],
+     "tool_calls[0]: expected"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}],
+     "tool_calls[0]: expected"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}], "tool_calls[0]: expected"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": ["x"]}], "tool_calls[0]: expected"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": "x"}], "tool_calls is a list of calls, found str"),
+    ([USER, {"role": "assistant", "content": None, "tool_calls": 5}], "tool_calls is a list of calls, found int"),
+    ([USER, {"role": "assistant", "content": None,
+             "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}], "arguments: expected JSON text or an object"),
+])
+def test_malformed_messages_are_refused_by_name(short_context: quickdraft.LLM, messages, says: str) -> None:
+    """The Python API's messages are checked here (the server's by their schema): each refusal names
+    `messages`, never an AttributeError or KeyError from inside the conversation's rendering."""
+    for call in (lambda: short_context.generate(messages=messages), lambda: short_context.prompt_ids(messages=messages)):
+        with pytest.raises(RequestError, match=re.escape(says)) as e:
+            call()
+        assert e.value.param == "messages"
+
+
+@pytest.mark.parametrize("prompt, says", [
+    (b"hello", "prompt: expected a text or a list of token ids, found bytes"),
+    (bytearray(b"hi"), "found bytearray"), ({1: "a", 2: "b"}, "found dict"), ({5, 6}, "found set"),
+    ((t for t in [1, 2]), "found generator"), (5, "found int"), (1.5, "found float"),
+    ([True, False], "prompt token ids must be integers in 0.."), ([1, "2"], "must be integers in 0.."),
+])
+def test_prompts_of_another_kind_are_refused_by_name(short_context: quickdraft.LLM, prompt, says: str) -> None:
+    with pytest.raises(RequestError, match=re.escape(says)):
+        short_context.generate(prompt)
+
+
+def test_prompt_ids_takes_a_text(short_context: quickdraft.LLM) -> None:
+    for prompt in (5, b"hi", [5, 6]):
+        with pytest.raises(RequestError, match="prompt: expected a text"):
+            short_context.prompt_ids(prompt)
+    for context in ("5", 1.5, -1, 0, True):
+        with pytest.raises(RequestError, match="context: expected a number of tokens >= 1"):
+            short_context.prompt_ids("hi", context=context)
+
+
+def test_prompt_ids_takes_openai_tools_as_generate_does(short_context: quickdraft.LLM) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = short_context.prompt_ids(messages=[USER], tools=tools)
+    assert len(with_tools) > len(short_context.prompt_ids(messages=[USER]))  # the tools are in the prompt
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"params": {"max_new_tokens": 3}}, "params: expected a quickdraft.SamplingParams, found dict"),
+    ({"params": 5}, "found int"),
+    ({"spec": "ngram"}, "spec: expected a quickdraft.SpecConfig, found str"),
+    ({"spec": {"method": "ngram"}}, "found dict"),
+])
+def test_settings_of_another_kind_are_refused_by_name(short_context: quickdraft.LLM, kw: dict, says: str) -> None:
+    for call in (short_context.generate, short_context.stream):
+        with pytest.raises(QuickdraftError, match=re.escape(says)):
+            call("hi", **kw)
+
+
+def test_load_refuses_a_spec_of_another_kind_before_loading(tmp_path: Path) -> None:
+    with pytest.raises(QuickdraftError, match="spec: expected a quickdraft.SpecConfig, found str"):
+        quickdraft.load(tmp_path / "no such model", spec="ngram")  # refused before the missing path is read
 
 
 def test_chat_without_template(broken: Path) -> None:

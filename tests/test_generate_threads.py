@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,5 +25,6 @@ def test_generate_runs_on_the_threads_asked(tmp_path: Path, capsys: pytest.Captu
     for n in (2, 1):
         assert main([*base, "--threads", str(n)]) == 0
         assert json.loads(capsys.readouterr().out)["runtime"]["threads"] == n == torch.get_num_threads()
-    assert main([*base, "--threads", "0"]) == 1
-    assert "quickdraft: error: --threads must be >= 1, found 0" in capsys.readouterr().err
+    for n in (0, 4 * (os.cpu_count() or 1) + 1):
+        assert main([*base, "--threads", str(n)]) == 1
+        assert f"quickdraft: error: --threads must be in 1..{4 * (os.cpu_count() or 1)} " in capsys.readouterr().err

@@ -103,7 +103,7 @@ def test_a_speculative_answer_scored_again_is_the_plain_forwards(method: str, ll
 
 
 def test_scoring_refuses_what_it_cannot_score(llm) -> None:
-    with pytest.raises(quickdraft.QuickdraftError, match="token ids must be in 0..299"):
+    with pytest.raises(quickdraft.QuickdraftError, match="token ids must be integers in 0..299"):
         llm.score([5, 300])
     with pytest.raises(quickdraft.ContextTooLong, match="empty"):
         llm.score([])

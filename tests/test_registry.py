@@ -2,6 +2,8 @@
 the command line, the benchmark's method list and SpecConfig take their defaults from it."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from quickdraft.bench.specbench import parse_methods
@@ -64,6 +66,35 @@ def test_options_are_validated_by_their_dataclass() -> None:
         SpecConfig("ngram", options={"ngram_size": 3})
     # an option of another proposer is kept for a method switch (the server's per-request method)
     assert SpecConfig("draft", options={"ngram_min": 2}).options == {"ngram_min": 2}
+
+
+@pytest.mark.parametrize("method, options, says", [
+    ("ngram", {"ngram_max": 2.5}, "ngram_max must be an integer in 1..16, found 2.5"),
+    ("ngram", {"ngram_max": float("nan")}, "ngram_max must be an integer in 1..16, found nan"),
+    ("ngram", {"ngram_max": True}, "ngram_max must be an integer in 1..16, found True"),
+    ("ngram", {"ngram_max": "3"}, "ngram_max must be an integer in 1..16, found '3'"),
+    ("ngram-tree", {"ngram_branches": 2.5}, "ngram_branches must be an integer"),
+    ("recycle", {"recycle_top": 2.5}, "recycle_top must be an integer"),
+    ("draft", {"draft_vocab": 2.5}, "draft_vocab must be an integer"),
+    ("suffix", {"suffix_tokens": 2.5}, "suffix_tokens must be an integer"),
+])
+def test_options_of_another_kind_are_refused_by_name(method: str, options: dict, says: str) -> None:
+    with pytest.raises(SpecConfigError, match=f"proposer '{method}': " + re.escape(says)):
+        SpecConfig(method, options=options)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"method": ["ngram"]}, "method: expected a proposer's name, found list"),
+    ({"options": None}, "options: expected a mapping of option names to values, found None"),
+    ({"options": 5}, "options: expected a mapping"), ({"options": ["ngram_max"]}, "options: expected a mapping"),
+    ({"options": {1: 2}}, "options: expected a mapping"),
+    ({"draft_model": [1]}, "draft_model: expected a path (or a packaged name), found list"),
+    ({"head": 5}, "head: expected a path"), ({"datastore": 5}, "datastore: expected a path"),
+    ({"adaptive": "no"}, "adaptive: expected true or false, found 'no'"),
+])
+def test_spec_config_fields_of_another_kind_are_refused_by_name(kw: dict, says: str) -> None:
+    with pytest.raises(SpecConfigError, match=re.escape(says)):
+        SpecConfig(**kw)
 
 
 def test_every_proposer_says_what_it_is() -> None:

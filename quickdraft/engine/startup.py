@@ -6,6 +6,7 @@ which says how many positions verification scores first: engine/scores.py).
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,13 +18,17 @@ if TYPE_CHECKING:
     from quickdraft.api import LLM
 
 COST_Q = (2, 4, 8, 16, 32, 64)  # the forward-cost points measured at start-up
+THREADS_PER_CPU = 4  # --threads at most
 
 
 def set_threads(threads: int | None) -> None:
-    """torch's CPU threads (None: torch's choice)."""
+    """torch's CPU threads (None: torch's choice), at most THREADS_PER_CPU a CPU: far more could not
+    be started (the tokenizer's pool then panics), and would only take turns."""
     if threads is not None:
-        if threads < 1:
-            raise QuickdraftError(f"--threads must be >= 1, found {threads}")
+        cpus = os.cpu_count() or 1
+        if not 1 <= threads <= THREADS_PER_CPU * cpus:
+            raise QuickdraftError(f"--threads must be in 1..{THREADS_PER_CPU * cpus} ({THREADS_PER_CPU} a CPU, "
+                                  f"{cpus} here), found {threads}")
         import torch
         torch.set_num_threads(threads)
 

@@ -8,6 +8,7 @@ It must not know the engine's loop: it is told what was committed and nothing el
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -116,6 +117,7 @@ class SpecConfig:
                                   # None = the one that ships for the target, if one does)
 
     def __post_init__(self) -> None:
+        self._check_kinds()
         if self.method not in PROPOSERS and self.method != "none":
             raise SpecConfigError(f"unknown proposer {self.method!r}; valid names: "
                                   f"{', '.join(['none', *sorted(PROPOSERS)])}")
@@ -127,6 +129,20 @@ class SpecConfig:
                                   f"{', '.join(option_names())}")
         if self.method != "none":
             self.proposer_options()  # each options dataclass validates its own values
+
+    def _check_kinds(self) -> None:
+        """Each field of the kind it holds (the server's bodies are checked by their schema; the
+        Python API's values here), so that a wrong one is refused by name, not deep in a proposer."""
+        if not isinstance(self.method, str):
+            raise SpecConfigError(f"method: expected a proposer's name, found {type(self.method).__name__}")
+        if not isinstance(self.options, Mapping) or not all(isinstance(name, str) for name in self.options):
+            raise SpecConfigError(f"options: expected a mapping of option names to values, found {self.options!r}")
+        for name in ("draft_model", "head", "datastore"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise SpecConfigError(f"{name}: expected a path (or a packaged name), found {type(value).__name__}")
+        if not isinstance(self.adaptive, bool):
+            raise SpecConfigError(f"adaptive: expected true or false, found {self.adaptive!r}")
 
     def proposer_options(self) -> Any:
         """The method's own options dataclass: the settings it has from `options`, defaults for the rest."""

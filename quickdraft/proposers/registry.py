@@ -5,6 +5,7 @@ read each setting and its default from one home. Knows no proposer.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -18,10 +19,15 @@ def option(default: Any, help: str, lo: float | None = None, hi: float | None = 
 
 
 def check_ranges(options: Any) -> None:
-    """Raise ValueError naming the first option of an options dataclass outside its range."""
+    """Raise ValueError naming the first option of an options dataclass of another kind than its
+    default (an integer's a whole number, never a bool) or outside its range."""
     for f in dataclasses.fields(options):
         lo, hi = f.metadata.get("range", (None, None))
         value = getattr(options, f.name)
+        kind = numbers.Integral if isinstance(f.default, int) else numbers.Real
+        if isinstance(value, bool) or not isinstance(value, kind) or value != value:  # NaN != NaN
+            raise ValueError(f"{f.name} must be {'an integer' if kind is numbers.Integral else 'a number'} in "
+                             f"{lo}..{hi}, found {value!r}")
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             raise ValueError(f"{f.name} must be in {lo}..{hi}, found {value!r}")
 

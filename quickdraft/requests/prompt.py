@@ -32,8 +32,8 @@ def text_of(tokenizer: Tokenizer, syntax: Syntax, messages: Sequence[Mapping[str
     check_effort(syntax, effort)
     if isinstance(messages, (str, Mapping)) or not isinstance(messages, Sequence):
         raise RequestError(f"messages: expected a list of chat messages, found {type(messages).__name__}", "messages")
-    if (odd := next((m for m in messages if not isinstance(m, Mapping)), None)) is not None:
-        raise RequestError(f"chat messages are objects with a role and content, found {odd!r}", "messages")
+    if odd := [m for m in messages if not isinstance(m, Mapping)][:1]:  # a list: None is a message too
+        raise RequestError(f"chat messages are objects with a role and content, found {odd[0]!r}", "messages")
     try:
         turns, listed = conversation(messages, tools, syntax)
         return tokenizer.chat_text(turns, True, listed) if effort is None else _with_effort(tokenizer, turns, listed,
@@ -107,12 +107,23 @@ def bounded(tokenizer: Tokenizer, text: str, add_special_tokens: bool, context: 
 
 
 def given(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> list[int]:
-    """A prompt given as token ids, each one checked to be in the vocabulary; a refusal names `param`."""
+    """A prompt given as token ids (a list, a tuple, an array), each one checked to be in the
+    vocabulary; a refusal names `param`."""
+    if isinstance(ids, (str, bytes, bytearray, memoryview, Mapping)) or not (hasattr(ids, "__len__")
+                                                                             and hasattr(ids, "__getitem__")):
+        raise RequestError(f"{param}: expected a text or a list of token ids, found {type(ids).__name__}", param)
+    ids = [_token_id(t) for t in ids]
+    if all(0 <= t < vocab_size for t in ids):
+        return ids
+    raise RequestError(f"prompt token ids must be integers in 0..{vocab_size - 1}", param)
+
+
+def _token_id(value: object) -> int:
+    """An integer of any kind (numpy's, a 0-d tensor's) as an int; -1 for anything else (floats,
+    bools: operator.index takes those as 1 and 0)."""
+    if isinstance(value, bool):
+        return -1
     try:
-        ids = [operator.index(t) for t in ids]  # integers of any kind (numpy's too), never floats
+        return operator.index(value)
     except TypeError:
-        ids = []
-    else:
-        if all(0 <= t < vocab_size for t in ids):
-            return ids
-    raise RequestError(f"prompt token ids must be in 0..{vocab_size - 1}", param)
+        return -1

@@ -24,6 +24,7 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     API's dicts alike: its content as text (text parts joined; the null content OpenAI's history
     leaves beside an assistant's calls, empty) and "developer", OpenAI's newer name for the system
     role, as "system", the one templates know."""
+    _check_calls(message.get("tool_calls"))
     content = message.get("content")
     if isinstance(content, (list, tuple)):
         if (odd := next((p for p in content if not isinstance(p, Mapping) or p.get("type") != "text"), None)):
@@ -33,6 +34,23 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if content is None and message.get("tool_calls"):
         return template_message({**message, "content": ""})
     return {**message, "role": "system"} if message.get("role") == "developer" else dict(message)
+
+
+def _check_calls(calls: Any) -> None:
+    """An assistant's earlier calls as OpenAI writes them (the server's bodies are checked by their
+    schema; the Python API's dicts here): a list of {"function": {"name", "arguments"}}."""
+    if calls is None:
+        return
+    if isinstance(calls, (str, Mapping)) or not isinstance(calls, Sequence):
+        raise QuickdraftError(f"a message's tool_calls is a list of calls, found {type(calls).__name__}")
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise QuickdraftError(f"tool_calls[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": "
+                                  f"..., \"arguments\": ...}}}}, found {call!r}")
+        if not isinstance(function.get("arguments", ""), (str, Mapping)):
+            raise QuickdraftError(f"tool_calls[{i}].function.arguments: expected JSON text or an object, found "
+                                  f"{type(function['arguments']).__name__}")
 
 
 def conversation(messages: Sequence[Mapping[str, Any]], tools: Tools | None, syntax: Syntax
