@@ -131,11 +131,13 @@ class LLM:
         self._vocabulary: Vocabulary | None = None
         self._vocabulary_lock = threading.Lock()
         self._tool_syntax: Syntax | None = None
+        # each file named or needed loads and is checked now, not at the first request (a named one the
+        # proposer does not read: a request may switch to one that does)
         if self.spec.draft_model or self.spec.needs_draft_model:
-            self.draft_model(self.spec.draft_model)  # load and check it now, not at the first request
-        if self.spec.needs_head:
+            self.draft_model(self.spec.draft_model)
+        if self.spec.head or self.spec.needs_head:
             self.draft_head(self.spec.head)
-        if self.spec.needs_datastore:
+        if self.spec.datastore or self.spec.needs_datastore:
             self.datastore(self.spec.datastore)
 
     @property

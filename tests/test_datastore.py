@@ -154,6 +154,10 @@ def test_files_name_their_model_and_are_found_for_it_alone(tmp_path: Path, monke
             load_datastore(tmp_path / bad, 96)
     with pytest.raises(SpecConfigError, match="token 8, outside the model's 8"):
         load_datastore(path, 8)
+    (tmp_path / "text.npz").write_text("a text file")
+    with pytest.raises(SpecConfigError, match="it is no whole .npz file") as e:
+        load_datastore(tmp_path / "text.npz", 96)
+    assert "pickle" not in str(e.value)
     np.save(tmp_path / "array.npy", np.arange(3))
     with pytest.raises(SpecConfigError, match="cannot read the datastore"):
         load_datastore(tmp_path / "array.npy", 96)

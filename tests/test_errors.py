@@ -27,6 +27,7 @@ from quickdraft import (
     QuickdraftError,
     RequestError,
     SamplingParams,
+    SpecConfigError,
     UnsupportedArchitecture,
 )
 from quickdraft.api import parse_device, parse_dtype
@@ -323,7 +324,7 @@ def test_cli_missing_model_package(monkeypatch: pytest.MonkeyPatch, capsys: pyte
     ("stop", ("",)), ("stop", ""), ("stop", ("ok", "")), ("stop", ("s",) * 17), ("stop", (1,)),
     ("stop", 5),
     ("stop_token_ids", (-1,)), ("stop_token_ids", (1.0,)), ("stop_token_ids", ("2",)),
-    ("stop_token_ids", 7),
+    ("stop_token_ids", 7), ("ignore_eos", "no"), ("ignore_eos", 1), ("ignore_eos", None),
 ])
 def test_invalid_sampling_params(field: str, value: object) -> None:
     with pytest.raises(InvalidSamplingParams) as e:
@@ -428,6 +429,8 @@ USER = {"role": "user", "content": "hi"}
 @pytest.mark.parametrize("messages, says", [
     ([None], "chat messages are objects with a role and content, found None"),
     ([USER, None], "found None"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "a message's content is text or a list of text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "found the part {'type': 'text', 'text': 5}"),
     ([USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "a", "type": "function"}]}],
      "tool_calls[0]: expected"),
     ([USER, {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}],
@@ -486,6 +489,14 @@ def test_settings_of_another_kind_are_refused_by_name(short_context: quickdraft.
             call("hi", **kw)
 
 
+@pytest.mark.parametrize("field", ["head", "datastore"])
+def test_a_named_file_is_checked_at_load_whatever_the_method(good_dir: Path, tmp_path: Path, field: str) -> None:
+    """As a named draft model is: a file named beside prompt lookup is not silently ignored."""
+    missing = str(tmp_path / "no such file")
+    with pytest.raises(SpecConfigError, match=re.escape(missing)):
+        quickdraft.load(good_dir, spec=quickdraft.SpecConfig("ngram", **{field: missing}))
+
+
 def test_load_refuses_a_spec_of_another_kind_before_loading(tmp_path: Path) -> None:
     with pytest.raises(QuickdraftError, match="spec: expected a quickdraft.SpecConfig, found str"):
         quickdraft.load(tmp_path / "no such model", spec="ngram")  # refused before the missing path is read
@@ -516,6 +527,7 @@ def assert_one_error_line(err: str, *needles: str) -> None:
     (["--model", "/nonexistent/model", "--prompt", "hi", "-n", "0"], ["max_new_tokens must be"]),
     (["--model", "/nonexistent/model", "--prompt", "hi", "--stop", ""], ["stop must be"]),
     (["--model", "/nonexistent/model"], ["give a prompt"]),
+    (["--model", "/nonexistent/model", "--prompt", "hi", "--system", "be brief"], ["--system is a chat's", "--chat"]),
 ])
 def test_cli_errors_print_one_line(args: list[str], needles: list[str], capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", *args]) == 1

@@ -51,6 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params, spec = sampling_from_args(args), spec_from_args(args)  # validate before the slow load
     if args.prompt is None and args.chat is None:
         raise QuickdraftError("give a prompt: --prompt TEXT (raw) or --chat MESSAGE (chat template); - reads stdin")
+    if args.system is not None and args.chat is None:
+        raise QuickdraftError("--system is a chat's system message: give the message with --chat, not --prompt")
     if args.compare and not spec.enabled:
         raise QuickdraftError(f"--compare needs a proposer: leave --spec at its default ({DEFAULT_METHOD}) or name "
                               "one (ngram, head, hybrid, draft [--draft-model PATH]) with -k >= 1")

@@ -129,8 +129,17 @@ class Datastore:
         return out
 
 
+def _check_npz(path: Path) -> None:
+    """A file that is no whole .npz is refused by what it should be (numpy's own message for a text
+    file suggests loading pickles)."""
+    if Path(path).is_file() and not zipfile.is_zipfile(path):
+        raise SpecConfigError(f"cannot read the datastore {path}: it is no whole .npz file (a datastore is "
+                              f"the .npz that `quickdraft build-datastore` writes)")
+
+
 def meta_of(path: Path) -> dict:
     """A datastore file's description (its tokens are not read)."""
+    _check_npz(path)
     try:
         with np.load(path) as f:
             meta = json.loads(str(f["meta"]))
@@ -159,6 +168,7 @@ def find_datastore(path: str | Path | None, target: Transformer) -> Path:
 def load_datastore(path: Path, vocab_size: int) -> Datastore:
     """The table over a datastore file's answers (a few seconds for a million tokens); a file
     that is not one, or holds a token outside the vocabulary, is a clear error."""
+    _check_npz(path)
     try:
         with np.load(path) as f:
             tokens, lengths = f["tokens"], f["lengths"]

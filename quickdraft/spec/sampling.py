@@ -86,6 +86,8 @@ class SamplingParams:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
             fail("stop_token_ids", "non-negative integers", self.stop_token_ids)
         object.__setattr__(self, "stop_token_ids", ids)
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "true or false", self.ignore_eos)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property

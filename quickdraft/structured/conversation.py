@@ -27,10 +27,11 @@ def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     _check_calls(message.get("tool_calls"))
     content = message.get("content")
     if isinstance(content, (list, tuple)):
-        if (odd := next((p for p in content if not isinstance(p, Mapping) or p.get("type") != "text"), None)):
+        if (odd := next((p for p in content if not isinstance(p, Mapping) or p.get("type") != "text"
+                         or not isinstance(p.get("text"), str)), None)):
             raise QuickdraftError(f"a message's content is text or a list of text parts "
                                   f"({{\"type\": \"text\", \"text\": ...}}), found the part {odd!r}")
-        return template_message({**message, "content": "".join(str(part.get("text", "")) for part in content)})
+        return template_message({**message, "content": "".join(part["text"] for part in content)})
     if content is None and message.get("tool_calls"):
         return template_message({**message, "content": ""})
     return {**message, "role": "system"} if message.get("role") == "developer" else dict(message)
