@@ -275,6 +275,7 @@ FIELD_ERRORS = [  # (body fields, param, the message exactly)
     ({"prompt": ""}, "prompt", "prompt: String should have at least 1 character"),
     ({"prompt": []}, "prompt", "prompt: List should have at least 1 item after validation, not 0"),
     ({"prompt": [[]]}, "prompt.0", "prompt.0: List should have at least 1 item after validation, not 0"),
+    ({"prompt": [True, False]}, "prompt.0", "prompt.0: Input should be a valid integer"),  # not "a valid string"
     ({"model": "m" * 100_000}, "model", "model: String should have at most 256 characters"),
     ({"speculative": {"method": "magic"}}, "speculative", None),
 ]

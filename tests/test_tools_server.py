@@ -186,6 +186,12 @@ BAD = [  # (fields, param, words in the message)
      "dictionary"),
     ({"tools": [TOOLS[0]] * 129}, "tools", "at most 128"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", ""),
+    # an earlier call gone wrong beside the null content OpenAI's history writes: its own error, not content's
+    ({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": "oops"}]}, "messages.1.tool_calls",
+     "valid list"),
+    ({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "messages.1.tool_calls.0.function.arguments", "valid string"),
 ]
 
 

@@ -37,11 +37,13 @@ class BadRequest(RequestError):
 
 def validation_error(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """(message, param) for pydantic's errors: of the errors one value got from the members of a
-    union, the one about a member whose type it has; the path without the members' labels
+    union, the one about a member whose type it has (else the deepest: [true] against str | list[int]
+    is about its item, not about not being a string); the path without the members' labels
     ("prompt.function-after[...]" -> "prompt")."""
     if not errors:
         return "invalid request", None
-    first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    deepest = max(errors, key=lambda e: len(e["loc"]))  # the first of the deepest
+    first = next((e for e in errors if not e["type"].endswith("_type")), deepest)
     path = [str(p) for p in first["loc"][1:] if isinstance(p, int) or (FIELD.fullmatch(p) and p not in TYPE_NAMES)]
     where = ".".join(path)
     error = first.get("ctx", {}).get("error")

@@ -296,6 +296,8 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _needs_content(cls, content: str | list[TextPart] | None, info: ValidationInfo) -> str | list[TextPart] | None:
+        if info.data.get("role") == "assistant" and "tool_calls" not in info.data:
+            return content  # its tool_calls failed: their error says what is wrong, not a missing content
         if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
             raise ValueError("required (only an assistant message with tool_calls may leave it out)")
         return content
