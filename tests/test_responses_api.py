@@ -284,6 +284,10 @@ def test_refusals_are_openai_errors_naming_the_field(tiny: Server) -> None:
     unknown = error_of(httpx.post(url, timeout=60, json={"model": NAME, "input": "x", "tools": TOOLS,
                                                          "tool_choice": {"type": "function", "name": "nope"}}), 400)
     assert unknown["param"] == "tool_choice" and unknown["code"] == "invalid_tools"
+    for item in (None, 5, {"type": "image"}):  # pydantic's own words named its discriminator function
+        odd = error_of(httpx.post(url, json={"model": NAME, "input": [{"role": "user", "content": "x"}, item]}), 400)
+        assert odd["param"] == "input.1" and "expected an input item" in odd["message"] and "_item_type" not in \
+            odd["message"], odd
     moved = httpx.put(f"{url}/resp_1")
     assert error_of(moved, 405) and set(moved.headers["allow"].split(", ")) == {"GET", "DELETE"}
 

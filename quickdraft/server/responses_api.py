@@ -98,7 +98,11 @@ def _item_type(item: Any) -> str | None:
 
 InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] |
                       Annotated[FunctionCallOutputItem, Tag("function_call_output")] |
-                      Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+                      Annotated[ReasoningItem, Tag("reasoning")],
+                      Discriminator(_item_type, custom_error_type="invalid_union_member",
+                                    custom_error_message="expected an input item: a message, or an object whose type is "
+                                                         "one of 'message', 'function_call', 'function_call_output', "
+                                                         "'reasoning'")]
 
 
 class FunctionTool(BaseModel):
